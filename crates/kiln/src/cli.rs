@@ -1,0 +1,226 @@
+//! The `train` command line: flags for the common knobs, `--set` for any config key.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::config::{Accelerator, RootConfig, StrategyKind, apply_override};
+use crate::error::{Error, Result};
+use crate::run::{RunOptions, resolve_resume, train};
+
+/// The recipe used when no `--config` is given (a copy of `configs/digits-convnet.toml`, built
+/// in so that a fresh checkout trains with no files and no arguments).
+pub const DEFAULT_RECIPE: &str = include_str!("../../../configs/digits-convnet.toml");
+
+/// Train a model on one or many devices.
+#[derive(Debug, Parser)]
+#[command(name = "train", version, about)]
+pub struct Args {
+    /// TOML run config (default: the built-in digits-convnet recipe).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Number of devices (`4`) or a list of device indices (`0,2,3`).
+    #[arg(long, value_name = "N|LIST")]
+    pub devices: Option<String>,
+    /// Parallel strategy.
+    #[arg(long, value_enum)]
+    pub strategy: Option<StrategyKind>,
+    /// Kind of device.
+    #[arg(long, value_enum)]
+    pub accelerator: Option<Accelerator>,
+    /// Passes over the training set.
+    #[arg(long)]
+    pub epochs: Option<usize>,
+    /// Stop after this many optimizer steps.
+    #[arg(long)]
+    pub max_steps: Option<usize>,
+    /// Samples per device per micro-step (the effective batch is printed at start).
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Micro-steps accumulated per optimizer step.
+    #[arg(long)]
+    pub accumulate: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Seed of initialisation and data order.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Run name: the run directory is `runs/NAME`.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// The run's own directory (overrides `--name`).
+    #[arg(long, value_name = "PATH")]
+    pub run_dir: Option<PathBuf>,
+    /// Continue a run from its newest checkpoint (a run directory or a checkpoint directory).
+    #[arg(long, value_name = "PATH")]
+    pub resume: Option<PathBuf>,
+    /// Override any config key: `--set optim.lr=3e-4` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Print the resolved config as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+impl Args {
+    /// The config these arguments describe, and how the run should start.
+    pub fn resolve(&self) -> Result<(RootConfig, RunOptions)> {
+        let mut options = RunOptions {
+            verbose: true,
+            explicit_dir: self.run_dir.is_some(),
+            ..RunOptions::default()
+        };
+        let mut config_path = self.config.clone();
+        let mut run_dir = self.run_dir.clone();
+        if let Some(resume) = &self.resume {
+            let (dir, checkpoint) = resolve_resume(resume)?;
+            if config_path.is_none() {
+                config_path = Some(dir.join("config.toml"));
+            }
+            run_dir = Some(dir);
+            options.resume_from = Some(checkpoint);
+        }
+        let mut table: toml::Table = match &config_path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| Error::config(format!("{}: cannot read: {e}", p.display())))?;
+                toml::from_str(&text).map_err(|e| {
+                    Error::config(format!(
+                        "{}: invalid TOML: {}",
+                        p.display(),
+                        crate::config::one_line(&e)
+                    ))
+                })?
+            }
+            None => toml::from_str(DEFAULT_RECIPE).expect("the embedded default recipe parses"),
+        };
+        let origin = config_path
+            .as_ref()
+            .map_or("built-in configs/digits-convnet.toml".to_string(), |p| {
+                p.display().to_string()
+            });
+
+        let mut set = |key: &str, value: toml::Value| {
+            let mut node = &mut table;
+            let parts: Vec<&str> = key.split('.').collect();
+            for part in &parts[..parts.len() - 1] {
+                node = node
+                    .entry(part.to_string())
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                    .as_table_mut()
+                    .expect("flag sections are tables");
+            }
+            node.insert(parts[parts.len() - 1].to_string(), value);
+        };
+        if let Some(d) = &self.devices {
+            set("hardware.devices", parse_devices(d)?);
+        }
+        if let Some(s) = self.strategy {
+            set("hardware.strategy", enum_value(&s));
+        }
+        if let Some(a) = self.accelerator {
+            set("hardware.accelerator", enum_value(&a));
+        }
+        let ints = [
+            ("train.epochs", self.epochs),
+            ("train.max_steps", self.max_steps),
+            ("train.batch_size", self.batch_size),
+            ("train.accumulate", self.accumulate),
+        ];
+        for (key, v) in ints {
+            if let Some(v) = v {
+                set(key, toml::Value::Integer(v as i64));
+            }
+        }
+        if let Some(lr) = self.lr {
+            set("optim.lr", toml::Value::Float(lr));
+        }
+        if let Some(seed) = self.seed {
+            set("run.seed", toml::Value::Integer(seed as i64));
+        }
+        if let Some(name) = &self.name {
+            set("run.name", toml::Value::String(name.clone()));
+        }
+        if let Some(dir) = &run_dir {
+            set("run.dir", toml::Value::String(dir.display().to_string()));
+        }
+        for o in &self.set {
+            apply_override(&mut table, o)?;
+        }
+        let config = RootConfig::from_table(table, &origin)?;
+        Ok((config, options))
+    }
+}
+
+fn enum_value<T: serde::Serialize>(v: &T) -> toml::Value {
+    toml::Value::try_from(v).expect("enums serialise to strings")
+}
+
+/// `--devices 4` or `--devices 0,2,3`.
+fn parse_devices(raw: &str) -> Result<toml::Value> {
+    let bad = || {
+        Error::config(format!(
+            "--devices {raw:?}: expected a device count (e.g. 4) or a list of indices (e.g. 0,2,3)"
+        ))
+    };
+    if raw.contains(',') {
+        let list: std::result::Result<Vec<toml::Value>, _> = raw
+            .split(',')
+            .map(|p| p.trim().parse::<i64>().map(toml::Value::Integer))
+            .collect();
+        Ok(toml::Value::Array(list.map_err(|_| bad())?))
+    } else {
+        raw.trim()
+            .parse::<i64>()
+            .ok()
+            .filter(|n| *n >= 0)
+            .map(toml::Value::Integer)
+            .ok_or_else(bad)
+    }
+}
+
+/// Runs the `train` command with `args`; returns the process exit code.
+pub fn main_with(args: Args) -> i32 {
+    let outcome = args.resolve().and_then(|(config, options)| {
+        if args.print_config {
+            print!("{}", config.to_toml());
+            return Ok(());
+        }
+        let result = train(&config, &options)?;
+        let s = &result.summary;
+        let acc = s.val_accuracy.map_or(String::new(), |a| {
+            format!(", val accuracy {:.2}%", a * 100.0)
+        });
+        println!(
+            "done: {} steps in {:.1}s ({:.0} samples/s), val loss {}{acc} → {}",
+            s.steps,
+            s.wall_seconds,
+            s.samples_per_sec,
+            s.val_loss.map_or("n/a".into(), |l| format!("{l:.4}")),
+            result.dir.display()
+        );
+        Ok(())
+    });
+    match outcome {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
+}
+
+/// Keeps worker panics from printing the default hook's message and backtrace note: the
+/// trainer reports them itself as one line.
+pub fn quiet_worker_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let in_worker = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("kiln-worker"));
+        if !in_worker {
+            default(info);
+        }
+    }));
+}

@@ -1,0 +1,299 @@
+//! Collectives: how replicas agree on gradients, metrics and parameters.
+//!
+//! The [`Collective`] trait works on flat host buffers of `f32`, the common ground of every
+//! transport (threads in one process today; MPI between processes later). [`local_group`] creates the
+//! in-process implementation for replicas on any device, one thread each. Its reductions add the
+//! ranks' contributions in rank order, so the same inputs always give the same bits.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use crate::error::{Error, Result};
+
+/// The reduction an [`Collective::all_reduce`] applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum over ranks.
+    Sum,
+    /// Element-wise mean over ranks.
+    Mean,
+}
+
+/// A process group seen from one rank.
+pub trait Collective: Send {
+    /// This replica's rank, `0..world_size`.
+    fn rank(&self) -> usize;
+    /// Number of replicas.
+    fn world_size(&self) -> usize;
+    /// Replaces `data` on every rank by its reduction over all ranks.
+    fn all_reduce(&self, data: &mut [f32], op: ReduceOp) -> Result<()>;
+    /// Replaces `data` on every rank by rank `root`'s.
+    fn broadcast(&self, data: &mut Vec<f32>, root: usize) -> Result<()>;
+    /// Returns the concatenation of every rank's `data`, in rank order.
+    fn all_gather(&self, data: &[f32]) -> Result<Vec<f32>>;
+    /// Reduces `data` over ranks and returns this rank's contiguous chunk of the result
+    /// (chunks as [`chunk_range`] cuts them).
+    fn reduce_scatter(&self, data: &[f32], op: ReduceOp) -> Result<Vec<f32>>;
+    /// Waits until every rank has arrived.
+    fn barrier(&self) -> Result<()>;
+    /// Stops the group: every rank waiting now or later gets an error carrying `reason`.
+    fn abort(&self, reason: &str);
+}
+
+/// The part of a buffer of `len` elements that `rank` owns in a reduce-scatter.
+pub fn chunk_range(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+    let base = len / world;
+    let extra = len % world;
+    let start = rank * base + rank.min(extra);
+    start..start + base + usize::from(rank < extra)
+}
+
+struct Round {
+    generation: u64,
+    arrived: usize,
+    slots: Vec<Vec<f32>>,
+    result: Arc<Vec<f32>>,
+    aborted: Option<String>,
+}
+
+struct Shared {
+    world: usize,
+    round: Mutex<Round>,
+    changed: Condvar,
+}
+
+/// Creates an in-process group of `world` ranks: one [`LocalComm`] for each worker thread.
+pub fn local_group(world: usize) -> Vec<LocalComm> {
+    {
+        assert!(world > 0, "a group needs at least one rank");
+        let shared = Arc::new(Shared {
+            world,
+            round: Mutex::new(Round {
+                generation: 0,
+                arrived: 0,
+                slots: vec![Vec::new(); world],
+                result: Arc::new(Vec::new()),
+                aborted: None,
+            }),
+            changed: Condvar::new(),
+        });
+        (0..world)
+            .map(|rank| LocalComm {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect()
+    }
+}
+
+/// One rank's handle on a [`LocalGroup`].
+pub struct LocalComm {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl LocalComm {
+    fn lock(&self) -> MutexGuard<'_, Round> {
+        // A worker that panicked while holding the lock cannot leave the round half-updated in
+        // a way that matters: the group is aborted right after, so recover the guard.
+        self.shared
+            .round
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Every rank deposits `contribution`; the last to arrive computes the result from all
+    /// contributions (indexed by rank) with `combine`; every rank gets that result.
+    fn exchange(
+        &self,
+        contribution: Vec<f32>,
+        combine: impl FnOnce(&mut [Vec<f32>]) -> Vec<f32>,
+    ) -> Result<Arc<Vec<f32>>> {
+        let mut round = self.lock();
+        if let Some(reason) = &round.aborted {
+            return Err(Error::Worker(reason.clone()));
+        }
+        round.slots[self.rank] = contribution;
+        round.arrived += 1;
+        let generation = round.generation;
+        if round.arrived == self.shared.world {
+            let result = combine(&mut round.slots);
+            round.result = Arc::new(result);
+            round.arrived = 0;
+            round.generation += 1;
+            self.shared.changed.notify_all();
+            return Ok(round.result.clone());
+        }
+        while round.generation == generation {
+            if let Some(reason) = &round.aborted {
+                return Err(Error::Worker(reason.clone()));
+            }
+            round = self
+                .shared
+                .changed
+                .wait(round)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        Ok(round.result.clone())
+    }
+}
+
+fn reduce(slots: &mut [Vec<f32>], op: ReduceOp) -> Vec<f32> {
+    let world = slots.len();
+    let mut acc = std::mem::take(&mut slots[0]);
+    for other in slots.iter().skip(1) {
+        assert_eq!(
+            other.len(),
+            acc.len(),
+            "all ranks must reduce buffers of one length"
+        );
+        for (a, b) in acc.iter_mut().zip(other) {
+            *a += *b;
+        }
+    }
+    if op == ReduceOp::Mean && world > 1 {
+        let inv = world as f32;
+        for a in &mut acc {
+            *a /= inv;
+        }
+    }
+    acc
+}
+
+impl Collective for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_reduce(&self, data: &mut [f32], op: ReduceOp) -> Result<()> {
+        if self.shared.world == 1 {
+            return Ok(());
+        }
+        let result = self.exchange(data.to_vec(), |slots| reduce(slots, op))?;
+        data.copy_from_slice(&result);
+        Ok(())
+    }
+
+    fn broadcast(&self, data: &mut Vec<f32>, root: usize) -> Result<()> {
+        if self.shared.world == 1 {
+            return Ok(());
+        }
+        let mine = if self.rank == root {
+            data.clone()
+        } else {
+            Vec::new()
+        };
+        let result = self.exchange(mine, |slots| std::mem::take(&mut slots[root]))?;
+        data.clear();
+        data.extend_from_slice(&result);
+        Ok(())
+    }
+
+    fn all_gather(&self, data: &[f32]) -> Result<Vec<f32>> {
+        let result = self.exchange(data.to_vec(), |slots| slots.concat())?;
+        Ok(result.to_vec())
+    }
+
+    fn reduce_scatter(&self, data: &[f32], op: ReduceOp) -> Result<Vec<f32>> {
+        let result = self.exchange(data.to_vec(), |slots| reduce(slots, op))?;
+        Ok(result[chunk_range(result.len(), self.shared.world, self.rank)].to_vec())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        if self.shared.world == 1 {
+            return Ok(());
+        }
+        self.exchange(Vec::new(), |_| Vec::new()).map(|_| ())
+    }
+
+    fn abort(&self, reason: &str) {
+        let mut round = self.lock();
+        if round.aborted.is_none() {
+            round.aborted = Some(reason.to_string());
+        }
+        self.shared.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run<T: Send>(world: usize, f: impl Fn(LocalComm) -> T + Sync) -> Vec<T> {
+        let comms = local_group(world);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn all_reduce_mean_and_sum_agree_on_every_rank() {
+        let out = run(3, |c| {
+            let mut v = vec![c.rank() as f32, 1.0];
+            c.all_reduce(&mut v, ReduceOp::Mean).unwrap();
+            let mut s = vec![c.rank() as f32 + 1.0];
+            c.all_reduce(&mut s, ReduceOp::Sum).unwrap();
+            (v, s)
+        });
+        for (v, s) in out {
+            assert_eq!(v, vec![1.0, 1.0]);
+            assert_eq!(s, vec![6.0]);
+        }
+    }
+
+    #[test]
+    fn many_rounds_in_a_row_stay_in_step() {
+        let out = run(4, |c| {
+            let mut total = 0.0;
+            for i in 0..200 {
+                let mut v = vec![(c.rank() * i) as f32];
+                c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                total += v[0];
+            }
+            total
+        });
+        let expected: f32 = (0..200).map(|i| (6 * i) as f32).sum();
+        assert!(out.iter().all(|&t| t == expected));
+    }
+
+    #[test]
+    fn broadcast_gather_scatter_barrier() {
+        let out = run(3, |c| {
+            let mut b = if c.rank() == 1 {
+                vec![7.0, 8.0]
+            } else {
+                vec![]
+            };
+            c.broadcast(&mut b, 1).unwrap();
+            let g = c.all_gather(&[c.rank() as f32]).unwrap();
+            let rs = c.reduce_scatter(&[1.0; 7], ReduceOp::Sum).unwrap();
+            c.barrier().unwrap();
+            (b, g, rs)
+        });
+        for (rank, (b, g, rs)) in out.into_iter().enumerate() {
+            assert_eq!(b, vec![7.0, 8.0]);
+            assert_eq!(g, vec![0.0, 1.0, 2.0]);
+            assert_eq!(rs.len(), chunk_range(7, 3, rank).len());
+            assert!(rs.iter().all(|&x| x == 3.0));
+        }
+    }
+
+    #[test]
+    fn abort_wakes_every_waiting_rank_with_the_reason() {
+        let out = run(3, |c| {
+            if c.rank() == 2 {
+                c.abort("rank 2 failed: boom");
+                return Err(Error::Worker("aborted".into()));
+            }
+            c.barrier()
+        });
+        for r in &out[..2] {
+            let e = r.clone().unwrap_err().to_string();
+            assert!(e.contains("rank 2 failed: boom"), "{e}");
+        }
+    }
+}

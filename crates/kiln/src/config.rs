@@ -1,0 +1,622 @@
+//! The typed root config: one TOML file, one section per component, dotted overrides.
+//!
+//! Loading goes file → TOML value → `--set` overrides applied to the value → typed config, so
+//! that an override of an unknown key or of the wrong type fails exactly like a bad file does,
+//! with the dotted key in the message.
+
+use std::path::{Path, PathBuf};
+
+use kiln_models::ModelSection;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The whole run configuration. Each component receives only its own section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct RootConfig {
+    /// Naming, seeding and output location of the run.
+    pub run: RunConfig,
+    /// Which dataset to train on and where it lives.
+    pub data: DataConfig,
+    /// The model architecture.
+    pub model: ModelSection,
+    /// Loop settings: length, batch, logging, validation, checkpoints.
+    pub train: TrainConfig,
+    /// The optimizer.
+    pub optim: OptimConfig,
+    /// The learning-rate schedule.
+    pub schedule: ScheduleConfig,
+    /// Accelerator, devices and parallel strategy.
+    pub hardware: HardwareConfig,
+}
+
+/// `[run]`: naming, seeding and output location.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Run name; the run directory is `runs/<name>` unless `dir` is set. Default `"default"`.
+    pub name: String,
+    /// Explicit run directory, overriding `runs/<name>`. Default: unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
+    /// Seed of model initialisation and data order. Default 42.
+    pub seed: u64,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            name: "default".into(),
+            dir: None,
+            seed: 42,
+        }
+    }
+}
+
+/// Which dataset a run trains on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DatasetKind {
+    /// The 1,797 8×8 digits embedded in kiln (no files needed).
+    Digits,
+    /// MNIST IDX files in `data.dir`.
+    Mnist,
+    /// Fashion-MNIST IDX files in `data.dir`.
+    FashionMnist,
+}
+
+/// `[data]`: dataset choice and location.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// `digits` (embedded), `mnist` or `fashion-mnist`. Default `digits`.
+    pub dataset: DatasetKind,
+    /// Directory of the IDX files for `mnist`/`fashion-mnist`. Default `data/<dataset>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
+    /// Download the dataset from its canonical URL when `dir` is missing. Default false.
+    pub download: bool,
+    /// Drop the last incomplete global batch of an epoch instead of wrapping around.
+    /// Default false.
+    pub drop_last: bool,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            dataset: DatasetKind::Digits,
+            dir: None,
+            download: false,
+            drop_last: false,
+        }
+    }
+}
+
+impl DataConfig {
+    /// The directory the IDX files are read from.
+    pub fn resolved_dir(&self) -> PathBuf {
+        self.dir.clone().unwrap_or_else(|| match self.dataset {
+            DatasetKind::Digits => PathBuf::from("data/digits"),
+            DatasetKind::Mnist => PathBuf::from("data/mnist"),
+            DatasetKind::FashionMnist => PathBuf::from("data/fashion-mnist"),
+        })
+    }
+}
+
+/// `[train]`: loop length, batch, logging, validation and checkpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Number of passes over the training set. Default 10.
+    pub epochs: usize,
+    /// Stop after this many optimizer steps even if epochs remain. Default: unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_steps: Option<usize>,
+    /// Samples per device per micro-step. Default 32.
+    pub batch_size: usize,
+    /// Micro-steps whose gradients are accumulated before each optimizer step. Default 1.
+    pub accumulate: usize,
+    /// Log training metrics every this many optimizer steps. Default 10.
+    pub log_every: usize,
+    /// Validate every this many steps, in addition to every epoch end. Default: unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_every: Option<usize>,
+    /// Write a checkpoint every this many steps (and always at the end). Default: unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_every: Option<usize>,
+    /// How many step checkpoints to keep (oldest are deleted). Default 3.
+    pub keep_checkpoints: usize,
+    /// Clip gradients to this global L2 norm. Default: unset (no clipping).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_clip: Option<f64>,
+    /// Assert after every step that all replicas hold identical parameters (slow; for tests).
+    /// Default false.
+    pub check_replicas: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            epochs: 10,
+            max_steps: None,
+            batch_size: 32,
+            accumulate: 1,
+            log_every: 10,
+            val_every: None,
+            checkpoint_every: None,
+            keep_checkpoints: 3,
+            grad_clip: None,
+            check_replicas: false,
+        }
+    }
+}
+
+/// Which optimizer to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OptimizerKind {
+    /// AdamW (decoupled weight decay).
+    Adamw,
+    /// Stochastic gradient descent with optional momentum.
+    Sgd,
+}
+
+/// How the learning rate scales with the number of samples per optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LrScaling {
+    /// Use `optim.lr` as given.
+    None,
+    /// Multiply by world size × accumulation.
+    Linear,
+    /// Multiply by the square root of world size × accumulation.
+    Sqrt,
+}
+
+/// `[optim]`: the optimizer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// `adamw` or `sgd`. Default `adamw`.
+    pub name: OptimizerKind,
+    /// Peak learning rate. Default 1e-3.
+    pub lr: f64,
+    /// Weight decay (decoupled for AdamW, L2 for SGD). Default 0.
+    pub weight_decay: f64,
+    /// SGD momentum (0 disables it). Default 0.9.
+    pub momentum: f64,
+    /// SGD Nesterov momentum. Default false.
+    pub nesterov: bool,
+    /// AdamW first-moment decay. Default 0.9.
+    pub beta1: f64,
+    /// AdamW second-moment decay. Default 0.999.
+    pub beta2: f64,
+    /// AdamW epsilon. Default 1e-8.
+    pub eps: f64,
+    /// Scale `lr` with world size × accumulation: `none`, `linear` or `sqrt`. Default `none`.
+    pub scale_lr: LrScaling,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            name: OptimizerKind::Adamw,
+            lr: 1e-3,
+            weight_decay: 0.0,
+            momentum: 0.9,
+            nesterov: false,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            scale_lr: LrScaling::None,
+        }
+    }
+}
+
+/// Shape of the learning-rate schedule after warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScheduleKind {
+    /// Constant learning rate.
+    Constant,
+    /// Cosine decay to `min_lr_ratio × lr` at the last step.
+    Cosine,
+    /// Linear decay to `min_lr_ratio × lr` at the last step.
+    Linear,
+}
+
+/// `[schedule]`: learning-rate schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScheduleConfig {
+    /// `constant`, `cosine` or `linear`. Default `constant`.
+    pub kind: ScheduleKind,
+    /// Steps of linear warmup from 0 to the peak rate. Default 0.
+    pub warmup_steps: usize,
+    /// Final rate as a fraction of the peak (cosine and linear). Default 0.1.
+    pub min_lr_ratio: f64,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        Self {
+            kind: ScheduleKind::Constant,
+            warmup_steps: 0,
+            min_lr_ratio: 0.1,
+        }
+    }
+}
+
+/// Which kind of device replicas run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Accelerator {
+    /// CUDA when built with the `cuda` feature, otherwise the CPU.
+    Auto,
+    /// Burn's Flex CPU backend; N devices are N replicas, one thread each.
+    Cpu,
+    /// WGPU adapters (Vulkan, Metal, DX12, WebGPU).
+    Wgpu,
+    /// CUDA GPUs (needs the `cuda` feature).
+    Cuda,
+}
+
+/// Parallel strategy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum StrategyKind {
+    /// `single` for one device, `ddp` for more.
+    Auto,
+    /// One device.
+    Single,
+    /// Data parallel: one replica per device, gradients averaged every step.
+    Ddp,
+}
+
+/// Number of devices, or an explicit list of device indices.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DeviceList {
+    /// The first N devices.
+    Count(usize),
+    /// These device indices.
+    List(Vec<usize>),
+}
+
+impl DeviceList {
+    /// The device indices this selects.
+    pub fn indices(&self) -> Vec<usize> {
+        match self {
+            DeviceList::Count(n) => (0..*n).collect(),
+            DeviceList::List(l) => l.clone(),
+        }
+    }
+}
+
+/// `[hardware]`: accelerator, devices and strategy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HardwareConfig {
+    /// `auto`, `cpu`, `wgpu` or `cuda`. Default `auto`.
+    pub accelerator: Accelerator,
+    /// How many devices (an integer) or which ones (a list of indices). Default 1.
+    pub devices: DeviceList,
+    /// `auto`, `single` or `ddp`. Default `auto`.
+    pub strategy: StrategyKind,
+}
+
+impl Default for HardwareConfig {
+    fn default() -> Self {
+        Self {
+            accelerator: Accelerator::Auto,
+            devices: DeviceList::Count(1),
+            strategy: StrategyKind::Auto,
+        }
+    }
+}
+
+impl RootConfig {
+    /// Reads a config file, applies `--set key=value` overrides and checks the result.
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self> {
+        let (mut value, origin) = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| Error::config(format!("{}: cannot read: {e}", p.display())))?;
+                let value: toml::Table = toml::from_str(&text).map_err(|e| {
+                    Error::config(format!("{}: invalid TOML: {}", p.display(), one_line(&e)))
+                })?;
+                (value, p.display().to_string())
+            }
+            None => (toml::Table::new(), "built-in defaults".to_string()),
+        };
+        for o in overrides {
+            apply_override(&mut value, o)?;
+        }
+        Self::from_table(value, &origin)
+    }
+
+    /// Builds the typed config from a TOML table; `origin` names the source in errors.
+    pub fn from_table(table: toml::Table, origin: &str) -> Result<Self> {
+        let de = toml::Value::Table(table);
+        let config: RootConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = humanize(&one_line(e.inner()), &path);
+            Error::config(format!("{origin}: key `{path}`: {inner}"))
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Rejects values that parse but cannot work, naming the key.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &str, msg: String| Err(Error::config(format!("key `{key}`: {msg}")));
+        if self.train.batch_size == 0 {
+            return bad("train.batch_size", "must be at least 1, got 0".into());
+        }
+        if self.train.accumulate == 0 {
+            return bad("train.accumulate", "must be at least 1, got 0".into());
+        }
+        if self.train.log_every == 0 {
+            return bad("train.log_every", "must be at least 1, got 0".into());
+        }
+        if self.train.epochs == 0 && self.train.max_steps.is_none() {
+            return bad(
+                "train.epochs",
+                "must be at least 1 when train.max_steps is unset".into(),
+            );
+        }
+        for (key, v) in [
+            ("train.max_steps", self.train.max_steps),
+            ("train.val_every", self.train.val_every),
+            ("train.checkpoint_every", self.train.checkpoint_every),
+        ] {
+            if v == Some(0) {
+                return bad(key, "must be at least 1 (or left unset), got 0".into());
+            }
+        }
+        if let Some(c) = self.train.grad_clip
+            && !(c.is_finite() && c > 0.0)
+        {
+            return bad(
+                "train.grad_clip",
+                format!("must be a positive number, got {c}"),
+            );
+        }
+        if !(self.optim.lr.is_finite() && self.optim.lr > 0.0) {
+            return bad(
+                "optim.lr",
+                format!("must be a positive number, got {}", self.optim.lr),
+            );
+        }
+        if self.optim.weight_decay.is_nan() || self.optim.weight_decay < 0.0 {
+            return bad(
+                "optim.weight_decay",
+                format!("must be >= 0, got {}", self.optim.weight_decay),
+            );
+        }
+        for (key, v) in [
+            ("optim.momentum", self.optim.momentum),
+            ("optim.beta1", self.optim.beta1),
+            ("optim.beta2", self.optim.beta2),
+        ] {
+            if !(0.0..1.0).contains(&v) {
+                return bad(key, format!("must be in [0, 1), got {v}"));
+            }
+        }
+        if self.optim.eps.is_nan() || self.optim.eps <= 0.0 {
+            return bad(
+                "optim.eps",
+                format!("must be positive, got {}", self.optim.eps),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.schedule.min_lr_ratio) {
+            return bad(
+                "schedule.min_lr_ratio",
+                format!("must be in [0, 1], got {}", self.schedule.min_lr_ratio),
+            );
+        }
+        let devices = self.hardware.devices.indices();
+        if devices.is_empty() {
+            return bad(
+                "hardware.devices",
+                "must name at least one device (a count >= 1 or a non-empty list), got 0".into(),
+            );
+        }
+        let mut sorted = devices.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != devices.len() {
+            return bad(
+                "hardware.devices",
+                format!("lists a device twice: {devices:?}"),
+            );
+        }
+        if self.hardware.strategy == StrategyKind::Single && devices.len() > 1 {
+            return bad(
+                "hardware.strategy",
+                format!(
+                    "`single` runs on one device, but {} are selected",
+                    devices.len()
+                ),
+            );
+        }
+        if self.run.name.is_empty() || self.run.name.contains(['/', '\\']) {
+            return bad(
+                "run.name",
+                format!("must be a plain directory name, got {:?}", self.run.name),
+            );
+        }
+        Ok(())
+    }
+
+    /// The config as TOML text.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a RootConfig always serialises")
+    }
+
+    /// The strategy actually used, resolving `auto` by device count.
+    pub fn strategy(&self) -> StrategyKind {
+        match self.hardware.strategy {
+            StrategyKind::Auto if self.hardware.devices.indices().len() > 1 => StrategyKind::Ddp,
+            StrategyKind::Auto => StrategyKind::Single,
+            s => s,
+        }
+    }
+
+    /// The run directory: `run.dir`, or `runs/<run.name>`.
+    pub fn run_dir(&self) -> PathBuf {
+        self.run
+            .dir
+            .clone()
+            .unwrap_or_else(|| Path::new("runs").join(&self.run.name))
+    }
+}
+
+/// Applies one `a.b.c=value` override to a TOML table. The value is read as a TOML value, and
+/// as a plain string when it is not one.
+pub fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<()> {
+    let Some((key, raw)) = assignment.split_once('=') else {
+        return Err(Error::config(format!(
+            "--set {assignment:?}: expected KEY=VALUE, e.g. train.epochs=3"
+        )));
+    };
+    let key = key.trim();
+    if key.is_empty() || key.split('.').any(str::is_empty) {
+        return Err(Error::config(format!(
+            "--set {assignment:?}: the key must be dotted names, e.g. optim.lr"
+        )));
+    }
+    let value = parse_value(raw.trim());
+    let parts: Vec<&str> = key.split('.').collect();
+    let mut node = table;
+    for (i, part) in parts[..parts.len() - 1].iter().enumerate() {
+        let entry = node
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        node = match entry {
+            toml::Value::Table(t) => t,
+            _ => {
+                return Err(Error::config(format!(
+                    "--set {key}: `{}` is a value, not a section",
+                    parts[..=i].join(".")
+                )));
+            }
+        };
+    }
+    node.insert(parts[parts.len() - 1].to_string(), value);
+    Ok(())
+}
+
+fn parse_value(raw: &str) -> toml::Value {
+    let doc = format!("v = {raw}");
+    match toml::from_str::<toml::Table>(&doc) {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(raw.into())),
+        Err(_) => toml::Value::String(raw.to_string()),
+    }
+}
+
+/// Serde's messages in a user's words: type names as kinds of value, without the location
+/// that the caller already prints.
+fn humanize(message: &str, path: &str) -> String {
+    let mut m = message.replace(&format!(" in `{path}`"), "");
+    for (rust, words) in [
+        ("expected usize", "expected a non-negative integer"),
+        ("expected u64", "expected a non-negative integer"),
+        ("expected u32", "expected a non-negative integer"),
+        ("expected f64", "expected a number"),
+        ("expected f32", "expected a number"),
+    ] {
+        m = m.replace(rust, words);
+    }
+    m
+}
+
+/// A multi-line error message folded onto one line.
+pub fn one_line(e: &dyn std::fmt::Display) -> String {
+    e.to_string()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(overrides: &[&str]) -> Result<RootConfig> {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        RootConfig::load(None, &o)
+    }
+
+    #[test]
+    fn defaults_are_valid_and_round_trip() {
+        let c = load(&[]).unwrap();
+        let back: RootConfig = toml::from_str(&c.to_toml()).unwrap();
+        assert_eq!(c, back);
+    }
+
+    #[test]
+    fn overrides_parse_toml_values_and_fall_back_to_strings() {
+        let c = load(&[
+            "train.epochs=3",
+            "optim.lr=0.5",
+            "data.dir=/some/path",
+            "hardware.devices=[0, 2]",
+            "model.mlp.hidden=[64]",
+        ])
+        .unwrap();
+        assert_eq!(c.train.epochs, 3);
+        assert_eq!(c.optim.lr, 0.5);
+        assert_eq!(c.data.dir.as_deref(), Some(Path::new("/some/path")));
+        assert_eq!(c.hardware.devices.indices(), vec![0, 2]);
+        assert_eq!(c.model.mlp.hidden, vec![64]);
+    }
+
+    #[test]
+    fn unknown_key_names_the_key() {
+        let e = load(&["train.epoch=3"]).unwrap_err().to_string();
+        assert!(e.contains("train.epoch"), "{e}");
+        assert!(!e.contains('\n'));
+    }
+
+    #[test]
+    fn wrong_type_names_the_key_and_the_expectation() {
+        let e = load(&["train.batch_size=\"big\""]).unwrap_err().to_string();
+        assert!(e.contains("train.batch_size"), "{e}");
+        assert!(e.contains("integer") || e.contains("usize"), "{e}");
+    }
+
+    #[test]
+    fn impossible_values_are_rejected() {
+        for (o, key) in [
+            ("hardware.devices=0", "hardware.devices"),
+            ("train.batch_size=0", "train.batch_size"),
+            ("optim.lr=-1", "optim.lr"),
+            ("optim.momentum=1.5", "optim.momentum"),
+            ("train.max_steps=0", "train.max_steps"),
+        ] {
+            let e = load(&[o]).unwrap_err().to_string();
+            assert!(e.contains(key), "{o}: {e}");
+        }
+    }
+
+    #[test]
+    fn auto_strategy_follows_device_count() {
+        assert_eq!(load(&[]).unwrap().strategy(), StrategyKind::Single);
+        assert_eq!(
+            load(&["hardware.devices=2"]).unwrap().strategy(),
+            StrategyKind::Ddp
+        );
+        assert!(load(&["hardware.devices=2", "hardware.strategy=\"single\""]).is_err());
+    }
+
+    #[test]
+    fn malformed_override_is_an_error() {
+        assert!(load(&["train.epochs"]).is_err());
+        assert!(load(&["train..epochs=1"]).is_err());
+        assert!(load(&["train.epochs.x=1"]).is_err());
+    }
+}

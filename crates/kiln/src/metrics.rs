@@ -1,0 +1,152 @@
+//! Run output on rank 0: `metrics.jsonl`, `summary.json` and the progress display.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+
+use crate::error::{Error, Result};
+
+/// Appends one JSON object per line to `metrics.jsonl`.
+pub struct MetricsWriter {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl MetricsWriter {
+    /// Opens `run_dir/metrics.jsonl`, keeping only lines whose `step` is at most `keep_until`
+    /// (so that a resumed run continues the file without the steps it will redo).
+    pub fn open(run_dir: &Path, keep_until: Option<usize>) -> Result<Self> {
+        let path = run_dir.join("metrics.jsonl");
+        let kept: Vec<String> = match keep_until {
+            Some(limit) if path.exists() => {
+                let f = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+                std::io::BufReader::new(f)
+                    .lines()
+                    .map_while(std::result::Result::ok)
+                    .filter(|line| {
+                        serde_json::from_str::<Value>(line)
+                            .ok()
+                            .and_then(|v| v.get("step").and_then(Value::as_u64))
+                            .is_some_and(|s| s as usize <= limit)
+                    })
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        let mut file = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
+        for line in kept {
+            writeln!(file, "{line}").map_err(|e| Error::io(&path, e))?;
+        }
+        Ok(Self { path, file })
+    }
+
+    /// Writes one record.
+    pub fn write(&mut self, record: &Map<String, Value>) -> Result<()> {
+        let line = serde_json::to_string(record).expect("metrics serialise");
+        writeln!(self.file, "{line}").map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+/// Reads every record of a `metrics.jsonl`.
+pub fn read_metrics(path: &Path) -> Result<Vec<Value>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            serde_json::from_str(l)
+                .map_err(|e| Error::Io(format!("{}: bad line {l:?}: {e}", path.display())))
+        })
+        .collect()
+}
+
+/// The final numbers of a run, written to `summary.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// Optimizer steps taken.
+    pub steps: usize,
+    /// Epochs completed (fractional when stopped mid-epoch).
+    pub epochs: f64,
+    /// Mean training loss of the last logged window.
+    pub final_train_loss: Option<f64>,
+    /// Loss on the validation set at the end.
+    pub val_loss: Option<f64>,
+    /// Accuracy on the validation set at the end, for classifiers.
+    pub val_accuracy: Option<f64>,
+    /// Seconds spent training (across resumes).
+    pub wall_seconds: f64,
+    /// Training samples per second over the whole run.
+    pub samples_per_sec: f64,
+    /// Number of devices (replicas).
+    pub devices: usize,
+    /// Parallel strategy.
+    pub strategy: String,
+    /// Numeric precision.
+    pub precision: String,
+    /// Accelerator the replicas ran on.
+    pub accelerator: String,
+}
+
+/// Progress display: a bar with ETA and throughput on a terminal, plain lines otherwise.
+pub struct Progress {
+    bar: Option<ProgressBar>,
+}
+
+impl Progress {
+    /// A display for `total` steps starting at `start`.
+    pub fn new(total: usize, start: usize) -> Self {
+        let bar = std::io::stdout().is_terminal().then(|| {
+            let bar = ProgressBar::new(total as u64);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}",
+                )
+                .expect("valid template"),
+            );
+            bar.set_position(start as u64);
+            bar
+        });
+        Self { bar }
+    }
+
+    /// Reports the state after `step` steps.
+    pub fn update(&self, step: usize, message: &str) {
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(step as u64);
+                bar.set_message(message.to_string());
+            }
+            None => println!("step {step:>6} | {message}"),
+        }
+    }
+
+    /// Prints a line above the bar (or plainly).
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => println!("{line}"),
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// Builds a metrics record from key/value pairs.
+pub fn record(pairs: &[(&str, Value)]) -> Map<String, Value> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect()
+}
+
+/// A JSON number, or null when not finite.
+pub fn num(x: f64) -> Value {
+    if x.is_finite() { json!(x) } else { Value::Null }
+}

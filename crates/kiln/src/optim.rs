@@ -1,0 +1,269 @@
+//! Optimizer construction, the learning-rate schedule and gradient utilities (flat layout for
+//! collectives, global-norm clipping).
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::prelude::*;
+
+use crate::config::{LrScaling, OptimConfig, OptimizerKind, ScheduleConfig, ScheduleKind};
+
+/// Builds the configured optimizer (one per replica; every replica steps identically).
+pub fn build_optimizer(config: &OptimConfig) -> ModuleOptimizer {
+    match config.name {
+        OptimizerKind::Adamw => AdamWConfig::new()
+            .with_beta_1(config.beta1 as f32)
+            .with_beta_2(config.beta2 as f32)
+            .with_epsilon(config.eps as f32)
+            .with_weight_decay(config.weight_decay as f32)
+            .init(),
+        OptimizerKind::Sgd => {
+            let momentum = (config.momentum > 0.0).then_some(MomentumConfig {
+                momentum: config.momentum,
+                dampening: 0.0,
+                nesterov: config.nesterov,
+            });
+            let decay = (config.weight_decay > 0.0).then_some(WeightDecayConfig {
+                penalty: config.weight_decay as f32,
+            });
+            SgdConfig::new()
+                .with_momentum(momentum)
+                .with_weight_decay(decay)
+                .init()
+        }
+    }
+}
+
+/// The peak learning rate after scaling by the samples per optimizer step.
+pub fn scaled_lr(config: &OptimConfig, world: usize, accumulate: usize) -> f64 {
+    let factor = (world * accumulate) as f64;
+    match config.scale_lr {
+        LrScaling::None => config.lr,
+        LrScaling::Linear => config.lr * factor,
+        LrScaling::Sqrt => config.lr * factor.sqrt(),
+    }
+}
+
+/// Learning rate as a pure function of the step, so that it needs no saved state beyond the
+/// step counter.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    peak: f64,
+    config: ScheduleConfig,
+    total_steps: usize,
+}
+
+impl Schedule {
+    /// A schedule peaking at `peak` over `total_steps` optimizer steps.
+    pub fn new(peak: f64, config: &ScheduleConfig, total_steps: usize) -> Self {
+        Self {
+            peak,
+            config: config.clone(),
+            total_steps,
+        }
+    }
+
+    /// The rate of optimizer step `step` (0-based).
+    pub fn lr(&self, step: usize) -> f64 {
+        let warmup = self.config.warmup_steps;
+        if step < warmup {
+            return self.peak * (step + 1) as f64 / warmup as f64;
+        }
+        let min = self.peak * self.config.min_lr_ratio;
+        let span = self.total_steps.saturating_sub(warmup).max(1);
+        let t = ((step - warmup) as f64 / span as f64).min(1.0);
+        match self.config.kind {
+            ScheduleKind::Constant => self.peak,
+            ScheduleKind::Linear => self.peak + (min - self.peak) * t,
+            ScheduleKind::Cosine => {
+                min + 0.5 * (self.peak - min) * (1.0 + (std::f64::consts::PI * t).cos())
+            }
+        }
+    }
+}
+
+/// The order, shapes and sizes of a module's float parameters: how gradients are laid out
+/// in one flat buffer for a collective.
+#[derive(Debug, Clone, Default)]
+pub struct ParamLayout {
+    /// `(id, element count)` of every parameter, in module order.
+    pub entries: Vec<(ParamId, usize)>,
+    /// Total element count.
+    pub total: usize,
+}
+
+impl ParamLayout {
+    /// The layout of `module`'s trainable parameters.
+    pub fn of<M: Module>(module: &M) -> Self {
+        struct Collect(ParamLayout);
+        impl ModuleVisitor for Collect {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if !param.is_require_grad() {
+                    return;
+                }
+                let n = param.shape().num_elements();
+                self.0.entries.push((param.id, n));
+                self.0.total += n;
+            }
+        }
+        let mut c = Collect(ParamLayout::default());
+        module.visit(&mut c);
+        c.0
+    }
+}
+
+/// Concatenates the gradients of `module`'s parameters into one flat tensor (zeros where a
+/// parameter got no gradient), in [`ParamLayout`] order.
+pub fn flatten_grads<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    device: &Device,
+) -> Tensor<1> {
+    struct Flatten<'a> {
+        grads: &'a mut GradientsParams,
+        parts: Vec<Tensor<1>>,
+        device: &'a Device,
+    }
+    impl ModuleVisitor for Flatten<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.is_require_grad() {
+                return;
+            }
+            let n = param.shape().num_elements();
+            let part = match self.grads.remove::<D>(param.id) {
+                Some(g) => g.reshape([n]),
+                None => Tensor::zeros([n], self.device),
+            };
+            self.parts.push(part);
+        }
+    }
+    let mut f = Flatten {
+        grads,
+        parts: Vec::new(),
+        device,
+    };
+    module.visit(&mut f);
+    Tensor::cat(f.parts, 0)
+}
+
+/// Splits a flat gradient tensor back into per-parameter gradients shaped like `module`'s.
+pub fn unflatten_grads<M: Module>(module: &M, flat: Tensor<1>) -> GradientsParams {
+    struct Unflatten {
+        flat: Tensor<1>,
+        offset: usize,
+        grads: GradientsParams,
+    }
+    impl ModuleVisitor for Unflatten {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.is_require_grad() {
+                return;
+            }
+            let shape = param.shape();
+            let n = shape.num_elements();
+            let part = self.flat.clone().slice(self.offset..self.offset + n);
+            self.offset += n;
+            self.grads.register::<D>(param.id, part.reshape(shape));
+        }
+    }
+    let mut u = Unflatten {
+        flat,
+        offset: 0,
+        grads: GradientsParams::new(),
+    };
+    module.visit(&mut u);
+    u.grads
+}
+
+/// Scales all gradients so that their global L2 norm is at most `max_norm`. Stays on the
+/// device: the scale factor is a tensor, never read back.
+pub fn clip_global_norm<M: Module>(
+    module: &M,
+    grads: GradientsParams,
+    max_norm: f64,
+) -> GradientsParams {
+    struct SumSquares<'a> {
+        grads: &'a GradientsParams,
+        total: Option<Tensor<1>>,
+    }
+    impl ModuleVisitor for SumSquares<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.get::<D>(param.id) {
+                let s = g.square().sum();
+                self.total = Some(match self.total.take() {
+                    Some(t) => t + s,
+                    None => s,
+                });
+            }
+        }
+    }
+    struct Scale {
+        grads: GradientsParams,
+        factor: Tensor<1>,
+    }
+    impl ModuleVisitor for Scale {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
+                let f = self.factor.clone().reshape([1usize; D]);
+                self.grads.register::<D>(param.id, g * f);
+            }
+        }
+    }
+    let mut s = SumSquares {
+        grads: &grads,
+        total: None,
+    };
+    module.visit(&mut s);
+    let Some(total) = s.total else {
+        return grads;
+    };
+    let factor = (total.sqrt().add_scalar(1e-6).recip() * max_norm).clamp_max(1.0);
+    let mut scale = Scale { grads, factor };
+    module.visit(&mut scale);
+    scale.grads
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules_warm_up_and_decay_to_the_floor() {
+        let cfg = ScheduleConfig {
+            kind: ScheduleKind::Cosine,
+            warmup_steps: 10,
+            min_lr_ratio: 0.1,
+        };
+        let s = Schedule::new(1.0, &cfg, 110);
+        assert!((s.lr(0) - 0.1).abs() < 1e-12);
+        assert!((s.lr(9) - 1.0).abs() < 1e-12);
+        assert!((s.lr(10) - 1.0).abs() < 1e-12);
+        assert!((s.lr(60) - 0.55).abs() < 1e-9);
+        assert!((s.lr(110) - 0.1).abs() < 1e-12);
+        let lin = Schedule::new(
+            2.0,
+            &ScheduleConfig {
+                kind: ScheduleKind::Linear,
+                warmup_steps: 0,
+                min_lr_ratio: 0.0,
+            },
+            100,
+        );
+        assert!((lin.lr(50) - 1.0).abs() < 1e-12);
+        let c = Schedule::new(3.0, &ScheduleConfig::default(), 100);
+        assert_eq!(c.lr(99), 3.0);
+    }
+
+    #[test]
+    fn lr_scaling() {
+        let mut c = OptimConfig {
+            lr: 0.1,
+            ..OptimConfig::default()
+        };
+        assert_eq!(scaled_lr(&c, 4, 2), 0.1);
+        c.scale_lr = LrScaling::Linear;
+        assert!((scaled_lr(&c, 4, 2) - 0.8).abs() < 1e-12);
+        c.scale_lr = LrScaling::Sqrt;
+        assert!((scaled_lr(&c, 4, 1) - 0.2).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,336 @@
+//! From a [`RootConfig`] to a finished run: data, devices, the start-up table, the run
+//! directory, the trainer, and the exported model.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::prelude::*;
+use kiln_datasets::{IdxKind, ImageDataset, ImageSplits};
+use kiln_models::load::{SAFETENSORS_FILE, SPEC_FILE, WEIGHTS_FILE};
+use kiln_models::{Classifier, ImageBatch, ModelSpec, save_safetensors};
+
+use crate::checkpoint::{self, write_atomic};
+use crate::config::{
+    Accelerator, DataConfig, DatasetKind, HardwareConfig, RootConfig, StrategyKind,
+};
+use crate::data::{ImageBatcher, input_spec};
+use crate::error::{Error, Result};
+use crate::metrics::Summary;
+use crate::optim::scaled_lr;
+use crate::trainer::{TrainerSettings, Workload, fit, total_steps};
+
+/// Image classification: a [`Classifier`] trained on an [`ImageSplits`].
+pub struct ImageWorkload {
+    /// The model to build.
+    pub spec: ModelSpec,
+    /// Training and test images.
+    pub splits: ImageSplits,
+}
+
+impl Workload for ImageWorkload {
+    type Model = Classifier;
+    type Batch = ImageBatch;
+
+    fn init_model(&self, device: &Device) -> Classifier {
+        self.spec.init(device)
+    }
+
+    fn train_len(&self) -> usize {
+        self.splits.train.len()
+    }
+
+    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
+        ImageBatcher::new(device.clone()).batch(&self.splits.train, indices)
+    }
+
+    fn eval_len(&self) -> usize {
+        self.splits.test.len()
+    }
+
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
+        let indices: Vec<usize> = range.collect();
+        ImageBatcher::new(device.clone()).batch(&self.splits.test, &indices)
+    }
+}
+
+/// Loads the configured dataset, downloading it first when `data.download` is set and the
+/// directory is missing.
+pub fn load_data(config: &DataConfig) -> Result<ImageSplits> {
+    let kind = match config.dataset {
+        DatasetKind::Digits => return Ok(kiln_datasets::digits()),
+        DatasetKind::Mnist => IdxKind::Mnist,
+        DatasetKind::FashionMnist => IdxKind::FashionMnist,
+    };
+    let dir = config.resolved_dir();
+    if config.download && !dir.is_dir() {
+        println!("downloading {} into {}", kind.name(), dir.display());
+        kiln_datasets::download_mnist(&dir, kind)?;
+    }
+    Ok(kind.load(&dir)?)
+}
+
+/// The devices of the configured accelerator, and the accelerator's name.
+pub fn resolve_devices(hw: &HardwareConfig) -> Result<(Vec<Device>, String)> {
+    let indices = hw.devices.indices();
+    let accelerator = match hw.accelerator {
+        Accelerator::Auto if cfg!(feature = "cuda") => Accelerator::Cuda,
+        Accelerator::Auto => Accelerator::Cpu,
+        a => a,
+    };
+    match accelerator {
+        Accelerator::Cpu => Ok((
+            indices.iter().map(|_| Device::flex()).collect(),
+            "cpu (flex)".into(),
+        )),
+        Accelerator::Wgpu => {
+            let devices = if indices.len() == 1 && indices[0] == 0 {
+                vec![Device::wgpu(DeviceKind::DefaultDevice)]
+            } else {
+                indices
+                    .iter()
+                    .map(|&i| Device::wgpu(DeviceKind::DiscreteGpu(i)))
+                    .collect()
+            };
+            Ok((devices, "wgpu".into()))
+        }
+        Accelerator::Cuda => cuda_devices(&indices),
+        Accelerator::Auto => unreachable!("auto was resolved above"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_devices(indices: &[usize]) -> Result<(Vec<Device>, String)> {
+    Ok((
+        indices.iter().map(|&i| Device::cuda(i)).collect(),
+        "cuda".into(),
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_devices(_indices: &[usize]) -> Result<(Vec<Device>, String)> {
+    Err(Error::Device(
+        "hardware.accelerator = \"cuda\" needs kiln built with the `cuda` feature \
+         (cargo run --release --features cuda --bin train ...)"
+            .into(),
+    ))
+}
+
+/// How a run starts.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Continue from this checkpoint directory (inside the run directory).
+    pub resume_from: Option<PathBuf>,
+    /// The run directory was named explicitly (`--run-dir`): never pick another one.
+    pub explicit_dir: bool,
+    /// Print the start-up table.
+    pub verbose: bool,
+}
+
+/// What a finished run left behind.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    /// The run directory.
+    pub dir: PathBuf,
+    /// The summary also written to `summary.json`.
+    pub summary: Summary,
+}
+
+/// Trains the image workload `config` describes.
+pub fn train(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
+    let splits = load_data(&config.data)?;
+    let spec = ModelSpec {
+        model: config.model.clone(),
+        input: input_spec(&splits.train),
+    };
+    spec.validate().map_err(Error::config)?;
+    let (devices, accelerator) = resolve_devices(&config.hardware)?;
+    for d in &devices {
+        if !d.supports_dtype(burn::tensor::DType::F32) {
+            return Err(Error::Device(format!("{d:?} cannot compute in f32")));
+        }
+    }
+
+    let run_dir = choose_run_dir(config, options)?;
+    std::fs::create_dir_all(&run_dir).map_err(|e| Error::io(&run_dir, e))?;
+    let mut saved = config.clone();
+    saved.run.dir = Some(run_dir.clone());
+    write_atomic(&run_dir.join("config.toml"), saved.to_toml().as_bytes())?;
+    write_atomic(
+        &run_dir.join(SPEC_FILE),
+        toml::to_string_pretty(&spec)
+            .expect("spec serialises")
+            .as_bytes(),
+    )?;
+
+    let workload = ImageWorkload { spec, splits };
+    let strategy = config.strategy();
+    let settings = TrainerSettings {
+        train: config.train.clone(),
+        optim: config.optim.clone(),
+        schedule: config.schedule.clone(),
+        seed: config.run.seed,
+        drop_last: config.data.drop_last,
+        devices: devices.clone(),
+        split_cpu_threads: accelerator.starts_with("cpu"),
+        run_dir: run_dir.clone(),
+        resume_from: options.resume_from.clone(),
+        strategy: strategy_name(strategy).into(),
+        accelerator: accelerator.clone(),
+    };
+    if options.verbose {
+        print_table(config, &workload, &settings, &run_dir);
+    }
+
+    let (summary, model) = fit(&workload, &settings)?;
+    export_model(&run_dir, &model)?;
+    let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");
+    write_atomic(&run_dir.join("summary.json"), &json)?;
+    Ok(RunResult {
+        dir: run_dir,
+        summary,
+    })
+}
+
+/// Writes the final weights as burnpack and SafeTensors, each atomically.
+pub fn export_model<M: Module + burn::store::ModuleSnapshot>(
+    run_dir: &Path,
+    model: &M,
+) -> Result<()> {
+    let tmp = run_dir.join(format!(".{WEIGHTS_FILE}.tmp"));
+    model
+        .clone()
+        .save_file(&tmp)
+        .map_err(|e| Error::checkpoint(format!("{}: {e}", tmp.display())))?;
+    std::fs::rename(&tmp, run_dir.join(WEIGHTS_FILE)).map_err(|e| Error::io(run_dir, e))?;
+    let tmp = run_dir.join(format!(".{SAFETENSORS_FILE}.tmp"));
+    save_safetensors(model, &tmp).map_err(|e| Error::checkpoint(e.to_string()))?;
+    std::fs::rename(&tmp, run_dir.join(SAFETENSORS_FILE)).map_err(|e| Error::io(run_dir, e))
+}
+
+/// The config spelling of an enum value.
+fn name_of<T: serde::Serialize>(v: &T) -> String {
+    toml::Value::try_from(v)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+fn strategy_name(s: StrategyKind) -> &'static str {
+    match s {
+        StrategyKind::Ddp => "ddp",
+        _ => "single",
+    }
+}
+
+/// The run directory: the configured one, or — for a new run whose named directory already
+/// holds a run — the first free `<name>-N`, so that no earlier run is overwritten.
+fn choose_run_dir(config: &RootConfig, options: &RunOptions) -> Result<PathBuf> {
+    let dir = config.run_dir();
+    if options.resume_from.is_some() || !holds_run(&dir) {
+        return Ok(dir);
+    }
+    if options.explicit_dir || config.run.dir.is_some() {
+        return Err(Error::config(format!(
+            "{}: already holds a run; continue it with --resume {} or choose another directory",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    let found = (1..10_000)
+        .map(|n| dir.with_file_name(format!("{}-{n}", config.run.name)))
+        .find(|d| !holds_run(d))
+        .expect("a free run directory");
+    Ok(found)
+}
+
+fn holds_run(dir: &Path) -> bool {
+    dir.join("config.toml").exists() || dir.join("checkpoints").exists()
+}
+
+/// Where to resume from, given what the user passed to `--resume`: a run directory (its newest
+/// checkpoint) or one checkpoint directory. Returns (run directory, checkpoint directory).
+pub fn resolve_resume(path: &Path) -> Result<(PathBuf, PathBuf)> {
+    if !path.exists() {
+        return Err(Error::checkpoint(format!(
+            "{}: no such run directory to resume",
+            path.display()
+        )));
+    }
+    if path.join(checkpoint::STATE_FILE).is_file() {
+        let run = path
+            .parent()
+            .and_then(Path::parent)
+            .ok_or_else(|| Error::checkpoint(format!("{}: not inside a run", path.display())))?;
+        return Ok((run.to_path_buf(), path.to_path_buf()));
+    }
+    let (_, dir) = checkpoint::latest(path)?;
+    Ok((path.to_path_buf(), dir))
+}
+
+fn print_table(config: &RootConfig, w: &ImageWorkload, s: &TrainerSettings, run_dir: &Path) {
+    let world = s.devices.len();
+    let t = &s.train;
+    let per_step = t.batch_size * world * t.accumulate;
+    let spe = crate::data::DistributedSampler::new(
+        w.train_len(),
+        s.seed,
+        world,
+        t.batch_size,
+        t.accumulate,
+        s.drop_last,
+    )
+    .steps_per_epoch();
+    let total = total_steps(t, spe);
+    let params = w.init_model(&Device::flex()).num_params();
+    let train: &ImageDataset = &w.splits.train;
+    let rows = [
+        ("run", run_dir.display().to_string()),
+        ("accelerator", s.accelerator.clone()),
+        (
+            "devices",
+            format!("{world} {:?}", config.hardware.devices.indices()),
+        ),
+        ("strategy", s.strategy.clone()),
+        ("world size", world.to_string()),
+        ("precision", "32".into()),
+        (
+            "batch",
+            format!(
+                "{} per device × {world} devices × {} accumulation = {per_step} per step",
+                t.batch_size, t.accumulate
+            ),
+        ),
+        (
+            "lr",
+            format!(
+                "{:.3e} ({} scaling of {:.3e}), {} schedule",
+                scaled_lr(&s.optim, world, t.accumulate),
+                name_of(&s.optim.scale_lr),
+                s.optim.lr,
+                name_of(&s.schedule.kind)
+            ),
+        ),
+        (
+            "model",
+            format!("{}, {params} parameters", name_of(&config.model.kind)),
+        ),
+        (
+            "data",
+            format!(
+                "{}: {} train / {} test, {}x{}, {} classes",
+                w.splits.name,
+                train.len(),
+                w.splits.test.len(),
+                train.height,
+                train.width,
+                train.num_classes
+            ),
+        ),
+        ("steps", format!("{spe} per epoch, {total} in all")),
+    ];
+    println!("kiln");
+    for (k, v) in rows {
+        println!("  {k:<12} {v}");
+    }
+}

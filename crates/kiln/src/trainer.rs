@@ -1,0 +1,656 @@
+//! The training loop every strategy shares.
+//!
+//! [`fit`] starts one worker thread per device. Each worker holds a full replica, takes its
+//! shard of every global batch from the [`DistributedSampler`], runs forward and backward,
+//! and, when the world has more than one rank, averages gradients through the
+//! [`Collective`] on the last micro-step before its optimizer step. With one device the same
+//! loop runs with a group of one, whose collectives are no-ops. Only rank 0 writes files.
+
+use std::ops::Range;
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::prelude::*;
+use burn::store::ModuleRecord;
+use kiln_models::{StepOutput, TrainStep};
+use serde_json::json;
+
+use crate::checkpoint::{self, LoopState};
+use crate::collective::{Collective, LocalComm, ReduceOp, local_group};
+use crate::config::{OptimConfig, ScheduleConfig, TrainConfig};
+use crate::data::{DistributedSampler, eval_shard};
+use crate::error::{Error, Result};
+use crate::metrics::{MetricsWriter, Progress, Summary, num, record};
+use crate::optim::{
+    Schedule, build_optimizer, clip_global_norm, flatten_grads, scaled_lr, unflatten_grads,
+};
+
+/// A model and its data, as the trainer sees them; nothing here knows about devices beyond
+/// the one it is handed.
+pub trait Workload: Sync {
+    /// The model type.
+    type Model: Module + TrainStep<Self::Batch> + 'static;
+    /// One batch, already on a device.
+    type Batch;
+    /// A freshly initialised model on `device` (weights are then replaced by rank 0's).
+    fn init_model(&self, device: &Device) -> Self::Model;
+    /// Number of training samples.
+    fn train_len(&self) -> usize;
+    /// The training batch of `indices` on `device`.
+    fn train_batch(&self, indices: &[usize], device: &Device) -> Self::Batch;
+    /// Number of evaluation samples.
+    fn eval_len(&self) -> usize;
+    /// The evaluation batch of samples `range` on `device`.
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> Self::Batch;
+}
+
+/// What the loop needs besides the workload.
+#[derive(Debug, Clone)]
+pub struct TrainerSettings {
+    /// Loop settings.
+    pub train: TrainConfig,
+    /// Optimizer settings.
+    pub optim: OptimConfig,
+    /// Learning-rate schedule.
+    pub schedule: ScheduleConfig,
+    /// Seed of initialisation and data order.
+    pub seed: u64,
+    /// Drop the last incomplete global batch of each epoch.
+    pub drop_last: bool,
+    /// One device per replica.
+    pub devices: Vec<Device>,
+    /// Limit CPU replicas to their share of the cores (one rayon pool each).
+    pub split_cpu_threads: bool,
+    /// Where rank 0 writes metrics and checkpoints.
+    pub run_dir: PathBuf,
+    /// Checkpoint directory to continue from.
+    pub resume_from: Option<PathBuf>,
+    /// Strategy name for the summary.
+    pub strategy: String,
+    /// Accelerator name for the summary.
+    pub accelerator: String,
+}
+
+/// How many optimizer steps a run of this length takes.
+pub fn total_steps(train: &TrainConfig, steps_per_epoch: usize) -> usize {
+    let by_epochs = train.epochs * steps_per_epoch;
+    match train.max_steps {
+        Some(max) if train.epochs == 0 => max,
+        Some(max) => max.min(by_epochs),
+        None => by_epochs,
+    }
+}
+
+/// Trains `workload` as `settings` say and returns the summary and rank 0's final model.
+pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Summary, W::Model)> {
+    let world = settings.devices.len();
+    let t = &settings.train;
+    let sampler = DistributedSampler::new(
+        workload.train_len(),
+        settings.seed,
+        world,
+        t.batch_size,
+        t.accumulate,
+        settings.drop_last,
+    );
+    let spe = sampler.steps_per_epoch();
+    if spe == 0 {
+        return Err(Error::config(format!(
+            "key `train.batch_size`: one step needs {} samples (batch {} × {} devices × {} \
+             accumulation) but the training set holds {} and data.drop_last is set",
+            sampler.samples_per_step(),
+            t.batch_size,
+            world,
+            t.accumulate,
+            workload.train_len()
+        )));
+    }
+    let total = total_steps(t, spe);
+
+    // Rank 0's initial weights (or the checkpoint's) are what every replica starts from.
+    let main_device = settings.devices[0].clone().autodiff();
+    main_device.seed(settings.seed);
+    let mut initial = workload.init_model(&main_device);
+    let mut start = LoopState {
+        step: 0,
+        epoch: 0,
+        step_in_epoch: 0,
+        seed: settings.seed,
+        world_size: world,
+        samples_per_step: sampler.samples_per_step(),
+        lr: 0.0,
+        samples: 0,
+        wall_seconds: 0.0,
+    };
+    if let Some(dir) = &settings.resume_from {
+        let state = checkpoint::read_state(dir)?;
+        if state.samples_per_step != sampler.samples_per_step() {
+            return Err(Error::checkpoint(format!(
+                "{}: checkpoint took {} samples per step, this run takes {} (batch × devices × \
+                 accumulation must match to continue the same data order)",
+                dir.display(),
+                state.samples_per_step,
+                sampler.samples_per_step()
+            )));
+        }
+        initial = checkpoint::load_model(dir, initial)?;
+        // Fail before the workers start if the optimizer state is unreadable.
+        checkpoint::load_optimizer(dir, build_optimizer(&settings.optim))?;
+        start = state;
+        start.seed = settings.seed;
+    }
+    let weights = initial.into_record();
+
+    let comms = local_group(world);
+    let results: Vec<WorkerResult<W::Model>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let weights = weights.clone();
+                let sampler = sampler.clone();
+                let start = start.clone();
+                std::thread::Builder::new()
+                    .name(format!("kiln-worker-{rank}"))
+                    .spawn_scoped(scope, move || {
+                        let worker = Worker {
+                            workload,
+                            settings,
+                            sampler,
+                            total,
+                            comm,
+                            device: settings.devices[rank].clone().autodiff(),
+                        };
+                        worker.run_guarded(weights, start)
+                    })
+                    .expect("spawn a worker thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Worker("a worker thread died".into())))
+            })
+            .collect()
+    });
+
+    // Report the failure that started it all, not the ranks it aborted.
+    let mut output = None;
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(Some(out)) => output = Some(out),
+            Ok(None) => {}
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        let origin = errors.iter().position(|e| !is_abort_echo(e)).unwrap_or(0);
+        return Err(errors.swap_remove(origin));
+    }
+    output.ok_or_else(|| Error::Worker("rank 0 returned no result".into()))
+}
+
+const ABORTED: &str = "stopped because ";
+
+/// What a worker hands back: rank 0 the summary and its final model, other ranks nothing.
+type WorkerResult<M> = Result<Option<(Summary, M)>>;
+
+/// Whether `e` is a rank's report that another rank aborted the group.
+fn is_abort_echo(e: &Error) -> bool {
+    matches!(e, Error::Worker(m) if m.starts_with(ABORTED))
+}
+
+struct Worker<'a, W: Workload> {
+    workload: &'a W,
+    settings: &'a TrainerSettings,
+    sampler: DistributedSampler,
+    total: usize,
+    comm: LocalComm,
+    device: Device,
+}
+
+/// Running sums of a logging window, kept on the device until a log line needs them.
+struct Window {
+    loss: Option<Tensor<1>>,
+    steps: usize,
+    samples: usize,
+    started: Instant,
+    /// Seconds of the window spent outside training (validation, checkpoints).
+    excluded: f64,
+    data: f64,
+    compute: f64,
+    sync: f64,
+    optim: f64,
+}
+
+impl Window {
+    fn new() -> Self {
+        Self {
+            loss: None,
+            steps: 0,
+            samples: 0,
+            started: Instant::now(),
+            excluded: 0.0,
+            data: 0.0,
+            compute: 0.0,
+            sync: 0.0,
+            optim: 0.0,
+        }
+    }
+}
+
+impl<W: Workload> Worker<'_, W> {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// Runs the worker, turning an error or a panic into an abort of the whole group so that
+    /// no other rank waits forever.
+    fn run_guarded(self, weights: ModuleRecord, start: LoopState) -> WorkerResult<W::Model> {
+        let rank = self.rank();
+        let pool = (self.settings.split_cpu_threads && self.world() > 1).then(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            rayon::ThreadPoolBuilder::new()
+                .num_threads((cores / self.world()).max(1))
+                .thread_name(move |i| format!("kiln-worker-{rank}-pool-{i}"))
+                .build()
+                .expect("build a rayon pool")
+        });
+        let body = AssertUnwindSafe(|| match &pool {
+            Some(pool) => pool.install(|| self.run(weights, start)),
+            None => self.run(weights, start),
+        });
+        let outcome = match std::panic::catch_unwind(body) {
+            Ok(result) => result,
+            Err(payload) => Err(Error::Worker(format!(
+                "rank {rank} panicked: {}",
+                panic_message(&payload)
+            ))),
+        };
+        if let Err(e) = &outcome
+            && !is_abort_echo(e)
+        {
+            self.comm
+                .abort(&format!("{ABORTED}rank {rank} failed: {e}"));
+        }
+        outcome
+    }
+
+    fn run(&self, weights: ModuleRecord, start: LoopState) -> WorkerResult<W::Model> {
+        let s = self.settings;
+        let t = &s.train;
+        let rank = self.rank();
+        let world = self.world();
+        let lead = rank == 0;
+
+        let mut model = self.workload.init_model(&self.device).load_record(weights);
+        let mut optim = build_optimizer(&s.optim);
+        if let Some(dir) = &s.resume_from {
+            optim = checkpoint::load_optimizer(dir, optim)?;
+        }
+        let peak = scaled_lr(&s.optim, world, t.accumulate);
+        let schedule = Schedule::new(peak, &s.schedule, self.total);
+        let spe = self.sampler.steps_per_epoch();
+
+        let mut metrics = if lead {
+            Some(MetricsWriter::open(&s.run_dir, Some(start.step))?)
+        } else {
+            None
+        };
+        let progress = lead.then(|| Progress::new(self.total, start.step));
+
+        let mut step = start.step;
+        let mut epoch = start.epoch;
+        let mut step_in_epoch = start.step_in_epoch;
+        let mut samples = start.samples;
+        let mut wall = start.wall_seconds;
+        let mut lr = start.lr;
+        let mut order = self.sampler.epoch_order(epoch);
+        let mut window = Window::new();
+        let mut last_train_loss = None;
+        let mut last_val: Option<(f64, Option<f64>)> = None;
+        let mut validated_at = None;
+        let run_started = Instant::now();
+
+        while step < self.total {
+            if step_in_epoch == spe {
+                epoch += 1;
+                step_in_epoch = 0;
+                order = self.sampler.epoch_order(epoch);
+            }
+            lr = schedule.lr(step);
+
+            let mut accumulator = GradientsAccumulator::new();
+            for micro in 0..t.accumulate {
+                let t0 = Instant::now();
+                let indices = self.sampler.indices(&order, step_in_epoch, micro, rank);
+                let batch = self.workload.train_batch(&indices, &self.device);
+                let t1 = Instant::now();
+                let out: StepOutput = model.step(batch);
+                let detached = out.loss.clone().detach();
+                window.loss = Some(match window.loss.take() {
+                    Some(l) => l + detached,
+                    None => detached,
+                });
+                let loss = if t.accumulate > 1 {
+                    out.loss.div_scalar(t.accumulate as f32)
+                } else {
+                    out.loss
+                };
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                accumulator.accumulate(&model, grads);
+                window.data += (t1 - t0).as_secs_f64();
+                window.compute += t1.elapsed().as_secs_f64();
+            }
+            let mut grads = accumulator.grads();
+
+            let t2 = Instant::now();
+            if world > 1 {
+                grads = self.average_gradients(&model, grads)?;
+            }
+            let t3 = Instant::now();
+            if let Some(max_norm) = t.grad_clip {
+                grads = clip_global_norm(&model, grads, max_norm);
+            }
+            model = optim.step(lr, model, grads);
+            if world > 1 {
+                sync_running_state(&model);
+                model = self.average_buffers(model)?;
+            }
+            window.sync += (t3 - t2).as_secs_f64();
+            window.optim += t3.elapsed().as_secs_f64();
+
+            step += 1;
+            step_in_epoch += 1;
+            window.steps += 1;
+            window.samples += self.sampler.samples_per_step();
+            samples += self.sampler.samples_per_step() as u64;
+
+            if t.check_replicas && world > 1 {
+                self.check_replicas(&model, step)?;
+            }
+
+            let last = step == self.total;
+            if step.is_multiple_of(t.log_every) || last {
+                let elapsed = window.started.elapsed().as_secs_f64() - window.excluded;
+                let mut stats = vec![
+                    window.loss.take().map_or(0.0, |l| l.into_scalar::<f32>())
+                        / (window.steps * t.accumulate) as f32,
+                ];
+                self.comm.all_reduce(&mut stats, ReduceOp::Mean)?;
+                let loss = f64::from(stats[0]);
+                last_train_loss = Some(loss);
+                let rate = window.samples as f64 / elapsed.max(1e-9);
+                let per = |x: f64| x / window.steps as f64;
+                if let Some(m) = metrics.as_mut() {
+                    m.write(&record(&[
+                        ("step", json!(step)),
+                        ("epoch", json!(epoch)),
+                        ("split", json!("train")),
+                        ("loss", num(loss)),
+                        ("lr", num(lr)),
+                        ("samples_per_sec", num(rate)),
+                        ("time_data", num(per(window.data))),
+                        ("time_compute", num(per(window.compute))),
+                        ("time_sync", num(per(window.sync))),
+                        ("time_optim", num(per(window.optim))),
+                    ]))?;
+                }
+                if let Some(p) = &progress {
+                    p.update(
+                        step,
+                        &format!("epoch {epoch} loss {loss:.4} lr {lr:.2e} {rate:.0} samples/s"),
+                    );
+                }
+                window = Window::new();
+            }
+
+            let epoch_end = step_in_epoch == spe;
+            let periodic_val = t.val_every.is_some_and(|n| step.is_multiple_of(n));
+            if epoch_end || periodic_val || last {
+                let val_started = Instant::now();
+                let v = self.validate(&model)?;
+                validated_at = Some(step);
+                last_val = Some(v);
+                if let Some(m) = metrics.as_mut() {
+                    let mut r = record(&[
+                        ("step", json!(step)),
+                        ("epoch", json!(epoch)),
+                        ("split", json!("val")),
+                        ("loss", num(v.0)),
+                    ]);
+                    if let Some(acc) = v.1 {
+                        r.insert("accuracy".into(), num(acc));
+                    }
+                    m.write(&r)?;
+                }
+                if let Some(p) = &progress {
+                    let acc =
+                        v.1.map_or(String::new(), |a| format!(" accuracy {:.2}%", a * 100.0));
+                    p.println(&format!(
+                        "step {step} epoch {epoch}: val loss {:.4}{acc}",
+                        v.0
+                    ));
+                }
+                // Validation time does not count against training throughput.
+                window.excluded += val_started.elapsed().as_secs_f64();
+            }
+
+            if t.checkpoint_every.is_some_and(|n| step.is_multiple_of(n)) || last {
+                if lead {
+                    sync_running_state(&model);
+                    let state = LoopState {
+                        step,
+                        epoch,
+                        step_in_epoch,
+                        seed: s.seed,
+                        world_size: world,
+                        samples_per_step: self.sampler.samples_per_step(),
+                        lr,
+                        samples,
+                        wall_seconds: wall + run_started.elapsed().as_secs_f64(),
+                    };
+                    checkpoint::save(&s.run_dir, &model, &optim, &state, t.keep_checkpoints)?;
+                }
+                // Nobody runs ahead of a checkpoint that has not landed yet.
+                self.comm.barrier()?;
+            }
+        }
+
+        if validated_at != Some(step) && self.workload.eval_len() > 0 && step > 0 {
+            last_val = Some(self.validate(&model)?);
+        }
+        if let Some(p) = &progress {
+            p.finish();
+        }
+        wall += run_started.elapsed().as_secs_f64();
+        if !lead {
+            return Ok(None);
+        }
+        let summary = Summary {
+            steps: step,
+            epochs: step as f64 / spe as f64,
+            final_train_loss: last_train_loss,
+            val_loss: last_val.map(|v| v.0),
+            val_accuracy: last_val.and_then(|v| v.1),
+            wall_seconds: wall,
+            samples_per_sec: samples as f64 / wall.max(1e-9),
+            devices: world,
+            strategy: s.strategy.clone(),
+            precision: "32".into(),
+            accelerator: s.accelerator.clone(),
+        };
+        let _ = lr;
+        Ok(Some((summary, model.valid())))
+    }
+
+    /// Mean of every rank's gradients, as one flat buffer through the collective.
+    fn average_gradients(
+        &self,
+        model: &W::Model,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        let flat = flatten_grads(model, &mut grads, &self.device);
+        let mut host = flat
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| Error::Worker(format!("gradient readback: {e:?}")))?;
+        self.comm.all_reduce(&mut host, ReduceOp::Mean)?;
+        let n = host.len();
+        let reduced = Tensor::<1>::from_data(TensorData::new(host, [n]), &self.device);
+        Ok(unflatten_grads(model, reduced))
+    }
+
+    /// Averages the buffers (float state that is not trained, e.g. BatchNorm running
+    /// statistics) over ranks, so that every replica evaluates and saves one model.
+    fn average_buffers(&self, model: W::Model) -> Result<W::Model> {
+        let mut values = collect_floats(&model, false);
+        if values.is_empty() {
+            return Ok(model);
+        }
+        self.comm.all_reduce(&mut values, ReduceOp::Mean)?;
+        Ok(replace_floats(model, false, values, &self.device))
+    }
+
+    /// Fails if any replica's parameters differ from rank 0's by even one bit.
+    fn check_replicas(&self, model: &W::Model, step: usize) -> Result<()> {
+        let mine = collect_floats(model, true);
+        let all = self.comm.all_gather(&mine)?;
+        let n = mine.len();
+        for r in 1..self.world() {
+            let other = &all[r * n..(r + 1) * n];
+            if let Some(i) = (0..n).find(|&i| all[i].to_bits() != other[i].to_bits()) {
+                return Err(Error::Worker(format!(
+                    "replicas diverged after step {step}: rank {r} differs from rank 0 at \
+                     parameter element {i} ({} vs {})",
+                    other[i], all[i]
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Mean loss and accuracy over the whole evaluation set, each sample counted once.
+    fn validate(&self, model: &W::Model) -> Result<(f64, Option<f64>)> {
+        let eval_device = self.device.clone().without_autodiff();
+        let model = model.valid();
+        let range = eval_shard(self.workload.eval_len(), self.world(), self.rank());
+        let bs = self.settings.train.batch_size;
+        let mut loss_sum: Option<Tensor<1>> = None;
+        let mut correct: Option<Tensor<1, Int>> = None;
+        let mut start = range.start;
+        while start < range.end {
+            let end = (start + bs).min(range.end);
+            let out = model.step(self.workload.eval_batch(start..end, &eval_device));
+            let weighted = out.loss.mul_scalar(out.samples as f32);
+            loss_sum = Some(match loss_sum {
+                Some(l) => l + weighted,
+                None => weighted,
+            });
+            if let Some(c) = out.correct {
+                correct = Some(match correct {
+                    Some(acc) => acc + c,
+                    None => c,
+                });
+            }
+            start = end;
+        }
+        let mut stats = vec![
+            loss_sum.map_or(0.0, |l| l.into_scalar::<f32>()),
+            correct
+                .as_ref()
+                .map_or(0.0, |c| c.clone().into_scalar::<i64>() as f32),
+            range.len() as f32,
+            f32::from(u8::from(correct.is_some() || range.is_empty())),
+        ];
+        self.comm.all_reduce(&mut stats, ReduceOp::Sum)?;
+        let n = f64::from(stats[2]).max(1.0);
+        let has_accuracy = stats[3] as usize == self.world();
+        Ok((
+            f64::from(stats[0]) / n,
+            has_accuracy.then(|| f64::from(stats[1]) / n),
+        ))
+    }
+}
+
+/// Folds the pending updates of Burn's `RunningState` buffers (e.g. BatchNorm statistics) into
+/// their values. A `RunningState` keeps the last update of each thread aside until it is next
+/// read for a forward pass, so visiting the module right after a step would see the previous
+/// step's statistics; `valid` folds the pending updates in as a side effect on the shared state.
+fn sync_running_state<M: Module>(module: &M) {
+    let _ = module.valid();
+}
+
+/// All float tensors of `module` that are (`trainable`) or are not (buffers) trained, flattened
+/// to host memory in module order.
+fn collect_floats<M: Module>(module: &M, trainable: bool) -> Vec<f32> {
+    struct Collect {
+        trainable: bool,
+        out: Vec<f32>,
+    }
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.is_require_grad() != self.trainable {
+                return;
+            }
+            let data = param.val().into_data().convert::<f32>();
+            self.out.extend(data.iter::<f32>());
+        }
+    }
+    let mut c = Collect {
+        trainable,
+        out: Vec::new(),
+    };
+    module.visit(&mut c);
+    c.out
+}
+
+/// Replaces the float tensors [`collect_floats`] collected with `values`.
+fn replace_floats<M: Module>(module: M, trainable: bool, values: Vec<f32>, device: &Device) -> M {
+    struct Replace<'a> {
+        trainable: bool,
+        values: Vec<f32>,
+        offset: usize,
+        device: &'a Device,
+    }
+    impl ModuleMapper for Replace<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if param.is_require_grad() != self.trainable {
+                return param;
+            }
+            let shape = param.shape();
+            let n = shape.num_elements();
+            let slice = self.values[self.offset..self.offset + n].to_vec();
+            self.offset += n;
+            let device = self.device.clone().without_autodiff();
+            let tensor = Tensor::<D>::from_data(TensorData::new(slice, shape), &device);
+            param.map(|_| tensor)
+        }
+    }
+    let mut r = Replace {
+        trainable,
+        values,
+        offset: 0,
+        device,
+    };
+    module.map(&mut r)
+}
+
+fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}

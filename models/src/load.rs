@@ -1,0 +1,215 @@
+//! Rebuilding a trained model in another program: a [`ModelSpec`] plus a weights file
+//! (burnpack or SafeTensors), or a kiln run directory that holds both.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use burn::prelude::*;
+use burn::store::{ModuleSnapshot, SafetensorsStore};
+use serde::{Deserialize, Serialize};
+
+use crate::{ConvNet, ConvNetConfig, ImageBatch, InputSpec, Mlp, MlpConfig, StepOutput, TrainStep};
+
+/// Which architecture a model section describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelKind {
+    /// [`ConvNet`].
+    Convnet,
+    /// [`Mlp`].
+    Mlp,
+}
+
+/// The `[model]` section of a config: the architecture and each architecture's settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// Architecture to build: `convnet` or `mlp`. Default `convnet`.
+    pub kind: ModelKind,
+    /// Settings used when `kind = "convnet"`.
+    pub convnet: ConvNetConfig,
+    /// Settings used when `kind = "mlp"`.
+    pub mlp: MlpConfig,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            kind: ModelKind::Convnet,
+            convnet: ConvNetConfig::default(),
+            mlp: MlpConfig::default(),
+        }
+    }
+}
+
+/// Everything needed to rebuild a classifier: its architecture and its input shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// The architecture.
+    pub model: ModelSection,
+    /// The input the model was built for.
+    pub input: InputSpec,
+}
+
+impl ModelSpec {
+    /// Checks that the spec describes a buildable model.
+    pub fn validate(&self) -> Result<(), String> {
+        match self.model.kind {
+            ModelKind::Convnet => self.model.convnet.validate(&self.input),
+            ModelKind::Mlp => self.model.mlp.validate(),
+        }
+    }
+
+    /// Builds a freshly initialised classifier on `device`.
+    pub fn init(&self, device: &Device) -> Classifier {
+        match self.model.kind {
+            ModelKind::Convnet => Classifier::ConvNet(self.model.convnet.init(&self.input, device)),
+            ModelKind::Mlp => Classifier::Mlp(self.model.mlp.init(&self.input, device)),
+        }
+    }
+}
+
+/// Any of the image classifiers, as one module type.
+#[derive(Module, Debug)]
+pub enum Classifier {
+    /// A [`ConvNet`].
+    ConvNet(ConvNet),
+    /// An [`Mlp`].
+    Mlp(Mlp),
+}
+
+impl Classifier {
+    /// Class logits `[batch, classes]` for images `[batch, channels, h, w]` scaled to `[0, 1]`.
+    pub fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+        match self {
+            Classifier::ConvNet(m) => m.forward(images),
+            Classifier::Mlp(m) => m.forward(images),
+        }
+    }
+
+    /// The most likely class of every image.
+    pub fn predict(&self, images: Tensor<4>) -> Vec<usize> {
+        let classes = self.forward(images).argmax(1);
+        classes
+            .into_data()
+            .iter::<i64>()
+            .map(|c| c as usize)
+            .collect()
+    }
+}
+
+impl TrainStep<ImageBatch> for Classifier {
+    fn step(&self, batch: ImageBatch) -> StepOutput {
+        match self {
+            Classifier::ConvNet(m) => m.step(batch),
+            Classifier::Mlp(m) => m.step(batch),
+        }
+    }
+}
+
+/// Why a model could not be loaded.
+#[derive(Debug)]
+pub enum LoadError {
+    /// A file could not be read.
+    Io(PathBuf, std::io::Error),
+    /// The spec file is not a valid [`ModelSpec`].
+    Spec(PathBuf, String),
+    /// The weights file could not be read or does not fit the model.
+    Weights(PathBuf, String),
+}
+
+impl fmt::Display for LoadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LoadError::Io(p, e) => write!(f, "{}: {e}", p.display()),
+            LoadError::Spec(p, e) => write!(f, "{}: invalid model spec: {e}", p.display()),
+            LoadError::Weights(p, e) => write!(f, "{}: cannot load weights: {e}", p.display()),
+        }
+    }
+}
+
+impl std::error::Error for LoadError {}
+
+/// File name of the model spec inside a run directory.
+pub const SPEC_FILE: &str = "model.toml";
+/// File name of the final burnpack weights inside a run directory.
+pub const WEIGHTS_FILE: &str = "model.bpk";
+/// File name of the final SafeTensors weights inside a run directory.
+pub const SAFETENSORS_FILE: &str = "model.safetensors";
+
+/// Reads a [`ModelSpec`] from a TOML file.
+pub fn read_spec(path: &Path) -> Result<ModelSpec, LoadError> {
+    let text = std::fs::read_to_string(path).map_err(|e| LoadError::Io(path.into(), e))?;
+    let spec: ModelSpec =
+        toml::from_str(&text).map_err(|e| LoadError::Spec(path.into(), one_line(&e)))?;
+    spec.validate()
+        .map_err(|e| LoadError::Spec(path.into(), e))?;
+    Ok(spec)
+}
+
+/// Loads the final model of a kiln run directory (`model.toml` + `model.bpk`).
+pub fn load_run(run_dir: &Path, device: &Device) -> Result<Classifier, LoadError> {
+    let spec = read_spec(&run_dir.join(SPEC_FILE))?;
+    load_classifier(&spec, &run_dir.join(WEIGHTS_FILE), device)
+}
+
+/// Builds the classifier `spec` describes and loads `weights` into it: a SafeTensors file when
+/// its name ends in `.safetensors`, burnpack otherwise.
+pub fn load_classifier(
+    spec: &ModelSpec,
+    weights: &Path,
+    device: &Device,
+) -> Result<Classifier, LoadError> {
+    if !weights.is_file() {
+        return Err(LoadError::Io(
+            weights.into(),
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+        ));
+    }
+    let model = spec.init(device);
+    let is_safetensors = weights.extension().is_some_and(|e| e == "safetensors");
+    if is_safetensors {
+        let mut model = model;
+        let mut store = SafetensorsStore::from_file(weights);
+        let result = model
+            .load_from(&mut store)
+            .map_err(|e| LoadError::Weights(weights.into(), one_line(&e)))?;
+        if !result.missing.is_empty() || !result.errors.is_empty() {
+            return Err(LoadError::Weights(
+                weights.into(),
+                format!(
+                    "{} missing tensors ({:?}), {} errors",
+                    result.missing.len(),
+                    result
+                        .missing
+                        .iter()
+                        .map(|m| &m.0)
+                        .take(3)
+                        .collect::<Vec<_>>(),
+                    result.errors.len()
+                ),
+            ));
+        }
+        Ok(model)
+    } else {
+        model
+            .try_load_file(weights)
+            .map_err(|e| LoadError::Weights(weights.into(), one_line(&e)))
+    }
+}
+
+/// Writes `model` as SafeTensors to `path`.
+pub fn save_safetensors<M: ModuleSnapshot>(model: &M, path: &Path) -> Result<(), LoadError> {
+    let mut store = SafetensorsStore::from_file(path).overwrite(true);
+    model
+        .save_into(&mut store)
+        .map_err(|e| LoadError::Weights(path.into(), one_line(&e)))
+}
+
+fn one_line(e: &dyn fmt::Display) -> String {
+    e.to_string()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}

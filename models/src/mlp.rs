@@ -1,0 +1,78 @@
+//! A multi-layer perceptron over flattened images.
+
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::{ImageBatch, InputSpec, StepOutput, TrainStep, classification_output};
+
+/// Architecture of an [`Mlp`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MlpConfig {
+    /// Width of each hidden layer. Default `[256, 128]`.
+    pub hidden: Vec<usize>,
+}
+
+impl Default for MlpConfig {
+    fn default() -> Self {
+        Self {
+            hidden: vec![256, 128],
+        }
+    }
+}
+
+/// Fully connected classifier with ReLU between layers.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    /// Hidden layers, each followed by ReLU.
+    pub layers: Vec<Linear>,
+    /// The output layer.
+    pub head: Linear,
+    activation: Relu,
+}
+
+impl MlpConfig {
+    /// Checks that the configuration is buildable.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.hidden.contains(&0) {
+            return Err(format!(
+                "model.mlp.hidden must hold positive widths, got {:?}",
+                self.hidden
+            ));
+        }
+        Ok(())
+    }
+
+    /// Builds the network for `input` on `device`.
+    pub fn init(&self, input: &InputSpec, device: &Device) -> Mlp {
+        let mut width = input.channels * input.height * input.width;
+        let mut layers = Vec::with_capacity(self.hidden.len());
+        for &h in &self.hidden {
+            layers.push(LinearConfig::new(width, h).init(device));
+            width = h;
+        }
+        Mlp {
+            layers,
+            head: LinearConfig::new(width, input.num_classes).init(device),
+            activation: Relu::new(),
+        }
+    }
+}
+
+impl Mlp {
+    /// Class logits `[batch, classes]` for images `[batch, channels, h, w]`.
+    pub fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+        let mut x = images.flatten(1, 3);
+        for layer in &self.layers {
+            x = self.activation.forward(layer.forward(x));
+        }
+        self.head.forward(x)
+    }
+}
+
+impl TrainStep<ImageBatch> for Mlp {
+    fn step(&self, batch: ImageBatch) -> StepOutput {
+        classification_output(self.forward(batch.images), batch.targets)
+    }
+}

