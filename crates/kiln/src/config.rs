@@ -29,6 +29,22 @@ pub struct RootConfig {
     pub schedule: ScheduleConfig,
     /// Accelerator, devices and parallel strategy.
     pub hardware: HardwareConfig,
+    /// Data-parallel settings.
+    pub ddp: DdpConfig,
+}
+
+/// `[ddp]`: data-parallel settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DdpConfig {
+    /// Size of one gradient bucket of the all-reduce, in MiB of f32 gradients. Default 25.
+    pub bucket_mb: f64,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        Self { bucket_mb: 25.0 }
+    }
 }
 
 /// `[run]`: naming, seeding and output location.
@@ -414,6 +430,12 @@ impl RootConfig {
             return bad(
                 "schedule.min_lr_ratio",
                 format!("must be in [0, 1], got {}", self.schedule.min_lr_ratio),
+            );
+        }
+        if self.ddp.bucket_mb.is_nan() || self.ddp.bucket_mb <= 0.0 {
+            return bad(
+                "ddp.bucket_mb",
+                format!("must be a positive size in MiB, got {}", self.ddp.bucket_mb),
             );
         }
         let devices = self.hardware.devices.indices();

@@ -113,13 +113,13 @@ impl ParamLayout {
     }
 }
 
-/// Concatenates the gradients of `module`'s parameters into one flat tensor (zeros where a
-/// parameter got no gradient), in [`ParamLayout`] order.
-pub fn flatten_grads<M: Module>(
+/// The gradients of `module`'s trainable parameters as flat tensors, one per parameter in
+/// [`ParamLayout`] order (zeros where a parameter got no gradient).
+pub fn grads_to_parts<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
     device: &Device,
-) -> Tensor<1> {
+) -> Vec<Tensor<1>> {
     struct Flatten<'a> {
         grads: &'a mut GradientsParams,
         parts: Vec<Tensor<1>>,
@@ -144,14 +144,14 @@ pub fn flatten_grads<M: Module>(
         device,
     };
     module.visit(&mut f);
-    Tensor::cat(f.parts, 0)
+    f.parts
 }
 
-/// Splits a flat gradient tensor back into per-parameter gradients shaped like `module`'s.
-pub fn unflatten_grads<M: Module>(module: &M, flat: Tensor<1>) -> GradientsParams {
+/// Per-parameter gradients from flat parts in [`ParamLayout`] order (the inverse of
+/// [`grads_to_parts`]).
+pub fn parts_to_grads<M: Module>(module: &M, parts: Vec<Tensor<1>>) -> GradientsParams {
     struct Unflatten {
-        flat: Tensor<1>,
-        offset: usize,
+        parts: std::vec::IntoIter<Tensor<1>>,
         grads: GradientsParams,
     }
     impl ModuleVisitor for Unflatten {
@@ -159,20 +159,38 @@ pub fn unflatten_grads<M: Module>(module: &M, flat: Tensor<1>) -> GradientsParam
             if !param.is_require_grad() {
                 return;
             }
-            let shape = param.shape();
-            let n = shape.num_elements();
-            let part = self.flat.clone().slice(self.offset..self.offset + n);
-            self.offset += n;
-            self.grads.register::<D>(param.id, part.reshape(shape));
+            let part = self.parts.next().expect("one part per trainable parameter");
+            self.grads
+                .register::<D>(param.id, part.reshape(param.shape()));
         }
     }
     let mut u = Unflatten {
-        flat,
-        offset: 0,
+        parts: parts.into_iter(),
         grads: GradientsParams::new(),
     };
     module.visit(&mut u);
     u.grads
+}
+
+/// Groups consecutive parameters of `layout` into buckets of at most `bucket_elements`
+/// elements (a larger parameter gets a bucket of its own); returns index ranges into the
+/// layout's entries.
+pub fn buckets(layout: &ParamLayout, bucket_elements: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut size = 0;
+    for (i, (_, n)) in layout.entries.iter().enumerate() {
+        if i > start && size + n > bucket_elements {
+            out.push(start..i);
+            start = i;
+            size = 0;
+        }
+        size += n;
+    }
+    if start < layout.entries.len() {
+        out.push(start..layout.entries.len());
+    }
+    out
 }
 
 /// Scales all gradients so that their global L2 norm is at most `max_norm`. Stays on the
@@ -252,6 +270,21 @@ mod tests {
         assert!((lin.lr(50) - 1.0).abs() < 1e-12);
         let c = Schedule::new(3.0, &ScheduleConfig::default(), 100);
         assert_eq!(c.lr(99), 3.0);
+    }
+
+    #[test]
+    fn buckets_cover_every_parameter_in_order() {
+        let layout = ParamLayout {
+            entries: [5, 3, 10, 1, 1]
+                .iter()
+                .map(|&n| (ParamId::new(), n))
+                .collect(),
+            total: 20,
+        };
+        assert_eq!(buckets(&layout, 8), vec![0..2, 2..3, 3..5]);
+        assert_eq!(buckets(&layout, 100), vec![0..5]);
+        assert_eq!(buckets(&layout, 1), vec![0..1, 1..2, 2..3, 3..4, 4..5]);
+        assert!(buckets(&ParamLayout::default(), 8).is_empty());
     }
 
     #[test]

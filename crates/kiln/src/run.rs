@@ -172,6 +172,7 @@ pub fn train(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
         seed: config.run.seed,
         drop_last: config.data.drop_last,
         devices: devices.clone(),
+        bucket_mb: config.ddp.bucket_mb,
         split_cpu_threads: accelerator.starts_with("cpu"),
         run_dir: run_dir.clone(),
         resume_from: options.resume_from.clone(),

@@ -25,7 +25,8 @@ use crate::data::{DistributedSampler, eval_shard};
 use crate::error::{Error, Result};
 use crate::metrics::{MetricsWriter, Progress, Summary, num, record};
 use crate::optim::{
-    Schedule, build_optimizer, clip_global_norm, flatten_grads, scaled_lr, unflatten_grads,
+    ParamLayout, Schedule, buckets, build_optimizer, clip_global_norm, grads_to_parts,
+    parts_to_grads, scaled_lr,
 };
 
 /// A model and its data, as the trainer sees them; nothing here knows about devices beyond
@@ -62,6 +63,8 @@ pub struct TrainerSettings {
     pub drop_last: bool,
     /// One device per replica.
     pub devices: Vec<Device>,
+    /// Size of one gradient bucket of the all-reduce, in MiB of f32.
+    pub bucket_mb: f64,
     /// Limit CPU replicas to their share of the cores (one rayon pool each).
     pub split_cpu_threads: bool,
     /// Where rank 0 writes metrics and checkpoints.
@@ -112,8 +115,14 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
 
     // Rank 0's initial weights (or the checkpoint's) are what every replica starts from.
     let main_device = settings.devices[0].clone().autodiff();
-    main_device.seed(settings.seed);
-    let mut initial = workload.init_model(&main_device);
+    let mut initial = {
+        // Burn's CPU random generator is process-wide: keep two runs in one process (tests, an
+        // app training two models) from drawing from it between seeding and initialisation.
+        static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
+        main_device.seed(settings.seed);
+        workload.init_model(&main_device)
+    };
     let mut start = LoopState {
         step: 0,
         epoch: 0,
@@ -300,6 +309,8 @@ impl<W: Workload> Worker<'_, W> {
         let peak = scaled_lr(&s.optim, world, t.accumulate);
         let schedule = Schedule::new(peak, &s.schedule, self.total);
         let spe = self.sampler.steps_per_epoch();
+        let bucket_elements = (s.bucket_mb * 1024.0 * 1024.0 / 4.0).max(1.0) as usize;
+        let buckets = buckets(&ParamLayout::of(&model), bucket_elements);
 
         let mut metrics = if lead {
             Some(MetricsWriter::open(&s.run_dir, Some(start.step))?)
@@ -355,7 +366,7 @@ impl<W: Workload> Worker<'_, W> {
 
             let t2 = Instant::now();
             if world > 1 {
-                grads = self.average_gradients(&model, grads)?;
+                grads = self.average_gradients(&model, grads, &buckets)?;
             }
             let t3 = Instant::now();
             if let Some(max_norm) = t.grad_clip {
@@ -493,21 +504,34 @@ impl<W: Workload> Worker<'_, W> {
         Ok(Some((summary, model.valid())))
     }
 
-    /// Mean of every rank's gradients, as one flat buffer through the collective.
+    /// Mean of every rank's gradients through the collective, one bucket of consecutive
+    /// parameters at a time (each bucket is one flat buffer read back, reduced and uploaded).
     fn average_gradients(
         &self,
         model: &W::Model,
         mut grads: GradientsParams,
+        buckets: &[Range<usize>],
     ) -> Result<GradientsParams> {
-        let flat = flatten_grads(model, &mut grads, &self.device);
-        let mut host = flat
-            .into_data()
-            .try_into_vec::<f32>()
-            .map_err(|e| Error::Worker(format!("gradient readback: {e:?}")))?;
-        self.comm.all_reduce(&mut host, ReduceOp::Mean)?;
-        let n = host.len();
-        let reduced = Tensor::<1>::from_data(TensorData::new(host, [n]), &self.device);
-        Ok(unflatten_grads(model, reduced))
+        let parts = grads_to_parts(model, &mut grads, &self.device);
+        let mut reduced = Vec::with_capacity(parts.len());
+        for bucket in buckets {
+            let members = &parts[bucket.clone()];
+            let sizes: Vec<usize> = members.iter().map(|p| p.dims()[0]).collect();
+            let flat = Tensor::cat(members.to_vec(), 0);
+            let mut host = flat
+                .into_data()
+                .try_into_vec::<f32>()
+                .map_err(|e| Error::Worker(format!("gradient readback: {e:?}")))?;
+            self.comm.all_reduce(&mut host, ReduceOp::Mean)?;
+            let n = host.len();
+            let flat = Tensor::<1>::from_data(TensorData::new(host, [n]), &self.device);
+            let mut offset = 0;
+            for size in sizes {
+                reduced.push(flat.clone().slice(offset..offset + size));
+                offset += size;
+            }
+        }
+        Ok(parts_to_grads(model, reduced))
     }
 
     /// Averages the buffers (float state that is not trained, e.g. BatchNorm running
@@ -653,4 +677,19 @@ fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
     } else {
         "unknown panic".to_string()
     }
+}
+
+/// The values of every float tensor of `module` (parameters and buffers such as BatchNorm
+/// statistics), one vector per tensor in module order, for comparing replicas or runs.
+pub fn parameter_values<M: Module>(module: &M) -> Vec<Vec<f32>> {
+    struct Collect(Vec<Vec<f32>>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let data = param.val().into_data().convert::<f32>();
+            self.0.push(data.iter::<f32>().collect());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    module.visit(&mut c);
+    c.0
 }
