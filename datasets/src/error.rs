@@ -106,6 +106,31 @@ pub enum DatasetError {
         /// Why the transfer failed.
         reason: String,
     },
+    /// A text corpus cannot be read or split for training.
+    BadText {
+        /// The file the text came from, or `None` for text handed over in memory.
+        path: Option<PathBuf>,
+        /// The name the text goes by in logs, used when there is no file to name.
+        name: String,
+        /// What is wrong with the text.
+        reason: String,
+    },
+    /// A text contains a character the tokenizer has no id for.
+    UnknownChar {
+        /// The first character that is missing from the vocabulary.
+        ch: char,
+        /// Its position in the text, counted in characters from zero.
+        position: usize,
+        /// The size of the vocabulary that lacks it.
+        vocab_size: usize,
+    },
+    /// A saved tokenizer is malformed or inconsistent.
+    BadTokenizer {
+        /// The file it was read from, or `None` when parsed from a string.
+        path: Option<PathBuf>,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 impl DatasetError {
@@ -131,7 +156,10 @@ impl DatasetError {
             | DatasetError::BadHeader { path, .. }
             | DatasetError::BadLabel { path, .. } => Some(path),
             DatasetError::Mismatch { first, .. } => Some(first),
-            DatasetError::Download { .. } => None,
+            DatasetError::BadText { path, .. } | DatasetError::BadTokenizer { path, .. } => {
+                path.as_deref()
+            }
+            DatasetError::Download { .. } | DatasetError::UnknownChar { .. } => None,
         }
     }
 }
@@ -236,6 +264,23 @@ impl fmt::Display for DatasetError {
             DatasetError::Download { url, reason } => {
                 write!(f, "download of {url} failed: {reason}")
             }
+            DatasetError::BadText { path, name, reason } => match path {
+                Some(path) => write!(f, "{}: {reason}", path.display()),
+                None => write!(f, "text {name:?}: {reason}"),
+            },
+            DatasetError::UnknownChar {
+                ch,
+                position,
+                vocab_size,
+            } => write!(
+                f,
+                "character {ch:?} (U+{:04X}) at position {position} is not in the tokenizer's {vocab_size}-character vocabulary",
+                u32::from(*ch)
+            ),
+            DatasetError::BadTokenizer { path, reason } => match path {
+                Some(path) => write!(f, "{}: bad tokenizer: {reason}", path.display()),
+                None => write!(f, "bad tokenizer JSON: {reason}"),
+            },
         }
     }
 }

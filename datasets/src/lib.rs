@@ -2,8 +2,9 @@
 //!
 //! This crate knows nothing about tensors: it turns files on disk (IDX files as used by MNIST and
 //! Fashion-MNIST) or the small digits set embedded in the binary into plain `u8` buffers, and
-//! validates them thoroughly so that a bad download fails at start-up with a precise message
-//! instead of producing a silently broken training run.
+//! plain-text corpora into character token ids, and validates them thoroughly so that a bad
+//! download fails at start-up with a precise message instead of producing a silently broken
+//! training run.
 #![warn(missing_docs)]
 
 mod digits;
@@ -11,6 +12,7 @@ mod download;
 mod error;
 mod idx;
 pub mod rng;
+pub mod text;
 
 use std::fmt;
 
@@ -18,6 +20,10 @@ pub use digits::{DIGITS_SEED, DIGITS_TEST, DIGITS_TOTAL, DIGITS_TRAIN, digits};
 pub use download::download_mnist;
 pub use error::DatasetError;
 pub use idx::{IdxKind, load_idx_dir, read_idx_images, read_idx_labels};
+pub use text::{
+    CharTokenizer, TINY_SHAKESPEARE_URL, TextData, download_text, eval_starts, rank_share,
+    window_starts,
+};
 
 /// An in-memory labelled image set, pixels row-major u8.
 ///

@@ -1,4 +1,4 @@
-//! Models for kiln: plain Burn modules with no parallelism imports.
+//! Models for kiln (ConvNet, MLP, GPT): plain Burn modules with no parallelism imports.
 //!
 //! Every model implements [`TrainStep`] ("batch in, loss and outputs out") so that kiln's
 //! trainer can drive it, and exposes an ordinary `forward` for inference. A model is described
@@ -7,13 +7,15 @@
 #![warn(missing_docs)]
 
 pub mod convnet;
+pub mod gpt;
 pub mod load;
 pub mod mlp;
 
 pub use convnet::{ConvNet, ConvNetConfig};
+pub use gpt::{Gpt, GptConfig, TokenBatch};
 pub use load::{
-    Classifier, LoadError, ModelKind, ModelSection, ModelSpec, load_classifier, load_run,
-    read_spec, save_safetensors,
+    Classifier, LoadError, ModelKind, ModelSection, ModelSpec, load_classifier, load_gpt_run,
+    load_run, read_spec, save_safetensors,
 };
 pub use mlp::{Mlp, MlpConfig};
 

@@ -8,6 +8,7 @@ use burn::prelude::*;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 
+use crate::gpt::{Gpt, GptConfig};
 use crate::{ConvNet, ConvNetConfig, ImageBatch, InputSpec, Mlp, MlpConfig, StepOutput, TrainStep};
 
 /// Which architecture a model section describes.
@@ -18,6 +19,8 @@ pub enum ModelKind {
     Convnet,
     /// [`Mlp`].
     Mlp,
+    /// [`Gpt`].
+    Gpt,
 }
 
 /// The `[model]` section of a config: the architecture and each architecture's settings.
@@ -30,6 +33,8 @@ pub struct ModelSection {
     pub convnet: ConvNetConfig,
     /// Settings used when `kind = "mlp"`.
     pub mlp: MlpConfig,
+    /// Settings used when `kind = "gpt"`.
+    pub gpt: GptConfig,
 }
 
 impl Default for ModelSection {
@@ -38,34 +43,54 @@ impl Default for ModelSection {
             kind: ModelKind::Convnet,
             convnet: ConvNetConfig::default(),
             mlp: MlpConfig::default(),
+            gpt: GptConfig::default(),
         }
     }
 }
 
-/// Everything needed to rebuild a classifier: its architecture and its input shape.
+/// Everything needed to rebuild a model: its architecture and, for image classifiers, the
+/// input shape (a GPT's vocabulary and context live in its own config).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     /// The architecture.
     pub model: ModelSection,
-    /// The input the model was built for.
-    pub input: InputSpec,
+    /// The input an image classifier was built for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<InputSpec>,
 }
 
 impl ModelSpec {
     /// Checks that the spec describes a buildable model.
     pub fn validate(&self) -> Result<(), String> {
+        let input = || {
+            self.input
+                .ok_or_else(|| "an image classifier needs its input shape".to_string())
+        };
         match self.model.kind {
-            ModelKind::Convnet => self.model.convnet.validate(&self.input),
-            ModelKind::Mlp => self.model.mlp.validate(),
+            ModelKind::Convnet => self.model.convnet.validate(&input()?),
+            ModelKind::Mlp => input().and_then(|_| self.model.mlp.validate()),
+            ModelKind::Gpt => self.model.gpt.validate(),
         }
     }
 
-    /// Builds a freshly initialised classifier on `device`.
-    pub fn init(&self, device: &Device) -> Classifier {
+    /// Builds a freshly initialised classifier on `device`; a GPT spec is an error.
+    pub fn classifier(&self, device: &Device) -> Result<Classifier, String> {
+        let input = self
+            .input
+            .ok_or_else(|| "an image classifier needs its input shape".to_string())?;
         match self.model.kind {
-            ModelKind::Convnet => Classifier::ConvNet(self.model.convnet.init(&self.input, device)),
-            ModelKind::Mlp => Classifier::Mlp(self.model.mlp.init(&self.input, device)),
+            ModelKind::Convnet => Ok(Classifier::ConvNet(self.model.convnet.init(&input, device))),
+            ModelKind::Mlp => Ok(Classifier::Mlp(self.model.mlp.init(&input, device))),
+            ModelKind::Gpt => Err("model.kind = \"gpt\" is not an image classifier".into()),
+        }
+    }
+
+    /// Builds a freshly initialised GPT on `device`; any other kind is an error.
+    pub fn gpt(&self, device: &Device) -> Result<Gpt, String> {
+        match self.model.kind {
+            ModelKind::Gpt => Ok(self.model.gpt.init(device)),
+            _ => Err("this model spec is not a GPT".into()),
         }
     }
 }
@@ -167,7 +192,9 @@ pub fn load_classifier(
             std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
         ));
     }
-    let model = spec.init(device);
+    let model = spec
+        .classifier(device)
+        .map_err(|e| LoadError::Spec(weights.into(), e))?;
     let is_safetensors = weights.extension().is_some_and(|e| e == "safetensors");
     if is_safetensors {
         let mut model = model;
@@ -197,6 +224,20 @@ pub fn load_classifier(
             .try_load_file(weights)
             .map_err(|e| LoadError::Weights(weights.into(), one_line(&e)))
     }
+}
+
+/// Loads the final GPT of a kiln run directory (`model.toml` + `model.bpk`) and its config.
+pub fn load_gpt_run(run_dir: &Path, device: &Device) -> Result<(Gpt, GptConfig), LoadError> {
+    let spec_path = run_dir.join(SPEC_FILE);
+    let spec = read_spec(&spec_path)?;
+    let weights = run_dir.join(WEIGHTS_FILE);
+    let model = spec
+        .gpt(device)
+        .map_err(|e| LoadError::Spec(spec_path.clone(), e))?;
+    let model = model
+        .try_load_file(&weights)
+        .map_err(|e| LoadError::Weights(weights.clone(), one_line(&e)))?;
+    Ok((model, spec.model.gpt))
 }
 
 /// Writes `model` as SafeTensors to `path`.

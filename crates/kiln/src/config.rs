@@ -80,6 +80,8 @@ pub enum DatasetKind {
     Mnist,
     /// Fashion-MNIST IDX files in `data.dir`.
     FashionMnist,
+    /// A UTF-8 text file in `data.path`, tokenised by character (for `model.kind = "gpt"`).
+    Text,
 }
 
 /// `[data]`: dataset choice and location.
@@ -96,6 +98,14 @@ pub struct DataConfig {
     /// Drop the last incomplete global batch of an epoch instead of wrapping around.
     /// Default false.
     pub drop_last: bool,
+    /// The text file of the `text` dataset. Default `data/text/moby-dick.txt`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// Fraction of the text (from its start) used for training; the rest is validation.
+    /// Default 0.9.
+    pub train_fraction: f64,
+    /// Number of fixed validation windows the `text` dataset is scored on. Default 240.
+    pub eval_windows: usize,
 }
 
 impl Default for DataConfig {
@@ -105,6 +115,9 @@ impl Default for DataConfig {
             dir: None,
             download: false,
             drop_last: false,
+            path: None,
+            train_fraction: 0.9,
+            eval_windows: 240,
         }
     }
 }
@@ -116,7 +129,15 @@ impl DataConfig {
             DatasetKind::Digits => PathBuf::from("data/digits"),
             DatasetKind::Mnist => PathBuf::from("data/mnist"),
             DatasetKind::FashionMnist => PathBuf::from("data/fashion-mnist"),
+            DatasetKind::Text => PathBuf::from("data/text"),
         })
+    }
+
+    /// The text file of the `text` dataset.
+    pub fn resolved_path(&self) -> PathBuf {
+        self.path
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("data/text/moby-dick.txt"))
     }
 }
 
@@ -432,6 +453,29 @@ impl RootConfig {
                 format!("must be in [0, 1], got {}", self.schedule.min_lr_ratio),
             );
         }
+        let f = self.data.train_fraction;
+        if f.is_nan() || f <= 0.0 || f >= 1.0 {
+            return bad(
+                "data.train_fraction",
+                format!("must be between 0 and 1, got {}", self.data.train_fraction),
+            );
+        }
+        if self.data.eval_windows == 0 {
+            return bad("data.eval_windows", "must be at least 1, got 0".into());
+        }
+        let text_model = self.model.kind == kiln_models::ModelKind::Gpt;
+        let text_data = self.data.dataset == DatasetKind::Text;
+        if text_model != text_data {
+            return bad(
+                "data.dataset",
+                format!(
+                    "{:?} does not fit model.kind = {:?} (gpt trains on \"text\", image models \
+                     on image datasets)",
+                    name_of(&self.data.dataset),
+                    name_of(&self.model.kind)
+                ),
+            );
+        }
         if self.ddp.bucket_mb.is_nan() || self.ddp.bucket_mb <= 0.0 {
             return bad(
                 "ddp.bucket_mb",
@@ -554,6 +598,14 @@ fn humanize(message: &str, path: &str) -> String {
         m = m.replace(rust, words);
     }
     m
+}
+
+/// The config spelling of an enum value (`"fashion-mnist"`, `"cosine"`).
+pub fn name_of<T: Serialize>(v: &T) -> String {
+    toml::Value::try_from(v)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
 }
 
 /// A multi-line error message folded onto one line.

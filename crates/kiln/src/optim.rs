@@ -1,7 +1,7 @@
 //! Optimizer construction, the learning-rate schedule and gradient utilities (flat layout for
 //! collectives, global-norm clipping).
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
@@ -9,30 +9,67 @@ use burn::prelude::*;
 
 use crate::config::{LrScaling, OptimConfig, OptimizerKind, ScheduleConfig, ScheduleKind};
 
-/// Builds the configured optimizer (one per replica; every replica steps identically).
-pub fn build_optimizer(config: &OptimConfig) -> ModuleOptimizer {
+/// Builds the configured optimizer for `model` (one per replica; every replica steps
+/// identically). Weight decay applies to parameters of rank 2 and more (matrices, convolution
+/// kernels, embeddings); biases and normalisation gains are not decayed.
+pub fn build_optimizer<M: Module>(config: &OptimConfig, model: &M) -> ModuleOptimizer {
+    let decayed = make_optimizer(config, config.weight_decay);
+    if config.weight_decay == 0.0 {
+        return decayed;
+    }
+    let vectors = vector_params(model);
+    if vectors.is_empty() {
+        return decayed;
+    }
+    let group = ParamGroup::from_ids(vectors);
     match config.name {
-        OptimizerKind::Adamw => AdamWConfig::new()
-            .with_beta_1(config.beta1 as f32)
-            .with_beta_2(config.beta2 as f32)
-            .with_epsilon(config.eps as f32)
-            .with_weight_decay(config.weight_decay as f32)
-            .init(),
-        OptimizerKind::Sgd => {
-            let momentum = (config.momentum > 0.0).then_some(MomentumConfig {
-                momentum: config.momentum,
-                dampening: 0.0,
-                nesterov: config.nesterov,
-            });
-            let decay = (config.weight_decay > 0.0).then_some(WeightDecayConfig {
-                penalty: config.weight_decay as f32,
-            });
-            SgdConfig::new()
-                .with_momentum(momentum)
-                .with_weight_decay(decay)
-                .init()
+        OptimizerKind::Adamw => decayed.with_group(group, adamw(config, 0.0).build(), None),
+        OptimizerKind::Sgd => decayed.with_group(group, sgd(config, 0.0).build(), None),
+    }
+}
+
+fn make_optimizer(config: &OptimConfig, weight_decay: f64) -> ModuleOptimizer {
+    match config.name {
+        OptimizerKind::Adamw => adamw(config, weight_decay).init(),
+        OptimizerKind::Sgd => sgd(config, weight_decay).init(),
+    }
+}
+
+fn adamw(config: &OptimConfig, weight_decay: f64) -> AdamWConfig {
+    AdamWConfig::new()
+        .with_beta_1(config.beta1 as f32)
+        .with_beta_2(config.beta2 as f32)
+        .with_epsilon(config.eps as f32)
+        .with_weight_decay(weight_decay as f32)
+}
+
+fn sgd(config: &OptimConfig, weight_decay: f64) -> SgdConfig {
+    let momentum = (config.momentum > 0.0).then_some(MomentumConfig {
+        momentum: config.momentum,
+        dampening: 0.0,
+        nesterov: config.nesterov,
+    });
+    let decay = (weight_decay > 0.0).then_some(WeightDecayConfig {
+        penalty: weight_decay as f32,
+    });
+    SgdConfig::new()
+        .with_momentum(momentum)
+        .with_weight_decay(decay)
+}
+
+/// Ids of the trainable parameters of rank below 2.
+fn vector_params<M: Module>(model: &M) -> Vec<ParamId> {
+    struct Collect(Vec<ParamId>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if D < 2 && param.is_require_grad() {
+                self.0.push(param.id);
+            }
         }
     }
+    let mut c = Collect(Vec::new());
+    model.visit(&mut c);
+    c.0
 }
 
 /// The peak learning rate after scaling by the samples per optimizer step.
@@ -285,6 +322,41 @@ mod tests {
         assert_eq!(buckets(&layout, 100), vec![0..5]);
         assert_eq!(buckets(&layout, 1), vec![0..1, 1..2, 2..3, 3..4, 4..5]);
         assert!(buckets(&ParamLayout::default(), 8).is_empty());
+    }
+
+    #[test]
+    fn clipping_scales_to_the_global_norm_and_leaves_small_gradients_alone() {
+        use burn::nn::{Linear, LinearConfig};
+        let device = Device::flex().autodiff();
+        let layer: Linear = LinearConfig::new(2, 2).init(&device);
+        let grads_with = |value: f32| {
+            let mut g = GradientsParams::new();
+            g.register::<2>(layer.weight.id, Tensor::full([2, 2], value, &device));
+            let bias = layer.bias.as_ref().unwrap();
+            g.register::<1>(bias.id, Tensor::full([2], value, &device));
+            g
+        };
+        let norm = |g: &GradientsParams| -> f32 {
+            let w: f32 = g
+                .get::<2>(layer.weight.id)
+                .unwrap()
+                .square()
+                .sum()
+                .into_scalar();
+            let b: f32 = g
+                .get::<1>(layer.bias.as_ref().unwrap().id)
+                .unwrap()
+                .square()
+                .sum()
+                .into_scalar();
+            (w + b).sqrt()
+        };
+        // Six elements of 2.0: global norm sqrt(24) ≈ 4.9, clipped to 1.
+        let clipped = clip_global_norm(&layer, grads_with(2.0), 1.0);
+        assert!((norm(&clipped) - 1.0).abs() < 1e-4, "{}", norm(&clipped));
+        // Six elements of 0.1: norm ≈ 0.245, below the limit, unchanged.
+        let kept = clip_global_norm(&layer, grads_with(0.1), 1.0);
+        assert!((norm(&kept) - 0.24495).abs() < 1e-4, "{}", norm(&kept));
     }
 
     #[test]

@@ -6,13 +6,16 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::prelude::*;
+use kiln_datasets::text::TextData;
 use kiln_datasets::{IdxKind, ImageDataset, ImageSplits};
 use kiln_models::load::{SAFETENSORS_FILE, SPEC_FILE, WEIGHTS_FILE};
-use kiln_models::{Classifier, ImageBatch, ModelSpec, save_safetensors};
+use kiln_models::{
+    Classifier, Gpt, GptConfig, ImageBatch, ModelKind, ModelSpec, TokenBatch, save_safetensors,
+};
 
 use crate::checkpoint::{self, write_atomic};
 use crate::config::{
-    Accelerator, DataConfig, DatasetKind, HardwareConfig, RootConfig, StrategyKind,
+    Accelerator, DataConfig, DatasetKind, HardwareConfig, RootConfig, StrategyKind, name_of,
 };
 use crate::data::{ImageBatcher, input_spec};
 use crate::error::{Error, Result};
@@ -33,7 +36,9 @@ impl Workload for ImageWorkload {
     type Batch = ImageBatch;
 
     fn init_model(&self, device: &Device) -> Classifier {
-        self.spec.init(device)
+        self.spec
+            .classifier(device)
+            .expect("the spec was validated as an image classifier")
     }
 
     fn train_len(&self) -> usize {
@@ -59,6 +64,11 @@ impl Workload for ImageWorkload {
 pub fn load_data(config: &DataConfig) -> Result<ImageSplits> {
     let kind = match config.dataset {
         DatasetKind::Digits => return Ok(kiln_datasets::digits()),
+        DatasetKind::Text => {
+            return Err(Error::config(
+                "key `data.dataset`: \"text\" is not an image dataset".to_string(),
+            ));
+        }
         DatasetKind::Mnist => IdxKind::Mnist,
         DatasetKind::FashionMnist => IdxKind::FashionMnist,
     };
@@ -136,14 +146,138 @@ pub struct RunResult {
     pub summary: Summary,
 }
 
-/// Trains the image workload `config` describes.
+/// Trains the workload `config` describes: an image classifier or a GPT on text.
 pub fn train(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
+    match config.model.kind {
+        ModelKind::Gpt => train_text(config, options),
+        ModelKind::Convnet | ModelKind::Mlp => train_images(config, options),
+    }
+}
+
+fn train_images(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
     let splits = load_data(&config.data)?;
     let spec = ModelSpec {
         model: config.model.clone(),
-        input: input_spec(&splits.train),
+        input: Some(input_spec(&splits.train)),
     };
     spec.validate().map_err(Error::config)?;
+    let train: &ImageDataset = &splits.train;
+    let rows = vec![(
+        "data",
+        format!(
+            "{}: {} train / {} test, {}x{}, {} classes",
+            splits.name,
+            train.len(),
+            splits.test.len(),
+            train.height,
+            train.width,
+            train.num_classes
+        ),
+    )];
+    let workload = ImageWorkload {
+        spec: spec.clone(),
+        splits,
+    };
+    launch(config, options, &workload, &spec, rows, |_| Ok(()))
+}
+
+fn train_text(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
+    let path = config.data.resolved_path();
+    if config.data.download && !path.exists() {
+        println!("downloading Tiny Shakespeare into {}", path.display());
+        kiln_datasets::text::download_text(kiln_datasets::text::TINY_SHAKESPEARE_URL, &path)?;
+    }
+    if !path.is_file() {
+        return Err(Error::data(format!(
+            "{}: text file does not exist (run `cargo xtask fetch-data text`, set data.path, or \
+             set data.download = true for Tiny Shakespeare)",
+            path.display()
+        )));
+    }
+    let data = TextData::from_file(&path, config.data.train_fraction)?;
+    let mut gpt = config.model.gpt.clone();
+    let vocab = data.tokenizer.vocab_size();
+    if gpt.vocab_size == 0 {
+        gpt.vocab_size = vocab;
+    } else if gpt.vocab_size < vocab {
+        return Err(Error::config(format!(
+            "key `model.gpt.vocab_size`: {} is smaller than the {vocab} characters of {}",
+            gpt.vocab_size,
+            path.display()
+        )));
+    }
+    let block = gpt.block_size;
+    for (part, len) in [
+        ("training", data.train.len()),
+        ("validation", data.val.len()),
+    ] {
+        if len <= block + 1 {
+            return Err(Error::data(format!(
+                "{}: the {part} part holds {len} characters, fewer than one window of \
+                 model.gpt.block_size + 1 = {}",
+                path.display(),
+                block + 1
+            )));
+        }
+    }
+    let mut model = config.model.clone();
+    model.gpt = gpt.clone();
+    let spec = ModelSpec { model, input: None };
+    spec.validate().map_err(Error::config)?;
+    let rows = vec![
+        (
+            "data",
+            format!(
+                "{}: {} train / {} val characters, vocabulary {vocab}",
+                data.name,
+                data.train.len(),
+                data.val.len()
+            ),
+        ),
+        (
+            "model flops",
+            format!("{:.3e} per token (6N + 12LHQT)", gpt.flops_per_token()),
+        ),
+    ];
+    let eval = kiln_datasets::text::eval_starts(
+        data.val.len(),
+        block,
+        EVAL_SEED,
+        config.data.eval_windows,
+    );
+    let tokenizer = data.tokenizer.clone();
+    let workload = TextWorkload {
+        data,
+        config: gpt,
+        seed: config.run.seed,
+        eval,
+    };
+    launch(config, options, &workload, &spec, rows, |dir| {
+        Ok(tokenizer.save(&dir.join(TOKENIZER_FILE))?)
+    })
+}
+
+/// Seed of the fixed validation windows: the same for every run seed, so that runs are
+/// scored on the same text.
+const EVAL_SEED: u64 = 0x0e7a_1000;
+
+/// File of the tokenizer inside a text run's directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Everything a run does once its workload is built: devices, run directory, table, the
+/// trainer, the exported model and the summary.
+fn launch<W>(
+    config: &RootConfig,
+    options: &RunOptions,
+    workload: &W,
+    spec: &ModelSpec,
+    rows: Vec<(&str, String)>,
+    save_extra: impl FnOnce(&Path) -> Result<()>,
+) -> Result<RunResult>
+where
+    W: Workload,
+    W::Model: burn::store::ModuleSnapshot,
+{
     let (devices, accelerator) = resolve_devices(&config.hardware)?;
     for d in &devices {
         if !d.supports_dtype(burn::tensor::DType::F32) {
@@ -158,12 +292,12 @@ pub fn train(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
     write_atomic(&run_dir.join("config.toml"), saved.to_toml().as_bytes())?;
     write_atomic(
         &run_dir.join(SPEC_FILE),
-        toml::to_string_pretty(&spec)
+        toml::to_string_pretty(spec)
             .expect("spec serialises")
             .as_bytes(),
     )?;
+    save_extra(&run_dir)?;
 
-    let workload = ImageWorkload { spec, splits };
     let strategy = config.strategy();
     let settings = TrainerSettings {
         train: config.train.clone(),
@@ -180,10 +314,10 @@ pub fn train(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
         accelerator: accelerator.clone(),
     };
     if options.verbose {
-        print_table(config, &workload, &settings, &run_dir);
+        print_table(config, workload, &settings, &run_dir, rows);
     }
 
-    let (summary, model) = fit(&workload, &settings)?;
+    let (summary, model) = fit(workload, &settings)?;
     export_model(&run_dir, &model)?;
     let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");
     write_atomic(&run_dir.join("summary.json"), &json)?;
@@ -191,6 +325,82 @@ pub fn train(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
         dir: run_dir,
         summary,
     })
+}
+
+/// Character-level language modelling: a [`Gpt`] on random windows of a text.
+pub struct TextWorkload {
+    /// The tokenised text.
+    pub data: TextData,
+    /// The model (vocabulary size resolved).
+    pub config: GptConfig,
+    /// Seed of the window sampling.
+    pub seed: u64,
+    /// Start offsets of the fixed validation windows.
+    pub eval: Vec<usize>,
+}
+
+impl TextWorkload {
+    fn windows(&self, tokens: &[u32], starts: &[usize], device: &Device) -> TokenBatch {
+        let t = self.config.block_size;
+        let mut inputs = Vec::with_capacity(starts.len() * t);
+        let mut targets = Vec::with_capacity(starts.len() * t);
+        for &s in starts {
+            inputs.extend(tokens[s..s + t].iter().map(|&x| i64::from(x)));
+            targets.extend(tokens[s + 1..s + t + 1].iter().map(|&x| i64::from(x)));
+        }
+        let n = starts.len();
+        TokenBatch {
+            inputs: Tensor::from_data(TensorData::new(inputs, [n, t]), device),
+            targets: Tensor::from_data(TensorData::new(targets, [n, t]), device),
+        }
+    }
+}
+
+impl Workload for TextWorkload {
+    type Model = Gpt;
+    type Batch = TokenBatch;
+
+    fn init_model(&self, device: &Device) -> Gpt {
+        self.config.init(device)
+    }
+
+    /// One "epoch" is as many windows as the training text has blocks.
+    fn train_len(&self) -> usize {
+        (self.data.train.len() / self.config.block_size).max(1)
+    }
+
+    fn train_batch(&self, starts: &[usize], device: &Device) -> TokenBatch {
+        self.windows(&self.data.train, starts, device)
+    }
+
+    fn eval_len(&self) -> usize {
+        self.eval.len()
+    }
+
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> TokenBatch {
+        self.windows(&self.data.val, &self.eval[range], device)
+    }
+
+    fn sample(
+        &self,
+        micro_step: usize,
+        rank: usize,
+        world: usize,
+        batch: usize,
+    ) -> Option<Vec<usize>> {
+        let all = kiln_datasets::text::window_starts(
+            self.data.train.len(),
+            self.config.block_size,
+            self.seed,
+            micro_step as u64,
+            world * batch,
+        );
+        Some(all[rank * batch..(rank + 1) * batch].to_vec())
+    }
+
+    fn tokens_per_sample(&self) -> Option<usize> {
+        Some(self.config.block_size)
+    }
 }
 
 /// Writes the final weights as burnpack and SafeTensors, each atomically.
@@ -207,14 +417,6 @@ pub fn export_model<M: Module + burn::store::ModuleSnapshot>(
     let tmp = run_dir.join(format!(".{SAFETENSORS_FILE}.tmp"));
     save_safetensors(model, &tmp).map_err(|e| Error::checkpoint(e.to_string()))?;
     std::fs::rename(&tmp, run_dir.join(SAFETENSORS_FILE)).map_err(|e| Error::io(run_dir, e))
-}
-
-/// The config spelling of an enum value.
-fn name_of<T: serde::Serialize>(v: &T) -> String {
-    toml::Value::try_from(v)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_default()
 }
 
 fn strategy_name(s: StrategyKind) -> &'static str {
@@ -269,7 +471,13 @@ pub fn resolve_resume(path: &Path) -> Result<(PathBuf, PathBuf)> {
     Ok((path.to_path_buf(), dir))
 }
 
-fn print_table(config: &RootConfig, w: &ImageWorkload, s: &TrainerSettings, run_dir: &Path) {
+fn print_table<W: Workload>(
+    config: &RootConfig,
+    w: &W,
+    s: &TrainerSettings,
+    run_dir: &Path,
+    extra: Vec<(&str, String)>,
+) {
     let world = s.devices.len();
     let t = &s.train;
     let per_step = t.batch_size * world * t.accumulate;
@@ -284,8 +492,7 @@ fn print_table(config: &RootConfig, w: &ImageWorkload, s: &TrainerSettings, run_
     .steps_per_epoch();
     let total = total_steps(t, spe);
     let params = w.init_model(&Device::flex()).num_params();
-    let train: &ImageDataset = &w.splits.train;
-    let rows = [
+    let mut rows = vec![
         ("run", run_dir.display().to_string()),
         ("accelerator", s.accelerator.clone()),
         (
@@ -316,20 +523,9 @@ fn print_table(config: &RootConfig, w: &ImageWorkload, s: &TrainerSettings, run_
             "model",
             format!("{}, {params} parameters", name_of(&config.model.kind)),
         ),
-        (
-            "data",
-            format!(
-                "{}: {} train / {} test, {}x{}, {} classes",
-                w.splits.name,
-                train.len(),
-                w.splits.test.len(),
-                train.height,
-                train.width,
-                train.num_classes
-            ),
-        ),
-        ("steps", format!("{spe} per epoch, {total} in all")),
     ];
+    rows.extend(extra);
+    rows.push(("steps", format!("{spe} per epoch, {total} in all")));
     println!("kiln");
     for (k, v) in rows {
         println!("  {k:<12} {v}");

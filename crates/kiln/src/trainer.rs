@@ -46,6 +46,23 @@ pub trait Workload: Sync {
     fn eval_len(&self) -> usize;
     /// The evaluation batch of samples `range` on `device`.
     fn eval_batch(&self, range: Range<usize>, device: &Device) -> Self::Batch;
+    /// The samples rank `rank` of `world` trains on at global micro-step `micro_step`
+    /// (`step × accumulate + micro`), `batch` of them, for workloads that draw their own (text
+    /// windows from seed and step). `None`, the default, uses the epoch-shuffled sampler.
+    fn sample(
+        &self,
+        micro_step: usize,
+        rank: usize,
+        world: usize,
+        batch: usize,
+    ) -> Option<Vec<usize>> {
+        let _ = (micro_step, rank, world, batch);
+        None
+    }
+    /// Tokens in one sample, for workloads that count throughput in tokens.
+    fn tokens_per_sample(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// What the loop needs besides the workload.
@@ -147,7 +164,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
         }
         initial = checkpoint::load_model(dir, initial)?;
         // Fail before the workers start if the optimizer state is unreadable.
-        checkpoint::load_optimizer(dir, build_optimizer(&settings.optim))?;
+        checkpoint::load_optimizer(dir, build_optimizer(&settings.optim, &initial))?;
         start = state;
         start.seed = settings.seed;
     }
@@ -302,7 +319,7 @@ impl<W: Workload> Worker<'_, W> {
         let lead = rank == 0;
 
         let mut model = self.workload.init_model(&self.device).load_record(weights);
-        let mut optim = build_optimizer(&s.optim);
+        let mut optim = build_optimizer(&s.optim, &model);
         if let Some(dir) = &s.resume_from {
             optim = checkpoint::load_optimizer(dir, optim)?;
         }
@@ -343,7 +360,11 @@ impl<W: Workload> Worker<'_, W> {
             let mut accumulator = GradientsAccumulator::new();
             for micro in 0..t.accumulate {
                 let t0 = Instant::now();
-                let indices = self.sampler.indices(&order, step_in_epoch, micro, rank);
+                let micro_step = step * t.accumulate + micro;
+                let indices = self
+                    .workload
+                    .sample(micro_step, rank, world, t.batch_size)
+                    .unwrap_or_else(|| self.sampler.indices(&order, step_in_epoch, micro, rank));
                 let batch = self.workload.train_batch(&indices, &self.device);
                 let t1 = Instant::now();
                 let out: StepOutput = model.step(batch);
@@ -403,7 +424,7 @@ impl<W: Workload> Worker<'_, W> {
                 let rate = window.samples as f64 / elapsed.max(1e-9);
                 let per = |x: f64| x / window.steps as f64;
                 if let Some(m) = metrics.as_mut() {
-                    m.write(&record(&[
+                    let mut r = record(&[
                         ("step", json!(step)),
                         ("epoch", json!(epoch)),
                         ("split", json!("train")),
@@ -414,7 +435,11 @@ impl<W: Workload> Worker<'_, W> {
                         ("time_compute", num(per(window.compute))),
                         ("time_sync", num(per(window.sync))),
                         ("time_optim", num(per(window.optim))),
-                    ]))?;
+                    ]);
+                    if let Some(tokens) = self.workload.tokens_per_sample() {
+                        r.insert("tokens_per_sec".into(), num(rate * tokens as f64));
+                    }
+                    m.write(&r)?;
                 }
                 if let Some(p) = &progress {
                     p.update(

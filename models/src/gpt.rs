@@ -1,0 +1,457 @@
+//! A small decoder-only transformer in the nanoGPT shape: token and learned position
+//! embeddings, pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP with
+//! residual connections, a final LayerNorm and an output head tied to the token embedding.
+
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Gelu, Initializer, LayerNorm,
+    LayerNormConfig, Linear, LinearConfig,
+};
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::{StepOutput, TrainStep};
+
+/// Architecture of a [`Gpt`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GptConfig {
+    /// Number of transformer blocks. Default 4.
+    pub n_layer: usize,
+    /// Attention heads per block. Default 4.
+    pub n_head: usize,
+    /// Width of the residual stream. Default 128.
+    pub n_embd: usize,
+    /// Longest context, in tokens. Default 64.
+    pub block_size: usize,
+    /// Vocabulary size; 0 takes it from the data's tokenizer. Default 0.
+    pub vocab_size: usize,
+    /// Dropout probability after attention, MLP and embeddings. Default 0.
+    pub dropout: f64,
+    /// Whether linear layers and LayerNorms have biases. Default false.
+    pub bias: bool,
+}
+
+impl Default for GptConfig {
+    fn default() -> Self {
+        Self {
+            n_layer: 4,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 64,
+            vocab_size: 0,
+            dropout: 0.0,
+            bias: false,
+        }
+    }
+}
+
+/// A batch of token windows: `targets` are `inputs` shifted by one position.
+#[derive(Debug, Clone)]
+pub struct TokenBatch {
+    /// Token ids, shape `[batch, time]`.
+    pub inputs: Tensor<2, Int>,
+    /// Next-token ids, shape `[batch, time]`.
+    pub targets: Tensor<2, Int>,
+}
+
+/// Causal multi-head self-attention.
+#[derive(Module, Debug)]
+pub struct CausalSelfAttention {
+    qkv: Linear,
+    proj: Linear,
+    dropout: Dropout,
+    n_head: usize,
+}
+
+impl CausalSelfAttention {
+    /// `[batch, time, n_embd]` → `[batch, time, n_embd]`; position t attends to 0..=t only.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, t, c] = x.dims();
+        let h = self.n_head;
+        let d = c / h;
+        let qkv = self.qkv.forward(x);
+        let split = |i: usize| {
+            qkv.clone()
+                .slice([0..b, 0..t, i * c..(i + 1) * c])
+                .reshape([b, t, h, d])
+                .swap_dims(1, 2)
+        };
+        let (q, k, v) = (split(0), split(1), split(2));
+        let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((d as f32).sqrt());
+        let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
+            .reshape([1, 1, t, t])
+            .expand([b, h, t, t]);
+        let weights =
+            burn::tensor::activation::softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
+        let weights = self.dropout.forward(weights);
+        let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, c]);
+        self.dropout.forward(self.proj.forward(y))
+    }
+}
+
+/// The position-wise MLP: `n_embd → 4·n_embd → GELU → n_embd`.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    fc: Linear,
+    proj: Linear,
+    activation: Gelu,
+    dropout: Dropout,
+}
+
+impl Mlp {
+    /// Applies the MLP to every position.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = self.activation.forward(self.fc.forward(x));
+        self.dropout.forward(self.proj.forward(x))
+    }
+}
+
+/// One pre-LayerNorm transformer block.
+#[derive(Module, Debug)]
+pub struct Block {
+    ln_1: LayerNorm,
+    attn: CausalSelfAttention,
+    ln_2: LayerNorm,
+    mlp: Mlp,
+}
+
+impl Block {
+    /// `x + attn(ln(x))`, then `x + mlp(ln(x))`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = x.clone() + self.attn.forward(self.ln_1.forward(x));
+        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+    }
+}
+
+/// The decoder-only transformer.
+#[derive(Module, Debug)]
+pub struct Gpt {
+    /// Token embedding, also the output head (weight tying).
+    pub wte: Embedding,
+    /// Learned position embedding.
+    pub wpe: Embedding,
+    drop: Dropout,
+    /// The block stack, exposed so that recomputation can wrap blocks from outside.
+    pub blocks: Vec<Block>,
+    /// Final LayerNorm.
+    pub ln_f: LayerNorm,
+}
+
+impl GptConfig {
+    /// Checks the configuration, with the vocabulary size already resolved.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_embd", self.n_embd),
+            ("block_size", self.block_size),
+            ("vocab_size", self.vocab_size),
+        ];
+        for (key, v) in positive {
+            if v == 0 {
+                return Err(format!("model.gpt.{key} must be at least 1, got 0"));
+            }
+        }
+        if !self.n_embd.is_multiple_of(self.n_head) {
+            return Err(format!(
+                "model.gpt.n_embd ({}) must be a multiple of model.gpt.n_head ({})",
+                self.n_embd, self.n_head
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(format!(
+                "model.gpt.dropout must be in [0, 1), got {}",
+                self.dropout
+            ));
+        }
+        Ok(())
+    }
+
+    /// Builds the model on `device` with nanoGPT's initialisation: N(0, 0.02) weights, residual
+    /// output projections scaled by 1/√(2·n_layer), zero biases, unit LayerNorm gains.
+    pub fn init(&self, device: &Device) -> Gpt {
+        let std = 0.02;
+        let normal = |std: f64| Initializer::Normal { mean: 0.0, std };
+        let residual = normal(std / (2.0 * self.n_layer as f64).sqrt());
+        let linear = |i: usize, o: usize, init: Initializer| {
+            let mut l = LinearConfig::new(i, o)
+                .with_bias(self.bias)
+                .with_initializer(init)
+                .init(device);
+            if let Some(bias) = l.bias.take() {
+                l.bias = Some(bias.map(|b| b.zeros_like()));
+            }
+            l
+        };
+        let ln = || {
+            LayerNormConfig::new(self.n_embd)
+                .with_bias(self.bias)
+                .init(device)
+        };
+        let dropout = || DropoutConfig::new(self.dropout).init();
+        let c = self.n_embd;
+        let blocks = (0..self.n_layer)
+            .map(|_| Block {
+                ln_1: ln(),
+                attn: CausalSelfAttention {
+                    qkv: linear(c, 3 * c, normal(std)),
+                    proj: linear(c, c, residual.clone()),
+                    dropout: dropout(),
+                    n_head: self.n_head,
+                },
+                ln_2: ln(),
+                mlp: Mlp {
+                    fc: linear(c, 4 * c, normal(std)),
+                    proj: linear(4 * c, c, residual.clone()),
+                    activation: Gelu::new(),
+                    dropout: dropout(),
+                },
+            })
+            .collect();
+        Gpt {
+            wte: EmbeddingConfig::new(self.vocab_size, c)
+                .with_initializer(normal(std))
+                .init(device),
+            wpe: EmbeddingConfig::new(self.block_size, c)
+                .with_initializer(normal(std))
+                .init(device),
+            drop: dropout(),
+            blocks,
+            ln_f: ln(),
+        }
+    }
+
+    /// Parameters of the model this config builds (weights tied, so the head adds none).
+    pub fn num_params(&self) -> usize {
+        let c = self.n_embd;
+        let bias = usize::from(self.bias);
+        let linear = |i: usize, o: usize| i * o + bias * o;
+        let ln = c + bias * c;
+        let block = 2 * ln + linear(c, 3 * c) + linear(c, c) + linear(c, 4 * c) + linear(4 * c, c);
+        self.vocab_size * c + self.block_size * c + self.n_layer * block + ln
+    }
+
+    /// Training FLOPs per token as nanoGPT estimates them: 6·N + 12·L·H·Q·T, with N the
+    /// parameters without the position embedding, Q the head size and T the context length.
+    pub fn flops_per_token(&self) -> f64 {
+        let n = (self.num_params() - self.block_size * self.n_embd) as f64;
+        let (l, h, q, t) = (
+            self.n_layer as f64,
+            self.n_head as f64,
+            (self.n_embd / self.n_head) as f64,
+            self.block_size as f64,
+        );
+        6.0 * n + 12.0 * l * h * q * t
+    }
+}
+
+impl Gpt {
+    /// Runs the embeddings: `[batch, time]` token ids → `[batch, time, n_embd]`.
+    pub fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [b, t] = tokens.dims();
+        let positions = Tensor::<1, Int>::arange(0..t as i64, &tokens.device())
+            .reshape([1, t])
+            .expand([b, t]);
+        self.drop
+            .forward(self.wte.forward(tokens) + self.wpe.forward(positions))
+    }
+
+    /// Final LayerNorm and the tied head: `[batch, time, n_embd]` → logits `[batch, time, vocab]`.
+    pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, t, c] = x.dims();
+        let x = self.ln_f.forward(x).reshape([b * t, c]);
+        let weight = self.wte.weight.val();
+        let vocab = weight.dims()[0];
+        x.matmul(weight.transpose()).reshape([b, t, vocab])
+    }
+
+    /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let mut x = self.embed(tokens);
+        for block in &self.blocks {
+            x = block.forward(x);
+        }
+        self.head(x)
+    }
+
+    /// Mean next-token cross-entropy of `logits` against `targets`.
+    pub fn loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let [b, t, v] = logits.dims();
+        burn::nn::loss::CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.reshape([b * t, v]), targets.reshape([b * t]))
+    }
+
+    /// Continues `prompt` by `tokens` ids, sampling from the softmax at `temperature`
+    /// restricted to the `top_k` most likely ids (all when `None`). `uniform` supplies
+    /// numbers in [0, 1), so that sampling is reproducible.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        block_size: usize,
+        mut uniform: impl FnMut() -> f64,
+    ) -> Vec<u32> {
+        let device = self.wte.weight.val().device();
+        let mut ids: Vec<u32> = prompt.to_vec();
+        for _ in 0..tokens {
+            let start = ids.len().saturating_sub(block_size);
+            let context: Vec<i64> = ids[start..].iter().map(|&i| i64::from(i)).collect();
+            let t = context.len();
+            let input = Tensor::<2, Int>::from_data(TensorData::new(context, [1, t]), &device);
+            let logits = self.forward(input).slice([0..1, t - 1..t]).reshape([-1]);
+            let logits: Vec<f32> = logits.into_data().iter::<f32>().collect();
+            ids.push(sample(&logits, temperature, top_k, uniform()));
+        }
+        ids
+    }
+}
+
+/// Draws an id from `softmax(logits / temperature)` over the `top_k` largest logits, using one
+/// uniform number `u` in [0, 1). A temperature of 0 picks the most likely id.
+pub fn sample(logits: &[f32], temperature: f64, top_k: Option<usize>, u: f64) -> u32 {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    if temperature <= 0.0 {
+        return order[0] as u32;
+    }
+    let keep = top_k.unwrap_or(logits.len()).clamp(1, logits.len());
+    let top = &order[..keep];
+    let max = f64::from(logits[top[0]]);
+    let weights: Vec<f64> = top
+        .iter()
+        .map(|&i| ((f64::from(logits[i]) - max) / temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut target = u * total;
+    for (&i, w) in top.iter().zip(&weights) {
+        if target < *w {
+            return i as u32;
+        }
+        target -= w;
+    }
+    top[keep - 1] as u32
+}
+
+impl TrainStep<TokenBatch> for Gpt {
+    fn step(&self, batch: TokenBatch) -> StepOutput {
+        let samples = batch.inputs.dims()[0];
+        let logits = self.forward(batch.inputs);
+        StepOutput {
+            loss: Gpt::loss(logits, batch.targets),
+            correct: None,
+            samples,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> GptConfig {
+        GptConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            block_size: 8,
+            vocab_size: 11,
+            dropout: 0.0,
+            bias: true,
+        }
+    }
+
+    fn tokens(ids: &[i64], device: &Device) -> Tensor<2, Int> {
+        Tensor::from_data(TensorData::new(ids.to_vec(), [1, ids.len()]), device)
+    }
+
+    #[test]
+    fn no_position_sees_the_future() {
+        let device = Device::flex();
+        let model = tiny().init(&device);
+        let a = [1, 2, 3, 4, 5, 6, 7, 8];
+        let mut b = a;
+        b[5] = 9;
+        let la = model
+            .forward(tokens(&a, &device))
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        let lb = model
+            .forward(tokens(&b, &device))
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        let v = 11;
+        // Positions 0..5 are bit-identical; position 5 and later change.
+        assert_eq!(la[..5 * v], lb[..5 * v]);
+        assert_ne!(la[5 * v..6 * v], lb[5 * v..6 * v]);
+    }
+
+    #[test]
+    fn head_is_tied_to_the_token_embedding() {
+        let device = Device::flex();
+        let config = tiny();
+        let model = config.init(&device);
+        assert_eq!(model.num_params(), config.num_params());
+        // Zeroing the embedding row of token 3 makes its logit exactly zero everywhere.
+        let mut model = model;
+        let weight = model.wte.weight.val();
+        let mask = Tensor::<2>::ones([11, 16], &device)
+            .slice_assign([3..4, 0..16], Tensor::zeros([1, 16], &device));
+        model.wte.weight = model.wte.weight.map(|_| weight * mask);
+        let logits = model.forward(tokens(&[1, 2, 4], &device));
+        let column: Vec<f32> = logits
+            .slice([0..1, 0..3, 3..4])
+            .into_data()
+            .try_to_vec()
+            .unwrap();
+        assert!(column.iter().all(|&x| x == 0.0), "{column:?}");
+    }
+
+    #[test]
+    fn untrained_loss_is_about_ln_vocab() {
+        let device = Device::flex();
+        let mut config = tiny();
+        config.vocab_size = 65;
+        let model = config.init(&device);
+        let ids: Vec<i64> = (0..8 * 4).map(|i| (i * 7 % 65) as i64).collect();
+        let inputs = Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [4, 8]), &device);
+        let targets = Tensor::<2, Int>::from_data(
+            TensorData::new(ids.iter().map(|i| (i + 1) % 65).collect::<Vec<_>>(), [4, 8]),
+            &device,
+        );
+        let loss: f32 = Gpt::loss(model.forward(inputs), targets).into_scalar();
+        let expected = (65f32).ln();
+        assert!(
+            (loss - expected).abs() < 0.05 * expected,
+            "{loss} vs ln 65 = {expected}"
+        );
+    }
+
+    #[test]
+    fn flops_follow_the_estimate() {
+        let c = GptConfig {
+            vocab_size: 65,
+            ..GptConfig::default()
+        };
+        let n = (c.num_params() - 64 * 128) as f64;
+        assert_eq!(
+            c.flops_per_token(),
+            6.0 * n + 12.0 * 4.0 * 4.0 * 32.0 * 64.0
+        );
+    }
+
+    #[test]
+    fn sampling_respects_temperature_and_top_k() {
+        let logits = [0.0, 5.0, 1.0, 4.0];
+        assert_eq!(sample(&logits, 0.0, None, 0.7), 1);
+        for u in [0.0, 0.3, 0.6, 0.99] {
+            let id = sample(&logits, 1.0, Some(2), u);
+            assert!(id == 1 || id == 3, "{id}");
+        }
+        assert_eq!(sample(&logits, 1.0, Some(1), 0.99), 1);
+    }
+}
