@@ -88,6 +88,8 @@ pub struct TrainerSettings {
     pub run_dir: PathBuf,
     /// Checkpoint directory to continue from.
     pub resume_from: Option<PathBuf>,
+    /// Show progress (a bar on a terminal, log lines otherwise) on rank 0.
+    pub progress: bool,
     /// Strategy name for the summary.
     pub strategy: String,
     /// Accelerator name for the summary.
@@ -129,6 +131,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
         )));
     }
     let total = total_steps(t, spe);
+    std::fs::create_dir_all(&settings.run_dir).map_err(|e| Error::io(&settings.run_dir, e))?;
 
     // Rank 0's initial weights (or the checkpoint's) are what every replica starts from.
     let main_device = settings.devices[0].clone().autodiff();
@@ -334,7 +337,7 @@ impl<W: Workload> Worker<'_, W> {
         } else {
             None
         };
-        let progress = lead.then(|| Progress::new(self.total, start.step));
+        let progress = (lead && s.progress).then(|| Progress::new(self.total, start.step));
 
         let mut step = start.step;
         let mut epoch = start.epoch;
@@ -394,10 +397,6 @@ impl<W: Workload> Worker<'_, W> {
                 grads = clip_global_norm(&model, grads, max_norm);
             }
             model = optim.step(lr, model, grads);
-            if world > 1 {
-                sync_running_state(&model);
-                model = self.average_buffers(model)?;
-            }
             window.sync += (t3 - t2).as_secs_f64();
             window.optim += t3.elapsed().as_secs_f64();
 
@@ -454,6 +453,7 @@ impl<W: Workload> Worker<'_, W> {
             let periodic_val = t.val_every.is_some_and(|n| step.is_multiple_of(n));
             if epoch_end || periodic_val || last {
                 let val_started = Instant::now();
+                model = self.settle_buffers(model)?;
                 let v = self.validate(&model)?;
                 validated_at = Some(step);
                 last_val = Some(v);
@@ -482,8 +482,8 @@ impl<W: Workload> Worker<'_, W> {
             }
 
             if t.checkpoint_every.is_some_and(|n| step.is_multiple_of(n)) || last {
+                model = self.settle_buffers(model)?;
                 if lead {
-                    sync_running_state(&model);
                     let state = LoopState {
                         step,
                         epoch,
@@ -502,6 +502,7 @@ impl<W: Workload> Worker<'_, W> {
             }
         }
 
+        model = self.settle_buffers(model)?;
         if validated_at != Some(step) && self.workload.eval_len() > 0 && step > 0 {
             last_val = Some(self.validate(&model)?);
         }
@@ -559,8 +560,21 @@ impl<W: Workload> Worker<'_, W> {
         Ok(parts_to_grads(model, reduced))
     }
 
-    /// Averages the buffers (float state that is not trained, e.g. BatchNorm running
-    /// statistics) over ranks, so that every replica evaluates and saves one model.
+    /// Brings the buffers (float state that is not trained, e.g. BatchNorm running statistics)
+    /// up to date and, with several replicas, to their mean over ranks, so that every replica
+    /// evaluates and saves one model. Running statistics are exponential moving averages,
+    /// which are linear: averaging them only before they are used gives the same values as
+    /// averaging after every step, without a collective in every step.
+    fn settle_buffers(&self, model: W::Model) -> Result<W::Model> {
+        sync_running_state(&model);
+        if self.world() > 1 {
+            self.average_buffers(model)
+        } else {
+            Ok(model)
+        }
+    }
+
+    /// Averages the buffers over ranks.
     fn average_buffers(&self, model: W::Model) -> Result<W::Model> {
         let mut values = collect_floats(&model, false);
         if values.is_empty() {
