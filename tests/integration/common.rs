@@ -77,3 +77,26 @@ pub fn assert_one_line_error(out: &Output, needles: &[&str]) {
     }
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// Largest per-tensor relative difference.
+pub fn max_relative_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    assert!(
+        !a.is_empty() && a.iter().all(|t| !t.is_empty()),
+        "no parameters to compare"
+    );
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            assert_eq!(x.len(), y.len());
+            let diff: f64 = x
+                .iter()
+                .zip(y)
+                .map(|(p, q)| f64::from(p - q).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            let norm: f64 = y.iter().map(|q| f64::from(*q).powi(2)).sum::<f64>().sqrt();
+            diff / norm.max(1e-12)
+        })
+        .fold(0.0, f64::max)
+}

@@ -12,7 +12,7 @@ use kiln::run::{ImageWorkload, RunOptions, train};
 use kiln::trainer::{TrainerSettings, Workload, fit, parameter_values};
 use kiln_models::{Classifier, ImageBatch, ModelSpec, load_run};
 
-use crate::common::{small_config, temp_dir, train_bin, train_losses};
+use crate::common::{max_relative_diff, small_config, temp_dir, train_bin, train_losses};
 
 const PARITY: f64 = 1e-5;
 
@@ -22,29 +22,6 @@ fn final_params(dir: &std::path::Path, overrides: &[&str]) -> Vec<Vec<f32>> {
     let result = train(&config, &RunOptions::default()).unwrap();
     let model = load_run(&result.dir, &Device::flex()).unwrap();
     parameter_values(&model)
-}
-
-/// Largest per-tensor relative difference.
-fn max_relative_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    assert!(
-        !a.is_empty() && a.iter().all(|t| !t.is_empty()),
-        "no parameters to compare"
-    );
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            assert_eq!(x.len(), y.len());
-            let diff: f64 = x
-                .iter()
-                .zip(y)
-                .map(|(p, q)| f64::from(p - q).powi(2))
-                .sum::<f64>()
-                .sqrt();
-            let norm: f64 = y.iter().map(|q| f64::from(*q).powi(2)).sum::<f64>().sqrt();
-            diff / norm.max(1e-12)
-        })
-        .fold(0.0, f64::max)
 }
 
 fn parity_case(

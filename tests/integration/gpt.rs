@@ -7,7 +7,7 @@ use burn::prelude::*;
 use kiln::run::{RunOptions, train};
 use kiln::trainer::parameter_values;
 
-use crate::common::{assert_one_line_error, metrics, temp_dir, train_bin};
+use crate::common::{assert_one_line_error, max_relative_diff, metrics, temp_dir, train_bin};
 
 /// A small text with structure worth learning.
 fn text_file(dir: &Path) -> PathBuf {
@@ -57,22 +57,20 @@ fn gpt_learns_a_small_text_and_samples_from_the_run() {
     assert!(result.summary.val_loss.unwrap() < first);
     assert!(result.dir.join("tokenizer.json").is_file());
 
-    let out = train_bin(
-        &dir,
-        &[
-            "sample",
-            "--run",
-            "run",
-            "--prompt",
-            "the wh",
-            "--tokens",
-            "30",
-            "--temperature",
-            "0.5",
-            "--top-k",
-            "5",
-        ],
-    );
+    let sample_args = [
+        "sample",
+        "--run",
+        "run",
+        "--prompt",
+        "the wh",
+        "--tokens",
+        "30",
+        "--temperature",
+        "0.5",
+        "--top-k",
+        "5",
+    ];
+    let out = train_bin(&dir, &sample_args);
     assert!(
         out.status.success(),
         "{}",
@@ -85,22 +83,7 @@ fn gpt_learns_a_small_text_and_samples_from_the_run() {
         "{generated:?}"
     );
     // The same seed samples the same text.
-    let again = train_bin(
-        &dir,
-        &[
-            "sample",
-            "--run",
-            "run",
-            "--prompt",
-            "the wh",
-            "--tokens",
-            "30",
-            "--temperature",
-            "0.5",
-            "--top-k",
-            "5",
-        ],
-    );
+    let again = train_bin(&dir, &sample_args);
     assert_eq!(String::from_utf8(again.stdout).unwrap(), generated);
 
     let out = train_bin(&dir, &["sample", "--run", "run", "--prompt", "Ω"]);
@@ -137,16 +120,8 @@ fn gpt_windows_do_not_depend_on_the_device_count() {
     let device = Device::flex();
     let a = parameter_values(&kiln_models::load_gpt_run(&one.dir, &device).unwrap().0);
     let b = parameter_values(&kiln_models::load_gpt_run(&two.dir, &device).unwrap().0);
-    for (x, y) in a.iter().zip(&b) {
-        let diff: f64 = x
-            .iter()
-            .zip(y)
-            .map(|(p, q)| f64::from(p - q).powi(2))
-            .sum::<f64>()
-            .sqrt();
-        let norm: f64 = y.iter().map(|q| f64::from(*q).powi(2)).sum::<f64>().sqrt();
-        assert!(diff <= 1e-5 * norm, "relative difference {}", diff / norm);
-    }
+    let d = max_relative_diff(&b, &a);
+    assert!(d <= 1e-5, "max per-tensor relative difference {d:e}");
 }
 
 #[test]
