@@ -240,6 +240,7 @@ fn a_failing_worker_stops_every_rank_with_its_message() {
         split_cpu_threads: true,
         run_dir: dir.clone(),
         resume_from: None,
+        sinks: vec![kiln::config::SinkKind::Jsonl],
         progress: false,
         strategy: "ddp".into(),
         accelerator: "cpu".into(),

@@ -112,6 +112,7 @@ fn gpt_windows_do_not_depend_on_the_device_count() {
                 "train.batch_size=4",
                 "hardware.devices=2",
                 "train.check_replicas=true",
+                "train.log_every=1",
             ],
         ),
         &RunOptions::default(),
@@ -122,6 +123,47 @@ fn gpt_windows_do_not_depend_on_the_device_count() {
     let b = parameter_values(&kiln_models::load_gpt_run(&two.dir, &device).unwrap().0);
     let d = max_relative_diff(&b, &a);
     assert!(d <= 1e-5, "max per-tensor relative difference {d:e}");
+
+    // The three metric sinks of the data-parallel run agree record for record.
+    let jsonl = kiln::metrics::read_metrics(&two.dir.join("metrics.jsonl")).unwrap();
+    let csv = std::fs::read_to_string(two.dir.join("metrics.csv")).unwrap();
+    let rows: Vec<Vec<&str>> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    assert_eq!(rows.len(), jsonl.len());
+    let tb_dir = two.dir.join("tb");
+    let event_file = std::fs::read_dir(&tb_dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let scalars = kiln::sinks::read_scalars(&event_file).unwrap();
+    assert_eq!(jsonl.iter().filter(|r| r["split"] == "train").count(), 5);
+    for (record, row) in jsonl.iter().zip(&rows) {
+        let step = record["step"].as_i64().unwrap();
+        let split = record["split"].as_str().unwrap();
+        let loss = record["loss"].as_f64().unwrap();
+        assert_eq!(row[0].parse::<i64>().unwrap(), step);
+        assert_eq!(row[2], split);
+        assert_eq!(row[3].parse::<f64>().unwrap(), loss);
+        let tag = format!("{split}/loss");
+        let logged: Vec<f32> = scalars
+            .iter()
+            .filter(|s| s.tag == tag && s.step == step)
+            .map(|s| s.value)
+            .collect();
+        assert_eq!(logged, vec![loss as f32], "{tag} at step {step}");
+        if split == "train" {
+            assert!(
+                scalars
+                    .iter()
+                    .any(|s| s.tag == "train/tokens_per_sec" && s.step == step)
+            );
+        }
+    }
 }
 
 #[test]

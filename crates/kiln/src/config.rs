@@ -31,6 +31,36 @@ pub struct RootConfig {
     pub hardware: HardwareConfig,
     /// Data-parallel settings.
     pub ddp: DdpConfig,
+    /// Monitoring: where metrics go.
+    pub monitor: MonitorConfig,
+}
+
+/// Where metrics records are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SinkKind {
+    /// `metrics.jsonl`, one JSON object per line.
+    Jsonl,
+    /// `metrics.csv`.
+    Csv,
+    /// TensorBoard event files under `tb/`.
+    Tensorboard,
+}
+
+/// `[monitor]`: monitoring settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MonitorConfig {
+    /// Metric sinks: any of `jsonl`, `csv`, `tensorboard`. Default all three.
+    pub sinks: Vec<SinkKind>,
+}
+
+impl Default for MonitorConfig {
+    fn default() -> Self {
+        Self {
+            sinks: vec![SinkKind::Jsonl, SinkKind::Csv, SinkKind::Tensorboard],
+        }
+    }
 }
 
 /// `[ddp]`: data-parallel settings.

@@ -15,6 +15,7 @@ pub mod error;
 pub mod metrics;
 pub mod optim;
 pub mod run;
+pub mod sinks;
 pub mod trainer;
 
 pub use config::RootConfig;

@@ -1,4 +1,5 @@
-//! Run output on rank 0: `metrics.jsonl`, `summary.json` and the progress display.
+//! Run output on rank 0: metrics (`metrics.jsonl`, `metrics.csv`, TensorBoard), `summary.json`
+//! and the progress display.
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -7,47 +8,86 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
+use crate::config::SinkKind;
 use crate::error::{Error, Result};
+use crate::sinks::{CsvSink, TensorBoardSink};
 
-/// Appends one JSON object per line to `metrics.jsonl`.
+/// Rank 0's metric output: `metrics.jsonl` and the other configured sinks. A sink that fails
+/// to open or to write prints one warning and is dropped; training goes on.
 pub struct MetricsWriter {
-    path: PathBuf,
-    file: std::fs::File,
+    sinks: Vec<(SinkKind, Sink)>,
+}
+
+enum Sink {
+    Jsonl(PathBuf, std::fs::File),
+    Csv(CsvSink),
+    TensorBoard(TensorBoardSink),
 }
 
 impl MetricsWriter {
-    /// Opens `run_dir/metrics.jsonl`, keeping only lines whose `step` is at most `keep_until`
-    /// (so that a resumed run continues the file without the steps it will redo).
-    pub fn open(run_dir: &Path, keep_until: Option<usize>) -> Result<Self> {
-        let path = run_dir.join("metrics.jsonl");
-        let kept: Vec<String> = match keep_until {
-            Some(limit) if path.exists() => {
-                let f = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
-                std::io::BufReader::new(f)
-                    .lines()
-                    .map_while(std::result::Result::ok)
-                    .filter(|line| {
-                        serde_json::from_str::<Value>(line)
-                            .ok()
-                            .and_then(|v| v.get("step").and_then(Value::as_u64))
-                            .is_some_and(|s| s as usize <= limit)
-                    })
-                    .collect()
+    /// Opens the sinks in `run_dir`, keeping the records of an earlier run up to step
+    /// `keep_until` (so that a resumed run continues its files without the steps it redoes).
+    pub fn open(run_dir: &Path, kinds: &[SinkKind], keep_until: Option<usize>) -> Self {
+        let mut sinks = Vec::new();
+        for &kind in kinds {
+            let opened = match kind {
+                SinkKind::Jsonl => open_jsonl(run_dir, keep_until).map(|(p, f)| Sink::Jsonl(p, f)),
+                SinkKind::Csv => CsvSink::open(run_dir, keep_until).map(Sink::Csv),
+                SinkKind::Tensorboard => TensorBoardSink::open(run_dir).map(Sink::TensorBoard),
+            };
+            match opened {
+                Ok(sink) => sinks.push((kind, sink)),
+                Err(e) => eprintln!("warning: metrics sink {kind:?} disabled: {e}"),
             }
-            _ => Vec::new(),
-        };
-        let mut file = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
-        for line in kept {
-            writeln!(file, "{line}").map_err(|e| Error::io(&path, e))?;
         }
-        Ok(Self { path, file })
+        Self { sinks }
     }
 
-    /// Writes one record.
-    pub fn write(&mut self, record: &Map<String, Value>) -> Result<()> {
-        let line = serde_json::to_string(record).expect("metrics serialise");
-        writeln!(self.file, "{line}").map_err(|e| Error::io(&self.path, e))
+    /// Writes one record to every sink still working.
+    pub fn write(&mut self, record: &Map<String, Value>) {
+        self.sinks.retain_mut(|(kind, sink)| {
+            let written = match sink {
+                Sink::Jsonl(path, file) => {
+                    let line = serde_json::to_string(record).expect("metrics serialise");
+                    writeln!(file, "{line}").map_err(|e| Error::io(path, e))
+                }
+                Sink::Csv(csv) => csv.write(record),
+                Sink::TensorBoard(tb) => tb.write(record),
+            };
+            match written {
+                Ok(()) => true,
+                Err(e) => {
+                    eprintln!("warning: metrics sink {kind:?} disabled: {e}");
+                    false
+                }
+            }
+        });
     }
+}
+
+fn open_jsonl(run_dir: &Path, keep_until: Option<usize>) -> Result<(PathBuf, std::fs::File)> {
+    let path = run_dir.join("metrics.jsonl");
+    let kept: Vec<String> = match keep_until {
+        Some(limit) if path.exists() => {
+            let f = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+            std::io::BufReader::new(f)
+                .lines()
+                .map_while(std::result::Result::ok)
+                .filter(|line| {
+                    serde_json::from_str::<Value>(line)
+                        .ok()
+                        .and_then(|v| v.get("step").and_then(Value::as_u64))
+                        .is_some_and(|s| s as usize <= limit)
+                })
+                .collect()
+        }
+        _ => Vec::new(),
+    };
+    let mut file = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
+    for line in kept {
+        writeln!(file, "{line}").map_err(|e| Error::io(&path, e))?;
+    }
+    Ok((path, file))
 }
 
 /// Reads every record of a `metrics.jsonl`.

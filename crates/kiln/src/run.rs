@@ -310,6 +310,7 @@ where
         split_cpu_threads: accelerator.starts_with("cpu"),
         run_dir: run_dir.clone(),
         resume_from: options.resume_from.clone(),
+        sinks: config.monitor.sinks.clone(),
         progress: options.verbose,
         strategy: strategy_name(strategy).into(),
         accelerator: accelerator.clone(),

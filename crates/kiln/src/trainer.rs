@@ -88,6 +88,8 @@ pub struct TrainerSettings {
     pub run_dir: PathBuf,
     /// Checkpoint directory to continue from.
     pub resume_from: Option<PathBuf>,
+    /// Where rank 0 writes metrics.
+    pub sinks: Vec<crate::config::SinkKind>,
     /// Show progress (a bar on a terminal, log lines otherwise) on rank 0.
     pub progress: bool,
     /// Strategy name for the summary.
@@ -333,7 +335,7 @@ impl<W: Workload> Worker<'_, W> {
         let buckets = buckets(&ParamLayout::of(&model), bucket_elements);
 
         let mut metrics = if lead {
-            Some(MetricsWriter::open(&s.run_dir, Some(start.step))?)
+            Some(MetricsWriter::open(&s.run_dir, &s.sinks, Some(start.step)))
         } else {
             None
         };
@@ -438,7 +440,7 @@ impl<W: Workload> Worker<'_, W> {
                     if let Some(tokens) = self.workload.tokens_per_sample() {
                         r.insert("tokens_per_sec".into(), num(rate * tokens as f64));
                     }
-                    m.write(&r)?;
+                    m.write(&r);
                 }
                 if let Some(p) = &progress {
                     p.update(
@@ -467,7 +469,7 @@ impl<W: Workload> Worker<'_, W> {
                     if let Some(acc) = v.1 {
                         r.insert("accuracy".into(), num(acc));
                     }
-                    m.write(&r)?;
+                    m.write(&r);
                 }
                 if let Some(p) = &progress {
                     let acc =

@@ -173,6 +173,7 @@ fn ddp(args: &[String]) -> Result<(), String> {
             split_cpu_threads: true,
             run_dir: dir.clone(),
             resume_from: None,
+            sinks: vec![kiln::config::SinkKind::Jsonl],
             progress: false,
             strategy: "bench".into(),
             accelerator: "cpu".into(),
