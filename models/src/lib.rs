@@ -21,6 +21,34 @@ pub use mlp::{Mlp, MlpConfig};
 
 use burn::prelude::*;
 
+/// Runs `f` — typically seeding a device and building a model — while no other caller of
+/// this function draws random numbers.
+///
+/// Burn's CPU random generator is process-wide, so two threads initialising models at once
+/// (two runs in one process, replicas starting, tests in parallel) would interleave their
+/// draws and make seeded initialisation irreproducible. Every model construction in kiln goes
+/// through here.
+pub fn with_rng<R>(f: impl FnOnce() -> R) -> R {
+    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = RNG.lock().unwrap_or_else(|p| p.into_inner());
+    f()
+}
+
+/// Forces the initialisation of every parameter of `module`.
+///
+/// Burn initialises parameters lazily, on first use; drawing their random values here, inside
+/// [`with_rng`], keeps them reproducible.
+pub fn materialized<M: Module>(module: M) -> M {
+    struct Touch;
+    impl burn::module::ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Touch);
+    module
+}
+
 /// A batch of images with their class labels.
 #[derive(Debug, Clone)]
 pub struct ImageBatch {

@@ -192,8 +192,7 @@ pub fn load_classifier(
             std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
         ));
     }
-    let model = spec
-        .classifier(device)
+    let model = crate::with_rng(|| spec.classifier(device))
         .map_err(|e| LoadError::Spec(weights.into(), e))?;
     let is_safetensors = weights.extension().is_some_and(|e| e == "safetensors");
     if is_safetensors {
@@ -231,9 +230,8 @@ pub fn load_gpt_run(run_dir: &Path, device: &Device) -> Result<(Gpt, GptConfig),
     let spec_path = run_dir.join(SPEC_FILE);
     let spec = read_spec(&spec_path)?;
     let weights = run_dir.join(WEIGHTS_FILE);
-    let model = spec
-        .gpt(device)
-        .map_err(|e| LoadError::Spec(spec_path.clone(), e))?;
+    let model =
+        crate::with_rng(|| spec.gpt(device)).map_err(|e| LoadError::Spec(spec_path.clone(), e))?;
     let model = model
         .try_load_file(&weights)
         .map_err(|e| LoadError::Weights(weights.clone(), one_line(&e)))?;

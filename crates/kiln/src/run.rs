@@ -493,7 +493,7 @@ fn print_table<W: Workload>(
     )
     .steps_per_epoch();
     let total = total_steps(t, spe);
-    let params = w.init_model(&Device::flex()).num_params();
+    let params = kiln_models::with_rng(|| w.init_model(&Device::flex())).num_params();
     let mut rows = vec![
         ("run", run_dir.display().to_string()),
         ("accelerator", s.accelerator.clone()),

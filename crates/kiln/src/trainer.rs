@@ -137,14 +137,12 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
 
     // Rank 0's initial weights (or the checkpoint's) are what every replica starts from.
     let main_device = settings.devices[0].clone().autodiff();
-    let mut initial = {
-        // Burn's CPU random generator is process-wide: keep two runs in one process (tests, an
-        // app training two models) from drawing from it between seeding and initialisation.
-        static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
+    // Seeding and initialisation happen under kiln-models' random-number lock, so that runs
+    // sharing the process cannot interleave their draws.
+    let mut initial = kiln_models::with_rng(|| {
         main_device.seed(settings.seed);
-        workload.init_model(&main_device)
-    };
+        kiln_models::materialized(workload.init_model(&main_device))
+    });
     let mut start = LoopState {
         step: 0,
         epoch: 0,
@@ -323,7 +321,13 @@ impl<W: Workload> Worker<'_, W> {
         let world = self.world();
         let lead = rank == 0;
 
-        let mut model = self.workload.init_model(&self.device).load_record(weights);
+        // Each replica builds its own module (so that no Burn state is shared between
+        // replicas) and takes rank 0's weights; the throwaway initialisation still draws
+        // random numbers, hence the lock.
+        let model = kiln_models::with_rng(|| {
+            kiln_models::materialized(self.workload.init_model(&self.device))
+        });
+        let mut model = model.load_record(weights);
         let mut optim = build_optimizer(&s.optim, &model);
         if let Some(dir) = &s.resume_from {
             optim = checkpoint::load_optimizer(dir, optim)?;
