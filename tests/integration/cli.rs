@@ -188,3 +188,21 @@ fn every_shipped_recipe_is_valid() {
     }
     assert!(n >= 4, "expected the four image recipes, found {n}");
 }
+
+#[test]
+fn devices_report_lists_the_cpu_and_the_auto_choice() {
+    let dir = temp_dir("devices");
+    let out = train_bin(&dir, &["devices"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.lines().any(|l| l.starts_with("cpu ")), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("wgpu ")), "{text}");
+    assert!(text.contains("--accelerator auto chooses"), "{text}");
+    // More adapters than the machine has is a clear error, not a panic.
+    let out = train_bin(&dir, &["--accelerator", "wgpu", "--devices", "0,7"]);
+    assert_one_line_error(&out, &["wgpu adapter 7"]);
+}

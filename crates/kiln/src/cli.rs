@@ -71,6 +71,50 @@ pub struct Args {
 pub enum Command {
     /// Generate text with a trained GPT run.
     Sample(SampleArgs),
+    /// List the devices kiln can see and what `--accelerator auto` would choose.
+    Devices,
+}
+
+/// The hardware report of `train devices`, one line per item.
+pub fn devices_report() -> Vec<String> {
+    use burn::tensor::{Device, DeviceType};
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut lines = vec![format!(
+        "cpu    Flex CPU backend, {cores} cores (`--devices N` runs N replicas sharing them)"
+    )];
+    // Enumeration opens the runtime; a machine without a usable adapter may fail in it, which
+    // must read as "none found", not as a crash.
+    let listed = |kind: DeviceType, name: &str, lines: &mut Vec<String>| {
+        let found = std::panic::catch_unwind(|| {
+            Device::enumerate(kind)
+                .into_iter()
+                .map(|d| d.identity().map_or_else(|| format!("{d:?}"), |id| id.name))
+                .collect::<Vec<_>>()
+        });
+        match found {
+            Ok(devices) if !devices.is_empty() => {
+                for (i, who) in devices.iter().enumerate() {
+                    lines.push(format!("{name:<6} [{i}] {who}"));
+                }
+            }
+            Ok(_) => lines.push(format!("{name:<6} none found")),
+            Err(_) => lines.push(format!(
+                "{name:<6} unavailable (the runtime failed to start)"
+            )),
+        }
+    };
+    listed(DeviceType::Wgpu, "wgpu", &mut lines);
+    #[cfg(feature = "cuda")]
+    listed(DeviceType::Cuda, "cuda", &mut lines);
+    #[cfg(not(feature = "cuda"))]
+    lines.push("cuda   not built (enable the `cuda` feature)".to_string());
+    let auto = if cfg!(feature = "cuda") {
+        "cuda"
+    } else {
+        "cpu"
+    };
+    lines.push(format!("auto   --accelerator auto chooses {auto}"));
+    lines
 }
 
 /// `train sample`: continue a prompt with a trained GPT.
@@ -256,6 +300,17 @@ fn parse_devices(raw: &str) -> Result<toml::Value> {
 
 /// Runs the `train` command with `args`; returns the process exit code.
 pub fn main_with(args: Args) -> i32 {
+    if let Some(Command::Devices) = &args.command {
+        let previous = std::panic::take_hook();
+        // A runtime that fails to start is reported in the list; keep its panic message out.
+        std::panic::set_hook(Box::new(|_| {}));
+        let report = devices_report();
+        std::panic::set_hook(previous);
+        for line in report {
+            println!("{line}");
+        }
+        return 0;
+    }
     if let Some(Command::Sample(sample_args)) = &args.command {
         return match sample(sample_args) {
             Ok(text) => {

@@ -94,14 +94,29 @@ pub fn resolve_devices(hw: &HardwareConfig) -> Result<(Vec<Device>, String)> {
             "cpu (flex)".into(),
         )),
         Accelerator::Wgpu => {
-            let devices = if indices.len() == 1 && indices[0] == 0 {
-                vec![Device::wgpu(DeviceKind::DefaultDevice)]
-            } else {
-                indices
-                    .iter()
-                    .map(|&i| Device::wgpu(DeviceKind::DiscreteGpu(i)))
+            // The adapters this machine offers, in the order `train devices` lists them.
+            let adapters: Vec<Device> = std::panic::catch_unwind(|| {
+                Device::enumerate(burn::tensor::DeviceType::Wgpu)
+                    .into_iter()
                     .collect()
-            };
+            })
+            .unwrap_or_default();
+            let devices = indices
+                .iter()
+                .map(|&i| {
+                    adapters.get(i).cloned().ok_or_else(|| {
+                        Error::Device(format!(
+                            "hardware.devices asks for wgpu adapter {i}, but {} found \
+                             (see `train devices`)",
+                            match adapters.len() {
+                                0 => "none was".to_string(),
+                                1 => "only 1 was".to_string(),
+                                n => format!("only {n} were"),
+                            }
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
             Ok((devices, "wgpu".into()))
         }
         Accelerator::Cuda => cuda_devices(&indices),
