@@ -229,22 +229,13 @@ fn a_failing_worker_stops_every_rank_with_its_message() {
         },
         Default::default(),
     );
-    let settings = TrainerSettings {
-        train: config.train.clone(),
-        optim: config.optim.clone(),
-        schedule: config.schedule.clone(),
-        seed: 1,
-        drop_last: false,
-        devices: vec![Device::flex(), Device::flex(), Device::flex()],
-        bucket_mb: 25.0,
-        split_cpu_threads: true,
-        run_dir: dir.clone(),
-        resume_from: None,
-        sinks: vec![kiln::config::SinkKind::Jsonl],
-        progress: false,
-        strategy: "ddp".into(),
-        accelerator: "cpu".into(),
-    };
+    let mut settings = TrainerSettings::from_config(
+        &config,
+        vec![Device::flex(), Device::flex(), Device::flex()],
+        "cpu".into(),
+        dir.clone(),
+    );
+    settings.seed = 1;
     let started = Instant::now();
     let err = fit(&workload, &settings).expect_err("the run must fail");
     assert!(started.elapsed() < Duration::from_secs(30));

@@ -14,9 +14,7 @@ use kiln_models::{
 };
 
 use crate::checkpoint::{self, write_atomic};
-use crate::config::{
-    Accelerator, DataConfig, DatasetKind, HardwareConfig, RootConfig, StrategyKind, name_of,
-};
+use crate::config::{Accelerator, DataConfig, DatasetKind, HardwareConfig, RootConfig, name_of};
 use crate::data::{ImageBatcher, input_spec};
 use crate::error::{Error, Result};
 use crate::metrics::Summary;
@@ -313,23 +311,9 @@ where
     )?;
     save_extra(&run_dir)?;
 
-    let strategy = config.strategy();
-    let settings = TrainerSettings {
-        train: config.train.clone(),
-        optim: config.optim.clone(),
-        schedule: config.schedule.clone(),
-        seed: config.run.seed,
-        drop_last: config.data.drop_last,
-        devices: devices.clone(),
-        bucket_mb: config.ddp.bucket_mb,
-        split_cpu_threads: accelerator.starts_with("cpu"),
-        run_dir: run_dir.clone(),
-        resume_from: options.resume_from.clone(),
-        sinks: config.monitor.sinks.clone(),
-        progress: options.verbose,
-        strategy: strategy_name(strategy).into(),
-        accelerator: accelerator.clone(),
-    };
+    let mut settings = TrainerSettings::from_config(config, devices, accelerator, run_dir.clone());
+    settings.resume_from = options.resume_from.clone();
+    settings.progress = options.verbose;
     if options.verbose {
         print_table(config, workload, &settings, &run_dir, rows);
     }
@@ -434,13 +418,6 @@ pub fn export_model<M: Module + burn::store::ModuleSnapshot>(
     let tmp = run_dir.join(format!(".{SAFETENSORS_FILE}.tmp"));
     save_safetensors(model, &tmp).map_err(|e| Error::checkpoint(e.to_string()))?;
     std::fs::rename(&tmp, run_dir.join(SAFETENSORS_FILE)).map_err(|e| Error::io(run_dir, e))
-}
-
-fn strategy_name(s: StrategyKind) -> &'static str {
-    match s {
-        StrategyKind::Ddp => "ddp",
-        _ => "single",
-    }
 }
 
 /// The run directory: the configured one, or — for a new run whose named directory already

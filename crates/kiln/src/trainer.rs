@@ -20,7 +20,7 @@ use serde_json::json;
 
 use crate::checkpoint::{self, LoopState};
 use crate::collective::{Collective, LocalComm, ReduceOp, local_group};
-use crate::config::{OptimConfig, ScheduleConfig, TrainConfig};
+use crate::config::{OptimConfig, RootConfig, ScheduleConfig, TrainConfig};
 use crate::data::{DistributedSampler, eval_shard};
 use crate::error::{Error, Result};
 use crate::metrics::{MetricsWriter, Progress, Summary, num, record};
@@ -96,6 +96,35 @@ pub struct TrainerSettings {
     pub strategy: String,
     /// Accelerator name for the summary.
     pub accelerator: String,
+}
+
+impl TrainerSettings {
+    /// The settings `config` describes, for one replica per device of `devices`, writing into
+    /// `run_dir`: a fresh run, without progress display (set `resume_from` and `progress` to
+    /// change that).
+    pub fn from_config(
+        config: &RootConfig,
+        devices: Vec<Device>,
+        accelerator: String,
+        run_dir: PathBuf,
+    ) -> Self {
+        Self {
+            train: config.train.clone(),
+            optim: config.optim.clone(),
+            schedule: config.schedule.clone(),
+            seed: config.run.seed,
+            drop_last: config.data.drop_last,
+            strategy: if devices.len() > 1 { "ddp" } else { "single" }.into(),
+            devices,
+            bucket_mb: config.ddp.bucket_mb,
+            split_cpu_threads: accelerator.starts_with("cpu"),
+            run_dir,
+            resume_from: None,
+            sinks: config.monitor.sinks.clone(),
+            progress: false,
+            accelerator,
+        }
+    }
 }
 
 /// How many optimizer steps a run of this length takes.
@@ -350,7 +379,6 @@ impl<W: Workload> Worker<'_, W> {
         let mut step_in_epoch = start.step_in_epoch;
         let mut samples = start.samples;
         let mut wall = start.wall_seconds;
-        let mut lr = start.lr;
         let mut order = self.sampler.epoch_order(epoch);
         let mut window = Window::new();
         let mut last_train_loss = None;
@@ -364,7 +392,7 @@ impl<W: Workload> Worker<'_, W> {
                 step_in_epoch = 0;
                 order = self.sampler.epoch_order(epoch);
             }
-            lr = schedule.lr(step);
+            let lr = schedule.lr(step);
 
             let mut accumulator = GradientsAccumulator::new();
             for micro in 0..t.accumulate {
@@ -532,7 +560,6 @@ impl<W: Workload> Worker<'_, W> {
             precision: "32".into(),
             accelerator: s.accelerator.clone(),
         };
-        let _ = lr;
         Ok(Some((summary, model.valid())))
     }
 
@@ -659,20 +686,20 @@ fn sync_running_state<M: Module>(module: &M) {
     let _ = module.valid();
 }
 
-/// All float tensors of `module` that are (`trainable`) or are not (buffers) trained, flattened
-/// to host memory in module order.
-fn collect_floats<M: Module>(module: &M, trainable: bool) -> Vec<f32> {
+/// The float tensors of `module` in module order, one vector each: all of them, or only those
+/// that are (`Some(true)`) or are not (`Some(false)`, buffers) trained.
+fn float_tensors<M: Module>(module: &M, trainable: Option<bool>) -> Vec<Vec<f32>> {
     struct Collect {
-        trainable: bool,
-        out: Vec<f32>,
+        trainable: Option<bool>,
+        out: Vec<Vec<f32>>,
     }
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.is_require_grad() != self.trainable {
+            if self.trainable.is_some_and(|t| param.is_require_grad() != t) {
                 return;
             }
             let data = param.val().into_data().convert::<f32>();
-            self.out.extend(data.iter::<f32>());
+            self.out.push(data.iter::<f32>().collect());
         }
     }
     let mut c = Collect {
@@ -681,6 +708,12 @@ fn collect_floats<M: Module>(module: &M, trainable: bool) -> Vec<f32> {
     };
     module.visit(&mut c);
     c.out
+}
+
+/// The float tensors of `module` that are (`trainable`) or are not (buffers) trained,
+/// flattened into one host buffer in module order.
+fn collect_floats<M: Module>(module: &M, trainable: bool) -> Vec<f32> {
+    float_tensors(module, Some(trainable)).concat()
 }
 
 /// Replaces the float tensors [`collect_floats`] collected with `values`.
@@ -727,14 +760,5 @@ fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
 /// The values of every float tensor of `module` (parameters and buffers such as BatchNorm
 /// statistics), one vector per tensor in module order, for comparing replicas or runs.
 pub fn parameter_values<M: Module>(module: &M) -> Vec<Vec<f32>> {
-    struct Collect(Vec<Vec<f32>>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let data = param.val().into_data().convert::<f32>();
-            self.0.push(data.iter::<f32>().collect());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    module.visit(&mut c);
-    c.0
+    float_tensors(module, None)
 }

@@ -31,7 +31,8 @@ use burn::train::{
     ClassificationOutput, ExecutionStrategy, InferenceStep, Learner, MultiDeviceOptim,
     SupervisedTraining, TrainOutput, TrainStep,
 };
-use kiln::config::{OptimConfig, ScheduleConfig, TrainConfig};
+use kiln::RootConfig;
+use kiln::config::{OptimConfig, SinkKind, TrainConfig};
 use kiln::data::{ImageBatcher, input_spec};
 use kiln::optim::build_optimizer;
 use kiln::run::ImageWorkload;
@@ -157,7 +158,7 @@ fn ddp(args: &[String]) -> Result<(), String> {
     let kiln_run = |devices: usize, batch: usize| -> Result<f64, String> {
         let dir = std::env::temp_dir().join(format!("kiln-bench-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let settings = TrainerSettings {
+        let mut config = RootConfig {
             train: TrainConfig {
                 epochs: 1,
                 batch_size: batch,
@@ -165,19 +166,16 @@ fn ddp(args: &[String]) -> Result<(), String> {
                 ..TrainConfig::default()
             },
             optim: optim.clone(),
-            schedule: ScheduleConfig::default(),
-            seed: 1,
-            drop_last: false,
-            devices: vec![Device::flex(); devices],
-            bucket_mb: 25.0,
-            split_cpu_threads: true,
-            run_dir: dir.clone(),
-            resume_from: None,
-            sinks: vec![kiln::config::SinkKind::Jsonl],
-            progress: false,
-            strategy: "bench".into(),
-            accelerator: "cpu".into(),
+            ..RootConfig::default()
         };
+        config.run.seed = 1;
+        config.monitor.sinks = vec![SinkKind::Jsonl];
+        let settings = TrainerSettings::from_config(
+            &config,
+            vec![Device::flex(); devices],
+            "cpu".into(),
+            dir.clone(),
+        );
         let started = Instant::now();
         let (summary, _) = fit(&workload, &settings).map_err(|e| e.to_string())?;
         let wall = started.elapsed().as_secs_f64();
