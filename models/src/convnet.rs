@@ -7,7 +7,9 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::{ImageBatch, InputSpec, StepOutput, TrainStep, classification_output};
+use crate::{
+    Activation, BlockStack, ImageBatch, InputSpec, StepOutput, TrainStep, classification_output,
+};
 
 /// Architecture of a [`ConvNet`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -129,5 +131,24 @@ impl ConvNet {
 impl TrainStep<ImageBatch> for ConvNet {
     fn step(&self, batch: ImageBatch) -> StepOutput {
         classification_output(self.forward(batch.images), batch.targets)
+    }
+}
+
+impl BlockStack<ImageBatch> for ConvNet {
+    fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn stem(&self, batch: &ImageBatch) -> Activation {
+        Activation::Rank4(batch.images.clone())
+    }
+
+    fn block(&self, i: usize, x: Activation) -> Activation {
+        Activation::Rank4(self.blocks[i].forward(x.into_rank()))
+    }
+
+    fn head(&self, x: Activation, batch: &ImageBatch) -> StepOutput {
+        let x: Tensor<4> = x.into_rank();
+        classification_output(self.head.forward(x.flatten(1, 3)), batch.targets.clone())
     }
 }

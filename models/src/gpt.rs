@@ -7,9 +7,10 @@ use burn::nn::{
     LayerNormConfig, Linear, LinearConfig,
 };
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 
-use crate::{StepOutput, TrainStep};
+use crate::{Activation, BlockStack, StepOutput, TrainStep};
 
 /// Architecture of a [`Gpt`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -274,9 +275,11 @@ impl Gpt {
         self.head(x)
     }
 
-    /// Mean next-token cross-entropy of `logits` against `targets`.
+    /// Mean next-token cross-entropy of `logits` against `targets`, computed in f32 whatever
+    /// the logits' dtype (softmax and its log lose too much in 16-bit floats).
     pub fn loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [b, t, v] = logits.dims();
+        let logits = logits.cast(FloatDType::F32);
         burn::nn::loss::CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits.reshape([b * t, v]), targets.reshape([b * t]))
@@ -333,6 +336,33 @@ pub fn sample(logits: &[f32], temperature: f64, top_k: Option<usize>, u: f64) ->
         target -= w;
     }
     top[keep - 1] as u32
+}
+
+impl BlockStack<TokenBatch> for Gpt {
+    fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn stem(&self, batch: &TokenBatch) -> Activation {
+        Activation::Rank3(self.embed(batch.inputs.clone()))
+    }
+
+    fn block(&self, i: usize, x: Activation) -> Activation {
+        Activation::Rank3(self.blocks[i].forward(x.into_rank()))
+    }
+
+    fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
+        let samples = batch.inputs.dims()[0];
+        StepOutput {
+            loss: Gpt::loss(self.head(x.into_rank()), batch.targets.clone()),
+            correct: None,
+            samples,
+        }
+    }
+
+    fn blocks_deterministic(&self) -> bool {
+        self.drop.prob == 0.0
+    }
 }
 
 impl TrainStep<TokenBatch> for Gpt {
@@ -409,6 +439,30 @@ mod tests {
             .try_to_vec()
             .unwrap();
         assert!(column.iter().all(|&x| x == 0.0), "{column:?}");
+    }
+
+    #[test]
+    fn block_stack_is_the_same_computation_as_step() {
+        let device = Device::flex();
+        let model = tiny().init(&device);
+        let batch = || TokenBatch {
+            inputs: tokens(&[1, 2, 3, 4, 5, 6, 7, 8], &device),
+            targets: tokens(&[2, 3, 4, 5, 6, 7, 8, 9], &device),
+        };
+        let whole: f32 = model.step(batch()).loss.into_scalar();
+        let mut x = model.stem(&batch());
+        for i in 0..model.num_blocks() {
+            x = model.block(i, x);
+        }
+        let staged: f32 = BlockStack::head(&model, x, &batch()).loss.into_scalar();
+        assert_eq!(whole.to_bits(), staged.to_bits(), "{whole} vs {staged}");
+        assert!(model.blocks_deterministic());
+        let dropped = GptConfig {
+            dropout: 0.1,
+            ..tiny()
+        }
+        .init(&device);
+        assert!(!dropped.blocks_deterministic());
     }
 
     #[test]

@@ -6,11 +6,13 @@
 //! program needs, together with a weights file, to rebuild and run it: see [`load`].
 #![warn(missing_docs)]
 
+pub mod blocks;
 pub mod convnet;
 pub mod gpt;
 pub mod load;
 pub mod mlp;
 
+pub use blocks::{Activation, BlockStack};
 pub use convnet::{ConvNet, ConvNetConfig};
 pub use gpt::{Gpt, GptConfig, TokenBatch};
 pub use load::{
@@ -92,9 +94,11 @@ pub struct InputSpec {
     pub num_classes: usize,
 }
 
-/// Cross-entropy loss and correct-prediction count of `logits` against `targets`.
+/// Cross-entropy loss and correct-prediction count of `logits` against `targets`; the loss is
+/// computed in f32 whatever the logits' dtype.
 pub fn classification_output(logits: Tensor<2>, targets: Tensor<1, Int>) -> StepOutput {
     let samples = targets.dims()[0];
+    let logits = logits.cast(burn::tensor::FloatDType::F32);
     let predicted = logits.clone().argmax(1).squeeze_dim::<1>(1);
     let correct = predicted.equal(targets.clone()).int().sum();
     let loss = burn::nn::loss::CrossEntropyLossConfig::new()

@@ -9,7 +9,10 @@ use burn::store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 
 use crate::gpt::{Gpt, GptConfig};
-use crate::{ConvNet, ConvNetConfig, ImageBatch, InputSpec, Mlp, MlpConfig, StepOutput, TrainStep};
+use crate::{
+    Activation, BlockStack, ConvNet, ConvNetConfig, ImageBatch, InputSpec, Mlp, MlpConfig,
+    StepOutput, TrainStep,
+};
 
 /// Which architecture a model section describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,6 +124,36 @@ impl Classifier {
             .iter::<i64>()
             .map(|c| c as usize)
             .collect()
+    }
+}
+
+impl BlockStack<ImageBatch> for Classifier {
+    fn num_blocks(&self) -> usize {
+        match self {
+            Classifier::ConvNet(m) => m.num_blocks(),
+            Classifier::Mlp(m) => m.num_blocks(),
+        }
+    }
+
+    fn stem(&self, batch: &ImageBatch) -> Activation {
+        match self {
+            Classifier::ConvNet(m) => m.stem(batch),
+            Classifier::Mlp(m) => m.stem(batch),
+        }
+    }
+
+    fn block(&self, i: usize, x: Activation) -> Activation {
+        match self {
+            Classifier::ConvNet(m) => m.block(i, x),
+            Classifier::Mlp(m) => m.block(i, x),
+        }
+    }
+
+    fn head(&self, x: Activation, batch: &ImageBatch) -> StepOutput {
+        match self {
+            Classifier::ConvNet(m) => m.head(x, batch),
+            Classifier::Mlp(m) => m.head(x, batch),
+        }
     }
 }
 

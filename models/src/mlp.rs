@@ -4,7 +4,9 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::{ImageBatch, InputSpec, StepOutput, TrainStep, classification_output};
+use crate::{
+    Activation, BlockStack, ImageBatch, InputSpec, StepOutput, TrainStep, classification_output,
+};
 
 /// Architecture of an [`Mlp`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -74,5 +76,27 @@ impl Mlp {
 impl TrainStep<ImageBatch> for Mlp {
     fn step(&self, batch: ImageBatch) -> StepOutput {
         classification_output(self.forward(batch.images), batch.targets)
+    }
+}
+
+/// The hidden layers (linear + ReLU) are the blocks; the stem flattens the images.
+impl BlockStack<ImageBatch> for Mlp {
+    fn num_blocks(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn stem(&self, batch: &ImageBatch) -> Activation {
+        Activation::Rank2(batch.images.clone().flatten(1, 3))
+    }
+
+    fn block(&self, i: usize, x: Activation) -> Activation {
+        Activation::Rank2(
+            self.activation
+                .forward(self.layers[i].forward(x.into_rank::<2>())),
+        )
+    }
+
+    fn head(&self, x: Activation, batch: &ImageBatch) -> StepOutput {
+        classification_output(self.head.forward(x.into_rank::<2>()), batch.targets.clone())
     }
 }

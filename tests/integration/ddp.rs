@@ -212,6 +212,9 @@ impl Workload for FailingWorkload {
     fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
         self.0.eval_batch(range, device)
     }
+    fn cast_batch(&self, batch: ImageBatch, dtype: burn::tensor::FloatDType) -> ImageBatch {
+        self.0.cast_batch(batch, dtype)
+    }
 }
 
 #[test]

@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+mod bench_policies;
+
 /// The help text printed for `--help` and for any command line that cannot be understood.
 const USAGE: &str = "\
 usage: cargo xtask <command>
@@ -24,6 +26,9 @@ commands:
   ci                                    cargo fmt --check, clippy -D warnings, then tests
   bench ddp [ARGS]                      kiln DDP vs one device vs burn-train MultiDevice
                                         (ARGS go to the bench binary: --steps, --batch, ...)
+  bench policies [--steps N] [--rounds N] [--config FILE] [--set KEY=VALUE ...]
+                                        peak memory and step time per recompute and precision
+                                        policy (default: configs/gpt-text.toml, 40 steps)
   help, --help, -h                      show this message
 
 Relative paths are taken from the workspace root.";
@@ -52,6 +57,7 @@ enum Task {
     Fetch { dataset: Dataset, dir: PathBuf },
     Ci,
     Bench { args: Vec<String> },
+    BenchPolicies(bench_policies::Options),
 }
 
 /// The datasets `fetch-data` knows how to obtain.
@@ -106,6 +112,7 @@ fn main() -> ExitCode {
         }),
         Task::Ci => workspace_root().and_then(|root| ci(&root)),
         Task::Bench { args } => workspace_root().and_then(|root| bench(&root, &args)),
+        Task::BenchPolicies(o) => workspace_root().and_then(|root| bench_policies::run(&root, &o)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -128,7 +135,8 @@ fn parse_args(args: &[String]) -> Result<Task> {
                 .map(String::from)
                 .collect(),
         }),
-        ["bench", ..] => Err("bench needs a benchmark: ddp".into()),
+        ["bench", "policies", rest @ ..] => bench_policies::parse(rest).map(Task::BenchPolicies),
+        ["bench", ..] => Err("bench needs a benchmark: ddp or policies".into()),
         ["fetch-data", name, rest @ ..] => {
             let dataset = Dataset::parse(name).ok_or_else(|| {
                 format!("unknown dataset {name:?}, expected mnist, fashion-mnist or text")
@@ -189,6 +197,10 @@ impl TempDir {
         fs::create_dir_all(&path)
             .map_err(|e| format!("cannot create temp dir {}: {e}", path.display()))?;
         Ok(TempDir(path))
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
     }
 }
 

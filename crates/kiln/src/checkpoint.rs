@@ -40,6 +40,9 @@ pub struct LoopState {
     pub samples: u64,
     /// Seconds of training so far.
     pub wall_seconds: f64,
+    /// The loss scaler's state (`16-mixed`), absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaler: Option<crate::precision::LossScaler>,
 }
 
 /// The directory of the checkpoint taken after `step` steps.

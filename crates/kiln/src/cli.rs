@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use crate::config::{Accelerator, RootConfig, StrategyKind, apply_override};
+use crate::config::{Accelerator, PrecisionMode, RootConfig, StrategyKind, apply_override};
 use crate::error::{Error, Result};
 use crate::run::{RunOptions, resolve_resume, train};
 
@@ -43,6 +43,12 @@ pub struct Args {
     /// Micro-steps accumulated per optimizer step.
     #[arg(long)]
     pub accumulate: Option<usize>,
+    /// Numeric precision (`precision.mode`).
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionMode>,
+    /// Activation checkpointing: `none`, `balanced`, `blocks` or `blocks:every=K`.
+    #[arg(long, value_name = "MODE")]
+    pub recompute: Option<String>,
     /// Peak learning rate.
     #[arg(long)]
     pub lr: Option<f64>,
@@ -240,6 +246,16 @@ impl Args {
         if let Some(a) = self.accelerator {
             set("hardware.accelerator", enum_value(&a));
         }
+        if let Some(p) = self.precision {
+            set("precision.mode", enum_value(&p));
+        }
+        if let Some(r) = &self.recompute {
+            let (mode, every) = parse_recompute(r)?;
+            set("recompute.mode", toml::Value::String(mode));
+            if let Some(k) = every {
+                set("recompute.every", toml::Value::Integer(k));
+            }
+        }
         let ints = [
             ("train.epochs", self.epochs),
             ("train.max_steps", self.max_steps),
@@ -273,6 +289,35 @@ impl Args {
 
 fn enum_value<T: serde::Serialize>(v: &T) -> toml::Value {
     toml::Value::try_from(v).expect("enums serialise to strings")
+}
+
+/// `--recompute none|balanced|blocks|blocks:every=K`: the mode and K when given.
+fn parse_recompute(raw: &str) -> Result<(String, Option<i64>)> {
+    let bad = || {
+        Error::config(format!(
+            "--recompute {raw:?}: expected none, balanced, blocks or blocks:every=K (K >= 1)"
+        ))
+    };
+    let (mode, rest) = match raw.split_once(':') {
+        Some((m, r)) => (m.trim(), Some(r.trim())),
+        None => (raw.trim(), None),
+    };
+    if !["none", "balanced", "blocks"].contains(&mode) {
+        return Err(bad());
+    }
+    let every = match rest {
+        None => None,
+        Some(r) if mode == "blocks" => {
+            let k = r
+                .strip_prefix("every=")
+                .and_then(|k| k.trim().parse::<i64>().ok())
+                .filter(|k| *k >= 1)
+                .ok_or_else(bad)?;
+            Some(k)
+        }
+        Some(_) => return Err(bad()),
+    };
+    Ok((mode.to_string(), every))
 }
 
 /// `--devices 4` or `--devices 0,2,3`.

@@ -26,6 +26,9 @@ pub trait Collective: Send {
     fn world_size(&self) -> usize;
     /// Replaces `data` on every rank by its reduction over all ranks.
     fn all_reduce(&self, data: &mut [f32], op: ReduceOp) -> Result<()>;
+    /// [`all_reduce`](Collective::all_reduce) of bf16 values, for gradients reduced in
+    /// half the bytes: the reduction is exact in f32 and rounded once to bf16.
+    fn all_reduce_bf16(&self, data: &mut [burn::tensor::bf16], op: ReduceOp) -> Result<()>;
     /// Replaces `data` on every rank by rank `root`'s.
     fn broadcast(&self, data: &mut Vec<f32>, root: usize) -> Result<()>;
     /// Returns the concatenation of every rank's `data`, in rank order.
@@ -174,6 +177,20 @@ impl Collective for LocalComm {
         }
         let result = self.exchange(data.to_vec(), |slots| reduce(slots, op))?;
         data.copy_from_slice(&result);
+        Ok(())
+    }
+
+    fn all_reduce_bf16(&self, data: &mut [burn::tensor::bf16], op: ReduceOp) -> Result<()> {
+        if self.shared.world == 1 {
+            return Ok(());
+        }
+        // Threads share memory, so the in-process exchange carries the bf16 values widened to
+        // f32 (exactly); a transport between processes sends the bf16 bytes.
+        let wide: Vec<f32> = data.iter().map(|x| x.to_f32()).collect();
+        let result = self.exchange(wide, |slots| reduce(slots, op))?;
+        for (d, r) in data.iter_mut().zip(result.iter()) {
+            *d = burn::tensor::bf16::from_f32(*r);
+        }
         Ok(())
     }
 

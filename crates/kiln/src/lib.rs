@@ -1,7 +1,8 @@
 //! kiln: multi-device training for Burn models.
 //!
 //! The layers, bottom up: [`collective`] (how replicas agree), [`trainer`] (the one loop every
-//! strategy shares), [`optim`] and [`data`] (what the loop steps and feeds), [`checkpoint`] and
+//! strategy shares), [`precision`] and [`recompute`] (policies it applies around any model),
+//! [`optim`] and [`data`] (what the loop steps and feeds), [`checkpoint`] and
 //! [`metrics`] (what rank 0 writes), [`config`] and [`run`] (from a TOML file to a finished
 //! run). Models and datasets live in their own crates and know nothing of these.
 #![warn(missing_docs)]
@@ -14,6 +15,8 @@ pub mod data;
 pub mod error;
 pub mod metrics;
 pub mod optim;
+pub mod precision;
+pub mod recompute;
 pub mod run;
 pub mod sinks;
 pub mod trainer;

@@ -127,6 +127,16 @@ pub struct Summary {
     pub precision: String,
     /// Accelerator the replicas ran on.
     pub accelerator: String,
+    /// Activation checkpointing (`none`, `balanced`, `blocks`).
+    pub recompute: String,
+    /// Median over logging windows of the training time per optimizer step (data, compute,
+    /// sync and optimizer; validation and checkpoints excluded), in seconds.
+    pub step_seconds: Option<f64>,
+    /// Resident memory of the process when training started (model, optimizer, data
+    /// loaded), in MiB; Linux only.
+    pub start_rss_mib: Option<f64>,
+    /// Peak resident memory of the process by the end of the run, in MiB; Linux only.
+    pub peak_rss_mib: Option<f64>,
 }
 
 /// Progress display: a bar with ETA and throughput on a terminal, plain lines otherwise.

@@ -55,6 +55,13 @@ impl Workload for ImageWorkload {
         let indices: Vec<usize> = range.collect();
         ImageBatcher::new(device.clone()).batch(&self.splits.test, &indices)
     }
+
+    fn cast_batch(&self, batch: ImageBatch, dtype: burn::tensor::FloatDType) -> ImageBatch {
+        ImageBatch {
+            images: batch.images.cast(dtype),
+            ..batch
+        }
+    }
 }
 
 /// Loads the configured dataset, downloading it first when `data.download` is set and the
@@ -382,6 +389,11 @@ impl Workload for TextWorkload {
         self.windows(&self.data.val, &self.eval[range], device)
     }
 
+    /// Token ids are integers: nothing to cast.
+    fn cast_batch(&self, batch: TokenBatch, _dtype: burn::tensor::FloatDType) -> TokenBatch {
+        batch
+    }
+
     fn sample(
         &self,
         micro_step: usize,
@@ -465,6 +477,29 @@ pub fn resolve_resume(path: &Path) -> Result<(PathBuf, PathBuf)> {
     Ok((path.to_path_buf(), dir))
 }
 
+/// The start-up table's precision and recompute line.
+fn precision_line(config: &RootConfig) -> String {
+    let p = &config.precision;
+    let mut line = name_of(&p.mode);
+    if crate::precision::is_mixed(p.mode) {
+        line += " (f32 master weights and optimizer state)";
+    }
+    if p.uses_scaler() {
+        line += &format!(", dynamic loss scale from {}", p.init_scale);
+    }
+    if config.hardware.devices.indices().len() > 1 {
+        line += &format!(", gradients reduced in {}", name_of(&p.reduce_dtype));
+    }
+    let r = &config.recompute;
+    line += &match r.mode {
+        crate::config::RecomputeMode::Blocks if r.every > 1 => {
+            format!("; recompute every {}th block", r.every)
+        }
+        m => format!("; recompute {}", name_of(&m)),
+    };
+    line
+}
+
 fn print_table<W: Workload>(
     config: &RootConfig,
     w: &W,
@@ -495,7 +530,7 @@ fn print_table<W: Workload>(
         ),
         ("strategy", s.strategy.clone()),
         ("world size", world.to_string()),
-        ("precision", "32".into()),
+        ("precision", precision_line(config)),
         (
             "batch",
             format!(

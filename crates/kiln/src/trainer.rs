@@ -15,12 +15,16 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
 use burn::store::ModuleRecord;
-use kiln_models::{StepOutput, TrainStep};
+use burn::tensor::FloatDType;
+use kiln_models::{BlockStack, TrainStep};
 use serde_json::json;
 
 use crate::checkpoint::{self, LoopState};
 use crate::collective::{Collective, LocalComm, ReduceOp, local_group};
-use crate::config::{OptimConfig, RootConfig, ScheduleConfig, TrainConfig};
+use crate::config::{
+    OptimConfig, PrecisionConfig, RecomputeConfig, RecomputeMode, ReduceDtype, RootConfig,
+    ScheduleConfig, TrainConfig, name_of,
+};
 use crate::data::{DistributedSampler, eval_shard};
 use crate::error::{Error, Result};
 use crate::metrics::{MetricsWriter, Progress, Summary, num, record};
@@ -28,12 +32,14 @@ use crate::optim::{
     ParamLayout, Schedule, buckets, build_optimizer, clip_global_norm, grads_to_parts,
     parts_to_grads, scaled_lr,
 };
+use crate::precision::{self, LossScaler, cast_params, compute_dtype, is_mixed, to_master_grads};
+use crate::recompute::{Recompute, forward_backward};
 
 /// A model and its data, as the trainer sees them; nothing here knows about devices beyond
 /// the one it is handed.
 pub trait Workload: Sync {
-    /// The model type.
-    type Model: Module + TrainStep<Self::Batch> + 'static;
+    /// The model type: its forward pass as a stem, blocks and a head (see [`BlockStack`]).
+    type Model: Module + BlockStack<Self::Batch> + 'static;
     /// One batch, already on a device.
     type Batch;
     /// A freshly initialised model on `device` (weights are then replaced by rank 0's).
@@ -46,6 +52,8 @@ pub trait Workload: Sync {
     fn eval_len(&self) -> usize;
     /// The evaluation batch of samples `range` on `device`.
     fn eval_batch(&self, range: Range<usize>, device: &Device) -> Self::Batch;
+    /// `batch` with its float inputs in `dtype` (the compute dtype of a lower precision).
+    fn cast_batch(&self, batch: Self::Batch, dtype: FloatDType) -> Self::Batch;
     /// The samples rank `rank` of `world` trains on at global micro-step `micro_step`
     /// (`step × accumulate + micro`), `batch` of them, for workloads that draw their own (text
     /// windows from seed and step). `None`, the default, uses the epoch-shuffled sampler.
@@ -96,6 +104,10 @@ pub struct TrainerSettings {
     pub strategy: String,
     /// Accelerator name for the summary.
     pub accelerator: String,
+    /// Precision policy.
+    pub precision: PrecisionConfig,
+    /// Activation checkpointing.
+    pub recompute: RecomputeConfig,
 }
 
 impl TrainerSettings {
@@ -123,6 +135,8 @@ impl TrainerSettings {
             sinks: config.monitor.sinks.clone(),
             progress: false,
             accelerator,
+            precision: config.precision.clone(),
+            recompute: config.recompute.clone(),
         }
     }
 }
@@ -162,6 +176,9 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
         )));
     }
     let total = total_steps(t, spe);
+    for (i, device) in settings.devices.iter().enumerate() {
+        precision::check_device(&settings.precision, device, &format!("{i} ({device:?})"))?;
+    }
     std::fs::create_dir_all(&settings.run_dir).map_err(|e| Error::io(&settings.run_dir, e))?;
 
     // Rank 0's initial weights (or the checkpoint's) are what every replica starts from.
@@ -182,7 +199,14 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
         lr: 0.0,
         samples: 0,
         wall_seconds: 0.0,
+        scaler: settings.precision.uses_scaler().then(|| {
+            LossScaler::new(
+                settings.precision.init_scale,
+                settings.precision.growth_interval,
+            )
+        }),
     };
+    check_policies::<W::Batch, _>(&initial, settings)?;
     if let Some(dir) = &settings.resume_from {
         let state = checkpoint::read_state(dir)?;
         if state.samples_per_step != sampler.samples_per_step() {
@@ -197,8 +221,16 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
         initial = checkpoint::load_model(dir, initial)?;
         // Fail before the workers start if the optimizer state is unreadable.
         checkpoint::load_optimizer(dir, build_optimizer(&settings.optim, &initial))?;
+        let scaler = start.scaler.take();
         start = state;
         start.seed = settings.seed;
+        // A checkpoint of a run without a scaler continues with a fresh one, and a run that
+        // no longer scales drops it.
+        start.scaler = match (start.scaler.take(), scaler) {
+            (Some(saved), Some(_)) => Some(saved),
+            (None, fresh) => fresh,
+            (Some(_), None) => None,
+        };
     }
     let weights = initial.into_record();
 
@@ -220,7 +252,13 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
                             sampler,
                             total,
                             comm,
-                            device: settings.devices[rank].clone().autodiff(),
+                            device: match settings.recompute.mode {
+                                RecomputeMode::Balanced => settings.devices[rank]
+                                    .clone()
+                                    .autodiff()
+                                    .gradient_checkpointing(),
+                                _ => settings.devices[rank].clone().autodiff(),
+                            },
                         };
                         worker.run_guarded(weights, start)
                     })
@@ -357,6 +395,20 @@ impl<W: Workload> Worker<'_, W> {
             kiln_models::materialized(self.workload.init_model(&self.device))
         });
         let mut model = model.load_record(weights);
+        let mode = s.precision.mode;
+        let dtype = compute_dtype(mode);
+        let mixed = is_mixed(mode);
+        if dtype != FloatDType::F32 && !mixed {
+            // `-true`: the parameters themselves, buffers included, live in the low dtype.
+            model = cast_params(model, dtype, true);
+        }
+        let recompute = match s.recompute.mode {
+            RecomputeMode::Blocks => Recompute::Blocks {
+                every: s.recompute.every,
+            },
+            RecomputeMode::None | RecomputeMode::Balanced => Recompute::Keep,
+        };
+        let mut scaler = start.scaler.clone();
         let mut optim = build_optimizer(&s.optim, &model);
         if let Some(dir) = &s.resume_from {
             optim = checkpoint::load_optimizer(dir, optim)?;
@@ -384,6 +436,8 @@ impl<W: Workload> Worker<'_, W> {
         let mut last_train_loss = None;
         let mut last_val: Option<(f64, Option<f64>)> = None;
         let mut validated_at = None;
+        let mut step_times = Vec::new();
+        let start_rss_mib = proc_status_mib("VmRSS");
         let run_started = Instant::now();
 
         while step < self.total {
@@ -394,6 +448,10 @@ impl<W: Workload> Worker<'_, W> {
             }
             let lr = schedule.lr(step);
 
+            // Mixed precision: this step's compute copy, cast from the f32 master parameters.
+            let compute = mixed.then(|| cast_params(model.clone(), dtype, false));
+            let replica = compute.as_ref().unwrap_or(&model);
+            let loss_scale = scaler.as_ref().map(|sc| sc.scale as f32);
             let mut accumulator = GradientsAccumulator::new();
             for micro in 0..t.accumulate {
                 let t0 = Instant::now();
@@ -402,35 +460,62 @@ impl<W: Workload> Worker<'_, W> {
                     .workload
                     .sample(micro_step, rank, world, t.batch_size)
                     .unwrap_or_else(|| self.sampler.indices(&order, step_in_epoch, micro, rank));
-                let batch = self.workload.train_batch(&indices, &self.device);
+                let mut batch = self.workload.train_batch(&indices, &self.device);
+                if dtype != FloatDType::F32 {
+                    batch = self.workload.cast_batch(batch, dtype);
+                }
                 let t1 = Instant::now();
-                let out: StepOutput = model.step(batch);
-                let detached = out.loss.clone().detach();
+                let accumulate = t.accumulate;
+                let (out, grads) =
+                    forward_backward(replica, batch, &self.device, recompute, |loss| {
+                        let loss = if accumulate > 1 {
+                            loss.div_scalar(accumulate as f32)
+                        } else {
+                            loss
+                        };
+                        match loss_scale {
+                            Some(scale) => loss.mul_scalar(scale),
+                            None => loss,
+                        }
+                    });
+                let detached = out.loss.cast(FloatDType::F32);
                 window.loss = Some(match window.loss.take() {
                     Some(l) => l + detached,
                     None => detached,
                 });
-                let loss = if t.accumulate > 1 {
-                    out.loss.div_scalar(t.accumulate as f32)
-                } else {
-                    out.loss
-                };
-                let grads = GradientsParams::from_grads(loss.backward(), &model);
-                accumulator.accumulate(&model, grads);
+                accumulator.accumulate(replica, grads);
                 window.data += (t1 - t0).as_secs_f64();
                 window.compute += t1.elapsed().as_secs_f64();
             }
             let mut grads = accumulator.grads();
+            drop(compute);
 
             let t2 = Instant::now();
             if world > 1 {
                 grads = self.average_gradients(&model, grads, &buckets)?;
             }
             let t3 = Instant::now();
-            if let Some(max_norm) = t.grad_clip {
-                grads = clip_global_norm(&model, grads, max_norm);
+            // Gradients in the master parameters' dtype, unscaled, and (with a scaler) whether
+            // all of them are finite; every rank holds the same averaged gradients, so every
+            // rank reaches the same decision.
+            let mut take_step = true;
+            if dtype != FloatDType::F32 || scaler.is_some() {
+                let unscale = scaler.as_ref().map(|sc| (1.0 / sc.scale) as f32);
+                let (converted, total) = to_master_grads(&model, grads, unscale, scaler.is_some());
+                grads = converted;
+                if let (Some(sc), Some(total)) = (scaler.as_mut(), total) {
+                    let mut flag =
+                        vec![f32::from(u8::from(!total.into_scalar::<f32>().is_finite()))];
+                    self.comm.all_reduce(&mut flag, ReduceOp::Sum)?;
+                    take_step = sc.update(flag[0] == 0.0);
+                }
             }
-            model = optim.step(lr, model, grads);
+            if take_step {
+                if let Some(max_norm) = t.grad_clip {
+                    grads = clip_global_norm(&model, grads, max_norm);
+                }
+                model = optim.step(lr, model, grads);
+            }
             window.sync += (t3 - t2).as_secs_f64();
             window.optim += t3.elapsed().as_secs_f64();
 
@@ -456,6 +541,10 @@ impl<W: Workload> Worker<'_, W> {
                 last_train_loss = Some(loss);
                 let rate = window.samples as f64 / elapsed.max(1e-9);
                 let per = |x: f64| x / window.steps as f64;
+                step_times.push(per(window.data
+                    + window.compute
+                    + window.sync
+                    + window.optim));
                 if let Some(m) = metrics.as_mut() {
                     let mut r = record(&[
                         ("step", json!(step)),
@@ -471,6 +560,10 @@ impl<W: Workload> Worker<'_, W> {
                     ]);
                     if let Some(tokens) = self.workload.tokens_per_sample() {
                         r.insert("tokens_per_sec".into(), num(rate * tokens as f64));
+                    }
+                    if let Some(sc) = &scaler {
+                        r.insert("loss_scale".into(), num(sc.scale));
+                        r.insert("skipped_steps".into(), json!(sc.skipped));
                     }
                     m.write(&r);
                 }
@@ -528,6 +621,7 @@ impl<W: Workload> Worker<'_, W> {
                         lr,
                         samples,
                         wall_seconds: wall + run_started.elapsed().as_secs_f64(),
+                        scaler: scaler.clone(),
                     };
                     checkpoint::save(&s.run_dir, &model, &optim, &state, t.keep_checkpoints)?;
                 }
@@ -557,9 +651,17 @@ impl<W: Workload> Worker<'_, W> {
             samples_per_sec: samples as f64 / wall.max(1e-9),
             devices: world,
             strategy: s.strategy.clone(),
-            precision: "32".into(),
+            precision: name_of(&mode),
             accelerator: s.accelerator.clone(),
+            recompute: name_of(&s.recompute.mode),
+            step_seconds: median(&mut step_times),
+            start_rss_mib,
+            peak_rss_mib: proc_status_mib("VmHWM"),
         };
+        if dtype != FloatDType::F32 && !mixed {
+            // The exported model is f32 whatever the training precision.
+            model = cast_params(model, FloatDType::F32, true);
+        }
         Ok(Some((summary, model.valid())))
     }
 
@@ -577,13 +679,30 @@ impl<W: Workload> Worker<'_, W> {
             let members = &parts[bucket.clone()];
             let sizes: Vec<usize> = members.iter().map(|p| p.dims()[0]).collect();
             let flat = Tensor::cat(members.to_vec(), 0);
-            let mut host = flat
-                .into_data()
-                .try_into_vec::<f32>()
-                .map_err(|e| Error::Worker(format!("gradient readback: {e:?}")))?;
-            self.comm.all_reduce(&mut host, ReduceOp::Mean)?;
-            let n = host.len();
-            let flat = Tensor::<1>::from_data(TensorData::new(host, [n]), &self.device);
+            let readback = |e| Error::Worker(format!("gradient readback: {e:?}"));
+            let flat = match self.settings.precision.reduce_dtype {
+                ReduceDtype::F32 => {
+                    let mut host = flat
+                        .cast(FloatDType::F32)
+                        .into_data()
+                        .try_into_vec::<f32>()
+                        .map_err(readback)?;
+                    self.comm.all_reduce(&mut host, ReduceOp::Mean)?;
+                    let n = host.len();
+                    Tensor::<1>::from_data(TensorData::new(host, [n]), &self.device)
+                }
+                ReduceDtype::Bf16 => {
+                    let mut host = flat
+                        .cast(FloatDType::BF16)
+                        .into_data()
+                        .try_into_vec::<burn::tensor::bf16>()
+                        .map_err(readback)?;
+                    self.comm.all_reduce_bf16(&mut host, ReduceOp::Mean)?;
+                    let n = host.len();
+                    Tensor::<1>::from_data(TensorData::new(host, [n]), &self.device)
+                        .cast(FloatDType::F32)
+                }
+            };
             let mut offset = 0;
             for size in sizes {
                 reduced.push(flat.clone().slice(offset..offset + size));
@@ -635,10 +754,17 @@ impl<W: Workload> Worker<'_, W> {
         Ok(())
     }
 
-    /// Mean loss and accuracy over the whole evaluation set, each sample counted once.
+    /// Mean loss and accuracy over the whole evaluation set, each sample counted once, in the
+    /// precision the replicas train in.
     fn validate(&self, model: &W::Model) -> Result<(f64, Option<f64>)> {
         let eval_device = self.device.clone().without_autodiff();
-        let model = model.valid();
+        let mode = self.settings.precision.mode;
+        let dtype = compute_dtype(mode);
+        let model = if is_mixed(mode) {
+            cast_params(model.clone(), dtype, false).valid()
+        } else {
+            model.valid()
+        };
         let range = eval_shard(self.workload.eval_len(), self.world(), self.rank());
         let bs = self.settings.train.batch_size;
         let mut loss_sum: Option<Tensor<1>> = None;
@@ -646,8 +772,15 @@ impl<W: Workload> Worker<'_, W> {
         let mut start = range.start;
         while start < range.end {
             let end = (start + bs).min(range.end);
-            let out = model.step(self.workload.eval_batch(start..end, &eval_device));
-            let weighted = out.loss.mul_scalar(out.samples as f32);
+            let mut batch = self.workload.eval_batch(start..end, &eval_device);
+            if dtype != FloatDType::F32 {
+                batch = self.workload.cast_batch(batch, dtype);
+            }
+            let out = model.step(batch);
+            let weighted = out
+                .loss
+                .cast(FloatDType::F32)
+                .mul_scalar(out.samples as f32);
             loss_sum = Some(match loss_sum {
                 Some(l) => l + weighted,
                 None => weighted,
@@ -678,11 +811,43 @@ impl<W: Workload> Worker<'_, W> {
     }
 }
 
+/// Rejects precision and recompute settings that cannot work with `model`, before any worker
+/// starts.
+fn check_policies<B, M: BlockStack<B>>(model: &M, s: &TrainerSettings) -> Result<()> {
+    if is_mixed(s.precision.mode) && !float_tensors(model, Some(false)).is_empty() {
+        return Err(Error::config(format!(
+            "key `precision.mode`: {:?} keeps f32 master weights apart from a low-precision \
+             copy, but this model has buffers (BatchNorm running statistics), which Burn shares \
+             between the two and updates in the compute dtype; use precision \"32\" or a \
+             \"-true\" precision, or a model without BatchNorm",
+            name_of(&s.precision.mode)
+        )));
+    }
+    if s.recompute.mode == RecomputeMode::Blocks {
+        if model.num_blocks() == 0 {
+            return Err(Error::config(
+                "key `recompute.mode`: \"blocks\" recomputes the model's blocks, but this model \
+                 has none; use \"balanced\" or \"none\""
+                    .to_string(),
+            ));
+        }
+        if !model.blocks_deterministic() {
+            return Err(Error::config(
+                "key `recompute.mode`: \"blocks\" runs each block twice and needs both runs to \
+                 agree, but this model draws random numbers in its blocks (dropout > 0); set the \
+                 model's dropout to 0 or use recompute \"balanced\""
+                    .to_string(),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Folds the pending updates of Burn's `RunningState` buffers (e.g. BatchNorm statistics) into
 /// their values. A `RunningState` keeps the last update of each thread aside until it is next
 /// read for a forward pass, so visiting the module right after a step would see the previous
 /// step's statistics; `valid` folds the pending updates in as a side effect on the shared state.
-fn sync_running_state<M: Module>(module: &M) {
+pub(crate) fn sync_running_state<M: Module>(module: &M) {
     let _ = module.valid();
 }
 
@@ -712,12 +877,17 @@ fn float_tensors<M: Module>(module: &M, trainable: Option<bool>) -> Vec<Vec<f32>
 
 /// The float tensors of `module` that are (`trainable`) or are not (buffers) trained,
 /// flattened into one host buffer in module order.
-fn collect_floats<M: Module>(module: &M, trainable: bool) -> Vec<f32> {
+pub(crate) fn collect_floats<M: Module>(module: &M, trainable: bool) -> Vec<f32> {
     float_tensors(module, Some(trainable)).concat()
 }
 
 /// Replaces the float tensors [`collect_floats`] collected with `values`.
-fn replace_floats<M: Module>(module: M, trainable: bool, values: Vec<f32>, device: &Device) -> M {
+pub(crate) fn replace_floats<M: Module>(
+    module: M,
+    trainable: bool,
+    values: Vec<f32>,
+    device: &Device,
+) -> M {
     struct Replace<'a> {
         trainable: bool,
         values: Vec<f32>,
@@ -745,6 +915,28 @@ fn replace_floats<M: Module>(module: M, trainable: bool, values: Vec<f32>, devic
         device,
     };
     module.map(&mut r)
+}
+
+/// A memory figure of this process from `/proc/self/status` (`VmRSS`, `VmHWM`), in MiB.
+fn proc_status_mib(key: &str) -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+/// The median of `values` (sorted in place), `None` when empty.
+fn median(values: &mut [f64]) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    Some(if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    })
 }
 
 fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {

@@ -1,0 +1,130 @@
+//! A model's forward pass seen as a stem, a stack of blocks and a head.
+//!
+//! Models that implement [`BlockStack`] let a trainer run their forward pass one block at a
+//! time — to recompute blocks during backward instead of keeping their activations, or (later)
+//! to place blocks on different devices — without changing the model: the stack is the same
+//! computation as [`TrainStep::step`], only cut at block boundaries.
+
+use burn::prelude::*;
+use burn::tensor::{FloatDType, Gradients};
+
+use crate::{StepOutput, TrainStep};
+
+/// The activation that flows between blocks: a float tensor of rank 2, 3 or 4.
+#[derive(Debug, Clone)]
+pub enum Activation {
+    /// `[batch, features]`.
+    Rank2(Tensor<2>),
+    /// `[batch, time, features]`.
+    Rank3(Tensor<3>),
+    /// `[batch, channels, height, width]`.
+    Rank4(Tensor<4>),
+}
+
+macro_rules! each {
+    ($value:expr, $t:ident => $body:expr) => {
+        match $value {
+            Activation::Rank2($t) => Activation::Rank2($body),
+            Activation::Rank3($t) => Activation::Rank3($body),
+            Activation::Rank4($t) => Activation::Rank4($body),
+        }
+    };
+}
+
+impl Activation {
+    /// The same values with no link to the graph that produced them.
+    pub fn detach(self) -> Self {
+        each!(self, t => t.detach())
+    }
+
+    /// Marks a detached activation as a leaf whose gradient backward keeps.
+    pub fn require_grad(self) -> Self {
+        each!(self, t => t.require_grad())
+    }
+
+    /// Whether the activation takes part in an autodiff graph.
+    pub fn is_tracked(&self) -> bool {
+        match self {
+            Activation::Rank2(t) => t.is_tracked(),
+            Activation::Rank3(t) => t.is_tracked(),
+            Activation::Rank4(t) => t.is_tracked(),
+        }
+    }
+
+    /// The gradient `grads` holds for this (leaf) activation.
+    pub fn grad(&self, grads: &Gradients) -> Option<Self> {
+        Some(match self {
+            Activation::Rank2(t) => Activation::Rank2(t.grad(grads)?),
+            Activation::Rank3(t) => Activation::Rank3(t.grad(grads)?),
+            Activation::Rank4(t) => Activation::Rank4(t.grad(grads)?),
+        })
+    }
+
+    /// `sum(self * other)`, shape `[1]`. Backpropagating it from an activation `y` with
+    /// `other` = the gradient of the loss with respect to `y` gives the loss's gradients of
+    /// everything `y` depends on (a vector-Jacobian product).
+    ///
+    /// # Panics
+    /// If the two activations have different ranks.
+    pub fn dot(self, other: Self) -> Tensor<1> {
+        match (self, other) {
+            (Activation::Rank2(a), Activation::Rank2(b)) => (a * b).sum(),
+            (Activation::Rank3(a), Activation::Rank3(b)) => (a * b).sum(),
+            (Activation::Rank4(a), Activation::Rank4(b)) => (a * b).sum(),
+            (a, b) => panic!(
+                "activation ranks differ: {} vs {}",
+                a.dims().len(),
+                b.dims().len()
+            ),
+        }
+    }
+
+    /// The activation converted to `dtype`.
+    pub fn cast(self, dtype: FloatDType) -> Self {
+        each!(self, t => t.cast(dtype))
+    }
+
+    /// The shape.
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            Activation::Rank2(t) => t.dims().to_vec(),
+            Activation::Rank3(t) => t.dims().to_vec(),
+            Activation::Rank4(t) => t.dims().to_vec(),
+        }
+    }
+
+    /// The rank-`D` tensor inside.
+    ///
+    /// # Panics
+    /// If the activation has another rank (a model handed its own block a wrong activation).
+    pub fn into_rank<const D: usize>(self) -> Tensor<D> {
+        let dims = self.dims();
+        let shape: [usize; D] = dims
+            .clone()
+            .try_into()
+            .unwrap_or_else(|_| panic!("expected a rank-{D} activation, got shape {dims:?}"));
+        match self {
+            Activation::Rank2(t) => t.reshape(shape),
+            Activation::Rank3(t) => t.reshape(shape),
+            Activation::Rank4(t) => t.reshape(shape),
+        }
+    }
+}
+
+/// A model whose forward pass is `head(block_{n-1}(… block_0(stem(batch))))`, the same
+/// computation as its [`TrainStep::step`].
+pub trait BlockStack<B>: TrainStep<B> {
+    /// Number of blocks.
+    fn num_blocks(&self) -> usize;
+    /// The input of block 0 (for a GPT, the token and position embeddings).
+    fn stem(&self, batch: &B) -> Activation;
+    /// Block `i` applied to `x`.
+    fn block(&self, i: usize, x: Activation) -> Activation;
+    /// The layers after the last block and the loss.
+    fn head(&self, x: Activation, batch: &B) -> StepOutput;
+    /// Whether running a block twice on the same input gives the same output (false when it
+    /// draws random numbers, e.g. dropout), which recomputation needs.
+    fn blocks_deterministic(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,215 @@
+//! `cargo xtask bench policies`: peak memory and step time of one recipe under each recompute
+//! and precision policy. Every measurement is a separate `train` process (peak resident memory
+//! is a per-process high-water mark), the variants alternate within each round, and the
+//! medians over rounds are compared side by side.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use crate::{Result, TempDir};
+
+/// What to measure.
+pub struct Options {
+    /// Optimizer steps per run.
+    steps: usize,
+    /// Runs of every variant.
+    rounds: usize,
+    /// The recipe.
+    config: String,
+    /// Extra `--set` overrides for every run.
+    sets: Vec<String>,
+}
+
+pub fn parse(rest: &[&str]) -> Result<Options> {
+    let mut o = Options {
+        steps: 40,
+        rounds: 2,
+        config: "configs/gpt-text.toml".into(),
+        sets: Vec::new(),
+    };
+    let mut it = rest.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .ok_or_else(|| format!("{flag} needs a value"))
+                .map(|v| v.to_string())
+        };
+        match *flag {
+            "--steps" => o.steps = number(flag, &value()?)?,
+            "--rounds" => o.rounds = number(flag, &value()?)?,
+            "--config" => o.config = value()?,
+            "--set" => o.sets.push(value()?),
+            other => {
+                return Err(format!(
+                    "bench policies: unknown argument {other:?} (expected --steps N, --rounds N, \
+                     --config FILE, --set KEY=VALUE)"
+                ));
+            }
+        }
+    }
+    Ok(o)
+}
+
+fn number(flag: &str, raw: &str) -> Result<usize> {
+    raw.parse::<usize>()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("{flag} {raw:?}: expected a positive integer"))
+}
+
+/// The variants: a label and the flags that select it. The first is the base the others are
+/// compared with.
+const VARIANTS: [(&str, &[&str]); 5] = [
+    ("32, recompute none", &[]),
+    ("32, recompute balanced", &["--recompute", "balanced"]),
+    ("32, recompute blocks", &["--recompute", "blocks"]),
+    ("bf16-mixed, recompute none", &["--precision", "bf16-mixed"]),
+    ("16-mixed, recompute none", &["--precision", "16-mixed"]),
+];
+
+/// One run's figures from its `summary.json`.
+#[derive(Clone, Copy)]
+struct Figures {
+    step_seconds: f64,
+    start_rss: f64,
+    peak_rss: f64,
+    val_loss: f64,
+}
+
+pub fn run(root: &Path, o: &Options) -> Result<()> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(&cargo)
+        .args(["build", "--release", "-q", "--bin", "train"])
+        .current_dir(root)
+        .status()
+        .map_err(|e| format!("cannot build the train binary: {e}"))?;
+    if !status.success() {
+        return Err(format!("building the train binary failed ({status})"));
+    }
+    let temp = TempDir::new("bench-policies")?;
+    let shown_sets: String = o.sets.iter().map(|s| format!(" --set {s}")).collect();
+    println!(
+        "bench policies: {} for {} steps, {} rounds{shown_sets}",
+        o.config, o.steps, o.rounds
+    );
+    let mut results: Vec<Vec<Figures>> = vec![Vec::new(); VARIANTS.len()];
+    for round in 0..o.rounds {
+        for (i, (label, flags)) in VARIANTS.iter().enumerate() {
+            let dir = temp.path().join(format!("v{i}-r{round}"));
+            let mut command = Command::new(&cargo);
+            command
+                .args(["run", "--release", "-q", "--bin", "train", "--"])
+                .args(["--config", &o.config])
+                .args(["--max-steps", &o.steps.to_string()])
+                .arg("--run-dir")
+                .arg(&dir)
+                .args(["--set", "train.log_every=5"])
+                .args(o.sets.iter().flat_map(|s| ["--set", s.as_str()]))
+                .args(*flags)
+                .current_dir(root)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped());
+            let out = command
+                .output()
+                .map_err(|e| format!("cannot run train: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "{label}: train failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+            let f = read_figures(&dir.join("summary.json"))?;
+            println!(
+                "  round {round} {label:<28} {:>8.1} ms/step  peak {:>7.1} MiB  start {:>7.1} MiB",
+                f.step_seconds * 1e3,
+                f.peak_rss,
+                f.start_rss
+            );
+            results[i].push(f);
+        }
+    }
+
+    let med = |i: usize, f: fn(&Figures) -> f64| {
+        let mut v: Vec<f64> = results[i].iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        }
+    };
+    println!();
+    println!(
+        "| variant | ms/step | step time vs base | peak RSS MiB | activation MiB (peak − start) | activation vs base | val loss |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (i, (label, _)) in VARIANTS.iter().enumerate() {
+        let step = med(i, |f| f.step_seconds);
+        let act = med(i, |f| f.peak_rss - f.start_rss);
+        let base_step = med(0, |f| f.step_seconds);
+        let base_act = med(0, |f| f.peak_rss - f.start_rss);
+        println!(
+            "| {label} | {:.1} | {:+.1} % | {:.1} | {act:.1} | {:+.1} % | {:.4} |",
+            step * 1e3,
+            (step / base_step - 1.0) * 100.0,
+            med(i, |f| f.peak_rss),
+            (act / base_act - 1.0) * 100.0,
+            med(i, |f| f.val_loss),
+        );
+    }
+    Ok(())
+}
+
+fn read_figures(path: &Path) -> Result<Figures> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    let get = |key: &str| {
+        json_number(&text, key).ok_or_else(|| {
+            format!(
+                "{}: no number for {key:?} (is this a Linux machine?)",
+                path.display()
+            )
+        })
+    };
+    Ok(Figures {
+        step_seconds: get("step_seconds")?,
+        start_rss: get("start_rss_mib")?,
+        peak_rss: get("peak_rss_mib")?,
+        val_loss: get("val_loss")?,
+    })
+}
+
+/// The number stored under `"key"` in a flat JSON object.
+fn json_number(text: &str, key: &str) -> Option<f64> {
+    let at = text.find(&format!("\"{key}\""))? + key.len() + 2;
+    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_numbers_from_a_summary() {
+        let text = "{\n  \"steps\": 40,\n  \"step_seconds\": 0.0123,\n  \"peak_rss_mib\": 1.5e2,\n  \"val_loss\": null\n}";
+        assert_eq!(json_number(text, "step_seconds"), Some(0.0123));
+        assert_eq!(json_number(text, "peak_rss_mib"), Some(150.0));
+        assert_eq!(json_number(text, "val_loss"), None);
+        assert_eq!(json_number(text, "missing"), None);
+    }
+
+    #[test]
+    fn parses_and_rejects_arguments() {
+        let o = parse(&["--steps", "10", "--set", "train.batch_size=4"]).unwrap();
+        assert_eq!((o.steps, o.rounds), (10, 2));
+        assert_eq!(o.sets, vec!["train.batch_size=4".to_string()]);
+        assert!(parse(&["--steps", "0"]).is_err());
+        assert!(parse(&["--bogus"]).is_err());
+        assert!(parse(&["--rounds"]).is_err());
+    }
+}
