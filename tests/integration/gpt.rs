@@ -10,7 +10,7 @@ use kiln::trainer::parameter_values;
 use crate::common::{assert_one_line_error, max_relative_diff, metrics, temp_dir, train_bin};
 
 /// A small text with structure worth learning.
-fn text_file(dir: &Path) -> PathBuf {
+pub fn text_file(dir: &Path) -> PathBuf {
     let line = "the whale swam past the ship, and the sea was calm. ";
     let text: String = (0..200).map(|i| format!("{i}: {line}")).collect();
     let path = dir.join("text.txt");
@@ -18,7 +18,7 @@ fn text_file(dir: &Path) -> PathBuf {
     path
 }
 
-fn gpt_config(run: &Path, text: &Path, extra: &[&str]) -> kiln::RootConfig {
+pub fn gpt_config(run: &Path, text: &Path, extra: &[&str]) -> kiln::RootConfig {
     let mut o: Vec<String> = vec![
         "data.dataset=\"text\"".into(),
         format!("data.path={:?}", text.display().to_string()),

@@ -4,4 +4,5 @@ mod cli;
 mod common;
 mod ddp;
 mod gpt;
+mod monitor;
 mod training;

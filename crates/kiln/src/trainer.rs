@@ -24,6 +24,7 @@ use crate::config::{OptimConfig, RootConfig, ScheduleConfig, TrainConfig};
 use crate::data::{DistributedSampler, eval_shard};
 use crate::error::{Error, Result};
 use crate::metrics::{MetricsWriter, Progress, Summary, num, record};
+use crate::monitor::{MonitorSetup, SystemMonitor, Throughput, peak_tflops};
 use crate::optim::{
     ParamLayout, Schedule, buckets, build_optimizer, clip_global_norm, grads_to_parts,
     parts_to_grads, scaled_lr,
@@ -63,6 +64,11 @@ pub trait Workload: Sync {
     fn tokens_per_sample(&self) -> Option<usize> {
         None
     }
+    /// Training FLOPs (forward and backward) of one sample, for models that count them; the
+    /// model FLOPs utilization (MFU) is logged when this and a peak FLOP/s are known.
+    fn flops_per_sample(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// What the loop needs besides the workload.
@@ -88,8 +94,8 @@ pub struct TrainerSettings {
     pub run_dir: PathBuf,
     /// Checkpoint directory to continue from.
     pub resume_from: Option<PathBuf>,
-    /// Where rank 0 writes metrics.
-    pub sinks: Vec<crate::config::SinkKind>,
+    /// Metric sinks, the system monitor's interval, the peak FLOP/s and the smoothing.
+    pub monitor: crate::config::MonitorConfig,
     /// Show progress (a bar on a terminal, log lines otherwise) on rank 0.
     pub progress: bool,
     /// Strategy name for the summary.
@@ -120,7 +126,7 @@ impl TrainerSettings {
             split_cpu_threads: accelerator.starts_with("cpu"),
             run_dir,
             resume_from: None,
-            sinks: config.monitor.sinks.clone(),
+            monitor: config.monitor.clone(),
             progress: false,
             accelerator,
         }
@@ -202,6 +208,22 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
     }
     let weights = initial.into_record();
 
+    // Rank 0 drains the system monitor into the sinks; dropping it stops the thread, on
+    // failure too.
+    let monitor = (settings.monitor.interval_s > 0.0).then(|| {
+        SystemMonitor::start(MonitorSetup {
+            interval: std::time::Duration::from_secs_f64(settings.monitor.interval_s),
+            devices: settings.devices.clone(),
+            cpu_replicas: settings.split_cpu_threads && world > 1,
+        })
+    });
+    if let Some(m) = &monitor
+        && settings.progress
+    {
+        println!("{}", m.notice());
+    }
+    let monitor = monitor.as_ref();
+
     let comms = local_group(world);
     let results: Vec<WorkerResult<W::Model>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
@@ -221,6 +243,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
                             total,
                             comm,
                             device: settings.devices[rank].clone().autodiff(),
+                            monitor: monitor.filter(|_| rank == 0),
                         };
                         worker.run_guarded(weights, start)
                     })
@@ -270,6 +293,8 @@ struct Worker<'a, W: Workload> {
     total: usize,
     comm: LocalComm,
     device: Device,
+    /// The system monitor, on rank 0.
+    monitor: Option<&'a SystemMonitor>,
 }
 
 /// Running sums of a logging window, kept on the device until a log line needs them.
@@ -368,11 +393,26 @@ impl<W: Workload> Worker<'_, W> {
         let buckets = buckets(&ParamLayout::of(&model), bucket_elements);
 
         let mut metrics = if lead {
-            Some(MetricsWriter::open(&s.run_dir, &s.sinks, Some(start.step)))
+            Some(MetricsWriter::open(
+                &s.run_dir,
+                &s.monitor.sinks,
+                Some(start.step),
+            ))
         } else {
             None
         };
         let progress = (lead && s.progress).then(|| Progress::new(self.total, start.step));
+        let device_name = s.devices[0].identity().map(|i| i.name);
+        let mut throughput = Throughput::new(
+            world,
+            self.workload.tokens_per_sample(),
+            self.workload.flops_per_sample(),
+            peak_tflops(s.monitor.peak_tflops, device_name.as_deref()),
+            s.monitor.smoothing,
+        );
+        if let Some(m) = self.monitor {
+            m.set_step(start.step);
+        }
 
         let mut step = start.step;
         let mut epoch = start.epoch;
@@ -439,6 +479,9 @@ impl<W: Workload> Worker<'_, W> {
             window.steps += 1;
             window.samples += self.sampler.samples_per_step();
             samples += self.sampler.samples_per_step() as u64;
+            if let Some(m) = self.monitor {
+                m.set_step(step);
+            }
 
             if t.check_replicas && world > 1 {
                 self.check_replicas(&model, step)?;
@@ -456,6 +499,8 @@ impl<W: Workload> Worker<'_, W> {
                 last_train_loss = Some(loss);
                 let rate = window.samples as f64 / elapsed.max(1e-9);
                 let per = |x: f64| x / window.steps as f64;
+                let times = [window.data, window.compute, window.sync, window.optim];
+                let mut rates = String::new();
                 if let Some(m) = metrics.as_mut() {
                     let mut r = record(&[
                         ("step", json!(step)),
@@ -469,15 +514,21 @@ impl<W: Workload> Worker<'_, W> {
                         ("time_sync", num(per(window.sync))),
                         ("time_optim", num(per(window.optim))),
                     ]);
-                    if let Some(tokens) = self.workload.tokens_per_sample() {
-                        r.insert("tokens_per_sec".into(), num(rate * tokens as f64));
-                    }
+                    rates = throughput.annotate(&mut r, rate, times);
                     m.write(&r);
+                    for sample in self.monitor.map(SystemMonitor::drain).unwrap_or_default() {
+                        m.write(&sample);
+                    }
                 }
                 if let Some(p) = &progress {
+                    let devices = self
+                        .monitor
+                        .and_then(|m| m.latest())
+                        .map(|s| s.summary_line());
                     p.update(
                         step,
-                        &format!("epoch {epoch} loss {loss:.4} lr {lr:.2e} {rate:.0} samples/s"),
+                        &format!("epoch {epoch} loss {loss:.4} lr {lr:.2e} {rates}"),
+                        devices.as_deref(),
                     );
                 }
                 window = Window::new();
@@ -542,6 +593,12 @@ impl<W: Workload> Worker<'_, W> {
         }
         if let Some(p) = &progress {
             p.finish();
+        }
+        if let (Some(mon), Some(m)) = (self.monitor, metrics.as_mut()) {
+            mon.stop();
+            for sample in mon.drain() {
+                m.write(&sample);
+            }
         }
         wall += run_started.elapsed().as_secs_f64();
         if !lead {
