@@ -303,9 +303,7 @@ fn range(values: impl Iterator<Item = f64>, from_zero: bool) -> (f64, f64) {
 
 /// An axis label: whole numbers plainly, others with three significant digits.
 fn tick(v: f64) -> String {
-    if v == v.round() && v.abs() < 1e15 {
-        format!("{v:.0}")
-    } else if v.abs() >= 100.0 {
+    if (v == v.round() && v.abs() < 1e15) || v.abs() >= 100.0 {
         format!("{v:.0}")
     } else {
         let decimals = (2 - v.abs().log10().floor() as i32).clamp(0, 6) as usize;
