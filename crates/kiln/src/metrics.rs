@@ -186,13 +186,7 @@ impl Progress {
     pub fn new(total: usize, start: usize) -> Self {
         let bar = std::io::stdout().is_terminal().then(|| {
             let bar = ProgressBar::new(total as u64);
-            bar.set_style(
-                ProgressStyle::with_template(
-                    "{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] \
-                     {msg}\n{prefix}",
-                )
-                .expect("valid template"),
-            );
+            bar.set_style(bar_style().expect("the bar template is checked by a test"));
             bar.set_position(start as u64);
             bar
         });
@@ -243,6 +237,13 @@ impl Progress {
     }
 }
 
+/// Two lines: the bar, ETA and latest numbers, then the devices' summary (the prefix).
+fn bar_style() -> std::result::Result<ProgressStyle, indicatif::style::TemplateError> {
+    ProgressStyle::with_template(
+        "{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}\n{prefix}",
+    )
+}
+
 /// Time left for `left` steps at the rate of `done` steps in `elapsed` seconds, as `1h02m03s`.
 fn eta(elapsed: f64, done: usize, left: usize) -> String {
     if done == 0 {
@@ -275,6 +276,17 @@ pub fn num(x: f64) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_two_line_bar_renders() {
+        let bar = ProgressBar::hidden();
+        bar.set_style(bar_style().unwrap());
+        bar.set_length(10);
+        bar.set_message("loss 1.0");
+        bar.set_prefix("process rss 10 MiB | dev0 cpu 90%");
+        bar.set_position(3);
+        assert_eq!(bar.position(), 3);
+    }
 
     #[test]
     fn eta_scales_the_elapsed_time() {
