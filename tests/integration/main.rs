@@ -4,5 +4,6 @@ mod cli;
 mod common;
 mod ddp;
 mod gpt;
+mod monitor;
 mod policies;
 mod training;

@@ -29,6 +29,12 @@ commands:
   bench policies [--steps N] [--rounds N] [--config FILE] [--set KEY=VALUE ...]
                                         peak memory and step time per recompute and precision
                                         policy (default: configs/gpt-text.toml, 40 steps)
+  bench monitor [--steps N] [--rounds R] [--devices N] [--config FILE]
+                                        throughput with monitoring on and off, alternating
+                                        runs of `train` (default 60 steps, 5 rounds, 2 devices,
+                                        configs/gpt-text.toml)
+  plot RUN_DIR [ARGS]                   `train plot`: PNG charts of a run (ARGS: --out DIR,
+                                        --width W, --height H)
   help, --help, -h                      show this message
 
 Relative paths are taken from the workspace root.";
@@ -58,6 +64,51 @@ enum Task {
     Ci,
     Bench { args: Vec<String> },
     BenchPolicies(bench_policies::Options),
+    BenchMonitor(MonitorBench),
+    Plot { args: Vec<String> },
+}
+
+/// `bench monitor`: the same run with monitoring on and off.
+#[derive(Debug, PartialEq)]
+struct MonitorBench {
+    steps: usize,
+    rounds: usize,
+    devices: usize,
+    config: PathBuf,
+}
+
+impl MonitorBench {
+    fn parse(rest: &[&str]) -> Result<Self> {
+        let mut b = MonitorBench {
+            steps: 60,
+            rounds: 5,
+            devices: 2,
+            config: PathBuf::from("configs/gpt-text.toml"),
+        };
+        let mut words = rest.iter();
+        while let Some(flag) = words.next() {
+            let value = words
+                .next()
+                .ok_or_else(|| format!("bench monitor: {flag} needs a value"))?;
+            let count = || {
+                value
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| {
+                        format!("bench monitor: {flag} {value:?}: expected a count >= 1")
+                    })
+            };
+            match *flag {
+                "--steps" => b.steps = count()?,
+                "--rounds" => b.rounds = count()?,
+                "--devices" => b.devices = count()?,
+                "--config" => b.config = PathBuf::from(value),
+                _ => return Err(format!("bench monitor: unknown flag {flag:?}")),
+            }
+        }
+        Ok(b)
+    }
 }
 
 /// The datasets `fetch-data` knows how to obtain.
@@ -113,6 +164,8 @@ fn main() -> ExitCode {
         Task::Ci => workspace_root().and_then(|root| ci(&root)),
         Task::Bench { args } => workspace_root().and_then(|root| bench(&root, &args)),
         Task::BenchPolicies(o) => workspace_root().and_then(|root| bench_policies::run(&root, &o)),
+        Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
+        Task::Plot { args } => workspace_root().and_then(|root| run_train(&root, &args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -136,7 +189,15 @@ fn parse_args(args: &[String]) -> Result<Task> {
                 .collect(),
         }),
         ["bench", "policies", rest @ ..] => bench_policies::parse(rest).map(Task::BenchPolicies),
-        ["bench", ..] => Err("bench needs a benchmark: ddp or policies".into()),
+        ["bench", "monitor", rest @ ..] => MonitorBench::parse(rest).map(Task::BenchMonitor),
+        ["bench", ..] => Err("bench needs a benchmark: ddp, monitor or policies".into()),
+        ["plot", rest @ ..] if !rest.is_empty() => Ok(Task::Plot {
+            args: std::iter::once("plot")
+                .chain(rest.iter().copied())
+                .map(String::from)
+                .collect(),
+        }),
+        ["plot"] => Err("plot needs a run directory".into()),
         ["fetch-data", name, rest @ ..] => {
             let dataset = Dataset::parse(name).ok_or_else(|| {
                 format!("unknown dataset {name:?}, expected mnist, fashion-mnist or text")
@@ -501,6 +562,140 @@ fn bench(root: &Path, args: &[String]) -> Result<()> {
     }
 }
 
+/// Runs the `train` binary (built in release mode) with `args`.
+fn run_train(root: &Path, args: &[String]) -> Result<()> {
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(&cargo)
+        .args([
+            "run",
+            "--release",
+            "-q",
+            "-p",
+            "kiln",
+            "--bin",
+            "train",
+            "--",
+        ])
+        .args(args)
+        .current_dir(root)
+        .status()
+        .map_err(|e| format!("cannot run train: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("train failed ({status})"))
+    }
+}
+
+/// Trains the same run with monitoring on (the defaults: a sample every second, all three
+/// sinks) and off (`monitor.interval_s = 0`, no sinks), alternating which goes first, and
+/// compares the throughput each run reports in its `summary.json`.
+fn bench_monitor(root: &Path, b: &MonitorBench) -> Result<()> {
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(&cargo)
+        .args(["build", "--release", "-q", "-p", "kiln", "--bin", "train"])
+        .current_dir(root)
+        .status()
+        .map_err(|e| format!("cannot build train: {e}"))?;
+    if !status.success() {
+        return Err(format!("building train failed ({status})"));
+    }
+    let target = env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let train = root.join(target).join("release").join("train");
+    let temp = TempDir::new("bench-monitor")?;
+    let arms: [(&str, &[&str]); 2] = [
+        ("on", &[]),
+        (
+            "off",
+            &["--set", "monitor.interval_s=0", "--set", "monitor.sinks=[]"],
+        ),
+    ];
+    println!(
+        "bench monitor: {} steps × {} devices of {}, {} rounds after one warm-up round",
+        b.steps,
+        b.devices,
+        b.config.display(),
+        b.rounds
+    );
+    let mut rates: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let mut ratios = Vec::new();
+    for round in 0..=b.rounds {
+        let mut this = [0.0; 2];
+        // Alternate the order so that a drift of the machine's speed favours neither arm.
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for arm in order {
+            let (name, flags) = arms[arm];
+            let dir = temp.0.join(format!("{name}-{round}"));
+            let out = Command::new(&train)
+                .arg("--config")
+                .arg(root.join(&b.config))
+                .args(["--max-steps", &b.steps.to_string()])
+                .args(["--devices", &b.devices.to_string()])
+                .arg("--run-dir")
+                .arg(&dir)
+                .args(flags)
+                .current_dir(root)
+                .stdout(Stdio::null())
+                .output()
+                .map_err(|e| format!("cannot run {}: {e}", train.display()))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "train ({name}) failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+            let summary = dir.join("summary.json");
+            let text =
+                fs::read_to_string(&summary).map_err(|e| format!("{}: {e}", summary.display()))?;
+            this[arm] = json_number(&text, "samples_per_sec")
+                .ok_or_else(|| format!("{}: no samples_per_sec", summary.display()))?;
+        }
+        let label = if round == 0 { "warm-up" } else { "round" };
+        println!(
+            "{label:>7} {round}: on {:.2} samples/s, off {:.2} samples/s, on ÷ off {:.4}",
+            this[0],
+            this[1],
+            this[0] / this[1]
+        );
+        if round > 0 {
+            rates[0].push(this[0]);
+            rates[1].push(this[1]);
+            ratios.push(this[0] / this[1]);
+        }
+    }
+    println!(
+        "median: on {:.2} samples/s, off {:.2} samples/s; median of the rounds' on ÷ off {:.4} \
+         (monitoring cost {:+.2} %)",
+        median(&rates[0]),
+        median(&rates[1]),
+        median(&ratios),
+        100.0 * (1.0 - median(&ratios))
+    );
+    Ok(())
+}
+
+/// The number after `"key":` in a JSON text (the std-only reading of `summary.json`).
+fn json_number(text: &str, key: &str) -> Option<f64> {
+    let at = text.find(&format!("\"{key}\""))? + key.len() + 2;
+    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 fn ci(root: &Path) -> Result<()> {
     // Cargo exports the path of the running cargo, which keeps the same toolchain in use.
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
@@ -567,12 +762,40 @@ mod tests {
             &["fetch-data", "mnist", "--dir"],
             &["fetch-data", "mnist", "--force"],
             &["ci", "extra"],
+            &["bench", "monitor", "--steps"],
+            &["bench", "monitor", "--steps", "0"],
+            &["bench", "monitor", "--fast", "1"],
+            &["plot"],
         ] {
             let err = parse_args(&args(bad)).err().expect("should be rejected");
             assert!(!err.contains('\n'), "{err}");
         }
         assert!(matches!(parse_args(&args(&["--help"])), Ok(Task::Help)));
         assert!(matches!(parse_args(&args(&["ci"])), Ok(Task::Ci)));
+    }
+
+    #[test]
+    fn parses_bench_monitor_and_reads_summaries() {
+        match parse_args(&args(&[
+            "bench", "monitor", "--steps", "7", "--config", "c.toml",
+        ])) {
+            Ok(Task::BenchMonitor(b)) => assert_eq!(
+                b,
+                MonitorBench {
+                    steps: 7,
+                    rounds: 5,
+                    devices: 2,
+                    config: PathBuf::from("c.toml")
+                }
+            ),
+            _ => panic!("expected bench monitor"),
+        }
+        let summary = "{\n  \"steps\": 5,\n  \"samples_per_sec\": 41.25,\n  \"devices\": 2\n}";
+        assert_eq!(json_number(summary, "samples_per_sec"), Some(41.25));
+        assert_eq!(json_number(summary, "steps"), Some(5.0));
+        assert_eq!(json_number(summary, "wall"), None);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
     }
 
     #[test]

@@ -79,6 +79,38 @@ pub enum Command {
     Sample(SampleArgs),
     /// List the devices kiln can see and what `--accelerator auto` would choose.
     Devices,
+    /// Draw a run's metrics as PNG charts (loss, throughput, memory, utilization).
+    Plot(PlotArgs),
+}
+
+/// `train plot`: charts of a run's `metrics.jsonl`.
+#[derive(Debug, clap::Args)]
+pub struct PlotArgs {
+    /// The run directory.
+    #[arg(value_name = "RUN_DIR")]
+    pub run: PathBuf,
+    /// Where the PNGs go (default: RUN_DIR/plots).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Width of each chart in pixels.
+    #[arg(long, default_value_t = 1000)]
+    pub width: u32,
+    /// Height of each chart in pixels.
+    #[arg(long, default_value_t = 600)]
+    pub height: u32,
+}
+
+/// Runs `train plot`: one line per chart, written or skipped.
+pub fn plot(args: &PlotArgs) -> Result<Vec<String>> {
+    let out = args.out.clone().unwrap_or_else(|| args.run.join("plots"));
+    let outcomes = crate::plot::plot_run(&args.run, &out, args.width, args.height)?;
+    Ok(outcomes
+        .into_iter()
+        .map(|o| match o {
+            crate::plot::Outcome::Written(path) => format!("wrote {}", path.display()),
+            crate::plot::Outcome::Skipped(name, why) => format!("skipped {name}.png: {why}"),
+        })
+        .collect())
 }
 
 /// The hardware report of `train devices`, one line per item.
@@ -355,6 +387,20 @@ pub fn main_with(args: Args) -> i32 {
             println!("{line}");
         }
         return 0;
+    }
+    if let Some(Command::Plot(plot_args)) = &args.command {
+        return match plot(plot_args) {
+            Ok(lines) => {
+                for line in lines {
+                    println!("{line}");
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                2
+            }
+        };
     }
     if let Some(Command::Sample(sample_args)) = &args.command {
         return match sample(sample_args) {

@@ -178,12 +178,25 @@ pub enum SinkKind {
 pub struct MonitorConfig {
     /// Metric sinks: any of `jsonl`, `csv`, `tensorboard`. Default all three.
     pub sinks: Vec<SinkKind>,
+    /// Seconds between two samples of the system monitor (memory, CPU and GPU utilization,
+    /// power); 0 turns the sampler off. Default 1.
+    pub interval_s: f64,
+    /// Peak dense FLOP/s of one device, in TFLOP/s, for the model FLOPs utilization (MFU).
+    /// Default: unset, taken from kiln's table of known GPUs where the device is in it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_tflops: Option<f64>,
+    /// Weight of the history in the smoothed throughput (an exponential moving average over
+    /// logging windows): 0 keeps only the newest window. Default 0.8.
+    pub smoothing: f64,
 }
 
 impl Default for MonitorConfig {
     fn default() -> Self {
         Self {
             sinks: vec![SinkKind::Jsonl, SinkKind::Csv, SinkKind::Tensorboard],
+            interval_s: 1.0,
+            peak_tflops: None,
+            smoothing: 0.8,
         }
     }
 }
@@ -663,6 +676,30 @@ impl RootConfig {
         if self.recompute.every == 0 {
             return bad("recompute.every", "must be at least 1, got 0".into());
         }
+        let m = &self.monitor;
+        if !(m.interval_s.is_finite() && m.interval_s >= 0.0) {
+            return bad(
+                "monitor.interval_s",
+                format!(
+                    "must be a number of seconds >= 0 (0 turns sampling off), got {}",
+                    m.interval_s
+                ),
+            );
+        }
+        if let Some(p) = m.peak_tflops
+            && !(p.is_finite() && p > 0.0)
+        {
+            return bad(
+                "monitor.peak_tflops",
+                format!("must be a positive number of TFLOP/s, got {p}"),
+            );
+        }
+        if !(0.0..1.0).contains(&m.smoothing) {
+            return bad(
+                "monitor.smoothing",
+                format!("must be in [0, 1), got {}", m.smoothing),
+            );
+        }
         let devices = self.hardware.devices.indices();
         if devices.is_empty() {
             return bad(
@@ -852,6 +889,9 @@ mod tests {
             ("optim.lr=-1", "optim.lr"),
             ("optim.momentum=1.5", "optim.momentum"),
             ("train.max_steps=0", "train.max_steps"),
+            ("monitor.interval_s=-1", "monitor.interval_s"),
+            ("monitor.peak_tflops=0", "monitor.peak_tflops"),
+            ("monitor.smoothing=1", "monitor.smoothing"),
         ] {
             let e = load(&[o]).unwrap_err().to_string();
             assert!(e.contains(key), "{o}: {e}");

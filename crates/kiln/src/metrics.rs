@@ -20,9 +20,45 @@ pub struct MetricsWriter {
 
 enum Sink {
     Jsonl(PathBuf, std::fs::File),
-    Csv(CsvSink),
+    Csv(Box<CsvFiles>),
     TensorBoard(TensorBoardSink),
 }
+
+/// `metrics.csv` for training and validation records, and `system.csv` for the system
+/// monitor's, whose columns (which depend on the devices) are those of its first record.
+struct CsvFiles {
+    main: CsvSink,
+    system: Option<CsvSink>,
+    run_dir: PathBuf,
+    keep_until: Option<usize>,
+}
+
+impl CsvFiles {
+    fn write(&mut self, record: &Map<String, Value>) -> Result<()> {
+        if record.get("split").and_then(Value::as_str) != Some(SYSTEM_SPLIT) {
+            return self.main.write(record);
+        }
+        let system = match &mut self.system {
+            Some(s) => s,
+            None => {
+                let mut columns = vec!["step".to_string(), "time".to_string()];
+                columns.extend(
+                    record
+                        .keys()
+                        .filter(|k| !matches!(k.as_str(), "step" | "time" | "split"))
+                        .cloned(),
+                );
+                let path = self.run_dir.join("system.csv");
+                self.system
+                    .insert(CsvSink::create(&path, columns, self.keep_until)?)
+            }
+        };
+        system.write(record)
+    }
+}
+
+/// The `split` of the system monitor's records.
+pub const SYSTEM_SPLIT: &str = "system";
 
 impl MetricsWriter {
     /// Opens the sinks in `run_dir`, keeping the records of an earlier run up to step
@@ -32,7 +68,14 @@ impl MetricsWriter {
         for &kind in kinds {
             let opened = match kind {
                 SinkKind::Jsonl => open_jsonl(run_dir, keep_until).map(|(p, f)| Sink::Jsonl(p, f)),
-                SinkKind::Csv => CsvSink::open(run_dir, keep_until).map(Sink::Csv),
+                SinkKind::Csv => CsvSink::open(run_dir, keep_until).map(|main| {
+                    Sink::Csv(Box::new(CsvFiles {
+                        main,
+                        system: None,
+                        run_dir: run_dir.to_path_buf(),
+                        keep_until,
+                    }))
+                }),
                 SinkKind::Tensorboard => TensorBoardSink::open(run_dir).map(Sink::TensorBoard),
             };
             match opened {
@@ -139,9 +182,13 @@ pub struct Summary {
     pub peak_rss_mib: Option<f64>,
 }
 
-/// Progress display: a bar with ETA and throughput on a terminal, plain lines otherwise.
+/// Progress display: on a terminal a bar with ETA and the latest numbers, with a second line
+/// for the devices; otherwise plain log lines carrying the same.
 pub struct Progress {
     bar: Option<ProgressBar>,
+    total: usize,
+    start: usize,
+    started: std::time::Instant,
 }
 
 impl Progress {
@@ -149,26 +196,38 @@ impl Progress {
     pub fn new(total: usize, start: usize) -> Self {
         let bar = std::io::stdout().is_terminal().then(|| {
             let bar = ProgressBar::new(total as u64);
-            bar.set_style(
-                ProgressStyle::with_template(
-                    "{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}",
-                )
-                .expect("valid template"),
-            );
+            bar.set_style(bar_style().expect("the bar template is checked by a test"));
             bar.set_position(start as u64);
             bar
         });
-        Self { bar }
+        Self {
+            bar,
+            total,
+            start,
+            started: std::time::Instant::now(),
+        }
     }
 
-    /// Reports the state after `step` steps.
-    pub fn update(&self, step: usize, message: &str) {
+    /// Reports the state after `step` steps; `devices` is the per-device summary line, when the
+    /// system monitor has one.
+    pub fn update(&self, step: usize, message: &str, devices: Option<&str>) {
         match &self.bar {
             Some(bar) => {
                 bar.set_position(step as u64);
                 bar.set_message(message.to_string());
+                if let Some(d) = devices {
+                    bar.set_prefix(d.to_string());
+                }
             }
-            None => println!("step {step:>6} | {message}"),
+            None => {
+                let eta = eta(
+                    self.started.elapsed().as_secs_f64(),
+                    step.saturating_sub(self.start),
+                    self.total.saturating_sub(step),
+                );
+                let devices = devices.map_or(String::new(), |d| format!(" | {d}"));
+                println!("step {step:>6} | {message} | eta {eta}{devices}");
+            }
         }
     }
 
@@ -188,6 +247,29 @@ impl Progress {
     }
 }
 
+/// Two lines: the bar, ETA and latest numbers, then the devices' summary (the prefix).
+fn bar_style() -> std::result::Result<ProgressStyle, indicatif::style::TemplateError> {
+    ProgressStyle::with_template(
+        "{bar:30.cyan/blue} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}\n{prefix}",
+    )
+}
+
+/// Time left for `left` steps at the rate of `done` steps in `elapsed` seconds, as `1h02m03s`.
+fn eta(elapsed: f64, done: usize, left: usize) -> String {
+    if done == 0 {
+        return "?".into();
+    }
+    let secs = (elapsed / done as f64 * left as f64).round() as u64;
+    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+    if h > 0 {
+        format!("{h}h{m:02}m{s:02}s")
+    } else if m > 0 {
+        format!("{m}m{s:02}s")
+    } else {
+        format!("{s}s")
+    }
+}
+
 /// Builds a metrics record from key/value pairs.
 pub fn record(pairs: &[(&str, Value)]) -> Map<String, Value> {
     pairs
@@ -199,4 +281,28 @@ pub fn record(pairs: &[(&str, Value)]) -> Map<String, Value> {
 /// A JSON number, or null when not finite.
 pub fn num(x: f64) -> Value {
     if x.is_finite() { json!(x) } else { Value::Null }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_two_line_bar_renders() {
+        let bar = ProgressBar::hidden();
+        bar.set_style(bar_style().unwrap());
+        bar.set_length(10);
+        bar.set_message("loss 1.0");
+        bar.set_prefix("process rss 10 MiB | dev0 cpu 90%");
+        bar.set_position(3);
+        assert_eq!(bar.position(), 3);
+    }
+
+    #[test]
+    fn eta_scales_the_elapsed_time() {
+        assert_eq!(eta(10.0, 10, 5), "5s");
+        assert_eq!(eta(60.0, 1, 62), "1h02m00s");
+        assert_eq!(eta(3.0, 2, 100), "2m30s");
+        assert_eq!(eta(3.0, 0, 100), "?");
+    }
 }

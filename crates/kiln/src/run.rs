@@ -414,6 +414,10 @@ impl Workload for TextWorkload {
     fn tokens_per_sample(&self) -> Option<usize> {
         Some(self.config.block_size)
     }
+
+    fn flops_per_sample(&self) -> Option<f64> {
+        Some(self.config.flops_per_token() * self.config.block_size as f64)
+    }
 }
 
 /// Writes the final weights as burnpack and SafeTensors, each atomically.

@@ -13,8 +13,9 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
-/// Columns of `metrics.csv`, in order; a record's missing keys are left empty.
-pub const CSV_COLUMNS: [&str; 12] = [
+/// Columns of `metrics.csv` (training and validation records), in order; a record's missing
+/// keys are left empty.
+pub const CSV_COLUMNS: &[&str] = &[
     "step",
     "epoch",
     "split",
@@ -27,11 +28,21 @@ pub const CSV_COLUMNS: [&str; 12] = [
     "time_compute",
     "time_sync",
     "time_optim",
+    "samples_per_sec_ema",
+    "tokens_per_sec_ema",
+    "samples_per_sec_per_device",
+    "tokens_per_sec_per_device",
+    "mfu",
+    "pct_data",
+    "pct_compute",
+    "pct_sync",
+    "pct_optim",
 ];
 
-/// Writes one CSV row per metrics record.
+/// Writes one CSV row per metrics record, under a fixed header.
 pub struct CsvSink {
     path: PathBuf,
+    columns: Vec<String>,
     out: BufWriter<File>,
 }
 
@@ -39,36 +50,53 @@ impl CsvSink {
     /// Creates `run_dir/metrics.csv`, keeping the rows of an earlier run up to step
     /// `keep_until` when resuming.
     pub fn open(run_dir: &Path, keep_until: Option<usize>) -> Result<Self> {
-        let path = run_dir.join("metrics.csv");
+        let columns = CSV_COLUMNS.iter().map(|c| c.to_string()).collect();
+        Self::create(&run_dir.join("metrics.csv"), columns, keep_until)
+    }
+
+    /// Creates `path` with `columns` (the first of which is the step), keeping the rows of an
+    /// earlier file with the same header up to step `keep_until` when resuming.
+    pub fn create(path: &Path, columns: Vec<String>, keep_until: Option<usize>) -> Result<Self> {
+        let header = columns.join(",");
         let kept: Vec<String> = match keep_until {
-            Some(limit) if path.exists() => std::fs::read_to_string(&path)
-                .map_err(|e| Error::io(&path, e))?
-                .lines()
-                .skip(1)
-                .filter(|row| {
-                    row.split(',')
-                        .next()
-                        .and_then(|s| s.parse::<usize>().ok())
-                        .is_some_and(|s| s <= limit)
-                })
-                .map(str::to_string)
-                .collect(),
+            Some(limit) if path.exists() => {
+                let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+                let mut lines = text.lines();
+                if lines.next() == Some(header.as_str()) {
+                    lines
+                        .filter(|row| {
+                            row.split(',')
+                                .next()
+                                .and_then(|s| s.parse::<usize>().ok())
+                                .is_some_and(|s| s <= limit)
+                        })
+                        .map(str::to_string)
+                        .collect()
+                } else {
+                    Vec::new()
+                }
+            }
             _ => Vec::new(),
         };
-        let file = File::create(&path).map_err(|e| Error::io(&path, e))?;
+        let file = File::create(path).map_err(|e| Error::io(path, e))?;
         let mut out = BufWriter::new(file);
-        writeln!(out, "{}", CSV_COLUMNS.join(",")).map_err(|e| Error::io(&path, e))?;
+        writeln!(out, "{header}").map_err(|e| Error::io(path, e))?;
         for row in kept {
-            writeln!(out, "{row}").map_err(|e| Error::io(&path, e))?;
+            writeln!(out, "{row}").map_err(|e| Error::io(path, e))?;
         }
-        Ok(Self { path, out })
+        Ok(Self {
+            path: path.to_path_buf(),
+            columns,
+            out,
+        })
     }
 
     /// Appends `record` as a row.
     pub fn write(&mut self, record: &Map<String, Value>) -> Result<()> {
-        let cells: Vec<String> = CSV_COLUMNS
+        let cells: Vec<String> = self
+            .columns
             .iter()
-            .map(|c| match record.get(*c) {
+            .map(|c| match record.get(c) {
                 Some(Value::String(s)) => s.clone(),
                 Some(Value::Null) | None => String::new(),
                 Some(v) => v.to_string(),
@@ -390,8 +418,9 @@ mod tests {
         let text = std::fs::read_to_string(dir.join("metrics.csv")).unwrap();
         let rows: Vec<&str> = text.lines().collect();
         assert_eq!(rows[0], CSV_COLUMNS.join(","));
-        assert_eq!(rows[1], "5,,val,1.5,0.75,,,,,,,");
-        assert_eq!(rows[2], "6,,val,1.5,0.75,,,,,,,");
+        let empty = ",".repeat(CSV_COLUMNS.len() - 5);
+        assert_eq!(rows[1], format!("5,,val,1.5,0.75{empty}"));
+        assert_eq!(rows[2], format!("6,,val,1.5,0.75{empty}"));
         assert_eq!(rows.len(), 3);
     }
 }

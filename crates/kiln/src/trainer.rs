@@ -28,6 +28,7 @@ use crate::config::{
 use crate::data::{DistributedSampler, eval_shard};
 use crate::error::{Error, Result};
 use crate::metrics::{MetricsWriter, Progress, Summary, num, record};
+use crate::monitor::{MonitorSetup, SystemMonitor, Throughput, peak_tflops};
 use crate::optim::{
     ParamLayout, Schedule, buckets, build_optimizer, clip_global_norm, grads_to_parts,
     parts_to_grads, scaled_lr,
@@ -71,6 +72,11 @@ pub trait Workload: Sync {
     fn tokens_per_sample(&self) -> Option<usize> {
         None
     }
+    /// Training FLOPs (forward and backward) of one sample, for models that count them; the
+    /// model FLOPs utilization (MFU) is logged when this and a peak FLOP/s are known.
+    fn flops_per_sample(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// What the loop needs besides the workload.
@@ -96,8 +102,8 @@ pub struct TrainerSettings {
     pub run_dir: PathBuf,
     /// Checkpoint directory to continue from.
     pub resume_from: Option<PathBuf>,
-    /// Where rank 0 writes metrics.
-    pub sinks: Vec<crate::config::SinkKind>,
+    /// Metric sinks, the system monitor's interval, the peak FLOP/s and the smoothing.
+    pub monitor: crate::config::MonitorConfig,
     /// Show progress (a bar on a terminal, log lines otherwise) on rank 0.
     pub progress: bool,
     /// Strategy name for the summary.
@@ -132,7 +138,7 @@ impl TrainerSettings {
             split_cpu_threads: accelerator.starts_with("cpu"),
             run_dir,
             resume_from: None,
-            sinks: config.monitor.sinks.clone(),
+            monitor: config.monitor.clone(),
             progress: false,
             accelerator,
             precision: config.precision.clone(),
@@ -234,6 +240,22 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
     }
     let weights = initial.into_record();
 
+    // Rank 0 drains the system monitor into the sinks; dropping it stops the thread, on
+    // failure too.
+    let monitor = (settings.monitor.interval_s > 0.0).then(|| {
+        SystemMonitor::start(MonitorSetup {
+            interval: std::time::Duration::from_secs_f64(settings.monitor.interval_s),
+            devices: settings.devices.clone(),
+            cpu_replicas: settings.split_cpu_threads && world > 1,
+        })
+    });
+    if let Some(m) = &monitor
+        && settings.progress
+    {
+        println!("{}", m.notice());
+    }
+    let monitor = monitor.as_ref();
+
     let comms = local_group(world);
     let results: Vec<WorkerResult<W::Model>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
@@ -259,6 +281,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
                                     .gradient_checkpointing(),
                                 _ => settings.devices[rank].clone().autodiff(),
                             },
+                            monitor: monitor.filter(|_| rank == 0),
                         };
                         worker.run_guarded(weights, start)
                     })
@@ -308,6 +331,8 @@ struct Worker<'a, W: Workload> {
     total: usize,
     comm: LocalComm,
     device: Device,
+    /// The system monitor, on rank 0.
+    monitor: Option<&'a SystemMonitor>,
 }
 
 /// Running sums of a logging window, kept on the device until a log line needs them.
@@ -420,11 +445,26 @@ impl<W: Workload> Worker<'_, W> {
         let buckets = buckets(&ParamLayout::of(&model), bucket_elements);
 
         let mut metrics = if lead {
-            Some(MetricsWriter::open(&s.run_dir, &s.sinks, Some(start.step)))
+            Some(MetricsWriter::open(
+                &s.run_dir,
+                &s.monitor.sinks,
+                Some(start.step),
+            ))
         } else {
             None
         };
         let progress = (lead && s.progress).then(|| Progress::new(self.total, start.step));
+        let device_name = s.devices[0].identity().map(|i| i.name);
+        let mut throughput = Throughput::new(
+            world,
+            self.workload.tokens_per_sample(),
+            self.workload.flops_per_sample(),
+            peak_tflops(s.monitor.peak_tflops, device_name.as_deref()),
+            s.monitor.smoothing,
+        );
+        if let Some(m) = self.monitor {
+            m.set_step(start.step);
+        }
 
         let mut step = start.step;
         let mut epoch = start.epoch;
@@ -437,7 +477,7 @@ impl<W: Workload> Worker<'_, W> {
         let mut last_val: Option<(f64, Option<f64>)> = None;
         let mut validated_at = None;
         let mut step_times = Vec::new();
-        let start_rss_mib = proc_status_mib("VmRSS");
+        let start_rss_mib = crate::monitor::process_memory_mib("VmRSS");
         let run_started = Instant::now();
 
         while step < self.total {
@@ -524,6 +564,9 @@ impl<W: Workload> Worker<'_, W> {
             window.steps += 1;
             window.samples += self.sampler.samples_per_step();
             samples += self.sampler.samples_per_step() as u64;
+            if let Some(m) = self.monitor {
+                m.set_step(step);
+            }
 
             if t.check_replicas && world > 1 {
                 self.check_replicas(&model, step)?;
@@ -545,6 +588,8 @@ impl<W: Workload> Worker<'_, W> {
                     + window.compute
                     + window.sync
                     + window.optim));
+                let times = [window.data, window.compute, window.sync, window.optim];
+                let mut rates = String::new();
                 if let Some(m) = metrics.as_mut() {
                     let mut r = record(&[
                         ("step", json!(step)),
@@ -558,19 +603,25 @@ impl<W: Workload> Worker<'_, W> {
                         ("time_sync", num(per(window.sync))),
                         ("time_optim", num(per(window.optim))),
                     ]);
-                    if let Some(tokens) = self.workload.tokens_per_sample() {
-                        r.insert("tokens_per_sec".into(), num(rate * tokens as f64));
-                    }
+                    rates = throughput.annotate(&mut r, rate, times);
                     if let Some(sc) = &scaler {
                         r.insert("loss_scale".into(), num(sc.scale));
                         r.insert("skipped_steps".into(), json!(sc.skipped));
                     }
                     m.write(&r);
+                    for sample in self.monitor.map(SystemMonitor::drain).unwrap_or_default() {
+                        m.write(&sample);
+                    }
                 }
                 if let Some(p) = &progress {
+                    let devices = self
+                        .monitor
+                        .and_then(|m| m.latest())
+                        .map(|s| s.summary_line());
                     p.update(
                         step,
-                        &format!("epoch {epoch} loss {loss:.4} lr {lr:.2e} {rate:.0} samples/s"),
+                        &format!("epoch {epoch} loss {loss:.4} lr {lr:.2e} {rates}"),
+                        devices.as_deref(),
                     );
                 }
                 window = Window::new();
@@ -637,6 +688,12 @@ impl<W: Workload> Worker<'_, W> {
         if let Some(p) = &progress {
             p.finish();
         }
+        if let (Some(mon), Some(m)) = (self.monitor, metrics.as_mut()) {
+            mon.stop();
+            for sample in mon.drain() {
+                m.write(&sample);
+            }
+        }
         wall += run_started.elapsed().as_secs_f64();
         if !lead {
             return Ok(None);
@@ -656,7 +713,7 @@ impl<W: Workload> Worker<'_, W> {
             recompute: name_of(&s.recompute.mode),
             step_seconds: median(&mut step_times),
             start_rss_mib,
-            peak_rss_mib: proc_status_mib("VmHWM"),
+            peak_rss_mib: crate::monitor::process_memory_mib("VmHWM"),
         };
         if dtype != FloatDType::F32 && !mixed {
             // The exported model is f32 whatever the training precision.
@@ -915,14 +972,6 @@ pub(crate) fn replace_floats<M: Module>(
         device,
     };
     module.map(&mut r)
-}
-
-/// A memory figure of this process from `/proc/self/status` (`VmRSS`, `VmHWM`), in MiB.
-fn proc_status_mib(key: &str) -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with(key))?;
-    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / 1024.0)
 }
 
 /// The median of `values` (sorted in place), `None` when empty.
