@@ -5,6 +5,7 @@
 //! to place blocks on different devices — without changing the model: the stack is the same
 //! computation as [`TrainStep::step`], only cut at block boundaries.
 
+use burn::nn::BatchNorm;
 use burn::prelude::*;
 use burn::tensor::{FloatDType, Gradients};
 
@@ -126,5 +127,24 @@ pub trait BlockStack<B>: TrainStep<B> {
     /// draws random numbers, e.g. dropout), which recomputation needs.
     fn blocks_deterministic(&self) -> bool {
         true
+    }
+    /// The BatchNorm in the middle of block `i`, if it has one. Block `i` is then
+    /// `after_norm(norm(before_norm(x)))`, which lets a trainer compute the norm's batch
+    /// statistics over several replicas. Default: no block has one.
+    fn block_norm(&self, i: usize) -> Option<&BatchNorm> {
+        let _ = i;
+        None
+    }
+    /// The part of block `i` before its BatchNorm (called only when [`Self::block_norm`]
+    /// returns one).
+    fn before_norm(&self, i: usize, x: Activation) -> Activation {
+        let _ = i;
+        x
+    }
+    /// The part of block `i` after its BatchNorm (called only when [`Self::block_norm`]
+    /// returns one).
+    fn after_norm(&self, i: usize, x: Activation) -> Activation {
+        let _ = i;
+        x
     }
 }

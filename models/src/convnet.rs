@@ -50,6 +50,11 @@ impl ConvBlock {
             Some(norm) => norm.forward(x),
             None => x,
         };
+        self.after_norm(x)
+    }
+
+    /// ReLU and pooling, what follows the BatchNorm.
+    fn after_norm(&self, x: Tensor<4>) -> Tensor<4> {
         self.pool.forward(self.activation.forward(x))
     }
 }
@@ -145,6 +150,18 @@ impl BlockStack<ImageBatch> for ConvNet {
 
     fn block(&self, i: usize, x: Activation) -> Activation {
         Activation::Rank4(self.blocks[i].forward(x.into_rank()))
+    }
+
+    fn block_norm(&self, i: usize) -> Option<&BatchNorm> {
+        self.blocks[i].norm.as_ref()
+    }
+
+    fn before_norm(&self, i: usize, x: Activation) -> Activation {
+        Activation::Rank4(self.blocks[i].conv.forward(x.into_rank()))
+    }
+
+    fn after_norm(&self, i: usize, x: Activation) -> Activation {
+        Activation::Rank4(self.blocks[i].after_norm(x.into_rank()))
     }
 
     fn head(&self, x: Activation, batch: &ImageBatch) -> StepOutput {

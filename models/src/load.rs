@@ -149,6 +149,27 @@ impl BlockStack<ImageBatch> for Classifier {
         }
     }
 
+    fn block_norm(&self, i: usize) -> Option<&burn::nn::BatchNorm> {
+        match self {
+            Classifier::ConvNet(m) => m.block_norm(i),
+            Classifier::Mlp(m) => m.block_norm(i),
+        }
+    }
+
+    fn before_norm(&self, i: usize, x: Activation) -> Activation {
+        match self {
+            Classifier::ConvNet(m) => m.before_norm(i, x),
+            Classifier::Mlp(m) => m.before_norm(i, x),
+        }
+    }
+
+    fn after_norm(&self, i: usize, x: Activation) -> Activation {
+        match self {
+            Classifier::ConvNet(m) => m.after_norm(i, x),
+            Classifier::Mlp(m) => m.after_norm(i, x),
+        }
+    }
+
     fn head(&self, x: Activation, batch: &ImageBatch) -> StepOutput {
         match self {
             Classifier::ConvNet(m) => m.head(x, batch),

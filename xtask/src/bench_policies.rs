@@ -86,6 +86,13 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     if !status.success() {
         return Err(format!("building the train binary failed ({status})"));
     }
+    // The binary just built runs every measurement, so that nothing is rebuilt in between.
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| root.join("target"), std::path::PathBuf::from);
+    let train = target.join("release").join("train");
+    if !train.is_file() {
+        return Err(format!("{}: the train binary is missing", train.display()));
+    }
     let temp = TempDir::new("bench-policies")?;
     let shown_sets: String = o.sets.iter().map(|s| format!(" --set {s}")).collect();
     println!(
@@ -96,9 +103,8 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     for round in 0..o.rounds {
         for (i, (label, flags)) in VARIANTS.iter().enumerate() {
             let dir = temp.path().join(format!("v{i}-r{round}"));
-            let mut command = Command::new(&cargo);
+            let mut command = Command::new(&train);
             command
-                .args(["run", "--release", "-q", "--bin", "train", "--"])
                 .args(["--config", &o.config])
                 .args(["--max-steps", &o.steps.to_string()])
                 .arg("--run-dir")

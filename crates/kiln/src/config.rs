@@ -136,7 +136,8 @@ pub enum RecomputeMode {
     /// Burn's device-wide checkpointing: memory-bound operations are recomputed.
     Balanced,
     /// The model's blocks: every `every`-th block keeps only its input and runs its forward
-    /// again during backward.
+    /// again during backward (the last block keeps its activations, which the backward needs
+    /// first).
     Blocks,
 }
 
@@ -207,11 +208,17 @@ impl Default for MonitorConfig {
 pub struct DdpConfig {
     /// Size of one gradient bucket of the all-reduce, in MiB of f32 gradients. Default 25.
     pub bucket_mb: f64,
+    /// Compute BatchNorm batch statistics over the global batch of every replica during
+    /// training (otherwise each replica uses its own batch). Default false.
+    pub sync_batchnorm: bool,
 }
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        Self { bucket_mb: 25.0 }
+        Self {
+            bucket_mb: 25.0,
+            sync_batchnorm: false,
+        }
     }
 }
 
@@ -671,6 +678,14 @@ impl RootConfig {
             return bad(
                 "precision.growth_interval",
                 "must be at least 1, got 0".into(),
+            );
+        }
+        if self.ddp.sync_batchnorm && self.recompute.mode == RecomputeMode::Blocks {
+            return bad(
+                "ddp.sync_batchnorm",
+                "runs the model segment by segment and cannot be combined with recompute.mode \
+                 = \"blocks\" (use \"balanced\" or \"none\")"
+                    .into(),
             );
         }
         if self.recompute.every == 0 {

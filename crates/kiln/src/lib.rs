@@ -21,6 +21,7 @@ pub mod precision;
 pub mod recompute;
 pub mod run;
 pub mod sinks;
+pub mod syncbn;
 pub mod trainer;
 
 pub use config::RootConfig;

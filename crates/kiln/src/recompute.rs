@@ -26,8 +26,8 @@ use crate::trainer::{collect_floats, replace_floats, sync_running_state};
 pub enum Recompute {
     /// Keep every activation of the forward pass.
     Keep,
-    /// Keep only the inputs of blocks `0, every, 2·every, …` and recompute their forward
-    /// during backward; the other blocks keep their activations.
+    /// Keep only the inputs of blocks `0, every, 2·every, …` (the last block excepted) and
+    /// recompute their forward during backward; the other blocks keep their activations.
     Blocks {
         /// Recompute every `every`-th block (1: all of them).
         every: usize,
@@ -92,7 +92,9 @@ where
     let mut x = untracked.stem(&batch);
     let mut saved = Vec::with_capacity(n);
     for i in 0..n {
-        if i % every == 0 {
+        // The last block's activations are the first the backward needs, so keeping them
+        // costs no more peak memory than recomputing them at once would.
+        if i % every == 0 && i + 1 < n {
             saved.push(Saved {
                 input: x.clone(),
                 output: None,

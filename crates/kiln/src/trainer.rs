@@ -96,6 +96,8 @@ pub struct TrainerSettings {
     pub devices: Vec<Device>,
     /// Size of one gradient bucket of the all-reduce, in MiB of f32.
     pub bucket_mb: f64,
+    /// Synchronise BatchNorm batch statistics across replicas.
+    pub sync_batchnorm: bool,
     /// Limit CPU replicas to their share of the cores (one rayon pool each).
     pub split_cpu_threads: bool,
     /// Where rank 0 writes metrics and checkpoints.
@@ -135,6 +137,7 @@ impl TrainerSettings {
             strategy: if devices.len() > 1 { "ddp" } else { "single" }.into(),
             devices,
             bucket_mb: config.ddp.bucket_mb,
+            sync_batchnorm: config.ddp.sync_batchnorm,
             split_cpu_threads: accelerator.starts_with("cpu"),
             run_dir,
             resume_from: None,
@@ -506,18 +509,28 @@ impl<W: Workload> Worker<'_, W> {
                 }
                 let t1 = Instant::now();
                 let accumulate = t.accumulate;
-                let (out, grads) =
-                    forward_backward(replica, batch, &self.device, recompute, |loss| {
-                        let loss = if accumulate > 1 {
-                            loss.div_scalar(accumulate as f32)
-                        } else {
-                            loss
-                        };
-                        match loss_scale {
-                            Some(scale) => loss.mul_scalar(scale),
-                            None => loss,
-                        }
-                    });
+                let objective = |loss: Tensor<1>| {
+                    let loss = if accumulate > 1 {
+                        loss.div_scalar(accumulate as f32)
+                    } else {
+                        loss
+                    };
+                    match loss_scale {
+                        Some(scale) => loss.mul_scalar(scale),
+                        None => loss,
+                    }
+                };
+                let (out, grads) = if s.sync_batchnorm && world > 1 {
+                    crate::syncbn::forward_backward(
+                        replica,
+                        batch,
+                        &self.comm,
+                        &self.device,
+                        objective,
+                    )?
+                } else {
+                    forward_backward(replica, batch, &self.device, recompute, objective)
+                };
                 let detached = out.loss.cast(FloatDType::F32);
                 window.loss = Some(match window.loss.take() {
                     Some(l) => l + detached,
