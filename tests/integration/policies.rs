@@ -453,12 +453,7 @@ fn the_loss_scaler_survives_resume() {
     assert!(expected.last().unwrap().2 > 1024.0, "{expected:?}");
 
     let cut = dir.join("cut");
-    crate::training::copy_dir(&full.dir, &cut);
-    for (step, path) in kiln::checkpoint::list(&cut) {
-        if step > 3 {
-            std::fs::remove_dir_all(path).unwrap();
-        }
-    }
+    crate::training::cut_copy(&full.dir, &cut, 3);
     let out = train_bin(&dir, &["--resume", cut.to_str().unwrap()]);
     assert!(
         out.status.success(),

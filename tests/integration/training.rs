@@ -116,12 +116,7 @@ fn resume_continues_bit_for_bit() {
 
     // Simulate a run that stopped after step 4: copy it and remove everything later.
     let cut = dir.join("cut");
-    copy_dir(&full.dir, &cut);
-    for (step, path) in kiln::checkpoint::list(&cut) {
-        if step > 4 {
-            std::fs::remove_dir_all(path).unwrap();
-        }
-    }
+    cut_copy(&full.dir, &cut, 4);
     let (run_dir, ckpt) = kiln::run::resolve_resume(&cut).unwrap();
     assert!(ckpt.ends_with("step-00000004"), "{}", ckpt.display());
     let mut config = kiln::RootConfig::load(Some(&run_dir.join("config.toml")), &[]).unwrap();
@@ -147,12 +142,7 @@ fn resume_continues_bit_for_bit() {
     ];
     let full = train(&small_config(&dir.join("full2"), &epochs), &quiet).unwrap();
     let cut = dir.join("cut2");
-    copy_dir(&full.dir, &cut);
-    for (step, path) in kiln::checkpoint::list(&cut) {
-        if step > 15 {
-            std::fs::remove_dir_all(path).unwrap();
-        }
-    }
+    cut_copy(&full.dir, &cut, 15);
     let out = train_bin(&dir, &["--resume", cut.to_str().unwrap()]);
     assert!(
         out.status.success(),
@@ -172,7 +162,18 @@ fn resume_continues_bit_for_bit() {
     );
 }
 
-pub(crate) fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+/// A copy of run `from` at `to` as if it had stopped after step `last`: later checkpoints are
+/// gone.
+pub(crate) fn cut_copy(from: &std::path::Path, to: &std::path::Path, last: usize) {
+    copy_dir(from, to);
+    for (step, path) in kiln::checkpoint::list(to) {
+        if step > last {
+            std::fs::remove_dir_all(path).unwrap();
+        }
+    }
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {
         let entry = entry.unwrap();

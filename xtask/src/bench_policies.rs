@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::{Result, TempDir};
+use crate::{Result, TempDir, json_number, median};
 
 /// What to measure.
 pub struct Options {
@@ -135,16 +135,8 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         }
     }
 
-    let med = |i: usize, f: fn(&Figures) -> f64| {
-        let mut v: Vec<f64> = results[i].iter().map(f).collect();
-        v.sort_by(f64::total_cmp);
-        let n = v.len();
-        if n % 2 == 1 {
-            v[n / 2]
-        } else {
-            (v[n / 2 - 1] + v[n / 2]) / 2.0
-        }
-    };
+    let med =
+        |i: usize, f: fn(&Figures) -> f64| median(&results[i].iter().map(f).collect::<Vec<_>>());
     println!();
     println!(
         "| variant | ms/step | step time vs base | peak RSS MiB | activation MiB (peak − start) | activation vs base | val loss |"
@@ -186,28 +178,9 @@ fn read_figures(path: &Path) -> Result<Figures> {
     })
 }
 
-/// The number stored under `"key"` in a flat JSON object.
-fn json_number(text: &str, key: &str) -> Option<f64> {
-    let at = text.find(&format!("\"{key}\""))? + key.len() + 2;
-    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
-    let end = rest
-        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
-        .unwrap_or(rest.len());
-    rest[..end].parse().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn reads_numbers_from_a_summary() {
-        let text = "{\n  \"steps\": 40,\n  \"step_seconds\": 0.0123,\n  \"peak_rss_mib\": 1.5e2,\n  \"val_loss\": null\n}";
-        assert_eq!(json_number(text, "step_seconds"), Some(0.0123));
-        assert_eq!(json_number(text, "peak_rss_mib"), Some(150.0));
-        assert_eq!(json_number(text, "val_loss"), None);
-        assert_eq!(json_number(text, "missing"), None);
-    }
 
     #[test]
     fn parses_and_rejects_arguments() {
