@@ -513,6 +513,8 @@ fn impossible_policies_are_clear_errors() {
         ],
     );
     assert_one_line_error(&out, &["precision.scaler", "16-mixed", "bf16-mixed"]);
+    let out = train_bin(&dir, &["--precision", "16-true"]);
+    assert_one_line_error(&out, &["optim.eps", "16-true"]);
     let out = train_bin(&dir, &["--recompute", "blocks:every=0"]);
     assert_one_line_error(&out, &["--recompute", "blocks:every=K"]);
     // The built-in ConvNet has BatchNorm, whose running statistics cannot stay f32.
@@ -553,4 +555,34 @@ fn impossible_policies_are_clear_errors() {
     let printed = String::from_utf8_lossy(&out.stdout);
     assert!(printed.contains("mode = \"16-mixed\""), "{printed}");
     assert!(printed.contains("every = 2"), "{printed}");
+}
+
+#[test]
+fn true_precisions_train_and_export_f32_weights() {
+    let dir = temp_dir("true-precision");
+    let run = |mode: &str, extra: &[&str]| {
+        let mut o = vec![
+            "train.max_steps=40",
+            "model.convnet.batch_norm=true",
+            // An AdamW epsilon f16 can hold, for every mode alike.
+            "optim.eps=1e-4",
+        ];
+        let precision = format!("precision.mode={mode:?}");
+        o.push(&precision);
+        o.extend_from_slice(extra);
+        let result = train(&small_config(&dir.join(mode), &o), &RunOptions::default()).unwrap();
+        let exported = kiln_models::load_run(&result.dir, &Device::flex()).unwrap();
+        assert!(float_dtypes(&exported).iter().all(|d| *d == DType::F32));
+        result.summary.val_accuracy.unwrap()
+    };
+    let reference = run("32", &[]);
+    // bf16 and f16 everywhere, BatchNorm included.
+    for mode in ["bf16-true", "16-true"] {
+        let accuracy = run(mode, &[]);
+        println!("{mode}: val accuracy {accuracy:.4} (f32 {reference:.4})");
+        assert!(
+            accuracy > reference - 0.1,
+            "{mode}: {accuracy} vs {reference}"
+        );
+    }
 }
