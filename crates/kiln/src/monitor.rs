@@ -27,8 +27,9 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// Dense BF16/FP16 tensor-core peaks in TFLOP/s, from NVIDIA's datasheets, which print the
 /// figures "with sparsity" (twice these): H200 SXM and H100 SXM 1,979, H100 NVL 1,671, H100
 /// PCIe 1,513, L40S 733, L4 242, A100 624; V100 (no sparsity) 125. Matched against the
-/// device's name, most specific first. kiln trains in f32 today, so the MFU it reports
-/// against these peaks is the fraction of the card's half-precision tensor-core peak.
+/// device's name, most specific first. MFU is reported against these half-precision peaks
+/// whatever `precision.mode` is (the usual convention), so an f32 run's MFU is its fraction of
+/// the card's bf16 tensor-core peak; `monitor.peak_tflops` sets another reference.
 const KNOWN_PEAKS: [(&[&str], f64); 8] = [
     (&["H200"], 989.0),
     (&["H100", "NVL"], 835.0),

@@ -186,7 +186,11 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
     }
     let total = total_steps(t, spe);
     for (i, device) in settings.devices.iter().enumerate() {
-        precision::check_device(&settings.precision, device, &format!("{i} ({device:?})"))?;
+        let label = match device.identity() {
+            Some(who) => format!("{i} ({})", who.name),
+            None => format!("{i} ({})", settings.accelerator),
+        };
+        precision::check_device(&settings.precision, device, &label)?;
     }
     std::fs::create_dir_all(&settings.run_dir).map_err(|e| Error::io(&settings.run_dir, e))?;
 
