@@ -451,7 +451,9 @@ pub fn quiet_worker_panics() {
         let in_worker = std::thread::current()
             .name()
             .is_some_and(|n| n.starts_with("kiln-worker"));
-        if !in_worker {
+        // A worker's panic becomes the run's one-line error; RUST_BACKTRACE asks for the
+        // whole report as well.
+        if !in_worker || std::env::var_os("RUST_BACKTRACE").is_some() {
             default(info);
         }
     }));

@@ -231,6 +231,17 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
                 sampler.samples_per_step()
             )));
         }
+        let mode = settings.precision.mode;
+        if compute_dtype(mode) != FloatDType::F32 && !is_mixed(mode) {
+            return Err(Error::checkpoint(format!(
+                "{}: a precision {:?} run cannot be resumed: its optimizer state is in {:?}, \
+                 and Burn 0.22's optimizer loads saved state in the device's default dtype \
+                 (f32); the mixed precisions, whose state is f32, resume",
+                dir.display(),
+                name_of(&mode),
+                compute_dtype(mode)
+            )));
+        }
         initial = checkpoint::load_model(dir, initial)?;
         // Fail before the workers start if the optimizer state is unreadable.
         checkpoint::load_optimizer(dir, build_optimizer(&settings.optim, &initial))?;
