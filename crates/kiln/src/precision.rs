@@ -37,6 +37,11 @@ pub fn is_mixed(mode: PrecisionMode) -> bool {
     matches!(mode, PrecisionMode::Bf16Mixed | PrecisionMode::F16Mixed)
 }
 
+/// Whether `mode` keeps the parameters themselves (and so the optimizer state) in a low dtype.
+pub fn is_true_low(mode: PrecisionMode) -> bool {
+    matches!(mode, PrecisionMode::Bf16True | PrecisionMode::F16True)
+}
+
 /// Fails with a clear message when `device` cannot compute in the dtype `config` asks for.
 pub fn check_device(config: &PrecisionConfig, device: &Device, label: &str) -> Result<()> {
     let dtype = compute_dtype(config.mode);

@@ -119,13 +119,7 @@ where
     });
 
     let mut grads = GradientsAccumulator::new();
-    let top = x.detach().require_grad();
-    let out = BlockStack::head(model, top.clone(), &batch);
-    let mut graph = objective(out.loss.clone()).backward();
-    let mut upstream = top
-        .grad(&graph)
-        .expect("the loss depends on the last block's output");
-    grads.accumulate(model, GradientsParams::from_grads(graph, model));
+    let (out, mut upstream) = head_backward(model, x, &batch, objective, &mut grads);
 
     for (i, s) in saved.into_iter().enumerate().rev() {
         let (input, output) = match s.output {
@@ -136,7 +130,7 @@ where
                 (input, output)
             }
         };
-        graph = segment_backward(output, upstream);
+        let graph = segment_backward(output, upstream);
         upstream = input
             .grad(&graph)
             .expect("every block's output depends on its input");
@@ -144,13 +138,7 @@ where
     }
 
     // The stem's parameters (embeddings): run it again with a graph and seed it likewise.
-    let stem = model.stem(&batch);
-    if stem.is_tracked() {
-        grads.accumulate(
-            model,
-            GradientsParams::from_grads(segment_backward(stem, upstream), model),
-        );
-    }
+    stem_backward(model, model.stem(&batch), upstream, &mut grads);
 
     if let Some(values) = buffers {
         sync_running_state(model);
@@ -158,7 +146,46 @@ where
         // model's own.
         let _ = replace_floats(model.clone(), false, values, device);
     }
-    (detached(out), grads.grads())
+    (out, grads.grads())
+}
+
+/// The head and the loss on the last block's output `x`, differentiated: returns the output
+/// (loss detached) and the gradient with respect to `x`; the head's parameter gradients go
+/// into `grads`.
+pub(crate) fn head_backward<B, M>(
+    model: &M,
+    x: Activation,
+    batch: &B,
+    objective: impl FnOnce(Tensor<1>) -> Tensor<1>,
+    grads: &mut GradientsAccumulator<M>,
+) -> (StepOutput, Activation)
+where
+    M: BlockStack<B> + Module,
+{
+    let top = x.detach().require_grad();
+    let out = BlockStack::head(model, top.clone(), batch);
+    let graph = objective(out.loss.clone()).backward();
+    let upstream = top
+        .grad(&graph)
+        .expect("the loss depends on the last block's output");
+    grads.accumulate(model, GradientsParams::from_grads(graph, model));
+    (detached(out), upstream)
+}
+
+/// The stem's parameter gradients (for a stem that has parameters, i.e. whose output `stem`,
+/// computed with a graph, is tracked), seeded with `upstream`, into `grads`.
+pub(crate) fn stem_backward<M: Module>(
+    model: &M,
+    stem: Activation,
+    upstream: Activation,
+    grads: &mut GradientsAccumulator<M>,
+) {
+    if stem.is_tracked() {
+        grads.accumulate(
+            model,
+            GradientsParams::from_grads(segment_backward(stem, upstream), model),
+        );
+    }
 }
 
 /// Backward of a segment whose forward produced `output`, seeded with `upstream`, the
@@ -168,7 +195,7 @@ pub fn segment_backward(output: Activation, upstream: Activation) -> burn::tenso
 }
 
 /// Whether `module` holds float state that is not trained (buffers).
-fn has_buffers<M: Module>(module: &M) -> bool {
+pub(crate) fn has_buffers<M: Module>(module: &M) -> bool {
     struct Find(bool);
     impl burn::module::ModuleVisitor for Find {
         fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {

@@ -19,7 +19,7 @@ use kiln_models::{Activation, BlockStack, StepOutput};
 
 use crate::collective::{Collective, ReduceOp};
 use crate::error::Result;
-use crate::recompute::segment_backward;
+use crate::recompute::{head_backward, segment_backward, stem_backward};
 
 /// What the backward of a norm needs besides its input and output.
 struct NormSaved {
@@ -88,13 +88,7 @@ where
     }
 
     let mut grads = GradientsAccumulator::new();
-    let top = x.detach().require_grad();
-    let out = BlockStack::head(model, top.clone(), &batch);
-    let graph = objective(out.loss.clone()).backward();
-    let mut upstream = top
-        .grad(&graph)
-        .expect("the loss depends on the last block's output");
-    grads.accumulate(model, GradientsParams::from_grads(graph, model));
+    let (out, mut upstream) = head_backward(model, x, &batch, objective, &mut grads);
 
     for segment in segments.into_iter().rev() {
         let graph = segment_backward(segment.output, upstream);
@@ -112,19 +106,8 @@ where
         };
         grads.accumulate(model, GradientsParams::from_grads(graph, model));
     }
-    if stem.is_tracked() {
-        grads.accumulate(
-            model,
-            GradientsParams::from_grads(segment_backward(stem, upstream), model),
-        );
-    }
-    Ok((
-        StepOutput {
-            loss: out.loss.detach(),
-            ..out
-        },
-        grads.grads(),
-    ))
+    stem_backward(model, stem, upstream, &mut grads);
+    Ok((out, grads.grads()))
 }
 
 /// `norm` applied to `a` with the statistics of the global batch: the input leaf, the output

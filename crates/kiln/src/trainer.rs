@@ -33,7 +33,9 @@ use crate::optim::{
     ParamLayout, Schedule, buckets, build_optimizer, clip_global_norm, grads_to_parts,
     parts_to_grads, scaled_lr,
 };
-use crate::precision::{self, LossScaler, cast_params, compute_dtype, is_mixed, to_master_grads};
+use crate::precision::{
+    self, LossScaler, cast_params, compute_dtype, is_mixed, is_true_low, to_master_grads,
+};
 use crate::recompute::{Recompute, forward_backward};
 
 /// A model and its data, as the trainer sees them; nothing here knows about devices beyond
@@ -232,7 +234,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
             )));
         }
         let mode = settings.precision.mode;
-        if compute_dtype(mode) != FloatDType::F32 && !is_mixed(mode) {
+        if is_true_low(mode) {
             return Err(Error::checkpoint(format!(
                 "{}: a precision {:?} run cannot be resumed: its optimizer state is in {:?}, \
                  and Burn 0.22's optimizer loads saved state in the device's default dtype \
@@ -245,16 +247,13 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
         initial = checkpoint::load_model(dir, initial)?;
         // Fail before the workers start if the optimizer state is unreadable.
         checkpoint::load_optimizer(dir, build_optimizer(&settings.optim, &initial))?;
-        let scaler = start.scaler.take();
+        let fresh = start.scaler.take();
         start = state;
         start.seed = settings.seed;
         // A checkpoint of a run without a scaler continues with a fresh one, and a run that
         // no longer scales drops it.
-        start.scaler = match (start.scaler.take(), scaler) {
-            (Some(saved), Some(_)) => Some(saved),
-            (None, fresh) => fresh,
-            (Some(_), None) => None,
-        };
+        let saved = start.scaler.take();
+        start.scaler = fresh.map(|fresh| saved.unwrap_or(fresh));
     }
     let weights = initial.into_record();
 
@@ -441,7 +440,7 @@ impl<W: Workload> Worker<'_, W> {
         let mode = s.precision.mode;
         let dtype = compute_dtype(mode);
         let mixed = is_mixed(mode);
-        if dtype != FloatDType::F32 && !mixed {
+        if is_true_low(mode) {
             // `-true`: the parameters themselves, buffers included, live in the low dtype.
             model = cast_params(model, dtype, true);
         }
@@ -743,7 +742,7 @@ impl<W: Workload> Worker<'_, W> {
             start_rss_mib,
             peak_rss_mib: crate::monitor::process_memory_mib("VmHWM"),
         };
-        if dtype != FloatDType::F32 && !mixed {
+        if is_true_low(mode) {
             // The exported model is f32 whatever the training precision.
             model = cast_params(model, FloatDType::F32, true);
         }
@@ -899,7 +898,7 @@ impl<W: Workload> Worker<'_, W> {
 /// Rejects precision and recompute settings that cannot work with `model`, before any worker
 /// starts.
 fn check_policies<B, M: BlockStack<B>>(model: &M, s: &TrainerSettings) -> Result<()> {
-    if is_mixed(s.precision.mode) && !float_tensors(model, Some(false)).is_empty() {
+    if is_mixed(s.precision.mode) && crate::recompute::has_buffers(model) {
         return Err(Error::config(format!(
             "key `precision.mode`: {:?} keeps f32 master weights apart from a low-precision \
              copy, but this model has buffers (BatchNorm running statistics), which Burn shares \
