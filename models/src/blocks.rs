@@ -5,6 +5,7 @@
 //! to place blocks on different devices — without changing the model: the stack is the same
 //! computation as [`TrainStep::step`], only cut at block boundaries.
 
+use burn::module::ParamId;
 use burn::nn::BatchNorm;
 use burn::prelude::*;
 use burn::tensor::{FloatDType, Gradients};
@@ -123,6 +124,11 @@ pub trait BlockStack<B>: TrainStep<B> {
     fn block(&self, i: usize, x: Activation) -> Activation;
     /// The layers after the last block and the loss.
     fn head(&self, x: Activation, batch: &B) -> StepOutput;
+    /// The ids of block `i`'s float parameters (see [`crate::param_ids`]), which lets a
+    /// trainer gather, reduce or place one block's parameters on their own. A parameter that
+    /// no block claims (embeddings, the head, weights tied between them) belongs to the model
+    /// as a whole.
+    fn block_params(&self, i: usize) -> Vec<ParamId>;
     /// Whether running a block twice on the same input gives the same output (false when it
     /// draws random numbers, e.g. dropout), which recomputation needs.
     fn blocks_deterministic(&self) -> bool {

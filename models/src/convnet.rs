@@ -148,6 +148,10 @@ impl BlockStack<ImageBatch> for ConvNet {
         Activation::Rank4(batch.images.clone())
     }
 
+    fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
+        crate::param_ids(&self.blocks[i])
+    }
+
     fn block(&self, i: usize, x: Activation) -> Activation {
         Activation::Rank4(self.blocks[i].forward(x.into_rank()))
     }

@@ -347,6 +347,10 @@ impl BlockStack<TokenBatch> for Gpt {
         Activation::Rank3(self.embed(batch.inputs.clone()))
     }
 
+    fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
+        crate::param_ids(&self.blocks[i])
+    }
+
     fn block(&self, i: usize, x: Activation) -> Activation {
         Activation::Rank3(self.blocks[i].forward(x.into_rank()))
     }

@@ -51,6 +51,20 @@ pub fn materialized<M: Module>(module: M) -> M {
     module
 }
 
+/// The ids of every float parameter of `module` (trained or not), in module order: what
+/// [`BlockStack::block_params`] returns for a block's sub-module.
+pub fn param_ids<M: Module>(module: &M) -> Vec<burn::module::ParamId> {
+    struct Ids(Vec<burn::module::ParamId>);
+    impl burn::module::ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
 /// A batch of images with their class labels.
 #[derive(Debug, Clone)]
 pub struct ImageBatch {

@@ -149,6 +149,13 @@ impl BlockStack<ImageBatch> for Classifier {
         }
     }
 
+    fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
+        match self {
+            Classifier::ConvNet(m) => m.block_params(i),
+            Classifier::Mlp(m) => m.block_params(i),
+        }
+    }
+
     fn block_norm(&self, i: usize) -> Option<&burn::nn::BatchNorm> {
         match self {
             Classifier::ConvNet(m) => m.block_norm(i),

@@ -89,6 +89,10 @@ impl BlockStack<ImageBatch> for Mlp {
         Activation::Rank2(batch.images.clone().flatten(1, 3))
     }
 
+    fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
+        crate::param_ids(&self.layers[i])
+    }
+
     fn block(&self, i: usize, x: Activation) -> Activation {
         Activation::Rank2(
             self.activation

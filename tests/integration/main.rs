@@ -7,3 +7,4 @@ mod gpt;
 mod monitor;
 mod policies;
 mod training;
+mod zero;

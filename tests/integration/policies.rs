@@ -7,7 +7,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
-use kiln::recompute::{Recompute, forward_backward};
+use kiln::exec::{Recompute, forward_backward};
 use kiln::run::{ImageWorkload, RunOptions, train};
 use kiln::trainer::{TrainerSettings, Workload, fit, parameter_values};
 use kiln_models::{

@@ -76,7 +76,9 @@ struct Figures {
     val_loss: f64,
 }
 
-pub fn run(root: &Path, o: &Options) -> Result<()> {
+/// Builds the `train` binary (release) and returns its path, so that every measurement runs
+/// the same build and nothing is rebuilt in between.
+pub fn built_train(root: &Path) -> Result<std::path::PathBuf> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(&cargo)
         .args(["build", "--release", "-q", "--bin", "train"])
@@ -86,13 +88,17 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     if !status.success() {
         return Err(format!("building the train binary failed ({status})"));
     }
-    // The binary just built runs every measurement, so that nothing is rebuilt in between.
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| root.join("target"), std::path::PathBuf::from);
     let train = target.join("release").join("train");
     if !train.is_file() {
         return Err(format!("{}: the train binary is missing", train.display()));
     }
+    Ok(train)
+}
+
+pub fn run(root: &Path, o: &Options) -> Result<()> {
+    let train = built_train(root)?;
     let temp = TempDir::new("bench-policies")?;
     let shown_sets: String = o.sets.iter().map(|s| format!(" --set {s}")).collect();
     println!(

@@ -11,6 +11,7 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 mod bench_policies;
+mod bench_zero;
 
 /// The help text printed for `--help` and for any command line that cannot be understood.
 const USAGE: &str = "\
@@ -29,6 +30,9 @@ commands:
   bench policies [--steps N] [--rounds N] [--config FILE] [--set KEY=VALUE ...]
                                         peak memory and step time per recompute and precision
                                         policy (default: configs/gpt-text.toml, 40 steps)
+  bench zero [--steps N] [--rounds N] [--devices 2,4] [--config FILE] [--set KEY=VALUE ...]
+                                        step time and bytes per rank of ddp, zero1, zero2 and
+                                        zero3 (default: configs/gpt-text.toml, 20 steps, N = 2 and 4)
   bench monitor [--steps N] [--rounds R] [--devices N] [--config FILE]
                                         throughput with monitoring on and off, alternating
                                         runs of `train` (default 60 steps, 5 rounds, 2 devices,
@@ -64,6 +68,7 @@ enum Task {
     Ci,
     Bench { args: Vec<String> },
     BenchPolicies(bench_policies::Options),
+    BenchZero(bench_zero::Options),
     BenchMonitor(MonitorBench),
     Plot { args: Vec<String> },
 }
@@ -164,6 +169,7 @@ fn main() -> ExitCode {
         Task::Ci => workspace_root().and_then(|root| ci(&root)),
         Task::Bench { args } => workspace_root().and_then(|root| bench(&root, &args)),
         Task::BenchPolicies(o) => workspace_root().and_then(|root| bench_policies::run(&root, &o)),
+        Task::BenchZero(o) => workspace_root().and_then(|root| bench_zero::run(&root, &o)),
         Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
         Task::Plot { args } => workspace_root().and_then(|root| run_train(&root, &args)),
     };
@@ -189,6 +195,7 @@ fn parse_args(args: &[String]) -> Result<Task> {
                 .collect(),
         }),
         ["bench", "policies", rest @ ..] => bench_policies::parse(rest).map(Task::BenchPolicies),
+        ["bench", "zero", rest @ ..] => bench_zero::parse(rest).map(Task::BenchZero),
         ["bench", "monitor", rest @ ..] => MonitorBench::parse(rest).map(Task::BenchMonitor),
         ["bench", ..] => Err("bench needs a benchmark: ddp, monitor or policies".into()),
         ["plot", rest @ ..] if !rest.is_empty() => Ok(Task::Plot {

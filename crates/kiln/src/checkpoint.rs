@@ -1,14 +1,29 @@
 //! Checkpoints: `checkpoints/step-N/` directories written atomically (a temporary directory
-//! renamed into place), holding the model, the optimizer and the loop state.
+//! renamed into place), holding the model, the optimizer state and the loop state.
+//!
+//! Nothing in a checkpoint depends on the strategy or the number of ranks: the model is the
+//! whole model (gathered by the strategy), and the optimizer state is kept per parameter, under
+//! the parameter's module path and in its shape ([`OptimState`]), whatever shards it was
+//! stepped in. Any checkpoint therefore resumes under any strategy and device count.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
-use burn::optim::ModuleOptimizer;
+use burn::prelude::*;
+use burn::store::burn_pack::{self, Reader, Writer};
 use serde::{Deserialize, Serialize};
 
-use crate::config::one_line;
+use crate::config::{OptimizerKind, one_line};
 use crate::error::{Error, Result};
+use crate::optim::OptimState;
+
+/// Metadata key of the optimizer file naming the optimizer that wrote it.
+const OPTIMIZER_KEY: &str = "kiln.optimizer";
+/// Metadata key of the optimizer file naming its layout.
+const LAYOUT_KEY: &str = "kiln.layout";
+/// The one layout kiln writes: one tensor per parameter and state leaf.
+const LAYOUT: &str = "per-parameter";
 
 /// File of the model weights inside a checkpoint.
 pub const MODEL_FILE: &str = "model.bpk";
@@ -54,7 +69,7 @@ pub fn step_dir(run_dir: &Path, step: usize) -> PathBuf {
 pub fn save<M: Module>(
     run_dir: &Path,
     model: &M,
-    optim: &ModuleOptimizer,
+    optim: &OptimState,
     state: &LoopState,
     keep: usize,
 ) -> Result<PathBuf> {
@@ -73,13 +88,7 @@ pub fn save<M: Module>(
             one_line(&e)
         ))
     })?;
-    optim.save(tmp.join(OPTIM_FILE)).map_err(|e| {
-        Error::checkpoint(format!(
-            "{}: {}",
-            tmp.join(OPTIM_FILE).display(),
-            one_line(&e)
-        ))
-    })?;
+    save_optimizer(&tmp.join(OPTIM_FILE), optim)?;
     let json = serde_json::to_vec_pretty(state).expect("loop state serialises");
     write_synced(&tmp.join(STATE_FILE), &json)?;
     if final_dir.exists() {
@@ -182,8 +191,30 @@ pub fn load_model<M: Module>(dir: &Path, model: M) -> Result<M> {
     })
 }
 
-/// Loads a checkpoint's optimizer state into `optim`.
-pub fn load_optimizer(dir: &Path, optim: ModuleOptimizer) -> Result<ModuleOptimizer> {
+/// Writes an optimizer state: a burnpack file with one f32 tensor per parameter and state leaf,
+/// named `<parameter path>:<leaf>`, the shared scalars, and the optimizer's name.
+pub fn save_optimizer(path: &Path, optim: &OptimState) -> Result<()> {
+    let tensors = optim
+        .tensors
+        .iter()
+        .map(|(param, leaf, shape, values)| {
+            let (bytes, shape, dtype) = TensorData::new(values.clone(), shape.clone()).into_parts();
+            burn_pack::Tensor::new(format!("{param}:{leaf}"), dtype, shape, None, bytes)
+        })
+        .collect();
+    let mut writer = Writer::new(tensors)
+        .with_metadata(OPTIMIZER_KEY, &crate::config::name_of(&optim.kind))
+        .with_metadata(LAYOUT_KEY, LAYOUT);
+    for (key, value) in &optim.scalars {
+        writer = writer.with_scalar(key, *value);
+    }
+    writer
+        .write_to_file(path)
+        .map_err(|e| Error::checkpoint(format!("{}: {}", path.display(), one_line(&e))))
+}
+
+/// Reads a checkpoint's optimizer state.
+pub fn load_optimizer(dir: &Path) -> Result<OptimState> {
     let path = dir.join(OPTIM_FILE);
     if !path.is_file() {
         return Err(Error::checkpoint(format!(
@@ -191,11 +222,54 @@ pub fn load_optimizer(dir: &Path, optim: ModuleOptimizer) -> Result<ModuleOptimi
             path.display()
         )));
     }
-    optim.load(&path).map_err(|e| {
+    let corrupt = |e: &dyn std::fmt::Display| {
         Error::checkpoint(format!(
             "{}: corrupt optimizer state: {}",
             path.display(),
-            one_line(&e)
+            one_line(e)
         ))
+    };
+    let reader = Reader::from_file(&path).map_err(|e| corrupt(&e))?;
+    let meta = reader.metadata().clone();
+    if meta.get(LAYOUT_KEY).map(String::as_str) != Some(LAYOUT) {
+        return Err(Error::checkpoint(format!(
+            "{}: not a kiln optimizer state (no {LAYOUT_KEY} = {LAYOUT:?}; written by an older \
+             kiln or another program)",
+            path.display()
+        )));
+    }
+    let kind = match meta.get(OPTIMIZER_KEY).map(String::as_str) {
+        Some("adamw") => OptimizerKind::Adamw,
+        Some("sgd") => OptimizerKind::Sgd,
+        other => {
+            return Err(Error::checkpoint(format!(
+                "{}: unknown optimizer {other:?} (expected \"adamw\" or \"sgd\")",
+                path.display()
+            )));
+        }
+    };
+    let scalars: BTreeMap<_, _> = reader.scalars().clone();
+    let mut tensors = Vec::new();
+    for tensor in reader.into_tensors().map_err(|e| corrupt(&e))? {
+        let (name, dtype, shape, _, bytes) = tensor.into_parts().map_err(|e| corrupt(&e))?;
+        let Some((param, leaf)) = name.rsplit_once(':') else {
+            return Err(corrupt(&format!(
+                "tensor {name:?} is not named <parameter>:<leaf>"
+            )));
+        };
+        let data = TensorData::from_bytes(bytes, shape.clone(), dtype);
+        let values: Vec<f32> = data
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| corrupt(&format!("tensor {name:?}: {e:?}")))?;
+        if values.len() != shape.num_elements() {
+            return Err(corrupt(&format!("tensor {name:?} has the wrong size")));
+        }
+        tensors.push((param.to_string(), leaf.to_string(), shape.to_vec(), values));
+    }
+    Ok(OptimState {
+        kind,
+        tensors,
+        scalars,
     })
 }

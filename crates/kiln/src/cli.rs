@@ -273,7 +273,7 @@ impl Args {
             set("hardware.devices", parse_devices(d)?);
         }
         if let Some(s) = self.strategy {
-            set("hardware.strategy", enum_value(&s));
+            set("strategy.name", enum_value(&s));
         }
         if let Some(a) = self.accelerator {
             set("hardware.accelerator", enum_value(&a));

@@ -27,8 +27,10 @@ pub struct RootConfig {
     pub optim: OptimConfig,
     /// The learning-rate schedule.
     pub schedule: ScheduleConfig,
-    /// Accelerator, devices and parallel strategy.
+    /// Accelerator and devices.
     pub hardware: HardwareConfig,
+    /// How one step's work is split across the devices.
+    pub strategy: StrategyConfig,
     /// Data-parallel settings.
     pub ddp: DdpConfig,
     /// Monitoring: where metrics go.
@@ -475,15 +477,33 @@ pub enum Accelerator {
 }
 
 /// Parallel strategy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum StrategyKind {
     /// `single` for one device, `ddp` for more.
+    #[default]
     Auto,
     /// One device.
     Single,
     /// Data parallel: one replica per device, gradients averaged every step.
     Ddp,
+    /// ZeRO stage 1: as `ddp`, with the optimizer state sharded over the devices.
+    Zero1,
+    /// ZeRO stage 2: gradients and optimizer state sharded; each block's gradients are
+    /// reduce-scattered as its backward ends.
+    Zero2,
+    /// ZeRO stage 3 (FSDP): parameters, gradients and optimizer state sharded; each block's
+    /// parameters are gathered for its forward and backward only.
+    Zero3,
+}
+
+/// `[strategy]`: how one step's work is split across the devices.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct StrategyConfig {
+    /// `auto` (`single` for one device, `ddp` for more), `single`, `ddp`, `zero1`, `zero2` or
+    /// `zero3`. Default `auto`.
+    pub name: StrategyKind,
 }
 
 /// Number of devices, or an explicit list of device indices.
@@ -506,7 +526,7 @@ impl DeviceList {
     }
 }
 
-/// `[hardware]`: accelerator, devices and strategy.
+/// `[hardware]`: accelerator and devices.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HardwareConfig {
@@ -514,8 +534,6 @@ pub struct HardwareConfig {
     pub accelerator: Accelerator,
     /// How many devices (an integer) or which ones (a list of indices). Default 1.
     pub devices: DeviceList,
-    /// `auto`, `single` or `ddp`. Default `auto`.
-    pub strategy: StrategyKind,
 }
 
 impl Default for HardwareConfig {
@@ -523,7 +541,6 @@ impl Default for HardwareConfig {
         Self {
             accelerator: Accelerator::Auto,
             devices: DeviceList::Count(1),
-            strategy: StrategyKind::Auto,
         }
     }
 }
@@ -747,13 +764,23 @@ impl RootConfig {
                 format!("lists a device twice: {devices:?}"),
             );
         }
-        if self.hardware.strategy == StrategyKind::Single && devices.len() > 1 {
+        if self.strategy.name == StrategyKind::Single && devices.len() > 1 {
             return bad(
-                "hardware.strategy",
+                "strategy.name",
                 format!(
                     "`single` runs on one device, but {} are selected",
                     devices.len()
                 ),
+            );
+        }
+        if self.strategy.name == StrategyKind::Zero3 && self.ddp.sync_batchnorm {
+            return bad(
+                "ddp.sync_batchnorm",
+                "cannot be combined with strategy.name = \"zero3\": zero3 recomputes every block \
+                 in its backward (to release its gathered parameters), and synchronised \
+                 BatchNorm cannot run a block twice; use strategy \"zero2\" or turn \
+                 ddp.sync_batchnorm off"
+                    .into(),
             );
         }
         if self.run.name.is_empty() || self.run.name.contains(['/', '\\']) {
@@ -772,7 +799,7 @@ impl RootConfig {
 
     /// The strategy actually used, resolving `auto` by device count.
     pub fn strategy(&self) -> StrategyKind {
-        match self.hardware.strategy {
+        match self.strategy.name {
             StrategyKind::Auto if self.hardware.devices.indices().len() > 1 => StrategyKind::Ddp,
             StrategyKind::Auto => StrategyKind::Single,
             s => s,
@@ -936,7 +963,20 @@ mod tests {
             load(&["hardware.devices=2"]).unwrap().strategy(),
             StrategyKind::Ddp
         );
-        assert!(load(&["hardware.devices=2", "hardware.strategy=\"single\""]).is_err());
+        assert!(load(&["hardware.devices=2", "strategy.name=\"single\""]).is_err());
+        assert_eq!(
+            load(&["hardware.devices=2", "strategy.name=\"zero3\""])
+                .unwrap()
+                .strategy(),
+            StrategyKind::Zero3
+        );
+        let e = load(&["strategy.name=\"zero3\"", "ddp.sync_batchnorm=true"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ddp.sync_batchnorm") && e.contains("zero3"),
+            "{e}"
+        );
     }
 
     #[test]

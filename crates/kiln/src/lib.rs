@@ -1,27 +1,31 @@
 //! kiln: multi-device training for Burn models.
 //!
-//! The layers, bottom up: [`collective`] (how replicas agree), [`trainer`] (the one loop every
-//! strategy shares), [`precision`] and [`recompute`] (policies it applies around any model),
-//! [`optim`] and [`data`] (what the loop steps and feeds), [`checkpoint`] and
-//! [`metrics`] (what rank 0 writes), [`config`] and [`run`] (from a TOML file to a finished
-//! run). Models and datasets live in their own crates and know nothing of these.
+//! The layers, bottom up: [`params`] (a module's floats as flat buffers, the leaf everyone
+//! imports), [`comm`] (how ranks talk), [`exec`] (one micro-batch's forward and backward,
+//! whole or block by block), [`optim`] (the flat, shardable optimizer and the schedule),
+//! [`strategy`] (what a step does across ranks: `single`, `ddp`, `zero1`–`zero3`), [`trainer`]
+//! (the one loop every strategy shares, and its launcher), [`precision`] (the policy applied
+//! around any model), [`checkpoint`] and [`metrics`] (what rank 0 writes), [`config`] and
+//! [`run`] (from a TOML file to a finished run). Models and datasets live in their own crates
+//! and know nothing of these.
 #![warn(missing_docs)]
 
 pub mod checkpoint;
 pub mod cli;
-pub mod collective;
+pub mod comm;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod exec;
 pub mod metrics;
 pub mod monitor;
 pub mod optim;
+pub mod params;
 pub mod plot;
 pub mod precision;
-pub mod recompute;
 pub mod run;
 pub mod sinks;
-pub mod syncbn;
+pub mod strategy;
 pub mod trainer;
 
 pub use config::RootConfig;

@@ -146,7 +146,7 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Value>> {
 }
 
 /// The final numbers of a run, written to `summary.json`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Summary {
     /// Optimizer steps taken.
     pub steps: usize,
@@ -180,6 +180,19 @@ pub struct Summary {
     pub start_rss_mib: Option<f64>,
     /// Peak resident memory of the process by the end of the run, in MiB; Linux only.
     pub peak_rss_mib: Option<f64>,
+    /// The most parameter bytes each rank held at once (master and compute copies, gathered
+    /// units), counted by the strategy; index = rank.
+    pub param_bytes_per_rank: Vec<usize>,
+    /// The most gradient bytes each rank held at once.
+    pub grad_bytes_per_rank: Vec<usize>,
+    /// The most optimizer-state bytes each rank held at once.
+    pub optim_bytes_per_rank: Vec<usize>,
+    /// The most parameter, gradient and optimizer-state bytes each rank held together.
+    pub peak_bytes_per_rank: Vec<usize>,
+    /// The most bytes each device's memory pool had in use when sampled, where the backend
+    /// reports a pool (not on the CPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_peak_bytes_per_rank: Option<Vec<u64>>,
 }
 
 /// Progress display: on a terminal a bar with ETA and the latest numbers, with a second line

@@ -14,7 +14,9 @@ use kiln_models::{
 };
 
 use crate::checkpoint::{self, write_atomic};
-use crate::config::{Accelerator, DataConfig, DatasetKind, HardwareConfig, RootConfig, name_of};
+use crate::config::{
+    Accelerator, DataConfig, DatasetKind, HardwareConfig, RootConfig, StrategyKind, name_of,
+};
 use crate::data::{ImageBatcher, input_spec};
 use crate::error::{Error, Result};
 use crate::metrics::Summary;
@@ -319,8 +321,8 @@ where
     save_extra(&run_dir)?;
 
     let mut settings = TrainerSettings::from_config(config, devices, accelerator, run_dir.clone());
-    settings.resume_from = options.resume_from.clone();
-    settings.progress = options.verbose;
+    settings.output.resume_from = options.resume_from.clone();
+    settings.output.progress = options.verbose;
     if options.verbose {
         print_table(config, workload, &settings, &run_dir, rows);
     }
@@ -504,6 +506,49 @@ fn precision_line(config: &RootConfig) -> String {
     line
 }
 
+/// The start-up table's strategy line: the strategy and what it shards.
+fn strategy_line(s: &TrainerSettings) -> String {
+    let world = s.world();
+    match s.parallel.strategy {
+        StrategyKind::Auto | StrategyKind::Single => "single (one device)".to_string(),
+        StrategyKind::Ddp => format!("ddp ({world} replicas, gradients all-reduced)"),
+        StrategyKind::Zero1 => format!("zero1 (optimizer state sharded over {world})"),
+        StrategyKind::Zero2 => format!(
+            "zero2 (gradients and optimizer state sharded over {world}; each block's gradients \
+             reduce-scattered as its backward ends)"
+        ),
+        StrategyKind::Zero3 => format!(
+            "zero3 (parameters, gradients and optimizer state sharded over {world}; blocks \
+             gathered for their forward and backward and recomputed in the backward)"
+        ),
+    }
+}
+
+/// The start-up table's memory line: the expected peak bytes per rank of parameters,
+/// gradients and optimizer state, for `model`.
+fn memory_line<B, M: kiln_models::BlockStack<B> + Module>(
+    s: &TrainerSettings,
+    model: &M,
+) -> String {
+    let layout = crate::params::FlatLayout::new(model, &crate::strategy::block_ids(model), 1);
+    let e = crate::strategy::estimate(
+        s.parallel.strategy,
+        &layout,
+        s.world(),
+        &s.precision,
+        &s.optim,
+        &s.recompute,
+    );
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    format!(
+        "per rank, expected: parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} \
+         MiB (activations not included)",
+        mib(e.params),
+        mib(e.grads),
+        mib(e.optim)
+    )
+}
+
 fn print_table<W: Workload>(
     config: &RootConfig,
     w: &W,
@@ -511,7 +556,7 @@ fn print_table<W: Workload>(
     run_dir: &Path,
     extra: Vec<(&str, String)>,
 ) {
-    let world = s.devices.len();
+    let world = s.world();
     let t = &s.train;
     let per_step = t.batch_size * world * t.accumulate;
     let spe = crate::data::DistributedSampler::new(
@@ -524,16 +569,19 @@ fn print_table<W: Workload>(
     )
     .steps_per_epoch();
     let total = total_steps(t, spe);
-    let params = kiln_models::with_rng(|| w.init_model(&Device::flex())).num_params();
+    let probe = kiln_models::with_rng(|| w.init_model(&Device::flex().autodiff()));
+    let params = probe.num_params();
+    let memory = memory_line(s, &probe);
     let mut rows = vec![
         ("run", run_dir.display().to_string()),
-        ("accelerator", s.accelerator.clone()),
+        ("accelerator", s.parallel.accelerator.clone()),
         (
             "devices",
             format!("{world} {:?}", config.hardware.devices.indices()),
         ),
-        ("strategy", s.strategy.clone()),
+        ("strategy", strategy_line(s)),
         ("world size", world.to_string()),
+        ("memory", memory),
         ("precision", precision_line(config)),
         (
             "batch",

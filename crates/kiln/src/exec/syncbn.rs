@@ -1,7 +1,8 @@
 //! Synchronised BatchNorm: batch statistics over the global batch of every replica.
 //!
 //! With `ddp.sync_batchnorm`, a model whose blocks expose their BatchNorm
-//! ([`BlockStack::block_norm`]) runs segment by segment, as for recomputation. At each norm the
+//! ([`BlockStack::block_norm`]) runs on the block walk ([`super::run`]), each such block cut
+//! into three segments around its norm. At each norm the
 //! per-channel mean and variance are all-reduced over ranks (two passes, like the one-device
 //! computation), so every replica normalises with the statistics one device would compute on
 //! the whole global batch. The norm is then a function of the local input `a` and of the
@@ -15,99 +16,95 @@ use burn::module::Module;
 use burn::nn::BatchNorm;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
-use kiln_models::{Activation, BlockStack, StepOutput};
+use kiln_models::{Activation, BlockStack};
 
-use crate::collective::{Collective, ReduceOp};
+use super::segment_backward;
+use crate::comm::{Collective, ReduceOp};
 use crate::error::Result;
-use crate::recompute::{head_backward, segment_backward, stem_backward};
 
 /// What the backward of a norm needs besides its input and output.
-struct NormSaved {
+pub(crate) struct NormSaved {
     mean_leaf: Tensor<1>,
     var_leaf: Tensor<1>,
     mean: Tensor<1>,
     count: f32,
 }
 
-/// One segment of the forward pass: its input leaf, its output (with the segment's graph),
-/// and, for a norm, the statistics it used.
-struct Segment {
+/// One segment of a synchronised block's forward pass: its input leaf, its output (with the
+/// segment's graph), and, for the norm, the statistics it used.
+pub(crate) struct Segment {
     input: Activation,
     output: Activation,
     norm: Option<NormSaved>,
 }
 
-/// Forward and backward of `batch` with BatchNorm statistics taken over every rank of
-/// `comm`; returns the output (loss detached) and the parameter gradients of
-/// `objective(loss)`. Every rank must call it for every micro-batch.
-pub fn forward_backward<B, M>(
+/// Block `i` (which has a BatchNorm) on `x`, cut around its norm, with the norm's statistics
+/// taken over every rank of `comm`: the block's output and its segments for the backward.
+/// Every rank must call it for every micro-batch.
+pub(crate) fn block_forward<B, M>(
     model: &M,
-    batch: B,
+    i: usize,
+    x: Activation,
     comm: &dyn Collective,
     device: &Device,
-    objective: impl FnOnce(Tensor<1>) -> Tensor<1>,
-) -> Result<(StepOutput, GradientsParams)>
+) -> Result<(Activation, Vec<Segment>)>
 where
     M: BlockStack<B> + Module,
 {
-    let stem = model.stem(&batch);
-    let mut x = stem.clone().detach();
-    let mut segments = Vec::new();
-    for i in 0..model.num_blocks() {
-        let input = x.detach().require_grad();
-        let Some(norm) = model.block_norm(i) else {
-            let output = model.block(i, input.clone());
-            x = output.clone();
-            segments.push(Segment {
-                input,
-                output,
-                norm: None,
-            });
-            continue;
-        };
-        let before = model.before_norm(i, input.clone());
-        segments.push(Segment {
-            input,
-            output: before.clone(),
-            norm: None,
-        });
-        let (leaf, normed, saved) = synced_norm(norm, before.detach(), comm, device)?;
-        segments.push(Segment {
-            input: leaf,
-            output: normed.clone(),
-            norm: Some(saved),
-        });
-        let input = normed.detach().require_grad();
-        let output = model.after_norm(i, input.clone());
-        x = output.clone();
-        segments.push(Segment {
-            input,
-            output,
-            norm: None,
-        });
-    }
+    let norm = model
+        .block_norm(i)
+        .expect("block_forward is called for blocks with a norm");
+    let mut segments = Vec::with_capacity(3);
+    let input = x.detach().require_grad();
+    let before = model.before_norm(i, input.clone());
+    segments.push(Segment {
+        input,
+        output: before.clone(),
+        norm: None,
+    });
+    let (leaf, normed, saved) = synced_norm(norm, before.detach(), comm, device)?;
+    segments.push(Segment {
+        input: leaf,
+        output: normed.clone(),
+        norm: Some(saved),
+    });
+    let input = normed.detach().require_grad();
+    let output = model.after_norm(i, input.clone());
+    segments.push(Segment {
+        input,
+        output: output.clone(),
+        norm: None,
+    });
+    Ok((output.detach(), segments))
+}
 
+/// The backward of a block [`block_forward`] ran, seeded with `upstream`: the gradient for the
+/// block below and the block's parameter gradients.
+pub(crate) fn block_backward<M: Module>(
+    model: &M,
+    segments: Vec<Segment>,
+    mut upstream: Activation,
+    comm: Option<&dyn Collective>,
+    device: &Device,
+) -> Result<(Activation, GradientsParams)> {
     let mut grads = GradientsAccumulator::new();
-    let (out, mut upstream) = head_backward(model, x, &batch, objective, &mut grads);
-
     for segment in segments.into_iter().rev() {
         let graph = segment_backward(segment.output, upstream);
         let local = segment
             .input
             .grad(&graph)
             .expect("every segment's output depends on its input");
-        upstream = match &segment.norm {
-            None => local,
-            Some(n) => {
+        upstream = match (&segment.norm, comm) {
+            (Some(n), Some(comm)) => {
                 let gm = n.mean_leaf.grad(&graph).expect("the norm uses its mean");
                 let gv = n.var_leaf.grad(&graph).expect("the norm uses its variance");
                 fold_statistics_grads(local, segment.input.detach(), n, gm, gv, comm, device)?
             }
+            _ => local,
         };
         grads.accumulate(model, GradientsParams::from_grads(graph, model));
     }
-    stem_backward(model, stem, upstream, &mut grads);
-    Ok((out, grads.grads()))
+    Ok((upstream, grads.grads()))
 }
 
 /// `norm` applied to `a` with the statistics of the global batch: the input leaf, the output
@@ -125,14 +122,16 @@ fn synced_norm(
     sums.push(local_count);
     comm.all_reduce(&mut sums, ReduceOp::Sum)?;
     let count = sums.pop().expect("the count was pushed");
+    // The statistics take the dtype the norm computes in (bf16 under a `-true` precision).
+    let dtype = crate::params::float_dtype(norm.gamma.val().dtype());
     let mean: Vec<f32> = sums.iter().map(|s| s / count).collect();
-    let mean = Tensor::<1>::from_data(TensorData::new(mean, [channels]), device);
+    let mean = Tensor::<1>::from_data(TensorData::new(mean, [channels]), device).cast(dtype);
     // Second pass: the (biased) variance around the global mean, as one device computes it.
     let centered = sub_channels(a.clone(), mean.clone());
     let mut squares = host(channel_sums(&square(centered)));
     comm.all_reduce(&mut squares, ReduceOp::Sum)?;
     let var: Vec<f32> = squares.iter().map(|s| s / count).collect();
-    let var = Tensor::<1>::from_data(TensorData::new(var, [channels]), device);
+    let var = Tensor::<1>::from_data(TensorData::new(var, [channels]), device).cast(dtype);
 
     let momentum = norm.momentum as f32;
     let running_mean = norm.running_mean.value_sync().to_device(device);
@@ -186,9 +185,10 @@ fn fold_statistics_grads(
     both.extend(host(gv));
     comm.all_reduce(&mut both, ReduceOp::Sum)?;
     let (gm, gv) = both.split_at(channels);
+    let dtype = crate::params::float_dtype(n.mean.dtype());
     let per = |v: &[f32], factor: f32| {
         let v: Vec<f32> = v.iter().map(|x| x * factor / n.count).collect();
-        Tensor::<1>::from_data(TensorData::new(v, [channels]), device)
+        Tensor::<1>::from_data(TensorData::new(v, [channels]), device).cast(dtype)
     };
     let through_mean = per(gm, 1.0);
     let through_var = per(gv, 2.0);

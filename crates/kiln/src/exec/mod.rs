@@ -1,0 +1,343 @@
+//! The forward and backward of one micro-batch: whole, or block by block.
+//!
+//! The plain pass is one forward that keeps every activation and one backward. The *walk* runs
+//! the model as its [`BlockStack`] (stem, blocks, head) and differentiates it a segment at a
+//! time from the head down: each block's backward is seeded with the gradient that arrived
+//! from above — `backward(sum(block(x) · g))` gives the block's parameter gradients and the
+//! gradient for the block below (a vector-Jacobian product, [`segment_backward`]). The walk
+//! is where three things happen that the plain pass cannot do:
+//!
+//! - **block recomputation** ([`Recompute::Blocks`]): a recomputed block keeps only its input
+//!   (computed without a graph) and runs its forward again during the backward;
+//! - **synchronised BatchNorm** ([`syncbn`]): a block with a BatchNorm is cut around it, and
+//!   the norm's statistics and their gradients are all-reduced;
+//! - **per-block gradients** ([`Hooks`]): a strategy receives each block's gradients as soon as
+//!   its backward is done (ZeRO-2/3 reduce-scatter them there and drop them), and may change
+//!   the model's parameters before and after each block (ZeRO-3 gathers a block's parameters
+//!   before it runs and releases them after).
+//!
+//! A pipeline stage needs the same step (backward of a segment from its saved input and an
+//! upstream gradient), which is why it is kept separate.
+
+pub mod syncbn;
+
+use burn::module::Module;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::prelude::*;
+use kiln_models::{Activation, BlockStack, StepOutput};
+
+use crate::comm::Collective;
+use crate::error::Result;
+use crate::params::{collect_floats, has_buffers, replace_floats, sync_running_state};
+
+/// What a micro-batch's backward keeps. (Burn's device-wide `balanced` checkpointing is a
+/// property of the device the worker builds, and runs through [`Recompute::Keep`] here.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recompute {
+    /// Keep every activation of the forward pass.
+    Keep,
+    /// Keep only the inputs of blocks `0, every, 2·every, …` (the last block excepted) and
+    /// recompute their forward during backward; the other blocks keep their activations.
+    Blocks {
+        /// Recompute every `every`-th block (1: all of them).
+        every: usize,
+    },
+}
+
+impl Recompute {
+    /// Whether block `i` of `n` keeps only its input and is recomputed. The last block's
+    /// activations are the first the backward needs, so keeping them costs no more peak
+    /// memory than recomputing them at once would: it is never recomputed.
+    pub fn recomputes(self, i: usize, n: usize) -> bool {
+        match self {
+            Recompute::Keep => false,
+            Recompute::Blocks { every } => i.is_multiple_of(every.max(1)) && i + 1 < n,
+        }
+    }
+}
+
+/// Which part of the model a set of gradients belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The whole model (the plain pass).
+    All,
+    /// The head and the loss (first in the walk).
+    Head,
+    /// Block `i`.
+    Block(usize),
+    /// The stem (last in the walk).
+    Stem,
+}
+
+/// What a strategy does around each block of the walk and with each part's gradients.
+pub trait Hooks<M> {
+    /// Whether the micro-batch must run as the walk even when neither recomputation nor
+    /// synchronised BatchNorm asks for it (the strategy wants the gradients block by block).
+    fn blockwise(&self) -> bool {
+        false
+    }
+    /// Before block `i`'s forward (ZeRO-3 gathers its parameters into `model`).
+    fn before_forward(&mut self, model: M, i: usize) -> Result<M> {
+        let _ = i;
+        Ok(model)
+    }
+    /// After block `i`'s forward; `kept` says whether its graph (and with it the parameters it
+    /// used) stays alive until its backward.
+    fn after_forward(&mut self, model: M, i: usize, kept: bool) -> Result<M> {
+        let _ = (i, kept);
+        Ok(model)
+    }
+    /// Before block `i`'s backward; `kept` as in [`Self::after_forward`].
+    fn before_backward(&mut self, model: M, i: usize, kept: bool) -> Result<M> {
+        let _ = (i, kept);
+        Ok(model)
+    }
+    /// After block `i`'s backward.
+    fn after_backward(&mut self, model: M, i: usize) -> Result<M> {
+        let _ = i;
+        Ok(model)
+    }
+    /// The gradients of `part`, computed on `model`.
+    fn grads(&mut self, model: &M, part: Part, grads: GradientsParams) -> Result<()>;
+}
+
+/// Hooks that add every gradient up: the whole micro-batch's gradients, however it ran.
+pub struct Accumulate<M: Module> {
+    acc: GradientsAccumulator<M>,
+}
+
+impl<M: Module> Default for Accumulate<M> {
+    fn default() -> Self {
+        Self {
+            acc: GradientsAccumulator::new(),
+        }
+    }
+}
+
+impl<M: Module> Accumulate<M> {
+    /// The gradients added so far (the accumulator is emptied).
+    pub fn take(&mut self) -> GradientsParams {
+        self.acc.grads()
+    }
+}
+
+impl<M: Module> Hooks<M> for Accumulate<M> {
+    fn grads(&mut self, model: &M, _part: Part, grads: GradientsParams) -> Result<()> {
+        self.acc.accumulate(model, grads);
+        Ok(())
+    }
+}
+
+/// How a micro-batch runs.
+#[derive(Clone, Copy)]
+pub struct Plan<'a> {
+    /// Which blocks are recomputed.
+    pub recompute: Recompute,
+    /// Synchronise BatchNorm statistics over this group (none: each rank its own batch).
+    pub sync_bn: Option<&'a dyn Collective>,
+    /// The device the model's parameters live on (with autodiff).
+    pub device: &'a Device,
+}
+
+/// Runs `model` on `batch`, differentiates `objective(loss)` and hands the parameter gradients
+/// to `hooks` (all at once for the plain pass, part by part for the walk). Returns the output
+/// (its loss detached, for metrics) and the model as the hooks left it.
+///
+/// `objective` turns the model's mean loss into what is differentiated: divided by the
+/// accumulation steps, multiplied by a loss scale.
+pub fn run<B, M, H>(
+    model: M,
+    batch: B,
+    plan: &Plan,
+    hooks: &mut H,
+    objective: impl FnOnce(Tensor<1>) -> Tensor<1>,
+) -> Result<(StepOutput, M)>
+where
+    M: BlockStack<B> + Module,
+    H: Hooks<M>,
+{
+    let walk = hooks.blockwise() || plan.recompute != Recompute::Keep || plan.sync_bn.is_some();
+    if !walk {
+        let out = model.step(batch);
+        let grads = GradientsParams::from_grads(objective(out.loss.clone()).backward(), &model);
+        hooks.grads(&model, Part::All, grads)?;
+        return Ok((detached(out), model));
+    }
+    blockwise(model, batch, plan, hooks, objective)
+}
+
+/// [`run`] with hooks that add the gradients up: the output and the gradients of the whole
+/// micro-batch.
+pub fn forward_backward<B, M>(
+    model: &M,
+    batch: B,
+    device: &Device,
+    recompute: Recompute,
+    objective: impl FnOnce(Tensor<1>) -> Tensor<1>,
+) -> (StepOutput, GradientsParams)
+where
+    M: BlockStack<B> + Module,
+{
+    let plan = Plan {
+        recompute,
+        sync_bn: None,
+        device,
+    };
+    let mut acc = Accumulate::default();
+    let (out, _) = run(model.clone(), batch, &plan, &mut acc, objective)
+        .expect("a walk without collectives cannot fail");
+    (out, acc.take())
+}
+
+fn detached(out: StepOutput) -> StepOutput {
+    StepOutput {
+        loss: out.loss.detach(),
+        ..out
+    }
+}
+
+/// One block's place in the forward pass, as the backward walk needs it.
+enum Saved {
+    /// Recomputed: its input, without a graph.
+    Recomputed(Box<Activation>),
+    /// Kept: its input leaf and its output, with the block's graph.
+    Kept(Box<(Activation, Activation)>),
+    /// Cut around a synchronised BatchNorm: its segments.
+    Synced(Vec<syncbn::Segment>),
+}
+
+fn blockwise<B, M, H>(
+    mut model: M,
+    batch: B,
+    plan: &Plan,
+    hooks: &mut H,
+    objective: impl FnOnce(Tensor<1>) -> Tensor<1>,
+) -> Result<(StepOutput, M)>
+where
+    M: BlockStack<B> + Module,
+    H: Hooks<M>,
+{
+    let n = model.num_blocks();
+    let recomputes = |i: usize| plan.recompute.recomputes(i, n);
+    let any_recomputed = (0..n).any(recomputes);
+
+    // With recomputation the stem's graph is not kept either: it runs again at the end.
+    let (mut x, stem_graph) = if any_recomputed {
+        (model.clone().no_grad().stem(&batch), None)
+    } else {
+        let stem = model.stem(&batch);
+        (stem.clone().detach(), Some(stem))
+    };
+    let mut saved = Vec::with_capacity(n);
+    for i in 0..n {
+        model = hooks.before_forward(model, i)?;
+        let synced = match (plan.sync_bn, model.block_norm(i)) {
+            (Some(comm), Some(_)) => {
+                let (out, segments) = syncbn::block_forward(&model, i, x, comm, plan.device)?;
+                x = out;
+                Some(Saved::Synced(segments))
+            }
+            _ => None,
+        };
+        let s = match synced {
+            Some(s) => s,
+            None if recomputes(i) => {
+                // A copy whose parameters need no gradient: its forward records no graph. It
+                // shares the model's tensors and buffers, so nothing is copied.
+                let input = x;
+                x = model.clone().no_grad().block(i, input.clone());
+                Saved::Recomputed(Box::new(input))
+            }
+            None => {
+                let input = x.detach().require_grad();
+                let output = model.block(i, input.clone());
+                x = output.clone().detach();
+                Saved::Kept(Box::new((input, output)))
+            }
+        };
+        let kept = !matches!(s, Saved::Recomputed(_));
+        saved.push(s);
+        model = hooks.after_forward(model, i, kept)?;
+    }
+
+    // Buffers (running statistics) have now seen this batch once; recomputing would update
+    // them again, so their values are kept here and put back after the backward walk.
+    let buffers = (any_recomputed && has_buffers(&model)).then(|| {
+        sync_running_state(&model);
+        collect_floats(&model, false)
+    });
+
+    let top = x.detach().require_grad();
+    let out = BlockStack::head(&model, top.clone(), &batch);
+    let graph = objective(out.loss.clone()).backward();
+    let mut upstream = top
+        .grad(&graph)
+        .expect("the loss depends on the last block's output");
+    let head = GradientsParams::from_grads(graph, &model);
+    hooks.grads(&model, Part::Head, head)?;
+
+    for (i, s) in saved.into_iter().enumerate().rev() {
+        let kept = !matches!(s, Saved::Recomputed(_));
+        model = hooks.before_backward(model, i, kept)?;
+        let grads = match s {
+            Saved::Synced(segments) => {
+                let (below, grads) =
+                    syncbn::block_backward(&model, segments, upstream, plan.sync_bn, plan.device)?;
+                upstream = below;
+                grads
+            }
+            Saved::Recomputed(input) => {
+                let input = input.require_grad();
+                let output = model.block(i, input.clone());
+                let (below, grads) = block_grads(&model, input, output, upstream);
+                upstream = below;
+                grads
+            }
+            Saved::Kept(kept) => {
+                let (input, output) = *kept;
+                let (below, grads) = block_grads(&model, input, output, upstream);
+                upstream = below;
+                grads
+            }
+        };
+        hooks.grads(&model, Part::Block(i), grads)?;
+        model = hooks.after_backward(model, i)?;
+    }
+
+    // The stem's parameters (embeddings), seeded likewise, for a stem that has parameters
+    // (whose output, computed with a graph, is tracked).
+    let stem = stem_graph.unwrap_or_else(|| model.stem(&batch));
+    if stem.is_tracked() {
+        let grads = GradientsParams::from_grads(segment_backward(stem, upstream), &model);
+        hooks.grads(&model, Part::Stem, grads)?;
+    }
+
+    if let Some(values) = buffers {
+        sync_running_state(&model);
+        // Running states are shared between clones, so restoring them on a clone restores the
+        // model's own.
+        let _ = replace_floats(model.clone(), false, values, plan.device);
+    }
+    Ok((detached(out), model))
+}
+
+/// The backward of one block from its input leaf and output: the gradient for the block below
+/// and the block's parameter gradients.
+fn block_grads<M: Module>(
+    model: &M,
+    input: Activation,
+    output: Activation,
+    upstream: Activation,
+) -> (Activation, GradientsParams) {
+    let graph = segment_backward(output, upstream);
+    let below = input
+        .grad(&graph)
+        .expect("every block's output depends on its input");
+    (below, GradientsParams::from_grads(graph, model))
+}
+
+/// Backward of a segment whose forward produced `output`, seeded with `upstream`, the
+/// gradient of the objective with respect to `output`.
+pub fn segment_backward(output: Activation, upstream: Activation) -> burn::tensor::Gradients {
+    output.dot(upstream).backward()
+}

@@ -1,0 +1,492 @@
+//! What the strategies share: the rank's collective, device, layout and optimizer, the step
+//! that follows the reduction (unscale, overflow check, clipping, update), the replicated
+//! module with its compute copy, and the reduce-scatter that ZeRO-2/3 run block by block.
+
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+
+use super::{Context, Memory};
+use crate::comm::{Collective, ReduceOp};
+use crate::config::{RecomputeMode, ReduceDtype};
+use crate::error::{Error, Result};
+use crate::exec::{Hooks, Part, Plan, Recompute};
+use crate::optim::{FlatOptimizer, OptimState};
+use crate::params::{
+    FlatLayout, collect_floats, dtype_bytes, has_buffers, replace_floats, sync_running_state,
+};
+use crate::precision::{LossScaler, cast_params, compute_dtype, is_mixed, is_true_low};
+
+/// A rank's shared equipment; see the module documentation.
+pub(crate) struct Core<'a> {
+    pub comm: &'a dyn Collective,
+    /// The rank's device with autodiff.
+    pub device: Device,
+    /// The same device without autodiff, where flat buffers and optimizer state live.
+    pub inner: Device,
+    pub layout: FlatLayout,
+    pub optimizer: FlatOptimizer,
+    /// The dtype of the parameters the optimizer steps (f32, or the low dtype of `-true`).
+    pub master: FloatDType,
+    /// The dtype the model computes in.
+    pub compute: FloatDType,
+    /// Whether a compute copy is cast from the master each step.
+    pub mixed: bool,
+    pub recompute: Recompute,
+    pub sync_batchnorm: bool,
+    pub reduce_dtype: ReduceDtype,
+    pub bucket_elements: usize,
+    pub memory: Memory,
+    sync_seconds: f64,
+}
+
+impl<'a> Core<'a> {
+    /// The equipment for a rank of `ctx.comm` whose model `model` has blocks `blocks`, with the
+    /// flat space cut into `shards` shards (1: every rank steps the whole space).
+    pub fn new<M: Module>(
+        ctx: Context<'a>,
+        blocks: &[Vec<burn::module::ParamId>],
+        shards: usize,
+        model: &M,
+    ) -> Self {
+        let layout = FlatLayout::new(model, blocks, shards);
+        let mode = ctx.precision.mode;
+        let master = if is_true_low(mode) {
+            compute_dtype(mode)
+        } else {
+            FloatDType::F32
+        };
+        let rank = if shards > 1 { ctx.comm.rank() } else { 0 };
+        let inner = ctx.device.clone().without_autodiff();
+        let optimizer =
+            FlatOptimizer::new(&ctx.optim, &layout.shard_decay_mask(rank), master, &inner);
+        let recompute = match ctx.recompute.mode {
+            RecomputeMode::Blocks => Recompute::Blocks {
+                every: ctx.recompute.every,
+            },
+            RecomputeMode::None | RecomputeMode::Balanced => Recompute::Keep,
+        };
+        Self {
+            comm: ctx.comm,
+            device: ctx.device,
+            inner,
+            layout,
+            optimizer,
+            master,
+            compute: compute_dtype(mode),
+            mixed: is_mixed(mode),
+            recompute,
+            sync_batchnorm: ctx.sync_batchnorm,
+            reduce_dtype: ctx.precision.reduce_dtype,
+            bucket_elements: ctx.bucket_elements.max(1),
+            memory: Memory::default(),
+            sync_seconds: 0.0,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// How a micro-batch runs, with `recompute` as the strategy decides.
+    pub fn plan(&self, recompute: Recompute) -> Plan<'_> {
+        Plan {
+            recompute,
+            sync_bn: (self.sync_batchnorm && self.world() > 1).then_some(self.comm),
+            device: &self.device,
+        }
+    }
+
+    /// Runs `f` (a collective) and counts its time as synchronisation.
+    pub fn timed<T>(&mut self, f: impl FnOnce(&dyn Collective) -> Result<T>) -> Result<T> {
+        let started = Instant::now();
+        let out = f(self.comm);
+        self.sync_seconds += started.elapsed().as_secs_f64();
+        out
+    }
+
+    pub fn take_sync_seconds(&mut self) -> f64 {
+        std::mem::take(&mut self.sync_seconds)
+    }
+
+    /// Records the device pool's bytes in use, where the backend has a pool.
+    pub fn sample_pool(&mut self) {
+        if let Some(p) = self.device.memory_pool_usage() {
+            let used = p.bytes_in_use;
+            self.memory.pool_peak = Some(self.memory.pool_peak.map_or(used, |m| m.max(used)));
+        }
+        self.memory.note();
+    }
+
+    /// The host values of a flat tensor as they travel in a reduction: f32, or rounded to
+    /// bf16 (read back at half the bytes) and widened again.
+    fn travelling(&self, flat: Tensor<1>) -> Result<Vec<f32>> {
+        let readback = |e| Error::Worker(format!("gradient readback: {e:?}"));
+        Ok(match self.reduce_dtype {
+            ReduceDtype::F32 => flat
+                .cast(FloatDType::F32)
+                .into_data()
+                .try_into_vec::<f32>()
+                .map_err(readback)?,
+            ReduceDtype::Bf16 => flat
+                .cast(FloatDType::BF16)
+                .into_data()
+                .try_into_vec::<burn::tensor::bf16>()
+                .map_err(readback)?
+                .into_iter()
+                .map(|x| x.to_f32())
+                .collect(),
+        })
+    }
+
+    /// The mean over ranks of the flat gradients `units` (each a unit's padded flat space),
+    /// one bucket at a time; returns them concatenated on the host.
+    pub fn all_reduce_units(&mut self, units: Vec<Tensor<1>>) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        for t in units {
+            let host = self.travelling(t)?;
+            match self.reduce_dtype {
+                ReduceDtype::F32 => {
+                    let mut host = host;
+                    let bucket = self.bucket_elements;
+                    self.timed(|c| {
+                        for chunk in host.chunks_mut(bucket) {
+                            c.all_reduce(chunk, ReduceOp::Mean)?;
+                        }
+                        Ok(())
+                    })?;
+                    out.extend(host);
+                }
+                ReduceDtype::Bf16 => {
+                    let mut half: Vec<burn::tensor::bf16> = host
+                        .iter()
+                        .map(|x| burn::tensor::bf16::from_f32(*x))
+                        .collect();
+                    let bucket = self.bucket_elements;
+                    self.timed(|c| {
+                        for chunk in half.chunks_mut(bucket) {
+                            c.all_reduce_bf16(chunk, ReduceOp::Mean)?;
+                        }
+                        Ok(())
+                    })?;
+                    out.extend(half.into_iter().map(|x| x.to_f32()));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Unit `u`'s gradients in `grads`, reduce-scattered (mean over ranks): this rank's piece
+    /// is added into `shard` at the unit's place. The unit's whole gradient exists only here.
+    pub fn scatter_unit<M: Module>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+        u: usize,
+        shard: &mut [f32],
+    ) -> Result<()> {
+        let bytes = self.layout.units[u].padded(self.layout.shards) * 4;
+        self.memory.grads.add(bytes);
+        self.memory.note();
+        let flat = self
+            .layout
+            .unit_grads(model, grads, u, FloatDType::F32, &self.device);
+        let host = self.travelling(flat)?;
+        let mut piece = self.timed(|c| c.reduce_scatter(&host, ReduceOp::Mean))?;
+        drop(host);
+        if self.reduce_dtype == ReduceDtype::Bf16 {
+            // As an all-reduce in bf16: exact sums, rounded once.
+            for x in &mut piece {
+                *x = burn::tensor::bf16::from_f32(*x).to_f32();
+            }
+        }
+        let unit = &self.layout.units[u];
+        for (d, v) in shard[unit.shard_offset..unit.shard_offset + unit.piece]
+            .iter_mut()
+            .zip(piece)
+        {
+            *d += v;
+        }
+        self.memory.grads.sub(bytes);
+        Ok(())
+    }
+
+    /// The rank's piece of unit `u` of `model`'s parameters, in the master dtype.
+    pub fn unit_piece<M: Module>(&self, model: &M, u: usize) -> Tensor<1> {
+        let rank = if self.layout.shards > 1 {
+            self.rank()
+        } else {
+            0
+        };
+        self.layout
+            .unit_values(model, u, self.master, &self.inner)
+            .slice(self.layout.piece_range(u, rank))
+    }
+
+    /// This rank's shard of `model`'s parameters, in the master dtype.
+    pub fn shard_of<M: Module>(&self, model: &M) -> Tensor<1> {
+        let pieces: Vec<Tensor<1>> = (0..self.layout.units.len())
+            .map(|u| self.unit_piece(model, u))
+            .collect();
+        cat_or_empty(pieces, self.master, &self.inner)
+    }
+
+    /// After the gradients are reduced: unscales them and checks them for overflow (with a
+    /// scaler, on every rank alike), clips them to the global norm `clip` (taken as `norm`
+    /// says) and steps the optimizer. `grads` is the shard's f32 gradient, `params` its
+    /// parameters. Returns the new parameters, or `None` when the step is skipped.
+    pub fn finish(
+        &mut self,
+        grads: Tensor<1>,
+        params: Tensor<1>,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+        clip: Option<f64>,
+        norm: Norm,
+    ) -> Result<Option<Tensor<1>>> {
+        let mut grads = grads;
+        let unscale = scaler.as_ref().map(|sc| (1.0 / sc.scale) as f32);
+        if let Some(sc) = scaler {
+            grads = grads.mul_scalar((1.0 / sc.scale) as f32);
+            let total: f32 = grads.clone().abs().sum().into_scalar();
+            let mut flag = vec![f32::from(u8::from(!total.is_finite()))];
+            self.timed(|c| c.all_reduce(&mut flag, ReduceOp::Sum))?;
+            if !sc.update(flag[0] == 0.0) {
+                return Ok(None);
+            }
+        }
+        if let Some(max) = clip {
+            // On the device: the factor is a tensor, never read back.
+            let factor = |whole: Tensor<1>| {
+                let total = whole.square().sum();
+                (total.sqrt().add_scalar(1e-6).recip() * max).clamp_max(1.0)
+            };
+            grads = match norm {
+                Norm::Local => {
+                    let f = factor(grads.clone());
+                    grads * f
+                }
+                Norm::Whole(whole) => {
+                    let whole = *whole;
+                    let whole = match unscale {
+                        Some(u) => whole.mul_scalar(u),
+                        None => whole,
+                    };
+                    grads * factor(whole)
+                }
+                Norm::Shards => {
+                    let mut squares = vec![grads.clone().square().sum().into_scalar::<f32>()];
+                    self.timed(|c| c.all_reduce(&mut squares, ReduceOp::Sum))?;
+                    let factor = (max as f32 / (squares[0].sqrt() + 1e-6)).min(1.0);
+                    grads.mul_scalar(factor)
+                }
+            };
+        }
+        let out = self.optimizer.step(lr, params, grads);
+        self.memory.optim.set(self.optimizer.state_bytes());
+        self.memory.note();
+        Ok(Some(out))
+    }
+
+    /// The canonical vector of a quantity of which every rank holds its shard (`mine`).
+    pub fn gather_canonical(&mut self, mine: &[f32]) -> Result<Vec<f32>> {
+        if self.layout.shards == 1 {
+            return Ok(self.layout.assemble(&[mine.to_vec()]));
+        }
+        let all = self.timed(|c| c.all_gather(mine))?;
+        let n = self.layout.shard_len;
+        let shards: Vec<Vec<f32>> = all.chunks(n).map(<[f32]>::to_vec).collect();
+        Ok(self.layout.assemble(&shards))
+    }
+
+    /// `model` with every unit's parameters from the canonical vector `values` (on the host).
+    pub fn load_canonical<M: Module>(&self, model: M, values: Vec<f32>) -> M {
+        let n = values.len();
+        let flat = Tensor::<1>::from_data(TensorData::new(values, [n]), &self.inner);
+        self.load_flat(model, flat)
+    }
+
+    /// `model` with every unit's parameters from `flat`, a canonical vector on the device.
+    pub fn load_flat<M: Module>(&self, mut model: M, flat: Tensor<1>) -> M {
+        let mut base = 0;
+        for (u, unit) in self.layout.units.iter().enumerate() {
+            let part = flat.clone().slice(base..base + unit.len);
+            model = self
+                .layout
+                .load_unit(model, u, part, self.master, &self.device);
+            base += unit.len;
+        }
+        model
+    }
+
+    /// The canonical optimizer state (on rank 0); every rank takes part in the gathers.
+    pub fn optimizer_state(&mut self) -> Result<Option<OptimState>> {
+        let (tensors, scalars) = self.optimizer.export();
+        let mut leaves = Vec::with_capacity(tensors.len());
+        for (name, shard) in tensors {
+            leaves.push((name, self.gather_canonical(&shard)?));
+        }
+        Ok((self.rank() == 0)
+            .then(|| OptimState::from_leaves(self.optimizer.kind(), &self.layout, leaves, scalars)))
+    }
+
+    /// Takes this rank's part of a canonical optimizer state.
+    pub fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
+        if state.kind != self.optimizer.kind() {
+            return Err(Error::checkpoint(format!(
+                "the checkpoint's optimizer state is {}'s, but optim.name = {:?}",
+                crate::config::name_of(&state.kind),
+                crate::config::name_of(&self.optimizer.kind())
+            )));
+        }
+        let rank = if self.layout.shards > 1 {
+            self.rank()
+        } else {
+            0
+        };
+        let leaves = state.leaves(&self.layout)?;
+        let parts = leaves
+            .into_iter()
+            .map(|(name, v)| (name, self.layout.cut(&v, rank)))
+            .collect();
+        self.optimizer.import(parts, state.scalars.clone())?;
+        self.memory.optim.set(self.optimizer.state_bytes());
+        Ok(())
+    }
+
+    /// Brings `model`'s buffers (running statistics) up to date and, with several ranks, to
+    /// their mean, so that every rank evaluates and saves one model. Running statistics are
+    /// exponential moving averages, which are linear: averaging them only before they are used
+    /// gives the same values as averaging after every step.
+    pub fn settle_buffers<M: Module>(&mut self, model: M) -> Result<M> {
+        sync_running_state(&model);
+        if self.world() == 1 || !has_buffers(&model) {
+            return Ok(model);
+        }
+        let mut values = collect_floats(&model, false);
+        self.timed(|c| c.all_reduce(&mut values, ReduceOp::Mean))?;
+        Ok(replace_floats(model, false, values, &self.device))
+    }
+
+    /// Bytes of `n` parameter elements in the master dtype.
+    pub fn master_bytes(&self, n: usize) -> usize {
+        n * dtype_bytes(self.master)
+    }
+}
+
+/// Where the global gradient norm of clipping comes from.
+pub(crate) enum Norm {
+    /// The rank's gradient is the whole gradient.
+    Local,
+    /// This tensor (on the device) is the whole averaged gradient, of which the rank steps a
+    /// shard: the norm is taken over it exactly as `ddp` takes it, so that `zero1` clips by
+    /// the same factor to the bit.
+    Whole(Box<Tensor<1>>),
+    /// Every rank holds a shard: the squares are summed per shard and all-reduced.
+    Shards,
+}
+
+/// `parts` concatenated, or an empty tensor.
+pub(crate) fn cat_or_empty(parts: Vec<Tensor<1>>, dtype: FloatDType, device: &Device) -> Tensor<1> {
+    if parts.is_empty() {
+        Tensor::<1>::zeros([0], device).cast(dtype)
+    } else {
+        Tensor::cat(parts, 0)
+    }
+}
+
+/// A full replica in the master dtype, with the compute copy of a lower precision cast from it
+/// once per optimizer step: what `single`, `ddp`, `zero1` and `zero2` hold.
+pub(crate) struct Replica<M> {
+    /// The master parameters (and the buffers).
+    pub model: M,
+    compute: Option<M>,
+}
+
+impl<M: Module> Replica<M> {
+    pub fn new(model: M, core: &mut Core) -> Self {
+        core.memory
+            .params
+            .set(core.master_bytes(core.layout.total()));
+        core.memory.note();
+        Self {
+            model,
+            compute: None,
+        }
+    }
+
+    /// Casts this step's compute copy (mixed precision), counting its bytes.
+    pub fn begin(&mut self, core: &mut Core) {
+        if core.mixed {
+            self.compute = Some(cast_params(self.model.clone(), core.compute, false));
+            core.memory
+                .params
+                .add(core.layout.total() * dtype_bytes(core.compute));
+            core.memory.note();
+        }
+    }
+
+    /// The module the micro-steps run: the compute copy, or the master itself.
+    pub fn current(&self) -> M {
+        self.compute.clone().unwrap_or_else(|| self.model.clone())
+    }
+
+    /// Drops the compute copy.
+    pub fn end(&mut self, core: &mut Core) {
+        if self.compute.take().is_some() {
+            core.memory
+                .params
+                .sub(core.layout.total() * dtype_bytes(core.compute));
+        }
+    }
+
+    /// The rank's flat gradients unit by unit (padded), f32, taken out of `grads`.
+    pub fn unit_grads(&self, core: &Core, mut grads: GradientsParams) -> Vec<Tensor<1>> {
+        (0..core.layout.units.len())
+            .map(|u| {
+                core.layout
+                    .unit_grads(&self.model, &mut grads, u, FloatDType::F32, &core.device)
+            })
+            .collect()
+    }
+
+    /// The trained parameters' values, flattened (the replicas must agree on them).
+    pub fn values(&self) -> Vec<f32> {
+        collect_floats(&self.model, true)
+    }
+}
+
+/// Walk hooks that reduce-scatter each part's gradients into the rank's gradient shard as soon
+/// as its backward is done (ZeRO-2 and ZeRO-3).
+pub(crate) struct Scatter<'c, 'a> {
+    pub core: &'c mut Core<'a>,
+    pub shard: &'c mut Vec<f32>,
+}
+
+impl<'c, 'a> Scatter<'c, 'a> {
+    /// Reduce-scatters every unit that has gradients in `grads`. Every rank runs the same
+    /// graph, so every rank reduces the same units in the same order.
+    pub fn scatter<M: Module>(&mut self, model: &M, mut grads: GradientsParams) -> Result<()> {
+        for u in self.core.layout.units_in(model, &grads) {
+            self.core.scatter_unit(model, &mut grads, u, self.shard)?;
+        }
+        Ok(())
+    }
+}
+
+impl<M: Module> Hooks<M> for Scatter<'_, '_> {
+    fn blockwise(&self) -> bool {
+        true
+    }
+
+    fn grads(&mut self, model: &M, _part: Part, grads: GradientsParams) -> Result<()> {
+        self.scatter(model, grads)
+    }
+}

@@ -1,0 +1,132 @@
+//! `ddp`: a full replica per rank. Gradients are accumulated locally over the micro-steps of
+//! an optimizer step and averaged over ranks once, on the last one (nanoGPT's
+//! `require_backward_grad_sync`), bucket by bucket; every rank then steps the whole flat space
+//! identically.
+
+use burn::module::Module;
+use burn::prelude::*;
+use kiln_models::{BlockStack, StepOutput};
+
+use super::core::{Core, Norm, Replica};
+use super::{Memory, Strategy};
+use crate::error::Result;
+use crate::exec::{self, Accumulate};
+use crate::optim::OptimState;
+use crate::precision::LossScaler;
+
+/// Data parallelism with replicated optimizer state.
+pub struct Ddp<'a, M: Module> {
+    core: Core<'a>,
+    replica: Replica<M>,
+    acc: Accumulate<M>,
+}
+
+impl<'a, M: Module> Ddp<'a, M> {
+    pub(crate) fn new(model: M, mut core: Core<'a>) -> Self {
+        let replica = Replica::new(model, &mut core);
+        Self {
+            core,
+            replica,
+            acc: Accumulate::default(),
+        }
+    }
+}
+
+/// The micro-step every replicated strategy runs: forward and backward, gradients added to the
+/// rank's own accumulator (no communication).
+pub(crate) fn accumulate<B, M: BlockStack<B> + Module>(
+    core: &mut Core,
+    replica: &Replica<M>,
+    acc: &mut Accumulate<M>,
+    batch: B,
+    objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
+) -> Result<StepOutput> {
+    let plan = core.plan(core.recompute);
+    let (out, _) = exec::run(replica.current(), batch, &plan, acc, objective)?;
+    let bytes = core.layout.total() * 4;
+    core.memory.grads.set(bytes);
+    core.sample_pool();
+    Ok(out)
+}
+
+/// The averaged flat gradients of the accumulated micro-steps, on the host (every unit padded).
+pub(crate) fn averaged<M: Module>(
+    core: &mut Core,
+    replica: &Replica<M>,
+    acc: &mut Accumulate<M>,
+) -> Result<Vec<f32>> {
+    let units = replica.unit_grads(core, acc.take());
+    core.all_reduce_units(units)
+}
+
+impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Ddp<'_, M> {
+    fn begin_step(&mut self) -> Result<()> {
+        self.replica.begin(&mut self.core);
+        Ok(())
+    }
+
+    fn micro_step(
+        &mut self,
+        batch: B,
+        _last: bool,
+        objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
+    ) -> Result<StepOutput> {
+        accumulate(
+            &mut self.core,
+            &self.replica,
+            &mut self.acc,
+            batch,
+            objective,
+        )
+    }
+
+    fn optimizer_step(
+        &mut self,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+        clip: Option<f64>,
+    ) -> Result<bool> {
+        self.replica.end(&mut self.core);
+        let host = averaged(&mut self.core, &self.replica, &mut self.acc)?;
+        let n = host.len();
+        let grads = Tensor::<1>::from_data(TensorData::new(host, [n]), &self.core.inner);
+        let params = self.core.shard_of(&self.replica.model);
+        let stepped = self
+            .core
+            .finish(grads, params, lr, scaler, clip, Norm::Local)?;
+        self.core.memory.grads.set(0);
+        let Some(flat) = stepped else {
+            return Ok(false);
+        };
+        // One shard: the stepped flat space is the canonical vector.
+        self.replica.model = self.core.load_flat(self.replica.model.clone(), flat);
+        self.core.sample_pool();
+        Ok(true)
+    }
+
+    fn full_model(&mut self) -> Result<M> {
+        let model = self.core.settle_buffers(self.replica.model.clone())?;
+        self.replica.model = model.clone();
+        Ok(model)
+    }
+
+    fn optimizer_state(&mut self) -> Result<Option<OptimState>> {
+        self.core.optimizer_state()
+    }
+
+    fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
+        self.core.load_optimizer_state(state)
+    }
+
+    fn replicated_values(&self) -> Vec<f32> {
+        self.replica.values()
+    }
+
+    fn memory(&self) -> Memory {
+        self.core.memory
+    }
+
+    fn take_sync_seconds(&mut self) -> f64 {
+        self.core.take_sync_seconds()
+    }
+}

@@ -1,0 +1,261 @@
+//! Strategies: what one optimizer step does across ranks.
+//!
+//! The training loop talks to a [`Strategy`] only: it hands it each micro-batch, asks it for
+//! an optimizer step, and for the whole model when it evaluates or checkpoints. Each strategy
+//! owns its rank's share of the model (replica or shard), where gradients go, where optimizer
+//! state lives, and how its state leaves and re-enters a checkpoint:
+//!
+//! | strategy | parameters per rank | gradients per rank | optimizer state per rank |
+//! |---|---|---|---|
+//! | [`single`] | all | all | all |
+//! | [`ddp`] | all | all, all-reduced on the last micro-step | all |
+//! | [`zero1`] | all | all, all-reduced on the last micro-step | its shard |
+//! | [`zero2`] | all | its shard: each block's reduce-scattered as its backward ends | its shard |
+//! | [`zero3`] | its shard + the gathered units | as zero2 | its shard |
+//!
+//! Every strategy steps a [`FlatOptimizer`](crate::optim::FlatOptimizer) over its shard of one
+//! [`FlatLayout`](crate::params::FlatLayout) (the whole space for `single` and `ddp`), so there
+//! is one optimizer path and one checkpoint format ([`OptimState`]).
+
+mod core;
+pub mod ddp;
+pub mod single;
+pub mod zero1;
+pub mod zero2;
+pub mod zero3;
+
+use burn::module::Module;
+use burn::prelude::*;
+use kiln_models::{BlockStack, StepOutput};
+use serde::Serialize;
+
+use crate::comm::Collective;
+use crate::config::{OptimConfig, PrecisionConfig, RecomputeConfig, StrategyKind};
+use crate::error::Result;
+use crate::optim::OptimState;
+use crate::params::{FlatLayout, dtype_bytes};
+use crate::precision::{LossScaler, compute_dtype, is_mixed, is_true_low};
+
+pub(crate) use self::core::Core;
+
+/// What one optimizer step does across ranks; see the module documentation. Collective
+/// methods (all but [`Strategy::replicated_values`], [`Strategy::memory`] and
+/// [`Strategy::take_sync_seconds`]) must be called by every rank in the same order.
+pub trait Strategy<M, B> {
+    /// Prepares an optimizer step (the compute copy of a lower precision; ZeRO-3 gathers the
+    /// parameters that stay gathered for the whole step).
+    fn begin_step(&mut self) -> Result<()>;
+    /// Forward and backward of one micro-batch; `last` marks the last micro-step of the
+    /// optimizer step. `objective` turns the mean loss into what is differentiated. Returns
+    /// the output, its loss detached.
+    fn micro_step(
+        &mut self,
+        batch: B,
+        last: bool,
+        objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
+    ) -> Result<StepOutput>;
+    /// Reduces what is left to reduce, unscales and checks the gradients (with a scaler),
+    /// clips them to `clip` and steps the optimizer at `lr`. Returns whether it stepped (a
+    /// scaler skips steps whose gradients overflowed, on every rank alike).
+    fn optimizer_step(
+        &mut self,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+        clip: Option<f64>,
+    ) -> Result<bool>;
+    /// The whole model in its master dtype, its buffers (BatchNorm statistics) brought up to
+    /// date and averaged over ranks: what every rank evaluates and rank 0 saves.
+    fn full_model(&mut self) -> Result<M>;
+    /// The optimizer state in the canonical layout, on rank 0 (`None` elsewhere).
+    fn optimizer_state(&mut self) -> Result<Option<OptimState>>;
+    /// Takes this rank's part of a canonical optimizer state.
+    fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()>;
+    /// Values that every rank must hold bit for bit after a step (the replicated parameters;
+    /// nothing for ZeRO-3, whose ranks hold different shards).
+    fn replicated_values(&self) -> Vec<f32>;
+    /// The bytes this rank holds, now and at their peaks.
+    fn memory(&self) -> Memory;
+    /// Seconds spent in collectives since the last call.
+    fn take_sync_seconds(&mut self) -> f64;
+}
+
+/// What a strategy is built from besides the model.
+pub struct Context<'a> {
+    /// This rank's view of the group.
+    pub comm: &'a dyn Collective,
+    /// The rank's device, with autodiff (and Burn's checkpointing for `balanced`).
+    pub device: Device,
+    /// Precision policy.
+    pub precision: PrecisionConfig,
+    /// Activation checkpointing.
+    pub recompute: RecomputeConfig,
+    /// Synchronise BatchNorm statistics over ranks.
+    pub sync_batchnorm: bool,
+    /// The optimizer.
+    pub optim: OptimConfig,
+    /// Elements of one gradient bucket of an all-reduce.
+    pub bucket_elements: usize,
+}
+
+/// The ids of every block's parameters.
+pub fn block_ids<B, M: BlockStack<B>>(model: &M) -> Vec<Vec<burn::module::ParamId>> {
+    (0..model.num_blocks())
+        .map(|i| model.block_params(i))
+        .collect()
+}
+
+/// Builds strategy `kind` (resolved: not `auto`) for this rank around `model`, a full replica
+/// in its master dtype with rank 0's weights.
+pub fn build<'a, B: 'a, M>(
+    kind: StrategyKind,
+    model: M,
+    ctx: Context<'a>,
+) -> Result<Box<dyn Strategy<M, B> + 'a>>
+where
+    M: BlockStack<B> + Module + 'static,
+{
+    let blocks = block_ids(&model);
+    let shards = match kind {
+        StrategyKind::Auto | StrategyKind::Single | StrategyKind::Ddp => 1,
+        StrategyKind::Zero1 | StrategyKind::Zero2 | StrategyKind::Zero3 => ctx.comm.world_size(),
+    };
+    let core = Core::new(ctx, &blocks, shards, &model);
+    Ok(match kind {
+        StrategyKind::Auto | StrategyKind::Single => Box::new(single::Single::new(model, core)),
+        StrategyKind::Ddp => Box::new(ddp::Ddp::new(model, core)),
+        StrategyKind::Zero1 => Box::new(zero1::Zero1::new(model, core)),
+        StrategyKind::Zero2 => Box::new(zero2::Zero2::new(model, core)),
+        StrategyKind::Zero3 => Box::new(zero3::Zero3::new(model, core)?),
+    })
+}
+
+/// Bytes now and at the peak.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Counter {
+    /// Bytes held now.
+    pub now: usize,
+    /// The most held at once so far.
+    pub peak: usize,
+}
+
+impl Counter {
+    pub(crate) fn add(&mut self, bytes: usize) {
+        self.now += bytes;
+        self.peak = self.peak.max(self.now);
+    }
+    pub(crate) fn sub(&mut self, bytes: usize) {
+        self.now = self.now.saturating_sub(bytes);
+    }
+    pub(crate) fn set(&mut self, bytes: usize) {
+        self.now = bytes;
+        self.peak = self.peak.max(bytes);
+    }
+}
+
+/// What one rank holds of the model's training state, counted where the strategy allocates
+/// and drops it: parameters (master and compute copies, gathered units), gradients (whole,
+/// per unit, or the rank's shard) and optimizer state. Activations are not counted (the
+/// memory pool and the process's resident memory show them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Memory {
+    /// Parameter bytes.
+    pub params: Counter,
+    /// Gradient bytes.
+    pub grads: Counter,
+    /// Optimizer-state bytes.
+    pub optim: Counter,
+    /// The most the three held together.
+    pub total_peak: usize,
+    /// The most the device's memory pool had in use when sampled (after each micro-step and
+    /// optimizer step), where the backend reports a pool.
+    pub pool_peak: Option<u64>,
+}
+
+impl Memory {
+    pub(crate) fn note(&mut self) {
+        self.total_peak = self
+            .total_peak
+            .max(self.params.now + self.grads.now + self.optim.now);
+    }
+}
+
+/// The bytes per rank a strategy is expected to hold at its peaks, as DeepSpeed's estimator
+/// gives them: computed from the layout, before training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Estimate {
+    /// Parameter bytes.
+    pub params: usize,
+    /// Gradient bytes.
+    pub grads: usize,
+    /// Optimizer-state bytes.
+    pub optim: usize,
+}
+
+/// Optimizer-state tensors per parameter element.
+fn state_tensors(optim: &OptimConfig) -> usize {
+    match optim.name {
+        crate::config::OptimizerKind::Adamw => 2,
+        crate::config::OptimizerKind::Sgd => usize::from(optim.momentum > 0.0),
+    }
+}
+
+/// The expected peak bytes per rank of `kind` over `world` ranks for a model laid out as
+/// `layout` (any shard count), with ZeRO-3 recomputing as `recompute` says.
+pub fn estimate(
+    kind: StrategyKind,
+    layout: &FlatLayout,
+    world: usize,
+    precision: &PrecisionConfig,
+    optim: &OptimConfig,
+    recompute: &RecomputeConfig,
+) -> Estimate {
+    let sharded = layout.with_shards(world);
+    let mode = precision.mode;
+    let master = if is_true_low(mode) {
+        compute_dtype(mode)
+    } else {
+        burn::tensor::FloatDType::F32
+    };
+    let mb = dtype_bytes(master);
+    let full = layout.total();
+    let compute_copy = if is_mixed(mode) {
+        full * dtype_bytes(compute_dtype(mode))
+    } else {
+        0
+    };
+    let shard = sharded.shard_len;
+    let state = state_tensors(optim);
+    let gathered = |n: usize| {
+        n * if is_mixed(mode) {
+            dtype_bytes(compute_dtype(mode))
+        } else {
+            mb
+        }
+    };
+    match kind {
+        StrategyKind::Auto | StrategyKind::Single | StrategyKind::Ddp => Estimate {
+            params: full * mb + compute_copy,
+            grads: full * 4,
+            optim: state * full * mb,
+        },
+        StrategyKind::Zero1 => Estimate {
+            params: full * mb + compute_copy,
+            grads: full * 4,
+            optim: state * shard * mb,
+        },
+        StrategyKind::Zero2 => Estimate {
+            params: full * mb + compute_copy,
+            grads: (shard + sharded.largest_unit()) * 4,
+            optim: state * shard * mb,
+        },
+        StrategyKind::Zero3 => Estimate {
+            params: shard * mb
+                + gathered(zero3::gathered_peak(
+                    &sharded,
+                    zero3::recompute_for(recompute),
+                )),
+            grads: (shard + sharded.largest_unit()) * 4,
+            optim: state * shard * mb,
+        },
+    }
+}

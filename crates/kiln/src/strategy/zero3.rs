@@ -1,0 +1,346 @@
+//! `zero3` (ZeRO stage 3, FSDP's full sharding): each rank keeps only its shard of the
+//! parameters, besides its shards of the gradients and the optimizer state.
+//!
+//! Each unit of the [`FlatLayout`] (the parameters outside every block, then each block) is
+//! sharded on its own across all ranks, so gathering a unit is one all-gather of equal pieces.
+//! The `rest` unit — stem, head and the weights tied between them (the GPT's token embedding)
+//! — is gathered for the whole optimizer step. A block is gathered just before its forward and
+//! released after it, then gathered again for its backward and released after that, while the
+//! micro-step runs as the block walk and each part's gradients are reduce-scattered as in
+//! `zero2`.
+//!
+//! Releasing a block after its forward needs its forward to leave no graph behind: Burn's
+//! autodiff graph holds the tensors a block's operations used — its parameters among them —
+//! until the backward consumes it, so a block that kept its activations would keep its
+//! gathered parameters too. ZeRO-3 therefore recomputes its blocks in the backward: every
+//! block but the last (whose backward comes first) by default, or blocks `0, K, 2K, …` with
+//! `recompute.mode = "blocks"` and `every = K`, where the blocks it does not recompute stay
+//! gathered from their forward to their backward (and are counted so).
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+use kiln_models::{BlockStack, StepOutput};
+
+use super::core::{Core, Norm};
+use super::zero2::open_shard;
+use super::{Memory, Strategy};
+use crate::config::{RecomputeConfig, RecomputeMode};
+use crate::error::Result;
+use crate::exec::{self, Hooks, Part, Recompute};
+use crate::optim::OptimState;
+use crate::params::{FlatLayout, dtype_bytes, host_f32};
+use crate::precision::LossScaler;
+
+/// Which blocks ZeRO-3 recomputes under `config`: every block (but the last) unless
+/// `blocks` with `every = K` says otherwise.
+pub fn recompute_for(config: &RecomputeConfig) -> Recompute {
+    match config.mode {
+        RecomputeMode::Blocks => Recompute::Blocks {
+            every: config.every,
+        },
+        RecomputeMode::None | RecomputeMode::Balanced => Recompute::Blocks { every: 1 },
+    }
+}
+
+/// The most parameter elements ZeRO-3 holds gathered at once with `recompute`: the `rest`
+/// unit, plus the blocks in flight as the walk gathers and releases them.
+pub fn gathered_peak(layout: &FlatLayout, recompute: Recompute) -> usize {
+    let n = layout.units.len() - 1;
+    let size = |i: usize| layout.units[i + 1].len;
+    let mut now = layout.units[0].len;
+    let mut peak = now;
+    let mut held = vec![false; n];
+    for (i, h) in held.iter_mut().enumerate() {
+        now += size(i);
+        peak = peak.max(now);
+        if recompute.recomputes(i, n) {
+            now -= size(i);
+        } else {
+            *h = true;
+        }
+    }
+    for i in (0..n).rev() {
+        if !held[i] {
+            now += size(i);
+            peak = peak.max(now);
+        }
+        now -= size(i);
+    }
+    peak
+}
+
+/// Fully sharded data parallelism.
+pub struct Zero3<'a, M: Module> {
+    core: Core<'a>,
+    /// The model with every released unit's parameters replaced by placeholders (its buffers
+    /// stay whole).
+    model: Option<M>,
+    /// This rank's shard of the parameters, in the master dtype.
+    params: Tensor<1>,
+    /// Which units are gathered into `model` now.
+    gathered: Vec<bool>,
+    /// This step's averaged gradient shard.
+    grads: Vec<f32>,
+    recompute: Recompute,
+}
+
+impl<'a, M: Module> Zero3<'a, M> {
+    pub(crate) fn new(model: M, mut core: Core<'a>) -> Result<Self> {
+        let params = core.shard_of(&model);
+        let mut model = model;
+        for u in 0..core.layout.units.len() {
+            model = core.layout.release_unit(model, u, &core.device);
+        }
+        core.memory
+            .params
+            .set(core.master_bytes(core.layout.shard_len));
+        core.memory.note();
+        let recompute = match core.recompute {
+            Recompute::Blocks { every } => Recompute::Blocks { every },
+            Recompute::Keep => Recompute::Blocks { every: 1 },
+        };
+        let units = core.layout.units.len();
+        Ok(Self {
+            core,
+            model: Some(model),
+            params,
+            gathered: vec![false; units],
+            grads: Vec::new(),
+            recompute,
+        })
+    }
+
+    fn hooks(&mut self) -> Units<'_, 'a> {
+        let dtype = if self.core.mixed {
+            self.core.compute
+        } else {
+            self.core.master
+        };
+        Units {
+            core: &mut self.core,
+            params: &self.params,
+            gathered: &mut self.gathered,
+            grads: &mut self.grads,
+            dtype,
+        }
+    }
+}
+
+/// Unit `u` whole (padded), all-gathered from every rank's piece of `params`.
+fn all_gathered(core: &mut Core, params: &Tensor<1>, u: usize) -> Result<Tensor<1>> {
+    let unit = &core.layout.units[u];
+    let mine = host_f32(
+        params
+            .clone()
+            .slice(unit.shard_offset..unit.shard_offset + unit.piece),
+    );
+    let all = core.timed(|c| c.all_gather(&mine))?;
+    let n = all.len();
+    Ok(Tensor::<1>::from_data(
+        TensorData::new(all, [n]),
+        &core.inner,
+    ))
+}
+
+/// Gathering and releasing units, and the walk's hooks.
+struct Units<'s, 'a> {
+    core: &'s mut Core<'a>,
+    params: &'s Tensor<1>,
+    gathered: &'s mut Vec<bool>,
+    grads: &'s mut Vec<f32>,
+    /// The dtype gathered units are loaded in (the compute dtype).
+    dtype: FloatDType,
+}
+
+impl Units<'_, '_> {
+    fn gather<M: Module>(&mut self, model: M, u: usize) -> Result<M> {
+        if self.gathered[u] {
+            return Ok(model);
+        }
+        let flat = all_gathered(self.core, self.params, u)?;
+        let model = self
+            .core
+            .layout
+            .load_unit(model, u, flat, self.dtype, &self.core.device);
+        self.gathered[u] = true;
+        let bytes = self.core.layout.units[u].len * dtype_bytes(self.dtype);
+        self.core.memory.params.add(bytes);
+        self.core.memory.note();
+        Ok(model)
+    }
+
+    fn release<M: Module>(&mut self, model: M, u: usize) -> M {
+        if !self.gathered[u] {
+            return model;
+        }
+        self.gathered[u] = false;
+        let bytes = self.core.layout.units[u].len * dtype_bytes(self.dtype);
+        self.core.memory.params.sub(bytes);
+        self.core.layout.release_unit(model, u, &self.core.device)
+    }
+}
+
+impl<M: Module> Hooks<M> for Units<'_, '_> {
+    fn blockwise(&self) -> bool {
+        true
+    }
+
+    fn before_forward(&mut self, model: M, i: usize) -> Result<M> {
+        self.gather(model, i + 1)
+    }
+
+    fn after_forward(&mut self, model: M, i: usize, kept: bool) -> Result<M> {
+        Ok(if kept {
+            model
+        } else {
+            self.release(model, i + 1)
+        })
+    }
+
+    fn before_backward(&mut self, model: M, i: usize, _kept: bool) -> Result<M> {
+        self.gather(model, i + 1)
+    }
+
+    fn after_backward(&mut self, model: M, i: usize) -> Result<M> {
+        Ok(self.release(model, i + 1))
+    }
+
+    fn grads(&mut self, model: &M, _part: Part, mut grads: GradientsParams) -> Result<()> {
+        for u in self.core.layout.units_in(model, &grads) {
+            self.core.scatter_unit(model, &mut grads, u, self.grads)?;
+        }
+        Ok(())
+    }
+}
+
+impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero3<'_, M> {
+    fn begin_step(&mut self) -> Result<()> {
+        open_shard(&mut self.core, &mut self.grads);
+        let model = self.model.take().expect("the model is home between steps");
+        let model = self.hooks().gather(model, 0)?;
+        self.model = Some(model);
+        Ok(())
+    }
+
+    fn micro_step(
+        &mut self,
+        batch: B,
+        _last: bool,
+        objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
+    ) -> Result<StepOutput> {
+        let recompute = self.recompute;
+        let device = self.core.device.clone();
+        let plan = exec::Plan {
+            recompute,
+            sync_bn: None,
+            device: &device,
+        };
+        let model = self
+            .model
+            .take()
+            .expect("the model is home between micro-steps");
+        let mut hooks = self.hooks();
+        let outcome = exec::run(model, batch, &plan, &mut hooks, objective);
+        let (out, model) = outcome?;
+        self.model = Some(model);
+        self.core.sample_pool();
+        Ok(out)
+    }
+
+    fn optimizer_step(
+        &mut self,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+        clip: Option<f64>,
+    ) -> Result<bool> {
+        let model = self
+            .model
+            .take()
+            .expect("the model is home after the micro-steps");
+        let model = self.hooks().release(model, 0);
+        self.model = Some(model);
+        let grads = std::mem::take(&mut self.grads);
+        let n = grads.len();
+        let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), &self.core.inner);
+        let stepped =
+            self.core
+                .finish(grads, self.params.clone(), lr, scaler, clip, Norm::Shards)?;
+        self.core.memory.grads.set(0);
+        self.core.sample_pool();
+        match stepped {
+            Some(params) => {
+                self.params = params;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    fn full_model(&mut self) -> Result<M> {
+        let model = self.model.take().expect("the model is home between steps");
+        let model = self.core.settle_buffers(model)?;
+        self.model = Some(model.clone());
+        let mut full = model;
+        for u in 0..self.core.layout.units.len() {
+            let flat = all_gathered(&mut self.core, &self.params, u)?;
+            full = self
+                .core
+                .layout
+                .load_unit(full, u, flat, self.core.master, &self.core.device);
+        }
+        Ok(full)
+    }
+
+    fn optimizer_state(&mut self) -> Result<Option<OptimState>> {
+        self.core.optimizer_state()
+    }
+
+    fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
+        self.core.load_optimizer_state(state)
+    }
+
+    fn replicated_values(&self) -> Vec<f32> {
+        Vec::new()
+    }
+
+    fn memory(&self) -> Memory {
+        self.core.memory
+    }
+
+    fn take_sync_seconds(&mut self) -> f64 {
+        self.core.take_sync_seconds()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gathered_peak_follows_the_walk() {
+        use burn::nn::{Linear, LinearConfig};
+        #[derive(Module, Debug)]
+        struct Stack {
+            stem: Linear,
+            blocks: Vec<Linear>,
+        }
+        let device = Device::flex().autodiff();
+        let m = Stack {
+            stem: LinearConfig::new(2, 2).init(&device),
+            blocks: (0..4)
+                .map(|i| LinearConfig::new(2, 2 + i).init(&device))
+                .collect(),
+        };
+        let blocks: Vec<_> = m.blocks.iter().map(crate::params::trainable_ids).collect();
+        let layout = FlatLayout::new(&m, &blocks, 2);
+        // rest 6; blocks 6, 9, 12, 15.
+        let every = |k| gathered_peak(&layout, Recompute::Blocks { every: k });
+        assert_eq!(every(1), 6 + 15);
+        // Every 2nd: blocks 1 and 3 are not recomputed and stay gathered from their forward
+        // to their backward; block 2 comes and goes between them.
+        assert_eq!(every(2), 6 + 9 + 15);
+        assert_eq!(gathered_peak(&layout, Recompute::Keep), 6 + 6 + 9 + 12 + 15);
+    }
+}

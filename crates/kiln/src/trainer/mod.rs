@@ -1,0 +1,376 @@
+//! The training loop every strategy shares, and the launcher that starts it.
+//!
+//! [`fit`] is the launcher: it checks the settings against the model, reads a checkpoint to
+//! resume from, creates the group of ranks (one thread per device, joined through a
+//! [`Collective`](crate::comm::Collective)) and starts one [`worker`] per rank. The loop
+//! itself ([`worker`]) talks to the collective and to a [`Strategy`](crate::strategy::Strategy)
+//! through their traits only: it draws each rank's samples, hands the micro-batches to the
+//! strategy, asks it for the optimizer step, logs, validates and checkpoints. Only rank 0
+//! writes files.
+
+mod worker;
+
+use std::ops::Range;
+use std::path::PathBuf;
+
+use burn::module::Module;
+use burn::prelude::*;
+use burn::store::ModuleRecord;
+use burn::tensor::FloatDType;
+use kiln_models::BlockStack;
+
+use crate::checkpoint::{self, LoopState};
+use crate::comm::local_group;
+use crate::config::{
+    MonitorConfig, OptimConfig, PrecisionConfig, RecomputeConfig, RecomputeMode, RootConfig,
+    ScheduleConfig, StrategyKind, TrainConfig, name_of,
+};
+use crate::data::DistributedSampler;
+use crate::error::{Error, Result};
+use crate::metrics::Summary;
+use crate::monitor::{MonitorSetup, SystemMonitor};
+use crate::params::{FlatLayout, has_buffers};
+use crate::precision::{self, LossScaler, is_mixed};
+use crate::strategy::block_ids;
+
+pub use worker::median;
+
+/// A model and its data, as the trainer sees them; nothing here knows about devices beyond
+/// the one it is handed.
+pub trait Workload: Sync {
+    /// The model type: its forward pass as a stem, blocks and a head (see [`BlockStack`]).
+    type Model: Module + BlockStack<Self::Batch> + 'static;
+    /// One batch, already on a device.
+    type Batch;
+    /// A freshly initialised model on `device` (weights are then replaced by rank 0's).
+    fn init_model(&self, device: &Device) -> Self::Model;
+    /// Number of training samples.
+    fn train_len(&self) -> usize;
+    /// The training batch of `indices` on `device`.
+    fn train_batch(&self, indices: &[usize], device: &Device) -> Self::Batch;
+    /// Number of evaluation samples.
+    fn eval_len(&self) -> usize;
+    /// The evaluation batch of samples `range` on `device`.
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> Self::Batch;
+    /// `batch` with its float inputs in `dtype` (the compute dtype of a lower precision).
+    fn cast_batch(&self, batch: Self::Batch, dtype: FloatDType) -> Self::Batch;
+    /// The samples rank `rank` of `world` trains on at global micro-step `micro_step`
+    /// (`step × accumulate + micro`), `batch` of them, for workloads that draw their own (text
+    /// windows from seed and step). `None`, the default, uses the epoch-shuffled sampler.
+    fn sample(
+        &self,
+        micro_step: usize,
+        rank: usize,
+        world: usize,
+        batch: usize,
+    ) -> Option<Vec<usize>> {
+        let _ = (micro_step, rank, world, batch);
+        None
+    }
+    /// Tokens in one sample, for workloads that count throughput in tokens.
+    fn tokens_per_sample(&self) -> Option<usize> {
+        None
+    }
+    /// Training FLOPs (forward and backward) of one sample, for models that count them; the
+    /// model FLOPs utilization (MFU) is logged when this and a peak FLOP/s are known.
+    fn flops_per_sample(&self) -> Option<f64> {
+        None
+    }
+}
+
+/// How the work is spread: devices, strategy, and the data-parallel knobs.
+#[derive(Debug, Clone)]
+pub struct ParallelSettings {
+    /// One device per rank.
+    pub devices: Vec<Device>,
+    /// Accelerator name for the summary.
+    pub accelerator: String,
+    /// The strategy (resolved: `auto` is `single` for one device, `ddp` for more).
+    pub strategy: StrategyKind,
+    /// Size of one gradient bucket of the all-reduce, in MiB of f32.
+    pub bucket_mb: f64,
+    /// Synchronise BatchNorm batch statistics across ranks.
+    pub sync_batchnorm: bool,
+    /// Limit CPU ranks to their share of the cores (one rayon pool each).
+    pub split_cpu_threads: bool,
+}
+
+/// Where the run's output goes and how it is shown.
+#[derive(Debug, Clone)]
+pub struct OutputSettings {
+    /// Where rank 0 writes metrics and checkpoints.
+    pub run_dir: PathBuf,
+    /// Checkpoint directory to continue from.
+    pub resume_from: Option<PathBuf>,
+    /// Metric sinks, the system monitor's interval, the peak FLOP/s and the smoothing.
+    pub monitor: MonitorConfig,
+    /// Show progress (a bar on a terminal, log lines otherwise) on rank 0.
+    pub progress: bool,
+}
+
+/// What the loop needs besides the workload, one part per concern.
+#[derive(Debug, Clone)]
+pub struct TrainerSettings {
+    /// Loop settings.
+    pub train: TrainConfig,
+    /// Optimizer settings.
+    pub optim: OptimConfig,
+    /// Learning-rate schedule.
+    pub schedule: ScheduleConfig,
+    /// Seed of initialisation and data order.
+    pub seed: u64,
+    /// Drop the last incomplete global batch of each epoch.
+    pub drop_last: bool,
+    /// Devices and strategy.
+    pub parallel: ParallelSettings,
+    /// Precision policy.
+    pub precision: PrecisionConfig,
+    /// Activation checkpointing.
+    pub recompute: RecomputeConfig,
+    /// Run directory, resume point, monitoring and display.
+    pub output: OutputSettings,
+}
+
+impl TrainerSettings {
+    /// The settings `config` describes, for one rank per device of `devices`, writing into
+    /// `run_dir`: a fresh run, without progress display (set `output.resume_from` and
+    /// `output.progress` to change that).
+    pub fn from_config(
+        config: &RootConfig,
+        devices: Vec<Device>,
+        accelerator: String,
+        run_dir: PathBuf,
+    ) -> Self {
+        let strategy = match config.strategy.name {
+            StrategyKind::Auto if devices.len() > 1 => StrategyKind::Ddp,
+            StrategyKind::Auto => StrategyKind::Single,
+            s => s,
+        };
+        Self {
+            train: config.train.clone(),
+            optim: config.optim.clone(),
+            schedule: config.schedule.clone(),
+            seed: config.run.seed,
+            drop_last: config.data.drop_last,
+            parallel: ParallelSettings {
+                split_cpu_threads: accelerator.starts_with("cpu"),
+                devices,
+                accelerator,
+                strategy,
+                bucket_mb: config.ddp.bucket_mb,
+                sync_batchnorm: config.ddp.sync_batchnorm,
+            },
+            precision: config.precision.clone(),
+            recompute: config.recompute.clone(),
+            output: OutputSettings {
+                run_dir,
+                resume_from: None,
+                monitor: config.monitor.clone(),
+                progress: false,
+            },
+        }
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.parallel.devices.len()
+    }
+}
+
+/// How many optimizer steps a run of this length takes.
+pub fn total_steps(train: &TrainConfig, steps_per_epoch: usize) -> usize {
+    let by_epochs = train.epochs * steps_per_epoch;
+    match train.max_steps {
+        Some(max) if train.epochs == 0 => max,
+        Some(max) => max.min(by_epochs),
+        None => by_epochs,
+    }
+}
+
+/// What the workers start from: rank 0's weights, where the loop stands, and the optimizer
+/// state to continue.
+pub(crate) struct Start {
+    /// Every rank builds its own module and loads these weights into it, so that ranks share
+    /// no Burn `RunningState`.
+    pub weights: ModuleRecord,
+    pub state: LoopState,
+    pub optim: Option<crate::optim::OptimState>,
+}
+
+/// Trains `workload` as `settings` say and returns the summary and the final model.
+pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Summary, W::Model)> {
+    let world = settings.world();
+    let t = &settings.train;
+    let sampler = DistributedSampler::new(
+        workload.train_len(),
+        settings.seed,
+        world,
+        t.batch_size,
+        t.accumulate,
+        settings.drop_last,
+    );
+    let spe = sampler.steps_per_epoch();
+    if spe == 0 {
+        return Err(Error::config(format!(
+            "key `train.batch_size`: one step needs {} samples (batch {} × {} devices × {} \
+             accumulation) but the training set holds {} and data.drop_last is set",
+            sampler.samples_per_step(),
+            t.batch_size,
+            world,
+            t.accumulate,
+            workload.train_len()
+        )));
+    }
+    let total = total_steps(t, spe);
+    let p = &settings.parallel;
+    for (i, device) in p.devices.iter().enumerate() {
+        let label = match device.identity() {
+            Some(who) => format!("{i} ({})", who.name),
+            None => format!("{i} ({})", p.accelerator),
+        };
+        precision::check_device(&settings.precision, device, &label)?;
+    }
+    let run_dir = &settings.output.run_dir;
+    std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
+
+    // Rank 0's initial weights (or the checkpoint's) are what every rank starts from.
+    let main_device = p.devices[0].clone().autodiff();
+    // Seeding and initialisation happen under kiln-models' random-number lock, so that runs
+    // sharing the process cannot interleave their draws.
+    let mut initial = kiln_models::with_rng(|| {
+        main_device.seed(settings.seed);
+        kiln_models::materialized(workload.init_model(&main_device))
+    });
+    let mut state = LoopState {
+        step: 0,
+        epoch: 0,
+        step_in_epoch: 0,
+        seed: settings.seed,
+        world_size: world,
+        samples_per_step: sampler.samples_per_step(),
+        lr: 0.0,
+        samples: 0,
+        wall_seconds: 0.0,
+        scaler: settings.precision.uses_scaler().then(|| {
+            LossScaler::new(
+                settings.precision.init_scale,
+                settings.precision.growth_interval,
+            )
+        }),
+    };
+    check_policies::<W::Batch, _>(&initial, settings)?;
+    let mut optim = None;
+    if let Some(dir) = &settings.output.resume_from {
+        let saved = checkpoint::read_state(dir)?;
+        if saved.samples_per_step != sampler.samples_per_step() {
+            return Err(Error::checkpoint(format!(
+                "{}: checkpoint took {} samples per step, this run takes {} (batch × devices × \
+                 accumulation must match to continue the same data order)",
+                dir.display(),
+                saved.samples_per_step,
+                sampler.samples_per_step()
+            )));
+        }
+        initial = checkpoint::load_model(dir, initial)?;
+        // Fail before the workers start if the optimizer state does not fit the model.
+        let loaded = checkpoint::load_optimizer(dir)?;
+        let layout = FlatLayout::new(&initial, &block_ids(&initial), 1);
+        let file = dir.join(checkpoint::OPTIM_FILE);
+        loaded.leaves(&layout).map_err(|e| match e {
+            Error::Checkpoint(m) => Error::checkpoint(format!("{}: {m}", file.display())),
+            other => other,
+        })?;
+        if loaded.kind != settings.optim.name {
+            return Err(Error::checkpoint(format!(
+                "{}: the optimizer state is {}'s, but optim.name = {:?}",
+                file.display(),
+                name_of(&loaded.kind),
+                name_of(&settings.optim.name)
+            )));
+        }
+        optim = Some(loaded);
+        let fresh = state.scaler.take();
+        state = saved;
+        state.seed = settings.seed;
+        // A checkpoint of a run without a scaler continues with a fresh one, and a run that
+        // no longer scales drops it.
+        let saved = state.scaler.take();
+        state.scaler = fresh.map(|fresh| saved.unwrap_or(fresh));
+        state.world_size = world;
+    }
+
+    // Rank 0 drains the system monitor into the sinks; dropping it stops the thread, on
+    // failure too.
+    let monitor = (settings.output.monitor.interval_s > 0.0).then(|| {
+        SystemMonitor::start(MonitorSetup {
+            interval: std::time::Duration::from_secs_f64(settings.output.monitor.interval_s),
+            devices: p.devices.clone(),
+            cpu_replicas: p.split_cpu_threads && world > 1,
+        })
+    });
+    if let Some(m) = &monitor
+        && settings.output.progress
+    {
+        println!("{}", m.notice());
+    }
+
+    let start = Start {
+        weights: initial.into_record(),
+        state,
+        optim,
+    };
+    let comms = local_group(world);
+    worker::run_all(
+        workload,
+        settings,
+        &sampler,
+        total,
+        comms,
+        &start,
+        monitor.as_ref(),
+    )
+}
+
+/// Rejects precision, recompute and strategy settings that cannot work with `model`, before
+/// any worker starts.
+fn check_policies<B, M: BlockStack<B>>(model: &M, s: &TrainerSettings) -> Result<()> {
+    if is_mixed(s.precision.mode) && has_buffers(model) {
+        return Err(Error::config(format!(
+            "key `precision.mode`: {:?} keeps f32 master weights apart from a low-precision \
+             copy, but this model has buffers (BatchNorm running statistics), which Burn shares \
+             between the two and updates in the compute dtype; use precision \"32\" or a \
+             \"-true\" precision, or a model without BatchNorm",
+            name_of(&s.precision.mode)
+        )));
+    }
+    let blocks_recomputed =
+        s.recompute.mode == RecomputeMode::Blocks || s.parallel.strategy == StrategyKind::Zero3;
+    if s.recompute.mode == RecomputeMode::Blocks && model.num_blocks() == 0 {
+        return Err(Error::config(
+            "key `recompute.mode`: \"blocks\" recomputes the model's blocks, but this model \
+             has none; use \"balanced\" or \"none\""
+                .to_string(),
+        ));
+    }
+    if blocks_recomputed && !model.blocks_deterministic() {
+        let key = if s.recompute.mode == RecomputeMode::Blocks {
+            "key `recompute.mode`: \"blocks\" runs"
+        } else {
+            "key `strategy.name`: \"zero3\" recomputes each block in its backward, which runs"
+        };
+        return Err(Error::config(format!(
+            "{key} each block twice and needs both runs to agree, but this model draws random \
+             numbers in its blocks (dropout > 0); set the model's dropout to 0{}",
+            if s.recompute.mode == RecomputeMode::Blocks {
+                " or use recompute \"balanced\""
+            } else {
+                " or use strategy \"zero2\""
+            }
+        )));
+    }
+    Ok(())
+}
+
+/// The float values of a module's parameters and buffers, one vector per tensor, for
+/// comparing runs (kept here for callers of the trainer).
+pub use crate::params::parameter_values;

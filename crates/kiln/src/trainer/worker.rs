@@ -1,0 +1,621 @@
+//! One rank's loop: steps, accumulation, logging, validation, checkpoints. It talks to its
+//! [`Strategy`] and its [`Collective`] through their traits only.
+
+use std::panic::AssertUnwindSafe;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+use kiln_models::TrainStep;
+use serde_json::json;
+
+use super::{Start, TrainerSettings, Workload};
+use crate::checkpoint::{self, LoopState};
+use crate::comm::{Collective, LocalComm, ReduceOp};
+use crate::config::{RecomputeMode, name_of};
+use crate::data::{DistributedSampler, eval_shard};
+use crate::error::{Error, Result};
+use crate::metrics::{MetricsWriter, Progress, Summary, num, record};
+use crate::monitor::{SystemMonitor, Throughput, peak_tflops};
+use crate::optim::{Schedule, scaled_lr};
+use crate::precision::{cast_params, compute_dtype, is_mixed, is_true_low};
+use crate::strategy::{self, Context, Memory, Strategy};
+
+const ABORTED: &str = "stopped because ";
+
+/// What a rank hands back: its memory figures, and on rank 0 the summary and the final model.
+struct Outcome<M> {
+    lead: Option<(Summary, M)>,
+    memory: Memory,
+}
+
+/// Whether `e` is a rank's report that another rank aborted the group.
+fn is_abort_echo(e: &Error) -> bool {
+    matches!(e, Error::Worker(m) if m.starts_with(ABORTED))
+}
+
+/// Starts one worker thread per rank of `comms`, waits for all of them and returns rank 0's
+/// summary (with every rank's memory figures) and final model, or the error that started a
+/// failure.
+pub(super) fn run_all<W: Workload>(
+    workload: &W,
+    settings: &TrainerSettings,
+    sampler: &DistributedSampler,
+    total: usize,
+    comms: Vec<LocalComm>,
+    start: &Start,
+    monitor: Option<&SystemMonitor>,
+) -> Result<(Summary, W::Model)> {
+    let results: Vec<Result<Outcome<W::Model>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let sampler = sampler.clone();
+                std::thread::Builder::new()
+                    .name(format!("kiln-worker-{rank}"))
+                    .spawn_scoped(scope, move || {
+                        let base = settings.parallel.devices[rank].clone().autodiff();
+                        let worker = Worker {
+                            workload,
+                            settings,
+                            sampler,
+                            total,
+                            comm: Box::new(comm),
+                            device: match settings.recompute.mode {
+                                RecomputeMode::Balanced => base.gradient_checkpointing(),
+                                _ => base,
+                            },
+                            monitor: monitor.filter(|_| rank == 0),
+                        };
+                        worker.run_guarded(start)
+                    })
+                    .expect("spawn a worker thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Worker("a worker thread died".into())))
+            })
+            .collect()
+    });
+
+    // Report the failure that started it all, not the ranks it aborted.
+    let mut lead = None;
+    let mut memories = Vec::with_capacity(results.len());
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(out) => {
+                memories.push(out.memory);
+                if out.lead.is_some() {
+                    lead = out.lead;
+                }
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        let origin = errors.iter().position(|e| !is_abort_echo(e)).unwrap_or(0);
+        return Err(errors.swap_remove(origin));
+    }
+    let (mut summary, model) =
+        lead.ok_or_else(|| Error::Worker("rank 0 returned no result".into()))?;
+    summary.param_bytes_per_rank = memories.iter().map(|m| m.params.peak).collect();
+    summary.grad_bytes_per_rank = memories.iter().map(|m| m.grads.peak).collect();
+    summary.optim_bytes_per_rank = memories.iter().map(|m| m.optim.peak).collect();
+    summary.peak_bytes_per_rank = memories.iter().map(|m| m.total_peak).collect();
+    summary.pool_peak_bytes_per_rank = memories
+        .iter()
+        .map(|m| m.pool_peak)
+        .collect::<Option<Vec<u64>>>();
+    Ok((summary, model))
+}
+
+struct Worker<'a, W: Workload> {
+    workload: &'a W,
+    settings: &'a TrainerSettings,
+    sampler: DistributedSampler,
+    total: usize,
+    comm: Box<dyn Collective + 'a>,
+    device: Device,
+    /// The system monitor, on rank 0.
+    monitor: Option<&'a SystemMonitor>,
+}
+
+/// Running sums of a logging window, kept on the device until a log line needs them.
+struct Window {
+    loss: Option<Tensor<1>>,
+    steps: usize,
+    samples: usize,
+    started: Instant,
+    /// Seconds of the window spent outside training (validation, checkpoints).
+    excluded: f64,
+    data: f64,
+    compute: f64,
+    sync: f64,
+    optim: f64,
+}
+
+impl Window {
+    fn new() -> Self {
+        Self {
+            loss: None,
+            steps: 0,
+            samples: 0,
+            started: Instant::now(),
+            excluded: 0.0,
+            data: 0.0,
+            compute: 0.0,
+            sync: 0.0,
+            optim: 0.0,
+        }
+    }
+}
+
+impl<W: Workload> Worker<'_, W> {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// Runs the worker, turning an error or a panic into an abort of the whole group so that
+    /// no other rank waits forever.
+    fn run_guarded(self, start: &Start) -> Result<Outcome<W::Model>> {
+        let rank = self.rank();
+        let pool = (self.settings.parallel.split_cpu_threads && self.world() > 1).then(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            rayon::ThreadPoolBuilder::new()
+                .num_threads((cores / self.world()).max(1))
+                .thread_name(move |i| format!("kiln-worker-{rank}-pool-{i}"))
+                .build()
+                .expect("build a rayon pool")
+        });
+        let body = AssertUnwindSafe(|| match &pool {
+            Some(pool) => pool.install(|| self.run(start)),
+            None => self.run(start),
+        });
+        let outcome = match std::panic::catch_unwind(body) {
+            Ok(result) => result,
+            Err(payload) => Err(Error::Worker(format!(
+                "rank {rank} panicked: {}",
+                panic_message(&payload)
+            ))),
+        };
+        if let Err(e) = &outcome
+            && !is_abort_echo(e)
+        {
+            self.comm
+                .abort(&format!("{ABORTED}rank {rank} failed: {e}"));
+        }
+        outcome
+    }
+
+    /// This rank's module with rank 0's weights, in the master dtype.
+    fn build_model(&self, start: &Start) -> W::Model {
+        // Each rank builds its own module (so that no Burn state is shared between ranks) and
+        // takes rank 0's weights; the throwaway initialisation still draws random numbers,
+        // hence the lock.
+        let model = kiln_models::with_rng(|| {
+            kiln_models::materialized(self.workload.init_model(&self.device))
+        });
+        let model = model.load_record(start.weights.clone());
+        let mode = self.settings.precision.mode;
+        if is_true_low(mode) {
+            // `-true`: the parameters themselves, buffers included, live in the low dtype.
+            cast_params(model, compute_dtype(mode), true)
+        } else {
+            model
+        }
+    }
+
+    fn run(&self, start: &Start) -> Result<Outcome<W::Model>> {
+        let s = self.settings;
+        let t = &s.train;
+        let rank = self.rank();
+        let world = self.world();
+        let lead = rank == 0;
+        let mode = s.precision.mode;
+        let dtype = compute_dtype(mode);
+
+        let model = self.build_model(start);
+        let bucket_elements = (s.parallel.bucket_mb * 1024.0 * 1024.0 / 4.0).max(1.0) as usize;
+        let mut strategy: Box<dyn Strategy<W::Model, W::Batch> + '_> = strategy::build(
+            s.parallel.strategy,
+            model,
+            Context {
+                comm: self.comm.as_ref(),
+                device: self.device.clone(),
+                precision: s.precision.clone(),
+                recompute: s.recompute.clone(),
+                sync_batchnorm: s.parallel.sync_batchnorm,
+                optim: s.optim.clone(),
+                bucket_elements,
+            },
+        )?;
+        if let Some(optim) = &start.optim {
+            strategy.load_optimizer_state(optim)?;
+        }
+        let begin = &start.state;
+        let mut scaler = begin.scaler.clone();
+        let peak = scaled_lr(&s.optim, world, t.accumulate);
+        let schedule = Schedule::new(peak, &s.schedule, self.total);
+        let spe = self.sampler.steps_per_epoch();
+
+        let mut metrics = if lead {
+            Some(MetricsWriter::open(
+                &s.output.run_dir,
+                &s.output.monitor.sinks,
+                Some(begin.step),
+            ))
+        } else {
+            None
+        };
+        let progress = (lead && s.output.progress).then(|| Progress::new(self.total, begin.step));
+        let device_name = s.parallel.devices[0].identity().map(|i| i.name);
+        let mut throughput = Throughput::new(
+            world,
+            self.workload.tokens_per_sample(),
+            self.workload.flops_per_sample(),
+            peak_tflops(s.output.monitor.peak_tflops, device_name.as_deref()),
+            s.output.monitor.smoothing,
+        );
+        if let Some(m) = self.monitor {
+            m.set_step(begin.step);
+        }
+
+        let mut step = begin.step;
+        let mut epoch = begin.epoch;
+        let mut step_in_epoch = begin.step_in_epoch;
+        let mut samples = begin.samples;
+        let mut wall = begin.wall_seconds;
+        let mut order = self.sampler.epoch_order(epoch);
+        let mut window = Window::new();
+        let mut last_train_loss = None;
+        let mut last_val: Option<(f64, Option<f64>)> = None;
+        let mut validated_at = None;
+        let mut step_times = Vec::new();
+        let start_rss_mib = crate::monitor::process_memory_mib("VmRSS");
+        let run_started = Instant::now();
+
+        while step < self.total {
+            if step_in_epoch == spe {
+                epoch += 1;
+                step_in_epoch = 0;
+                order = self.sampler.epoch_order(epoch);
+            }
+            let lr = schedule.lr(step);
+            let loss_scale = scaler.as_ref().map(|sc| sc.scale as f32);
+            let accumulate = t.accumulate;
+            let objective = move |loss: Tensor<1>| {
+                let loss = if accumulate > 1 {
+                    loss.div_scalar(accumulate as f32)
+                } else {
+                    loss
+                };
+                match loss_scale {
+                    Some(scale) => loss.mul_scalar(scale),
+                    None => loss,
+                }
+            };
+
+            let t0 = Instant::now();
+            strategy.begin_step()?;
+            window.compute += t0.elapsed().as_secs_f64();
+            for micro in 0..accumulate {
+                let t0 = Instant::now();
+                let micro_step = step * accumulate + micro;
+                let indices = self
+                    .workload
+                    .sample(micro_step, rank, world, t.batch_size)
+                    .unwrap_or_else(|| self.sampler.indices(&order, step_in_epoch, micro, rank));
+                let mut batch = self.workload.train_batch(&indices, &self.device);
+                if dtype != FloatDType::F32 {
+                    batch = self.workload.cast_batch(batch, dtype);
+                }
+                let t1 = Instant::now();
+                let out = strategy.micro_step(batch, micro + 1 == accumulate, &objective)?;
+                let detached = out.loss.cast(FloatDType::F32);
+                window.loss = Some(match window.loss.take() {
+                    Some(l) => l + detached,
+                    None => detached,
+                });
+                window.data += (t1 - t0).as_secs_f64();
+                window.compute += t1.elapsed().as_secs_f64();
+            }
+            // Collectives inside the micro-steps (ZeRO's reduce-scatters and gathers) count
+            // as synchronisation, not compute.
+            let inside = strategy.take_sync_seconds();
+            window.compute -= inside;
+            window.sync += inside;
+
+            let t2 = Instant::now();
+            strategy.optimizer_step(lr, scaler.as_mut(), t.grad_clip)?;
+            let inside = strategy.take_sync_seconds();
+            window.sync += inside;
+            window.optim += t2.elapsed().as_secs_f64() - inside;
+
+            step += 1;
+            step_in_epoch += 1;
+            window.steps += 1;
+            window.samples += self.sampler.samples_per_step();
+            samples += self.sampler.samples_per_step() as u64;
+            if let Some(m) = self.monitor {
+                m.set_step(step);
+            }
+
+            if t.check_replicas && world > 1 {
+                self.check_replicas(strategy.replicated_values(), step)?;
+            }
+
+            let last = step == self.total;
+            if step.is_multiple_of(t.log_every) || last {
+                let elapsed = window.started.elapsed().as_secs_f64() - window.excluded;
+                let mut stats = vec![
+                    window.loss.take().map_or(0.0, |l| l.into_scalar::<f32>())
+                        / (window.steps * accumulate) as f32,
+                ];
+                self.comm.all_reduce(&mut stats, ReduceOp::Mean)?;
+                let loss = f64::from(stats[0]);
+                last_train_loss = Some(loss);
+                let rate = window.samples as f64 / elapsed.max(1e-9);
+                let per = |x: f64| x / window.steps as f64;
+                step_times.push(per(window.data
+                    + window.compute
+                    + window.sync
+                    + window.optim));
+                let times = [window.data, window.compute, window.sync, window.optim];
+                let mut rates = String::new();
+                if let Some(m) = metrics.as_mut() {
+                    let mut r = record(&[
+                        ("step", json!(step)),
+                        ("epoch", json!(epoch)),
+                        ("split", json!("train")),
+                        ("loss", num(loss)),
+                        ("lr", num(lr)),
+                        ("samples_per_sec", num(rate)),
+                        ("time_data", num(per(window.data))),
+                        ("time_compute", num(per(window.compute))),
+                        ("time_sync", num(per(window.sync))),
+                        ("time_optim", num(per(window.optim))),
+                    ]);
+                    rates = throughput.annotate(&mut r, rate, times);
+                    if let Some(sc) = &scaler {
+                        r.insert("loss_scale".into(), num(sc.scale));
+                        r.insert("skipped_steps".into(), json!(sc.skipped));
+                    }
+                    m.write(&r);
+                    for sample in self.monitor.map(SystemMonitor::drain).unwrap_or_default() {
+                        m.write(&sample);
+                    }
+                }
+                if let Some(p) = &progress {
+                    let devices = self
+                        .monitor
+                        .and_then(|m| m.latest())
+                        .map(|s| s.summary_line());
+                    p.update(
+                        step,
+                        &format!("epoch {epoch} loss {loss:.4} lr {lr:.2e} {rates}"),
+                        devices.as_deref(),
+                    );
+                }
+                window = Window::new();
+            }
+
+            let epoch_end = step_in_epoch == spe;
+            let periodic_val = t.val_every.is_some_and(|n| step.is_multiple_of(n));
+            if epoch_end || periodic_val || last {
+                let val_started = Instant::now();
+                let model = strategy.full_model()?;
+                let v = self.validate(&model)?;
+                drop(model);
+                validated_at = Some(step);
+                last_val = Some(v);
+                if let Some(m) = metrics.as_mut() {
+                    let mut r = record(&[
+                        ("step", json!(step)),
+                        ("epoch", json!(epoch)),
+                        ("split", json!("val")),
+                        ("loss", num(v.0)),
+                    ]);
+                    if let Some(acc) = v.1 {
+                        r.insert("accuracy".into(), num(acc));
+                    }
+                    m.write(&r);
+                }
+                if let Some(p) = &progress {
+                    let acc =
+                        v.1.map_or(String::new(), |a| format!(" accuracy {:.2}%", a * 100.0));
+                    p.println(&format!(
+                        "step {step} epoch {epoch}: val loss {:.4}{acc}",
+                        v.0
+                    ));
+                }
+                // Validation time does not count against training throughput.
+                window.excluded += val_started.elapsed().as_secs_f64();
+            }
+
+            if t.checkpoint_every.is_some_and(|n| step.is_multiple_of(n)) || last {
+                let saving = Instant::now();
+                let model = strategy.full_model()?;
+                let optim = strategy.optimizer_state()?;
+                if let Some(optim) = optim.filter(|_| lead) {
+                    let state = LoopState {
+                        step,
+                        epoch,
+                        step_in_epoch,
+                        seed: s.seed,
+                        world_size: world,
+                        samples_per_step: self.sampler.samples_per_step(),
+                        lr,
+                        samples,
+                        wall_seconds: wall + run_started.elapsed().as_secs_f64(),
+                        scaler: scaler.clone(),
+                    };
+                    checkpoint::save(
+                        &s.output.run_dir,
+                        &model,
+                        &optim,
+                        &state,
+                        t.keep_checkpoints,
+                    )?;
+                }
+                // Nobody runs ahead of a checkpoint that has not landed yet.
+                self.comm.barrier()?;
+                window.excluded += saving.elapsed().as_secs_f64();
+            }
+        }
+
+        let mut model = strategy.full_model()?;
+        if validated_at != Some(step) && self.workload.eval_len() > 0 && step > 0 {
+            last_val = Some(self.validate(&model)?);
+        }
+        if let Some(p) = &progress {
+            p.finish();
+        }
+        if let (Some(mon), Some(m)) = (self.monitor, metrics.as_mut()) {
+            mon.stop();
+            for sample in mon.drain() {
+                m.write(&sample);
+            }
+        }
+        wall += run_started.elapsed().as_secs_f64();
+        let memory = strategy.memory();
+        if !lead {
+            return Ok(Outcome { lead: None, memory });
+        }
+        let summary = Summary {
+            steps: step,
+            epochs: step as f64 / spe as f64,
+            final_train_loss: last_train_loss,
+            val_loss: last_val.map(|v| v.0),
+            val_accuracy: last_val.and_then(|v| v.1),
+            wall_seconds: wall,
+            samples_per_sec: samples as f64 / wall.max(1e-9),
+            devices: world,
+            strategy: name_of(&s.parallel.strategy),
+            precision: name_of(&mode),
+            accelerator: s.parallel.accelerator.clone(),
+            recompute: name_of(&s.recompute.mode),
+            step_seconds: median(&mut step_times),
+            start_rss_mib,
+            peak_rss_mib: crate::monitor::process_memory_mib("VmHWM"),
+            ..Summary::default()
+        };
+        if is_true_low(mode) {
+            // The exported model is f32 whatever the training precision.
+            model = cast_params(model, FloatDType::F32, true);
+        }
+        Ok(Outcome {
+            lead: Some((summary, model.valid())),
+            memory,
+        })
+    }
+
+    /// Fails if any rank's `values` differ from rank 0's by even one bit.
+    fn check_replicas(&self, mine: Vec<f32>, step: usize) -> Result<()> {
+        if mine.is_empty() {
+            return Ok(());
+        }
+        let all = self.comm.all_gather(&mine)?;
+        let n = mine.len();
+        for r in 1..self.world() {
+            let other = &all[r * n..(r + 1) * n];
+            if let Some(i) = (0..n).find(|&i| all[i].to_bits() != other[i].to_bits()) {
+                return Err(Error::Worker(format!(
+                    "replicas diverged after step {step}: rank {r} differs from rank 0 at \
+                     parameter element {i} ({} vs {})",
+                    other[i], all[i]
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Mean loss and accuracy over the whole evaluation set, each sample counted once, in the
+    /// precision the ranks train in.
+    fn validate(&self, model: &W::Model) -> Result<(f64, Option<f64>)> {
+        let eval_device = self.device.clone().without_autodiff();
+        let mode = self.settings.precision.mode;
+        let dtype = compute_dtype(mode);
+        let model = if is_mixed(mode) {
+            cast_params(model.clone(), dtype, false).valid()
+        } else {
+            model.valid()
+        };
+        let range = eval_shard(self.workload.eval_len(), self.world(), self.rank());
+        let bs = self.settings.train.batch_size;
+        let mut loss_sum: Option<Tensor<1>> = None;
+        let mut correct: Option<Tensor<1, Int>> = None;
+        let mut start = range.start;
+        while start < range.end {
+            let end = (start + bs).min(range.end);
+            let mut batch = self.workload.eval_batch(start..end, &eval_device);
+            if dtype != FloatDType::F32 {
+                batch = self.workload.cast_batch(batch, dtype);
+            }
+            let out = model.step(batch);
+            let weighted = out
+                .loss
+                .cast(FloatDType::F32)
+                .mul_scalar(out.samples as f32);
+            loss_sum = Some(match loss_sum {
+                Some(l) => l + weighted,
+                None => weighted,
+            });
+            if let Some(c) = out.correct {
+                correct = Some(match correct {
+                    Some(acc) => acc + c,
+                    None => c,
+                });
+            }
+            start = end;
+        }
+        let mut stats = vec![
+            loss_sum.map_or(0.0, |l| l.into_scalar::<f32>()),
+            correct
+                .as_ref()
+                .map_or(0.0, |c| c.clone().into_scalar::<i64>() as f32),
+            range.len() as f32,
+            f32::from(u8::from(correct.is_some() || range.is_empty())),
+        ];
+        self.comm.all_reduce(&mut stats, ReduceOp::Sum)?;
+        let n = f64::from(stats[2]).max(1.0);
+        let has_accuracy = stats[3] as usize == self.world();
+        Ok((
+            f64::from(stats[0]) / n,
+            has_accuracy.then(|| f64::from(stats[1]) / n),
+        ))
+    }
+}
+
+/// The median of `values` (sorted in place), `None` when empty.
+pub fn median(values: &mut [f64]) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    Some(if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    })
+}
+
+fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}
