@@ -461,6 +461,22 @@ mod tests {
         let staged: f32 = BlockStack::head(&model, x, &batch()).loss.into_scalar();
         assert_eq!(whole.to_bits(), staged.to_bits(), "{whole} vs {staged}");
         assert!(model.blocks_deterministic());
+        // Every parameter belongs to exactly one block, or to none (embeddings, final norm).
+        let all = crate::param_ids(&model);
+        let mut claimed: Vec<_> = (0..model.num_blocks())
+            .flat_map(|i| model.block_params(i))
+            .collect();
+        let outside = [
+            crate::param_ids(&model.wte),
+            crate::param_ids(&model.wpe),
+            crate::param_ids(&model.ln_f),
+        ]
+        .concat();
+        assert!(claimed.iter().all(|id| !outside.contains(id)));
+        claimed.extend(outside);
+        claimed.sort_by_key(|id| id.val());
+        claimed.dedup();
+        assert_eq!(claimed.len(), all.len());
         let dropped = GptConfig {
             dropout: 0.1,
             ..tiny()

@@ -385,6 +385,13 @@ fn an_optimizer_state_of_another_model_is_a_one_line_error() {
     .unwrap();
     let out = train_bin(&dir, &["--resume", a.to_str().unwrap(), "--max-steps", "3"]);
     crate::common::assert_one_line_error(&out, &["optimizer.bpk", "head.weight", "[8, 10]"]);
+    std::fs::write(
+        ckpt_a.join(kiln::checkpoint::OPTIM_FILE),
+        b"not a burnpack file",
+    )
+    .unwrap();
+    let out = train_bin(&dir, &["--resume", a.to_str().unwrap(), "--max-steps", "3"]);
+    crate::common::assert_one_line_error(&out, &["optimizer.bpk", "corrupt"]);
 }
 
 /// What a combination must do: train, or be refused at start with an error naming `key`.
@@ -517,4 +524,74 @@ fn matrix_zero2() {
 #[test]
 fn matrix_zero3() {
     matrix("zero3");
+}
+
+#[test]
+fn a_true_precision_run_resumes_bit_for_bit() {
+    // The optimizer state of bf16-true is bf16: saved exactly as f32 per parameter and cast
+    // back on load.
+    let dir = temp_dir("true-resume");
+    let o = [
+        "precision.mode=\"bf16-true\"",
+        "hardware.devices=2",
+        "strategy.name=\"zero2\"",
+        "train.checkpoint_every=4",
+        "train.keep_checkpoints=10",
+        "train.max_steps=8",
+        "optim.eps=1e-4",
+    ];
+    let full = train(&small_config(&dir.join("full"), &o), &RunOptions::default()).unwrap();
+    let cut = dir.join("cut");
+    crate::training::cut_copy(&full.dir, &cut, 4);
+    let out = train_bin(&dir, &["--resume", cut.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(train_losses(&cut), train_losses(&full.dir));
+}
+
+#[test]
+fn the_train_command_runs_a_zero_stage_and_reports_its_memory() {
+    let dir = temp_dir("zero-cli");
+    let out = train_bin(
+        &dir,
+        &[
+            "--devices",
+            "2",
+            "--strategy",
+            "zero3",
+            "--max-steps",
+            "3",
+            "--run-dir",
+            "run",
+            "--set",
+            "model.convnet.channels=[4, 4]",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("strategy     zero3"), "{stdout}");
+    assert!(
+        stdout.contains("memory       per rank, expected"),
+        "{stdout}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("run/summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["strategy"], "zero3");
+    for key in [
+        "param_bytes_per_rank",
+        "grad_bytes_per_rank",
+        "optim_bytes_per_rank",
+        "peak_bytes_per_rank",
+    ] {
+        let per_rank = summary[key].as_array().unwrap();
+        assert_eq!(per_rank.len(), 2, "{key}");
+        assert!(per_rank.iter().all(|b| b.as_u64().unwrap() > 0), "{key}");
+    }
 }

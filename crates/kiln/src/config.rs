@@ -497,6 +497,17 @@ pub enum StrategyKind {
     Zero3,
 }
 
+impl StrategyKind {
+    /// The strategy for `devices` devices: `auto` is `single` for one device, `ddp` for more.
+    pub fn resolve(self, devices: usize) -> StrategyKind {
+        match self {
+            StrategyKind::Auto if devices > 1 => StrategyKind::Ddp,
+            StrategyKind::Auto => StrategyKind::Single,
+            s => s,
+        }
+    }
+}
+
 /// `[strategy]`: how one step's work is split across the devices.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
@@ -799,11 +810,9 @@ impl RootConfig {
 
     /// The strategy actually used, resolving `auto` by device count.
     pub fn strategy(&self) -> StrategyKind {
-        match self.strategy.name {
-            StrategyKind::Auto if self.hardware.devices.indices().len() > 1 => StrategyKind::Ddp,
-            StrategyKind::Auto => StrategyKind::Single,
-            s => s,
-        }
+        self.strategy
+            .name
+            .resolve(self.hardware.devices.indices().len())
     }
 
     /// The run directory: `run.dir`, or `runs/<run.name>`.

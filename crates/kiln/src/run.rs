@@ -497,9 +497,16 @@ fn precision_line(config: &RootConfig) -> String {
         line += &format!(", gradients reduced in {}", name_of(&p.reduce_dtype));
     }
     let r = &config.recompute;
+    let zero3 = config.strategy() == StrategyKind::Zero3;
     line += &match r.mode {
         crate::config::RecomputeMode::Blocks if r.every > 1 => {
             format!("; recompute every {}th block", r.every)
+        }
+        crate::config::RecomputeMode::None | crate::config::RecomputeMode::Balanced if zero3 => {
+            format!(
+                "; recompute {}, and zero3 recomputes every block but the last",
+                name_of(&r.mode)
+            )
         }
         m => format!("; recompute {}", name_of(&m)),
     };

@@ -15,14 +15,14 @@
 
 use std::collections::BTreeMap;
 
-use burn::optim::momentum::MomentumConfig;
+use burn::optim::momentum::{MomentumConfig, MomentumState};
 use burn::optim::{
-    AdamW, AdamWConfig, AdamWState, Optimizer, RecordState, Sgd, SgdConfig, SgdState, StateSink,
-    StateSource,
+    AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, Optimizer, RecordState, Sgd, SgdConfig,
+    SgdState, StateSink,
 };
 use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
-use burn::tensor::{DType, FloatDType};
+use burn::tensor::FloatDType;
 
 use crate::config::{OptimConfig, OptimizerKind, name_of};
 use crate::error::{Error, Result};
@@ -174,12 +174,11 @@ impl FlatOptimizer {
         (tensors, sink.scalars.into_iter().collect())
     }
 
-    /// Replaces the state with `tensors` (shard-length vectors by leaf name) and `scalars`;
-    /// no tensors means no state yet.
+    /// Replaces the state with `tensors` (shard-length vectors by leaf name, as
+    /// [`Self::export`] names them) and `scalars`; no tensors means no state yet. The state is
+    /// rebuilt in the optimizer's dtype (bf16 under `bf16-true`).
     pub fn import(&mut self, tensors: StateTensors, scalars: Scalars) -> Result<()> {
-        let empty = tensors.is_empty();
-        let mut src = StateSource::new(scalars);
-        let dtype = DType::from(self.dtype);
+        let mut by_name: BTreeMap<String, Vec<f32>> = BTreeMap::new();
         for (name, values) in tensors {
             if values.len() != self.len {
                 return Err(Error::checkpoint(format!(
@@ -188,36 +187,52 @@ impl FlatOptimizer {
                     self.len
                 )));
             }
-            let n = values.len();
-            src.insert_tensor(name, TensorData::new(values, [n]).convert_dtype(dtype));
+            by_name.insert(name, values);
         }
-        let missing = |what: &str| {
-            Error::checkpoint(format!(
-                "the optimizer state lacks {what} (expected what {} keeps)",
-                name_of(&self.kind)
-            ))
+        if by_name.is_empty() {
+            match &mut self.rule {
+                Rule::Adamw { state, .. } => *state = None,
+                Rule::Sgd { state, .. } => *state = None,
+            }
+            return Ok(());
+        }
+        let kind = name_of(&self.kind);
+        let (len, dtype, device) = (self.len, self.dtype, self.device.clone());
+        let mut take = |leaf: &str| {
+            by_name
+                .remove(leaf)
+                .map(|v| Tensor::<1>::from_data(TensorData::new(v, [len]), &device).cast(dtype))
+                .ok_or_else(|| {
+                    Error::checkpoint(format!("the {kind} optimizer state lacks {leaf:?}"))
+                })
         };
         match &mut self.rule {
             Rule::Adamw { state, .. } => {
-                *state = if empty {
-                    None
-                } else {
-                    Some(Box::new(
-                        AdamWState::<1>::state_unflatten("", &mut src, &self.device)
-                            .ok_or_else(|| missing("AdamW's moments and step count"))?,
-                    ))
-                };
+                let m1 = take("momentum.moment_1")?;
+                let m2 = take("momentum.moment_2")?;
+                let time = scalars
+                    .get("momentum.time")
+                    .and_then(|s| u64::try_from(*s).ok())
+                    .ok_or_else(|| {
+                        Error::checkpoint(format!(
+                            "the {kind} optimizer state lacks its step count \"momentum.time\""
+                        ))
+                    })?;
+                *state = Some(Box::new(AdamWState::new(AdaptiveMomentumState::new(
+                    time as usize,
+                    m1,
+                    m2,
+                ))));
             }
             Rule::Sgd { state, .. } => {
-                *state = if empty {
-                    None
-                } else {
-                    Some(Box::new(
-                        SgdState::<1>::state_unflatten("", &mut src, &self.device)
-                            .ok_or_else(|| missing("SGD's velocity"))?,
-                    ))
-                };
+                let velocity = take("momentum.velocity")?;
+                *state = Some(Box::new(SgdState::new(Some(MomentumState::new(velocity)))));
             }
+        }
+        if let Some(extra) = by_name.keys().next() {
+            return Err(Error::checkpoint(format!(
+                "the {kind} optimizer state holds {extra:?}, which {kind} does not keep"
+            )));
         }
         Ok(())
     }
@@ -483,5 +498,41 @@ mod tests {
         wrong.tensors[0].0 = "c.weight".into();
         let e = wrong.leaves(&layout).unwrap_err().to_string();
         assert!(e.contains("a.weight") || e.contains("c.weight"), "{e}");
+    }
+
+    #[test]
+    fn a_low_precision_state_resumes_in_its_dtype_to_the_bit() {
+        let device = Device::flex();
+        let n = 7;
+        let values = |k: f32| {
+            Tensor::<1>::from_data(
+                TensorData::new((0..n).map(|i| (i as f32 - 3.0) * k).collect(), [n]),
+                &device,
+            )
+            .cast(FloatDType::BF16)
+        };
+        for config in [
+            OptimConfig::default(),
+            OptimConfig {
+                name: OptimizerKind::Sgd,
+                ..OptimConfig::default()
+            },
+        ] {
+            let mask = vec![true; n];
+            let mut a = FlatOptimizer::new(&config, &mask, FloatDType::BF16, &device);
+            let p = a.step(0.1, values(0.5), values(0.25));
+            let (tensors, scalars) = a.export();
+            let mut b = FlatOptimizer::new(&config, &mask, FloatDType::BF16, &device);
+            b.import(tensors, scalars).unwrap();
+            let next_a = a.step(0.1, p.clone(), values(-0.125));
+            let next_b = b.step(0.1, p, values(-0.125));
+            assert_eq!(next_b.dtype(), burn::tensor::DType::BF16);
+            assert_eq!(
+                crate::params::host_f32(next_a),
+                crate::params::host_f32(next_b),
+                "{:?}",
+                config.name
+            );
+        }
     }
 }

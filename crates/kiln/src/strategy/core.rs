@@ -457,6 +457,13 @@ impl<M: Module> Replica<M> {
             .collect()
     }
 
+    /// The master model with its buffers settled over ranks (see [`Core::settle_buffers`]).
+    pub fn settled(&mut self, core: &mut Core) -> Result<M> {
+        let model = core.settle_buffers(self.model.clone())?;
+        self.model = model.clone();
+        Ok(model)
+    }
+
     /// The trained parameters' values, flattened (the replicas must agree on them).
     pub fn values(&self) -> Vec<f32> {
         collect_floats(&self.model, true)

@@ -8,10 +8,9 @@ use burn::prelude::*;
 use kiln_models::{BlockStack, StepOutput};
 
 use super::core::{Core, Norm, Replica};
-use super::{Memory, Strategy};
+use super::{Strategy, answered_by_core};
 use crate::error::Result;
 use crate::exec::{self, Accumulate};
-use crate::optim::OptimState;
 use crate::precision::LossScaler;
 
 /// Data parallelism with replicated optimizer state.
@@ -105,28 +104,12 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Ddp<'_, M> {
     }
 
     fn full_model(&mut self) -> Result<M> {
-        let model = self.core.settle_buffers(self.replica.model.clone())?;
-        self.replica.model = model.clone();
-        Ok(model)
-    }
-
-    fn optimizer_state(&mut self) -> Result<Option<OptimState>> {
-        self.core.optimizer_state()
-    }
-
-    fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
-        self.core.load_optimizer_state(state)
+        self.replica.settled(&mut self.core)
     }
 
     fn replicated_values(&self) -> Vec<f32> {
         self.replica.values()
     }
 
-    fn memory(&self) -> Memory {
-        self.core.memory
-    }
-
-    fn take_sync_seconds(&mut self) -> f64 {
-        self.core.take_sync_seconds()
-    }
+    answered_by_core!();
 }

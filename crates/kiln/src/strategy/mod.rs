@@ -38,6 +38,32 @@ use crate::precision::{LossScaler, compute_dtype, is_mixed, is_true_low};
 
 pub(crate) use self::core::Core;
 
+/// The [`Strategy`] methods every strategy answers from its `core` alone: the optimizer
+/// state in and out of the canonical layout, the memory counts and the time in collectives.
+macro_rules! answered_by_core {
+    () => {
+        fn optimizer_state(&mut self) -> $crate::error::Result<Option<$crate::optim::OptimState>> {
+            self.core.optimizer_state()
+        }
+
+        fn load_optimizer_state(
+            &mut self,
+            state: &$crate::optim::OptimState,
+        ) -> $crate::error::Result<()> {
+            self.core.load_optimizer_state(state)
+        }
+
+        fn memory(&self) -> $crate::strategy::Memory {
+            self.core.memory
+        }
+
+        fn take_sync_seconds(&mut self) -> f64 {
+            self.core.take_sync_seconds()
+        }
+    };
+}
+use answered_by_core;
+
 /// What one optimizer step does across ranks; see the module documentation. Collective
 /// methods (all but [`Strategy::replicated_values`], [`Strategy::memory`] and
 /// [`Strategy::take_sync_seconds`]) must be called by every rank in the same order.

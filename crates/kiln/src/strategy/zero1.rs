@@ -8,10 +8,9 @@ use kiln_models::{BlockStack, StepOutput};
 
 use super::core::{Core, Norm, Replica};
 use super::ddp::{accumulate, averaged};
-use super::{Memory, Strategy};
+use super::{Strategy, answered_by_core};
 use crate::error::Result;
 use crate::exec::Accumulate;
-use crate::optim::OptimState;
 use crate::params::host_f32;
 use crate::precision::LossScaler;
 
@@ -136,28 +135,12 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero1<'_, M> {
     }
 
     fn full_model(&mut self) -> Result<M> {
-        let model = self.core.settle_buffers(self.replica.model.clone())?;
-        self.replica.model = model.clone();
-        Ok(model)
-    }
-
-    fn optimizer_state(&mut self) -> Result<Option<OptimState>> {
-        self.core.optimizer_state()
-    }
-
-    fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
-        self.core.load_optimizer_state(state)
+        self.replica.settled(&mut self.core)
     }
 
     fn replicated_values(&self) -> Vec<f32> {
         self.replica.values()
     }
 
-    fn memory(&self) -> Memory {
-        self.core.memory
-    }
-
-    fn take_sync_seconds(&mut self) -> f64 {
-        self.core.take_sync_seconds()
-    }
+    answered_by_core!();
 }

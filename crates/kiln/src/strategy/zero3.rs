@@ -25,11 +25,10 @@ use kiln_models::{BlockStack, StepOutput};
 
 use super::core::{Core, Norm};
 use super::zero2::open_shard;
-use super::{Memory, Strategy};
+use super::{Strategy, answered_by_core};
 use crate::config::{RecomputeConfig, RecomputeMode};
 use crate::error::Result;
 use crate::exec::{self, Hooks, Part, Recompute};
-use crate::optim::OptimState;
 use crate::params::{FlatLayout, dtype_bytes, host_f32};
 use crate::precision::LossScaler;
 
@@ -293,25 +292,11 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero3<'_, M> {
         Ok(full)
     }
 
-    fn optimizer_state(&mut self) -> Result<Option<OptimState>> {
-        self.core.optimizer_state()
-    }
-
-    fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
-        self.core.load_optimizer_state(state)
-    }
-
     fn replicated_values(&self) -> Vec<f32> {
         Vec::new()
     }
 
-    fn memory(&self) -> Memory {
-        self.core.memory
-    }
-
-    fn take_sync_seconds(&mut self) -> f64 {
-        self.core.take_sync_seconds()
-    }
+    answered_by_core!();
 }
 
 #[cfg(test)]

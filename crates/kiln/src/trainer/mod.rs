@@ -141,11 +141,7 @@ impl TrainerSettings {
         accelerator: String,
         run_dir: PathBuf,
     ) -> Self {
-        let strategy = match config.strategy.name {
-            StrategyKind::Auto if devices.len() > 1 => StrategyKind::Ddp,
-            StrategyKind::Auto => StrategyKind::Single,
-            s => s,
-        };
+        let strategy = config.strategy.name.resolve(devices.len());
         Self {
             train: config.train.clone(),
             optim: config.optim.clone(),
