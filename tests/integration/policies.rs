@@ -7,6 +7,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
+use kiln::config::StrategyKind;
 use kiln::exec::{Recompute, forward_backward};
 use kiln::run::{ImageWorkload, RunOptions, train};
 use kiln::trainer::{TrainerSettings, Workload, fit, parameter_values};
@@ -390,42 +391,52 @@ fn mlp_16_mixed(dir: &std::path::Path, extra: &[&str]) -> kiln::RootConfig {
 
 #[test]
 fn an_infinite_gradient_skips_the_step_on_every_replica_and_halves_the_scale() {
-    let dir = temp_dir("scaler-skip");
-    let config = mlp_16_mixed(&dir, &["train.check_replicas=true"]);
-    let workload = Poisoned {
-        inner: image_workload(&config),
-        poison: 3,
-        seen: Default::default(),
-    };
-    let settings = TrainerSettings::from_config(
-        &config,
-        vec![Device::flex(), Device::flex()],
-        "cpu".into(),
-        dir.clone(),
-    );
-    fit(&workload, &settings).unwrap();
+    // Under every data-parallel strategy: the overflow shows in rank 1's gradients only, and
+    // the all-reduced flag makes every rank (every shard) skip the step alike.
+    for strategy in [
+        StrategyKind::Ddp,
+        StrategyKind::Zero1,
+        StrategyKind::Zero2,
+        StrategyKind::Zero3,
+    ] {
+        let dir = temp_dir(&format!("scaler-skip-{strategy:?}"));
+        let config = mlp_16_mixed(&dir, &["train.check_replicas=true"]);
+        let workload = Poisoned {
+            inner: image_workload(&config),
+            poison: 3,
+            seen: Default::default(),
+        };
+        let mut settings = TrainerSettings::from_config(
+            &config,
+            vec![Device::flex(), Device::flex()],
+            "cpu".into(),
+            dir.clone(),
+        );
+        settings.parallel.strategy = strategy;
+        fit(&workload, &settings).unwrap();
 
-    let records = metrics(&dir, "train");
-    let scale = |step: u64| -> (f64, u64) {
-        let r = records.iter().find(|r| r["step"] == step).unwrap();
-        (
-            r["loss_scale"].as_f64().unwrap(),
-            r["skipped_steps"].as_u64().unwrap(),
-        )
-    };
-    // Rank 1's fourth batch is step 4's.
-    assert_eq!(scale(3), (1024.0, 0));
-    assert_eq!(scale(4), (512.0, 1));
-    assert_eq!(scale(6), (512.0, 1));
-    // Step 4 left the parameters as step 3 did.
-    let params = |step: usize| {
-        let path = kiln::checkpoint::step_dir(&dir, step);
-        let model =
-            kiln::checkpoint::load_model(&path, workload.init_model(&Device::flex())).unwrap();
-        parameter_values(&model)
-    };
-    assert_eq!(params(3), params(4));
-    assert_ne!(params(4), params(5));
+        let records = metrics(&dir, "train");
+        let scale = |step: u64| -> (f64, u64) {
+            let r = records.iter().find(|r| r["step"] == step).unwrap();
+            (
+                r["loss_scale"].as_f64().unwrap(),
+                r["skipped_steps"].as_u64().unwrap(),
+            )
+        };
+        // Rank 1's fourth batch is step 4's.
+        assert_eq!(scale(3), (1024.0, 0), "{strategy:?}");
+        assert_eq!(scale(4), (512.0, 1), "{strategy:?}");
+        assert_eq!(scale(6), (512.0, 1), "{strategy:?}");
+        // Step 4 left the parameters as step 3 did.
+        let params = |step: usize| {
+            let path = kiln::checkpoint::step_dir(&dir, step);
+            let model =
+                kiln::checkpoint::load_model(&path, workload.init_model(&Device::flex())).unwrap();
+            parameter_values(&model)
+        };
+        assert_eq!(params(3), params(4), "{strategy:?}");
+        assert_ne!(params(4), params(5), "{strategy:?}");
+    }
 }
 
 #[test]
