@@ -595,3 +595,34 @@ fn the_train_command_runs_a_zero_stage_and_reports_its_memory() {
         assert!(per_rank.iter().all(|b| b.as_u64().unwrap() > 0), "{key}");
     }
 }
+
+#[test]
+fn zero_stages_with_synchronised_batchnorm_match_ddp() {
+    // The walk cuts each ConvNet block around its BatchNorm; zero2 reduce-scatters each
+    // block's gradients on the same walk. zero3 refuses the combination (see the matrix).
+    let dir = temp_dir("zero-syncbn");
+    let run = |strategy: &str| {
+        let config = small_config(
+            &dir.join(strategy),
+            &[
+                "hardware.devices=2",
+                &format!("strategy.name={strategy:?}"),
+                "ddp.sync_batchnorm=true",
+                "model.convnet.batch_norm=true",
+                "train.max_steps=5",
+                "train.batch_size=8",
+                "train.check_replicas=true",
+                "optim.name=\"sgd\"",
+                "optim.lr=0.1",
+            ],
+        );
+        let result = train(&config, &RunOptions::default()).unwrap();
+        parameter_values(&kiln_models::load_run(&result.dir, &Device::flex()).unwrap())
+    };
+    let ddp = run("ddp");
+    for strategy in ["zero1", "zero2"] {
+        let d = max_relative_diff(&run(strategy), &ddp);
+        println!("sync BatchNorm: {strategy} vs ddp {d:.3e}");
+        assert!(d <= ZERO_PARITY, "{strategy}: {d:e}");
+    }
+}
