@@ -344,7 +344,8 @@ pub struct TrainConfig {
     /// Clip gradients to this global L2 norm. Default: unset (no clipping).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grad_clip: Option<f64>,
-    /// Assert after every step that all replicas hold identical parameters (slow; for tests).
+    /// Assert after every step that all replicas hold identical parameters (slow; for tests;
+    /// `zero3` keeps no replicas, so there it checks nothing).
     /// Default false.
     pub check_replicas: bool,
 }
