@@ -81,6 +81,11 @@ impl Activation {
         }
     }
 
+    /// The activation moved to `device` (a pipeline's next stage).
+    pub fn to_device(self, device: &Device) -> Self {
+        each!(self, t => t.to_device(device))
+    }
+
     /// The activation converted to `dtype`.
     pub fn cast(self, dtype: FloatDType) -> Self {
         each!(self, t => t.cast(dtype))

@@ -5,6 +5,7 @@ mod common;
 mod ddp;
 mod gpt;
 mod monitor;
+mod pipeline;
 mod policies;
 mod training;
 mod zero;

@@ -434,9 +434,15 @@ fn matrix(strategy: &str) {
                     for accumulate in [1, 2] {
                         let label =
                             format!("{model}-{precision}-{recompute}-{sync_bn}-{accumulate}");
+                        let stages = if strategy == "pipeline" { 2 } else { 1 };
                         let o = [
                             format!("hardware.devices={devices}"),
                             format!("strategy.name={strategy:?}"),
+                            format!("pipeline.stages={stages}"),
+                            format!(
+                                "pipeline.microbatches={}",
+                                if strategy == "pipeline" { 2 } else { 1 }
+                            ),
                             format!("precision.mode={precision:?}"),
                             format!("recompute.mode={recompute:?}"),
                             format!("ddp.sync_batchnorm={sync_bn}"),
@@ -446,7 +452,7 @@ fn matrix(strategy: &str) {
                                 if model == "mlp" { "mlp" } else { "convnet" }
                             ),
                             "model.convnet.channels=[2, 3]".into(),
-                            "model.mlp.hidden=[8]".into(),
+                            "model.mlp.hidden=[8, 8]".into(),
                             "train.batch_size=4".into(),
                             "train.max_steps=2".into(),
                             "train.check_replicas=true".into(),
@@ -524,6 +530,12 @@ fn matrix_zero2() {
 #[test]
 fn matrix_zero3() {
     matrix("zero3");
+}
+
+#[test]
+fn matrix_pipeline() {
+    // Two stages on two devices, two micro-batches per flush.
+    matrix("pipeline");
 }
 
 #[test]

@@ -31,6 +31,8 @@ pub struct RootConfig {
     pub hardware: HardwareConfig,
     /// How one step's work is split across the devices.
     pub strategy: StrategyConfig,
+    /// Pipeline parallelism (with `strategy.name = "pipeline"`).
+    pub pipeline: PipelineConfig,
     /// Data-parallel settings.
     pub ddp: DdpConfig,
     /// Monitoring: where metrics go.
@@ -496,6 +498,50 @@ pub enum StrategyKind {
     /// ZeRO stage 3 (FSDP): parameters, gradients and optimizer state sharded; each block's
     /// parameters are gathered for its forward and backward only.
     Zero3,
+    /// Pipeline parallelism: the model's blocks cut into `pipeline.stages` stages, one device
+    /// each, fed micro-batches; several pipelines are data-parallel replicas.
+    Pipeline,
+}
+
+/// The order in which a pipeline stage runs its micro-batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PipelineSchedule {
+    /// Every micro-batch's forward, then every backward.
+    Gpipe,
+    /// One forward, one backward (PipeDream-flush): stage s warms up with K−1−s forwards,
+    /// then alternates, so it holds at most K micro-batches of activations.
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+}
+
+/// `[pipeline]`: the cut of the model into stages and the micro-batches that flow through it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PipelineConfig {
+    /// Stages each pipeline is cut into (one device each); must divide the device count, and
+    /// `devices / stages` pipelines train as data-parallel replicas. Default 1.
+    pub stages: usize,
+    /// Micro-batches of `train.batch_size` samples per pipeline flush; an optimizer step runs
+    /// `train.accumulate` flushes. Default 1 (plain model parallelism).
+    pub microbatches: usize,
+    /// `gpipe` or `1f1b`. Default `1f1b`.
+    pub schedule: PipelineSchedule,
+    /// The first block of every stage but the first (K − 1 increasing block indices); unset
+    /// cuts the blocks into stages of balanced parameter counts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cuts: Option<Vec<usize>>,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        Self {
+            stages: 1,
+            microbatches: 1,
+            schedule: PipelineSchedule::OneFOneB,
+            cuts: None,
+        }
+    }
 }
 
 impl StrategyKind {
@@ -782,6 +828,49 @@ impl RootConfig {
                 format!(
                     "`single` runs on one device, but {} are selected",
                     devices.len()
+                ),
+            );
+        }
+        let pipe = &self.pipeline;
+        if pipe.stages == 0 {
+            return bad("pipeline.stages", "must be at least 1, got 0".into());
+        }
+        if pipe.microbatches == 0 {
+            return bad("pipeline.microbatches", "must be at least 1, got 0".into());
+        }
+        let pipelined = self.strategy.name == StrategyKind::Pipeline;
+        if !pipelined && (pipe.stages > 1 || pipe.microbatches > 1 || pipe.cuts.is_some()) {
+            return bad(
+                "pipeline",
+                format!(
+                    "[pipeline] settings apply to strategy.name = \"pipeline\", but the strategy \
+                     is {:?}",
+                    name_of(&self.strategy.name)
+                ),
+            );
+        }
+        if pipelined && !devices.len().is_multiple_of(pipe.stages) {
+            return bad(
+                "pipeline.stages",
+                format!(
+                    "{} stages must divide the {} devices (devices / stages pipelines train as \
+                     replicas)",
+                    pipe.stages,
+                    devices.len()
+                ),
+            );
+        }
+        if let Some(cuts) = &pipe.cuts
+            && (cuts.len() + 1 != pipe.stages
+                || cuts.first() == Some(&0)
+                || cuts.windows(2).any(|w| w[0] >= w[1]))
+        {
+            return bad(
+                "pipeline.cuts",
+                format!(
+                    "must hold the first block of every stage but the first: {} increasing \
+                     indices from 1, got {cuts:?}",
+                    pipe.stages - 1
                 ),
             );
         }

@@ -99,6 +99,22 @@ pub fn replace_floats<M: Module>(
     module.map(&mut r)
 }
 
+/// The buffers (float tensors that are not trained) of `module` in module order, with their
+/// ids.
+pub fn buffers_with_ids<M: Module>(module: &M) -> Vec<(ParamId, Vec<f32>)> {
+    struct Collect(Vec<(ParamId, Vec<f32>)>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.is_require_grad() {
+                self.0.push((param.id, host_f32(param.val())));
+            }
+        }
+    }
+    let mut c = Collect(Vec::new());
+    module.visit(&mut c);
+    c.0
+}
+
 /// Folds the pending updates of Burn's `RunningState` buffers (e.g. BatchNorm statistics) into
 /// their values. A `RunningState` keeps the last update of each thread aside until it is next
 /// read for a forward pass, so visiting the module right after a step would see the previous
@@ -334,6 +350,38 @@ impl FlatLayout {
         }
         out.shard_len = offset;
         out
+    }
+
+    /// The layout of units `units` alone (in that order, renumbered from 0), cut as this
+    /// one: a pipeline stage's share of the model.
+    pub fn select(&self, units: &[usize]) -> Self {
+        let mut entries = Vec::new();
+        let mut chosen = Vec::with_capacity(units.len());
+        let mut shard_offset = 0;
+        for (new, &u) in units.iter().enumerate() {
+            let unit = &self.units[u];
+            let start = entries.len();
+            for e in &self.entries[unit.entries.clone()] {
+                entries.push(Entry {
+                    unit: new,
+                    ..e.clone()
+                });
+            }
+            chosen.push(Unit {
+                entries: start..entries.len(),
+                shard_offset,
+                ..unit.clone()
+            });
+            shard_offset += unit.piece;
+        }
+        let index = entries.iter().enumerate().map(|(i, e)| (e.id, i)).collect();
+        Self {
+            entries,
+            units: chosen,
+            shards: self.shards,
+            shard_len: shard_offset,
+            index,
+        }
     }
 
     /// Elements of every parameter, unpadded.

@@ -524,6 +524,16 @@ fn strategy_line(s: &TrainerSettings) -> String {
             "zero2 (gradients and optimizer state sharded over {world}; each block's gradients \
              reduce-scattered as its backward ends)"
         ),
+        StrategyKind::Pipeline => {
+            let p = &s.parallel.pipeline;
+            format!(
+                "pipeline ({} stages × {} replicas, {} micro-batches per flush, {})",
+                p.stages,
+                world / p.stages,
+                p.microbatches,
+                name_of(&p.schedule)
+            )
+        }
         StrategyKind::Zero3 => format!(
             "zero3 (parameters, gradients and optimizer state sharded over {world}; blocks \
              gathered for their forward and backward and recomputed in the backward)"
@@ -538,14 +548,18 @@ fn memory_line<B, M: kiln_models::BlockStack<B> + Module>(
     model: &M,
 ) -> String {
     let layout = crate::params::FlatLayout::new(model, &crate::strategy::block_ids(model), 1);
-    let e = crate::strategy::estimate(
+    let e = match crate::strategy::estimate(
         s.parallel.strategy,
         &layout,
         s.world(),
         &s.precision,
         &s.optim,
         &s.recompute,
-    );
+        &s.parallel.pipeline,
+    ) {
+        Ok(e) => e,
+        Err(e) => return format!("not estimated: {e}"),
+    };
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     format!(
         "per rank, expected: parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} \
@@ -565,13 +579,14 @@ fn print_table<W: Workload>(
 ) {
     let world = s.world();
     let t = &s.train;
-    let per_step = t.batch_size * world * t.accumulate;
+    let (replicas, micros) = (s.data_world(), s.micro_batches());
+    let per_step = t.batch_size * replicas * micros;
     let spe = crate::data::DistributedSampler::new(
         w.train_len(),
         s.seed,
-        world,
+        replicas,
         t.batch_size,
-        t.accumulate,
+        micros,
         s.drop_last,
     )
     .steps_per_epoch();
@@ -592,16 +607,24 @@ fn print_table<W: Workload>(
         ("precision", precision_line(config)),
         (
             "batch",
-            format!(
-                "{} per device × {world} devices × {} accumulation = {per_step} per step",
-                t.batch_size, t.accumulate
-            ),
+            if s.parallel.strategy == StrategyKind::Pipeline {
+                format!(
+                    "{} per micro-batch × {} micro-batches × {replicas} pipelines × {} \
+                     accumulation = {per_step} per step",
+                    t.batch_size, s.parallel.pipeline.microbatches, t.accumulate
+                )
+            } else {
+                format!(
+                    "{} per device × {world} devices × {} accumulation = {per_step} per step",
+                    t.batch_size, t.accumulate
+                )
+            },
         ),
         (
             "lr",
             format!(
                 "{:.3e} ({} scaling of {:.3e}), {} schedule",
-                scaled_lr(&s.optim, world, t.accumulate),
+                scaled_lr(&s.optim, replicas, micros),
                 name_of(&s.optim.scale_lr),
                 s.optim.lr,
                 name_of(&s.schedule.kind)

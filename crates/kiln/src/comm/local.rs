@@ -1,6 +1,10 @@
 //! The in-process group: one rank per worker thread, sharing memory.
 
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use kiln_models::Activation;
 
 use super::{Collective, ReduceOp, chunk_range};
 use crate::error::{Error, Result};
@@ -19,11 +23,9 @@ struct Shared {
     changed: Condvar,
 }
 
-/// Creates an in-process group of `world` ranks: one [`LocalComm`] for each worker thread.
-pub fn local_group(world: usize) -> Vec<LocalComm> {
-    {
-        assert!(world > 0, "a group needs at least one rank");
-        let shared = Arc::new(Shared {
+impl Shared {
+    fn new(world: usize) -> Arc<Self> {
+        Arc::new(Shared {
             world,
             round: Mutex::new(Round {
                 generation: 0,
@@ -33,30 +35,74 @@ pub fn local_group(world: usize) -> Vec<LocalComm> {
                 aborted: None,
             }),
             changed: Condvar::new(),
-        });
-        (0..world)
-            .map(|rank| LocalComm {
-                rank,
-                shared: shared.clone(),
-            })
-            .collect()
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Round> {
+        // A worker that panicked while holding the lock cannot leave the round half-updated in
+        // a way that matters: the group is aborted right after, so recover the guard.
+        self.round.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
-/// One rank's handle on a group made by [`local_group`].
+/// What a root group and every group split from it share: the groups themselves (so that an
+/// abort reaches all of them), the registry that lets the members of a split find the same
+/// new group, and the mailboxes of point-to-point messages (keyed by global ranks).
+struct Family {
+    groups: Mutex<Vec<Arc<Shared>>>,
+    splits: Mutex<HashMap<(usize, u64, usize), Arc<Shared>>>,
+    mail: Mutex<Mail>,
+    delivered: Condvar,
+}
+
+#[derive(Default)]
+struct Mail {
+    queues: HashMap<(usize, usize), VecDeque<Activation>>,
+    aborted: Option<String>,
+}
+
+impl Family {
+    fn mail(&self) -> MutexGuard<'_, Mail> {
+        self.mail.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Creates an in-process group of `world` ranks: one [`LocalComm`] for each worker thread.
+pub fn local_group(world: usize) -> Vec<LocalComm> {
+    assert!(world > 0, "a group needs at least one rank");
+    let shared = Shared::new(world);
+    let family = Arc::new(Family {
+        groups: Mutex::new(vec![shared.clone()]),
+        splits: Mutex::new(HashMap::new()),
+        mail: Mutex::new(Mail::default()),
+        delivered: Condvar::new(),
+    });
+    let members: Arc<Vec<usize>> = Arc::new((0..world).collect());
+    (0..world)
+        .map(|rank| LocalComm {
+            rank,
+            shared: shared.clone(),
+            family: family.clone(),
+            members: members.clone(),
+            splits: AtomicU64::new(0),
+        })
+        .collect()
+}
+
+/// One rank's handle on a group made by [`local_group`] or split from one.
 pub struct LocalComm {
     rank: usize,
     shared: Arc<Shared>,
+    family: Arc<Family>,
+    /// The global rank (in the root group) of each of this group's ranks.
+    members: Arc<Vec<usize>>,
+    /// Splits this rank has made of this group (every member makes them in the same order).
+    splits: AtomicU64,
 }
 
 impl LocalComm {
     fn lock(&self) -> MutexGuard<'_, Round> {
-        // A worker that panicked while holding the lock cannot leave the round half-updated in
-        // a way that matters: the group is aborted right after, so recover the guard.
-        self.shared
-            .round
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.shared.lock()
     }
 
     /// Every rank deposits `contribution`; the last to arrive computes the result from all
@@ -182,11 +228,98 @@ impl Collective for LocalComm {
     }
 
     fn abort(&self, reason: &str) {
-        let mut round = self.lock();
-        if round.aborted.is_none() {
-            round.aborted = Some(reason.to_string());
+        // Every group of the family stops: a rank may be waiting in any of them.
+        let groups = self
+            .family
+            .groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for group in groups {
+            let mut round = group.lock();
+            if round.aborted.is_none() {
+                round.aborted = Some(reason.to_string());
+            }
+            group.changed.notify_all();
         }
-        self.shared.changed.notify_all();
+        let mut mail = self.family.mail();
+        if mail.aborted.is_none() {
+            mail.aborted = Some(reason.to_string());
+        }
+        self.family.delivered.notify_all();
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>> {
+        let mine = [color as f32, key as f32, self.rank as f32];
+        let all = self.all_gather(&mine)?;
+        let mut same: Vec<(usize, usize)> = all
+            .chunks(3)
+            .filter(|c| c[0] as usize == color)
+            .map(|c| (c[1] as usize, c[2] as usize))
+            .collect();
+        same.sort_unstable();
+        let ranks: Vec<usize> = same.iter().map(|(_, r)| *r).collect();
+        let rank = ranks
+            .iter()
+            .position(|r| *r == self.rank)
+            .expect("a rank is in its own color");
+        let number = self.splits.fetch_add(1, Ordering::SeqCst);
+        let id = (Arc::as_ptr(&self.shared) as usize, number, color);
+        let shared = {
+            let mut splits = self.family.splits.lock().unwrap_or_else(|p| p.into_inner());
+            splits
+                .entry(id)
+                .or_insert_with(|| {
+                    let group = Shared::new(ranks.len());
+                    self.family
+                        .groups
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(group.clone());
+                    group
+                })
+                .clone()
+        };
+        // A group split after an abort starts aborted.
+        if let Some(reason) = self.lock().aborted.clone() {
+            shared.lock().aborted.get_or_insert(reason);
+        }
+        Ok(Box::new(LocalComm {
+            rank,
+            shared,
+            family: self.family.clone(),
+            members: Arc::new(ranks.iter().map(|r| self.members[*r]).collect()),
+            splits: AtomicU64::new(0),
+        }))
+    }
+
+    fn send(&self, to: usize, value: Activation) -> Result<()> {
+        let key = (self.members[self.rank], self.members[to]);
+        let mut mail = self.family.mail();
+        if let Some(reason) = &mail.aborted {
+            return Err(Error::Worker(reason.clone()));
+        }
+        mail.queues.entry(key).or_default().push_back(value);
+        self.family.delivered.notify_all();
+        Ok(())
+    }
+
+    fn recv(&self, from: usize) -> Result<Activation> {
+        let key = (self.members[from], self.members[self.rank]);
+        let mut mail = self.family.mail();
+        loop {
+            if let Some(reason) = &mail.aborted {
+                return Err(Error::Worker(reason.clone()));
+            }
+            if let Some(value) = mail.queues.get_mut(&key).and_then(VecDeque::pop_front) {
+                return Ok(value);
+            }
+            mail = self
+                .family
+                .delivered
+                .wait(mail)
+                .unwrap_or_else(|p| p.into_inner());
+        }
     }
 }
 
@@ -266,6 +399,61 @@ mod tests {
         for r in &out[..2] {
             let e = r.clone().unwrap_err().to_string();
             assert!(e.contains("rank 2 failed: boom"), "{e}");
+        }
+    }
+
+    #[test]
+    fn split_groups_reduce_apart_and_messages_keep_their_order() {
+        use burn::prelude::*;
+        let out = run(4, |c| {
+            // Colors by parity: {0, 2} and {1, 3}, ranked by descending global rank.
+            let sub = c.split(c.rank() % 2, 10 - c.rank()).unwrap();
+            let mut v = vec![c.rank() as f32];
+            sub.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            // A pipeline of the whole group: rank r sends two messages to r + 1.
+            let device = Device::flex();
+            let t = |x: f32| Activation::Rank2(Tensor::<2>::full([1, 1], x, &device));
+            if c.rank() + 1 < 4 {
+                c.send(c.rank() + 1, t(c.rank() as f32)).unwrap();
+                c.send(c.rank() + 1, t(10.0 + c.rank() as f32)).unwrap();
+            }
+            let got = (c.rank() > 0).then(|| {
+                let first = c
+                    .recv(c.rank() - 1)
+                    .unwrap()
+                    .into_rank::<2>()
+                    .into_scalar::<f32>();
+                let second = c
+                    .recv(c.rank() - 1)
+                    .unwrap()
+                    .into_rank::<2>()
+                    .into_scalar::<f32>();
+                (first, second)
+            });
+            (sub.rank(), sub.world_size(), v[0], got)
+        });
+        assert_eq!(out[0], (1, 2, 2.0, None));
+        assert_eq!(out[2], (0, 2, 2.0, Some((1.0, 11.0))));
+        assert_eq!(out[1], (1, 2, 4.0, Some((0.0, 10.0))));
+        assert_eq!(out[3].2, 4.0);
+    }
+
+    #[test]
+    fn an_abort_wakes_a_receiver_and_the_ranks_of_split_groups() {
+        let out = run(3, |c| {
+            let sub = c.split(0, c.rank()).unwrap();
+            match c.rank() {
+                0 => {
+                    c.abort("rank 0 failed: boom");
+                    Err(Error::Worker("aborted".into()))
+                }
+                1 => c.recv(2).map(|_| ()),
+                _ => sub.barrier(),
+            }
+        });
+        for r in &out[1..] {
+            let e = r.clone().unwrap_err().to_string();
+            assert!(e.contains("rank 0 failed: boom"), "{e}");
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Collectives: how ranks agree on gradients, metrics and parameters.
 //!
 //! The [`Collective`] trait works on flat host buffers of `f32`, the common ground of every
-//! transport. Strategies and the training loop see only the trait; [`local_group`] creates the
+//! transport, plus point-to-point messages of activations for pipeline stages and splitting
+//! into sub-groups. Strategies and the training loop see only the trait; [`local_group`] creates the
 //! in-process implementation ([`local`]: one thread per device, any device kind). A transport
 //! between processes implements the same trait. Reductions add the ranks' contributions in rank
 //! order, so the same inputs always give the same bits.
@@ -9,6 +10,8 @@
 pub mod local;
 
 pub use local::{LocalComm, local_group};
+
+use kiln_models::Activation;
 
 use crate::error::Result;
 
@@ -41,8 +44,18 @@ pub trait Collective: Send + Sync {
     fn reduce_scatter(&self, data: &[f32], op: ReduceOp) -> Result<Vec<f32>>;
     /// Waits until every rank has arrived.
     fn barrier(&self) -> Result<()>;
-    /// Stops the group: every rank waiting now or later gets an error carrying `reason`.
+    /// Stops the group and every group split from the same root: every rank waiting now or
+    /// later, in a collective or a `recv`, gets an error carrying `reason`.
     fn abort(&self, reason: &str);
+    /// Splits the group (every rank must call it, in the same order as its other splits):
+    /// the ranks that pass the same `color` form a new group, ranked by `key` (then by their
+    /// rank here). MPI's `MPI_Comm_split`.
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>>;
+    /// Sends an activation (or its gradient) to rank `to` of this group; messages between two
+    /// ranks arrive in the order they were sent. The receiver moves it to its device.
+    fn send(&self, to: usize, value: Activation) -> Result<()>;
+    /// The next activation rank `from` of this group sent to this rank, waiting for it.
+    fn recv(&self, from: usize) -> Result<Activation>;
 }
 
 /// The part of a buffer of `len` elements that `rank` owns in a reduce-scatter.

@@ -21,6 +21,8 @@
 
 pub mod syncbn;
 
+use std::ops::Range;
+
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
@@ -206,45 +208,60 @@ enum Saved {
     Synced(Vec<syncbn::Segment>),
 }
 
-fn blockwise<B, M, H>(
+/// What the forward of a range of blocks keeps for its backward: each block's input (and, for
+/// a block that is not recomputed, its graph).
+pub struct Stash {
+    blocks: Vec<(usize, Saved)>,
+}
+
+impl Stash {
+    /// Blocks whose activations (graph) the stash holds, as opposed to only their input.
+    pub fn kept_blocks(&self) -> usize {
+        self.blocks
+            .iter()
+            .filter(|(_, s)| !matches!(s, Saved::Recomputed(_)))
+            .count()
+    }
+}
+
+/// Runs blocks `blocks` of `model` on `x` (the output of the block before, or of the stem),
+/// recomputing the blocks `plan` says (counted within the range: its last block is never
+/// recomputed). Returns the output (detached), what the backward needs, and the model as the
+/// hooks left it.
+pub fn forward_blocks<B, M, H>(
     mut model: M,
-    batch: B,
+    mut x: Activation,
+    blocks: Range<usize>,
     plan: &Plan,
     hooks: &mut H,
-    objective: impl FnOnce(Tensor<1>) -> Tensor<1>,
-) -> Result<(StepOutput, M)>
+) -> Result<(Activation, Stash, M)>
 where
     M: BlockStack<B> + Module,
     H: Hooks<M>,
 {
-    let n = model.num_blocks();
-    let recomputes = |i: usize| plan.recompute.recomputes(i, n);
-    let any_recomputed = (0..n).any(recomputes);
-
-    // With recomputation the stem's graph is not kept either: it runs again at the end.
-    let (mut x, stem_graph) = if any_recomputed {
-        (model.clone().no_grad().stem(&batch), None)
-    } else {
-        let stem = model.stem(&batch);
-        (stem.clone().detach(), Some(stem))
+    let (start, n) = (blocks.start, blocks.len());
+    let mut stash = Stash {
+        blocks: Vec::with_capacity(n),
     };
-    let mut saved = Vec::with_capacity(n);
-    for i in 0..n {
+    for i in blocks {
         model = hooks.before_forward(model, i)?;
         let synced = match (plan.sync_bn, model.block_norm(i)) {
             (Some(comm), Some(_)) => {
-                let (out, segments) = syncbn::block_forward(&model, i, x, comm, plan.device)?;
-                x = out;
-                Some(Saved::Synced(segments))
+                let (out, segments) =
+                    syncbn::block_forward(&model, i, x.clone(), comm, plan.device)?;
+                Some((out, Saved::Synced(segments)))
             }
             _ => None,
         };
         let s = match synced {
-            Some(s) => s,
-            None if recomputes(i) => {
+            Some((out, s)) => {
+                x = out;
+                s
+            }
+            None if plan.recompute.recomputes(i - start, n) => {
                 // A copy whose parameters need no gradient: its forward records no graph. It
                 // shares the model's tensors and buffers, so nothing is copied.
-                let input = x;
+                let input = x.detach();
                 x = model.clone().no_grad().block(i, input.clone());
                 Saved::Recomputed(Box::new(input))
             }
@@ -256,27 +273,27 @@ where
             }
         };
         let kept = !matches!(s, Saved::Recomputed(_));
-        saved.push(s);
+        stash.blocks.push((i, s));
         model = hooks.after_forward(model, i, kept)?;
     }
+    Ok((x.detach(), stash, model))
+}
 
-    // Buffers (running statistics) have now seen this batch once; recomputing would update
-    // them again, so their values are kept here and put back after the backward walk.
-    let buffers = (any_recomputed && has_buffers(&model)).then(|| {
-        sync_running_state(&model);
-        collect_floats(&model, false)
-    });
-
-    let top = x.detach().require_grad();
-    let out = BlockStack::head(&model, top.clone(), &batch);
-    let graph = objective(out.loss.clone()).backward();
-    let mut upstream = top
-        .grad(&graph)
-        .expect("the loss depends on the last block's output");
-    let head = GradientsParams::from_grads(graph, &model);
-    hooks.grads(&model, Part::Head, head)?;
-
-    for (i, s) in saved.into_iter().enumerate().rev() {
+/// The backward of the blocks whose forward left `stash`, seeded with `upstream` (the
+/// gradient at their output); each block's parameter gradients go to `hooks`. Returns the
+/// gradient at the range's input and the model as the hooks left it.
+pub fn backward_blocks<B, M, H>(
+    mut model: M,
+    stash: Stash,
+    mut upstream: Activation,
+    plan: &Plan,
+    hooks: &mut H,
+) -> Result<(Activation, M)>
+where
+    M: BlockStack<B> + Module,
+    H: Hooks<M>,
+{
+    for (i, s) in stash.blocks.into_iter().rev() {
         let kept = !matches!(s, Saved::Recomputed(_));
         model = hooks.before_backward(model, i, kept)?;
         let grads = match s {
@@ -287,8 +304,20 @@ where
                 grads
             }
             Saved::Recomputed(input) => {
+                // The block's buffers (running statistics) saw this batch in the forward;
+                // running it again would update them a second time, so they are put back.
+                let buffers = has_buffers(&model).then(|| {
+                    sync_running_state(&model);
+                    collect_floats(&model, false)
+                });
                 let input = input.require_grad();
                 let output = model.block(i, input.clone());
+                if let Some(values) = buffers {
+                    sync_running_state(&model);
+                    // Running states are shared between clones: restoring them on a clone
+                    // restores the model's own.
+                    let _ = replace_floats(model.clone(), false, values, plan.device);
+                }
                 let (below, grads) = block_grads(&model, input, output, upstream);
                 upstream = below;
                 grads
@@ -303,22 +332,84 @@ where
         hooks.grads(&model, Part::Block(i), grads)?;
         model = hooks.after_backward(model, i)?;
     }
+    Ok((upstream, model))
+}
 
-    // The stem's parameters (embeddings), seeded likewise, for a stem that has parameters
-    // (whose output, computed with a graph, is tracked).
-    let stem = stem_graph.unwrap_or_else(|| model.stem(&batch));
-    if stem.is_tracked() {
-        let grads = GradientsParams::from_grads(segment_backward(stem, upstream), &model);
+/// The head and the loss on the last block's output `x`, differentiated through
+/// `objective`: the output (loss detached), the gradient at `x`, and the head's parameter
+/// gradients.
+pub fn head_backward<B, M>(
+    model: &M,
+    x: Activation,
+    batch: &B,
+    objective: impl FnOnce(Tensor<1>) -> Tensor<1>,
+) -> (StepOutput, Activation, GradientsParams)
+where
+    M: BlockStack<B> + Module,
+{
+    let top = x.detach().require_grad();
+    let out = BlockStack::head(model, top.clone(), batch);
+    let graph = objective(out.loss.clone()).backward();
+    let upstream = top
+        .grad(&graph)
+        .expect("the loss depends on the last block's output");
+    (
+        detached(out),
+        upstream,
+        GradientsParams::from_grads(graph, model),
+    )
+}
+
+/// The stem's output for the walk: with its graph (to differentiate later, `Some`), or, when
+/// `recompute`, without one (the stem then runs again for its backward).
+pub fn stem_forward<B, M: BlockStack<B> + Module>(
+    model: &M,
+    batch: &B,
+    recompute: bool,
+) -> (Activation, Option<Activation>) {
+    if recompute {
+        (model.clone().no_grad().stem(batch), None)
+    } else {
+        let stem = model.stem(batch);
+        (stem.clone().detach(), Some(stem))
+    }
+}
+
+/// The stem's parameter gradients seeded with `upstream`, the gradient at its output; `None`
+/// for a stem without parameters (whose output is not tracked).
+pub fn stem_backward<B, M: BlockStack<B> + Module>(
+    model: &M,
+    batch: &B,
+    graph: Option<Activation>,
+    upstream: Activation,
+) -> Option<GradientsParams> {
+    let stem = graph.unwrap_or_else(|| model.stem(batch));
+    stem.is_tracked()
+        .then(|| GradientsParams::from_grads(segment_backward(stem, upstream), model))
+}
+
+fn blockwise<B, M, H>(
+    model: M,
+    batch: B,
+    plan: &Plan,
+    hooks: &mut H,
+    objective: impl FnOnce(Tensor<1>) -> Tensor<1>,
+) -> Result<(StepOutput, M)>
+where
+    M: BlockStack<B> + Module,
+    H: Hooks<M>,
+{
+    let n = model.num_blocks();
+    let any_recomputed = (0..n).any(|i| plan.recompute.recomputes(i, n));
+    let (x, stem_graph) = stem_forward(&model, &batch, any_recomputed);
+    let (x, stash, model) = forward_blocks(model, x, 0..n, plan, hooks)?;
+    let (out, upstream, head) = head_backward(&model, x, &batch, objective);
+    hooks.grads(&model, Part::Head, head)?;
+    let (upstream, model) = backward_blocks(model, stash, upstream, plan, hooks)?;
+    if let Some(grads) = stem_backward(&model, &batch, stem_graph, upstream) {
         hooks.grads(&model, Part::Stem, grads)?;
     }
-
-    if let Some(values) = buffers {
-        sync_running_state(&model);
-        // Running states are shared between clones, so restoring them on a clone restores the
-        // model's own.
-        let _ = replace_floats(model.clone(), false, values, plan.device);
-    }
-    Ok((detached(out), model))
+    Ok((out, model))
 }
 
 /// The backward of one block from its input leaf and output: the gradient for the block below

@@ -44,15 +44,10 @@ pub(crate) struct Core<'a> {
 }
 
 impl<'a> Core<'a> {
-    /// The equipment for a rank of `ctx.comm` whose model `model` has blocks `blocks`, with the
-    /// flat space cut into `shards` shards (1: every rank steps the whole space).
-    pub fn new<M: Module>(
-        ctx: Context<'a>,
-        blocks: &[Vec<burn::module::ParamId>],
-        shards: usize,
-        model: &M,
-    ) -> Self {
-        let layout = FlatLayout::new(model, blocks, shards);
+    /// The equipment for a rank of `ctx.comm` that steps its shard of `layout` (a layout of
+    /// one shard: the whole of it).
+    pub fn new(ctx: Context<'a>, layout: FlatLayout) -> Self {
+        let shards = layout.shards;
         let mode = ctx.precision.mode;
         let master = if is_true_low(mode) {
             compute_dtype(mode)
@@ -149,6 +144,17 @@ impl<'a> Core<'a> {
     /// The mean over ranks of the flat gradients `units` (each a unit's padded flat space),
     /// one bucket at a time; returns them concatenated on the host.
     pub fn all_reduce_units(&mut self, units: Vec<Tensor<1>>) -> Result<Vec<f32>> {
+        let comm = self.comm;
+        self.reduce_in(comm, units, ReduceOp::Mean)
+    }
+
+    /// [`Self::all_reduce_units`] over `group`, with `op`.
+    pub fn reduce_in(
+        &mut self,
+        group: &dyn Collective,
+        units: Vec<Tensor<1>>,
+        op: ReduceOp,
+    ) -> Result<Vec<f32>> {
         let mut out = Vec::new();
         for t in units {
             let host = self.travelling(t)?;
@@ -156,9 +162,9 @@ impl<'a> Core<'a> {
                 ReduceDtype::F32 => {
                     let mut host = host;
                     let bucket = self.bucket_elements;
-                    self.timed(|c| {
+                    self.timed(|_| {
                         for chunk in host.chunks_mut(bucket) {
-                            c.all_reduce(chunk, ReduceOp::Mean)?;
+                            group.all_reduce(chunk, op)?;
                         }
                         Ok(())
                     })?;
@@ -170,9 +176,9 @@ impl<'a> Core<'a> {
                         .map(|x| burn::tensor::bf16::from_f32(*x))
                         .collect();
                     let bucket = self.bucket_elements;
-                    self.timed(|c| {
+                    self.timed(|_| {
                         for chunk in half.chunks_mut(bucket) {
-                            c.all_reduce_bf16(chunk, ReduceOp::Mean)?;
+                            group.all_reduce_bf16(chunk, op)?;
                         }
                         Ok(())
                     })?;
@@ -249,7 +255,7 @@ impl<'a> Core<'a> {
         lr: f64,
         scaler: Option<&mut LossScaler>,
         clip: Option<f64>,
-        norm: Norm,
+        norm: Norm<'_>,
     ) -> Result<Option<Tensor<1>>> {
         let mut grads = grads;
         let unscale = scaler.as_ref().map(|sc| (1.0 / sc.scale) as f32);
@@ -285,6 +291,13 @@ impl<'a> Core<'a> {
                     let mut squares = vec![grads.clone().square().sum().into_scalar::<f32>()];
                     self.timed(|c| c.all_reduce(&mut squares, ReduceOp::Sum))?;
                     let factor = (max as f32 / (squares[0].sqrt() + 1e-6)).min(1.0);
+                    grads.mul_scalar(factor)
+                }
+                Norm::Squares(total) => {
+                    let started = Instant::now();
+                    let squares = total(&grads)?;
+                    self.sync_seconds += started.elapsed().as_secs_f64();
+                    let factor = (max as f32 / (squares.sqrt() + 1e-6)).min(1.0);
                     grads.mul_scalar(factor)
                 }
             };
@@ -375,14 +388,43 @@ impl<'a> Core<'a> {
         Ok(replace_floats(model, false, values, &self.device))
     }
 
+    /// Fails if any rank of `group` holds `values` that differ from its rank 0's by even one
+    /// bit.
+    pub fn check_replicas(
+        &mut self,
+        group: &dyn Collective,
+        values: Vec<f32>,
+        step: usize,
+    ) -> Result<()> {
+        if group.world_size() == 1 || values.is_empty() {
+            return Ok(());
+        }
+        let all = self.timed(|_| group.all_gather(&values))?;
+        let n = values.len();
+        for r in 1..group.world_size() {
+            let other = &all[r * n..(r + 1) * n];
+            if let Some(i) = (0..n).find(|&i| all[i].to_bits() != other[i].to_bits()) {
+                return Err(Error::Worker(format!(
+                    "replicas diverged after step {step}: rank {r} differs from rank 0 at \
+                     parameter element {i} ({} vs {})",
+                    other[i], all[i]
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of `n` parameter elements in the master dtype.
     pub fn master_bytes(&self, n: usize) -> usize {
         n * dtype_bytes(self.master)
     }
 }
 
+/// A function of the gradient giving the global sum of squares.
+pub(crate) type SquaresFn<'n> = Box<dyn FnOnce(&Tensor<1>) -> Result<f32> + 'n>;
+
 /// Where the global gradient norm of clipping comes from.
-pub(crate) enum Norm {
+pub(crate) enum Norm<'n> {
     /// The rank's gradient is the whole gradient.
     Local,
     /// This tensor (on the device) is the whole averaged gradient, of which the rank steps a
@@ -391,6 +433,9 @@ pub(crate) enum Norm {
     Whole(Box<Tensor<1>>),
     /// Every rank holds a shard: the squares are summed per shard and all-reduced.
     Shards,
+    /// This function of the (unscaled) gradient gives the global sum of squares (a pipeline
+    /// stage adds its part to the other stages').
+    Squares(SquaresFn<'n>),
 }
 
 /// `parts` concatenated, or an empty tensor.

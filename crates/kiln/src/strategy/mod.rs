@@ -19,6 +19,7 @@
 
 mod core;
 pub mod ddp;
+pub mod pipeline;
 pub mod single;
 pub mod zero1;
 pub mod zero2;
@@ -71,15 +72,17 @@ pub trait Strategy<M, B> {
     /// Prepares an optimizer step (the compute copy of a lower precision; ZeRO-3 gathers the
     /// parameters that stay gathered for the whole step).
     fn begin_step(&mut self) -> Result<()>;
-    /// Forward and backward of one micro-batch; `last` marks the last micro-step of the
-    /// optimizer step. `objective` turns the mean loss into what is differentiated. Returns
-    /// the output, its loss detached.
-    fn micro_step(
+    /// Forward and backward of the `count` micro-batches of one optimizer step, each taken
+    /// from `batches` when the strategy needs it (a pipeline stage that neither embeds nor
+    /// scores takes none). `objective` turns a micro-batch's mean loss into what is
+    /// differentiated. Returns the losses (detached, f32) of the micro-batches this rank
+    /// scored.
+    fn micro_steps(
         &mut self,
-        batch: B,
-        last: bool,
+        batches: &mut dyn Iterator<Item = B>,
+        count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
-    ) -> Result<StepOutput>;
+    ) -> Result<Vec<Tensor<1>>>;
     /// Reduces what is left to reduce, unscales and checks the gradients (with a scaler),
     /// clips them to `clip` and steps the optimizer at `lr`. Returns whether it stepped (a
     /// scaler skips steps whose gradients overflowed, on every rank alike).
@@ -96,13 +99,42 @@ pub trait Strategy<M, B> {
     fn optimizer_state(&mut self) -> Result<Option<OptimState>>;
     /// Takes this rank's part of a canonical optimizer state.
     fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()>;
-    /// Values that every rank must hold bit for bit after a step (the replicated parameters;
-    /// nothing for ZeRO-3, whose ranks hold different shards).
-    fn replicated_values(&self) -> Vec<f32>;
+    /// Fails if the ranks that must hold the same parameters (replicas, tied copies) differ
+    /// by even one bit.
+    fn check_replicas(&mut self, step: usize) -> Result<()>;
+    /// What this strategy adds to a log line (called on every rank when one is due; rank 0's
+    /// answer is written).
+    fn report(&mut self) -> Result<Report> {
+        Ok(Report::default())
+    }
     /// The bytes this rank holds, now and at their peaks.
     fn memory(&self) -> Memory;
     /// Seconds spent in collectives since the last call.
     fn take_sync_seconds(&mut self) -> f64;
+}
+
+/// What a strategy adds to a log line: fields of the training record, and records of its own.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    /// Fields added to the training record.
+    pub fields: Vec<(String, serde_json::Value)>,
+    /// Further records (each with its own `split`).
+    pub records: Vec<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// Runs `count` micro-batches from `batches` one at a time through `step`, collecting their
+/// losses as f32.
+pub(crate) fn one_by_one<B>(
+    batches: &mut dyn Iterator<Item = B>,
+    count: usize,
+    mut step: impl FnMut(B) -> Result<StepOutput>,
+) -> Result<Vec<Tensor<1>>> {
+    let mut losses = Vec::with_capacity(count);
+    for batch in batches.take(count) {
+        let out = step(batch)?;
+        losses.push(out.loss.cast(burn::tensor::FloatDType::F32));
+    }
+    Ok(losses)
 }
 
 /// What a strategy is built from besides the model.
@@ -121,6 +153,8 @@ pub struct Context<'a> {
     pub optim: OptimConfig,
     /// Elements of one gradient bucket of an all-reduce.
     pub bucket_elements: usize,
+    /// Stages, micro-batches and schedule (with the `pipeline` strategy).
+    pub pipeline: crate::config::PipelineConfig,
 }
 
 /// The ids of every block's parameters.
@@ -141,17 +175,30 @@ where
     M: BlockStack<B> + Module + 'static,
 {
     let blocks = block_ids(&model);
-    let shards = match kind {
-        StrategyKind::Auto | StrategyKind::Single | StrategyKind::Ddp => 1,
-        StrategyKind::Zero1 | StrategyKind::Zero2 | StrategyKind::Zero3 => ctx.comm.world_size(),
-    };
-    let core = Core::new(ctx, &blocks, shards, &model);
+    let layout = |shards: usize| FlatLayout::new(&model, &blocks, shards);
+    let world = ctx.comm.world_size();
     Ok(match kind {
-        StrategyKind::Auto | StrategyKind::Single => Box::new(single::Single::new(model, core)),
-        StrategyKind::Ddp => Box::new(ddp::Ddp::new(model, core)),
-        StrategyKind::Zero1 => Box::new(zero1::Zero1::new(model, core)),
-        StrategyKind::Zero2 => Box::new(zero2::Zero2::new(model, core)),
-        StrategyKind::Zero3 => Box::new(zero3::Zero3::new(model, core)?),
+        StrategyKind::Auto | StrategyKind::Single => {
+            let core = Core::new(ctx, layout(1));
+            Box::new(single::Single::new(model, core))
+        }
+        StrategyKind::Ddp => {
+            let core = Core::new(ctx, layout(1));
+            Box::new(ddp::Ddp::new(model, core))
+        }
+        StrategyKind::Zero1 => {
+            let core = Core::new(ctx, layout(world));
+            Box::new(zero1::Zero1::new(model, core))
+        }
+        StrategyKind::Zero2 => {
+            let core = Core::new(ctx, layout(world));
+            Box::new(zero2::Zero2::new(model, core))
+        }
+        StrategyKind::Zero3 => {
+            let core = Core::new(ctx, layout(world));
+            Box::new(zero3::Zero3::new(model, core)?)
+        }
+        StrategyKind::Pipeline => Box::new(pipeline::Pipeline::new(model, &blocks, ctx)?),
     })
 }
 
@@ -226,7 +273,8 @@ fn state_tensors(optim: &OptimConfig) -> usize {
 }
 
 /// The expected peak bytes per rank of `kind` over `world` ranks for a model laid out as
-/// `layout` (any shard count), with ZeRO-3 recomputing as `recompute` says.
+/// `layout` (any shard count), with ZeRO-3 recomputing as `recompute` says and a pipeline
+/// cut as `pipeline` says (the heaviest stage's figures).
 pub fn estimate(
     kind: StrategyKind,
     layout: &FlatLayout,
@@ -234,7 +282,8 @@ pub fn estimate(
     precision: &PrecisionConfig,
     optim: &OptimConfig,
     recompute: &RecomputeConfig,
-) -> Estimate {
+    pipeline: &crate::config::PipelineConfig,
+) -> Result<Estimate> {
     let sharded = layout.with_shards(world);
     let mode = precision.mode;
     let master = if is_true_low(mode) {
@@ -258,7 +307,21 @@ pub fn estimate(
             mb
         }
     };
-    match kind {
+    Ok(match kind {
+        StrategyKind::Pipeline => {
+            let stage =
+                pipeline::stage_elements(layout, pipeline.stages, pipeline.cuts.as_deref())?;
+            let copy = if is_mixed(mode) {
+                stage * dtype_bytes(compute_dtype(mode))
+            } else {
+                0
+            };
+            Estimate {
+                params: stage * mb + copy,
+                grads: stage * 4,
+                optim: state * stage * mb,
+            }
+        }
         StrategyKind::Auto | StrategyKind::Single | StrategyKind::Ddp => Estimate {
             params: full * mb + compute_copy,
             grads: full * 4,
@@ -283,5 +346,5 @@ pub fn estimate(
             grads: (shard + sharded.largest_unit()) * 4,
             optim: state * shard * mb,
         },
-    }
+    })
 }

@@ -7,7 +7,7 @@ use burn::tensor::FloatDType;
 use kiln_models::{BlockStack, StepOutput};
 
 use super::core::{Core, Norm, Replica, cat_or_empty};
-use super::{Strategy, answered_by_core};
+use super::{Strategy, answered_by_core, one_by_one};
 use crate::error::Result;
 use crate::exec::{self, Accumulate};
 use crate::precision::LossScaler;
@@ -36,24 +36,26 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Single<'_, M> {
         Ok(())
     }
 
-    fn micro_step(
+    fn micro_steps(
         &mut self,
-        batch: B,
-        _last: bool,
+        batches: &mut dyn Iterator<Item = B>,
+        count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
-    ) -> Result<StepOutput> {
-        let plan = self.core.plan(self.core.recompute);
-        let (out, _) = exec::run(
-            self.replica.current(),
-            batch,
-            &plan,
-            &mut self.acc,
-            objective,
-        )?;
-        let bytes = self.core.layout.total() * 4;
-        self.core.memory.grads.set(bytes);
-        self.core.sample_pool();
-        Ok(out)
+    ) -> Result<Vec<Tensor<1>>> {
+        one_by_one(batches, count, |batch| -> Result<StepOutput> {
+            let plan = self.core.plan(self.core.recompute);
+            let (out, _) = exec::run(
+                self.replica.current(),
+                batch,
+                &plan,
+                &mut self.acc,
+                objective,
+            )?;
+            let bytes = self.core.layout.total() * 4;
+            self.core.memory.grads.set(bytes);
+            self.core.sample_pool();
+            Ok(out)
+        })
     }
 
     fn optimizer_step(
@@ -83,8 +85,9 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Single<'_, M> {
         self.replica.settled(&mut self.core)
     }
 
-    fn replicated_values(&self) -> Vec<f32> {
-        Vec::new()
+    fn check_replicas(&mut self, _step: usize) -> Result<()> {
+        // One device, or ranks that hold different shards: no replicas to compare.
+        Ok(())
     }
 
     answered_by_core!();

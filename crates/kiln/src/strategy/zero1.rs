@@ -8,7 +8,7 @@ use kiln_models::{BlockStack, StepOutput};
 
 use super::core::{Core, Norm, Replica};
 use super::ddp::{accumulate, averaged};
-use super::{Strategy, answered_by_core};
+use super::{Strategy, answered_by_core, one_by_one};
 use crate::error::Result;
 use crate::exec::Accumulate;
 use crate::params::host_f32;
@@ -65,7 +65,7 @@ pub(crate) fn step_shard<M: Module>(
     lr: f64,
     scaler: Option<&mut LossScaler>,
     clip: Option<f64>,
-    norm: Norm,
+    norm: Norm<'_>,
 ) -> Result<bool> {
     let n = grads.len();
     let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), &core.inner);
@@ -87,19 +87,21 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero1<'_, M> {
         Ok(())
     }
 
-    fn micro_step(
+    fn micro_steps(
         &mut self,
-        batch: B,
-        _last: bool,
+        batches: &mut dyn Iterator<Item = B>,
+        count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
-    ) -> Result<StepOutput> {
-        accumulate(
-            &mut self.core,
-            &self.replica,
-            &mut self.acc,
-            batch,
-            objective,
-        )
+    ) -> Result<Vec<Tensor<1>>> {
+        one_by_one(batches, count, |batch| -> Result<StepOutput> {
+            accumulate(
+                &mut self.core,
+                &self.replica,
+                &mut self.acc,
+                batch,
+                objective,
+            )
+        })
     }
 
     fn optimizer_step(
@@ -138,8 +140,10 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero1<'_, M> {
         self.replica.settled(&mut self.core)
     }
 
-    fn replicated_values(&self) -> Vec<f32> {
-        self.replica.values()
+    fn check_replicas(&mut self, step: usize) -> Result<()> {
+        let values = self.replica.values();
+        let comm = self.core.comm;
+        self.core.check_replicas(comm, values, step)
     }
 
     answered_by_core!();

@@ -13,7 +13,7 @@ use kiln_models::{BlockStack, StepOutput};
 
 use super::core::{Core, Norm, Replica, Scatter};
 use super::zero1::step_shard;
-use super::{Strategy, answered_by_core};
+use super::{Strategy, answered_by_core, one_by_one};
 use crate::error::Result;
 use crate::exec;
 use crate::precision::LossScaler;
@@ -52,28 +52,30 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero2<'_, M> {
         Ok(())
     }
 
-    fn micro_step(
+    fn micro_steps(
         &mut self,
-        batch: B,
-        _last: bool,
+        batches: &mut dyn Iterator<Item = B>,
+        count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
-    ) -> Result<StepOutput> {
-        let recompute = self.core.recompute;
-        let sync_bn = self.core.plan(recompute).sync_bn.is_some();
-        let device = self.core.device.clone();
-        let comm = self.core.comm;
-        let plan = exec::Plan {
-            recompute,
-            sync_bn: sync_bn.then_some(comm),
-            device: &device,
-        };
-        let mut hooks = Scatter {
-            core: &mut self.core,
-            shard: &mut self.shard,
-        };
-        let (out, _) = exec::run(self.replica.current(), batch, &plan, &mut hooks, objective)?;
-        self.core.sample_pool();
-        Ok(out)
+    ) -> Result<Vec<Tensor<1>>> {
+        one_by_one(batches, count, |batch| -> Result<StepOutput> {
+            let recompute = self.core.recompute;
+            let sync_bn = self.core.plan(recompute).sync_bn.is_some();
+            let device = self.core.device.clone();
+            let comm = self.core.comm;
+            let plan = exec::Plan {
+                recompute,
+                sync_bn: sync_bn.then_some(comm),
+                device: &device,
+            };
+            let mut hooks = Scatter {
+                core: &mut self.core,
+                shard: &mut self.shard,
+            };
+            let (out, _) = exec::run(self.replica.current(), batch, &plan, &mut hooks, objective)?;
+            self.core.sample_pool();
+            Ok(out)
+        })
     }
 
     fn optimizer_step(
@@ -99,8 +101,10 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero2<'_, M> {
         self.replica.settled(&mut self.core)
     }
 
-    fn replicated_values(&self) -> Vec<f32> {
-        self.replica.values()
+    fn check_replicas(&mut self, step: usize) -> Result<()> {
+        let values = self.replica.values();
+        let comm = self.core.comm;
+        self.core.check_replicas(comm, values, step)
     }
 
     answered_by_core!();

@@ -25,7 +25,7 @@ use kiln_models::{BlockStack, StepOutput};
 
 use super::core::{Core, Norm};
 use super::zero2::open_shard;
-use super::{Strategy, answered_by_core};
+use super::{Strategy, answered_by_core, one_by_one};
 use crate::config::{RecomputeConfig, RecomputeMode};
 use crate::error::Result;
 use crate::exec::{self, Hooks, Part, Recompute};
@@ -223,29 +223,31 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero3<'_, M> {
         Ok(())
     }
 
-    fn micro_step(
+    fn micro_steps(
         &mut self,
-        batch: B,
-        _last: bool,
+        batches: &mut dyn Iterator<Item = B>,
+        count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
-    ) -> Result<StepOutput> {
-        let recompute = self.recompute;
-        let device = self.core.device.clone();
-        let plan = exec::Plan {
-            recompute,
-            sync_bn: None,
-            device: &device,
-        };
-        let model = self
-            .model
-            .take()
-            .expect("the model is home between micro-steps");
-        let mut hooks = self.hooks();
-        let outcome = exec::run(model, batch, &plan, &mut hooks, objective);
-        let (out, model) = outcome?;
-        self.model = Some(model);
-        self.core.sample_pool();
-        Ok(out)
+    ) -> Result<Vec<Tensor<1>>> {
+        one_by_one(batches, count, |batch| -> Result<StepOutput> {
+            let recompute = self.recompute;
+            let device = self.core.device.clone();
+            let plan = exec::Plan {
+                recompute,
+                sync_bn: None,
+                device: &device,
+            };
+            let model = self
+                .model
+                .take()
+                .expect("the model is home between micro-steps");
+            let mut hooks = self.hooks();
+            let outcome = exec::run(model, batch, &plan, &mut hooks, objective);
+            let (out, model) = outcome?;
+            self.model = Some(model);
+            self.core.sample_pool();
+            Ok(out)
+        })
     }
 
     fn optimizer_step(
@@ -292,8 +294,9 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero3<'_, M> {
         Ok(full)
     }
 
-    fn replicated_values(&self) -> Vec<f32> {
-        Vec::new()
+    fn check_replicas(&mut self, _step: usize) -> Result<()> {
+        // One device, or ranks that hold different shards: no replicas to compare.
+        Ok(())
     }
 
     answered_by_core!();

@@ -22,8 +22,8 @@ use kiln_models::BlockStack;
 use crate::checkpoint::{self, LoopState};
 use crate::comm::local_group;
 use crate::config::{
-    MonitorConfig, OptimConfig, PrecisionConfig, RecomputeConfig, RecomputeMode, RootConfig,
-    ScheduleConfig, StrategyKind, TrainConfig, name_of,
+    MonitorConfig, OptimConfig, PipelineConfig, PrecisionConfig, RecomputeConfig, RecomputeMode,
+    RootConfig, ScheduleConfig, StrategyKind, TrainConfig, name_of,
 };
 use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
@@ -93,6 +93,8 @@ pub struct ParallelSettings {
     pub sync_batchnorm: bool,
     /// Limit CPU ranks to their share of the cores (one rayon pool each).
     pub split_cpu_threads: bool,
+    /// Stages and micro-batches (with the `pipeline` strategy).
+    pub pipeline: PipelineConfig,
 }
 
 /// Where the run's output goes and how it is shown.
@@ -155,6 +157,7 @@ impl TrainerSettings {
                 strategy,
                 bucket_mb: config.ddp.bucket_mb,
                 sync_batchnorm: config.ddp.sync_batchnorm,
+                pipeline: config.pipeline.clone(),
             },
             precision: config.precision.clone(),
             recompute: config.recompute.clone(),
@@ -170,6 +173,37 @@ impl TrainerSettings {
     /// Number of ranks.
     pub fn world(&self) -> usize {
         self.parallel.devices.len()
+    }
+
+    /// Pipeline stages per replica (1 unless the strategy is `pipeline`).
+    pub fn stages(&self) -> usize {
+        if self.parallel.strategy == StrategyKind::Pipeline {
+            self.parallel.pipeline.stages
+        } else {
+            1
+        }
+    }
+
+    /// Ranks that draw their own samples: the data-parallel degree (every rank, or one
+    /// pipeline of `stages` ranks).
+    pub fn data_world(&self) -> usize {
+        self.world() / self.stages()
+    }
+
+    /// The data-parallel rank of `rank` (a pipeline's stages share one; a pipeline's ranks are
+    /// consecutive).
+    pub fn data_rank(&self, rank: usize) -> usize {
+        rank / self.stages()
+    }
+
+    /// Micro-batches per optimizer step: the accumulation, times the pipeline's micro-batches.
+    pub fn micro_batches(&self) -> usize {
+        let per_flush = if self.parallel.strategy == StrategyKind::Pipeline {
+            self.parallel.pipeline.microbatches
+        } else {
+            1
+        };
+        self.train.accumulate * per_flush
     }
 }
 
@@ -200,20 +234,20 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
     let sampler = DistributedSampler::new(
         workload.train_len(),
         settings.seed,
-        world,
+        settings.data_world(),
         t.batch_size,
-        t.accumulate,
+        settings.micro_batches(),
         settings.drop_last,
     );
     let spe = sampler.steps_per_epoch();
     if spe == 0 {
         return Err(Error::config(format!(
-            "key `train.batch_size`: one step needs {} samples (batch {} × {} devices × {} \
-             accumulation) but the training set holds {} and data.drop_last is set",
+            "key `train.batch_size`: one step needs {} samples (batch {} × {} data-parallel \
+             ranks × {} micro-batches) but the training set holds {} and data.drop_last is set",
             sampler.samples_per_step(),
             t.batch_size,
-            world,
-            t.accumulate,
+            settings.data_world(),
+            settings.micro_batches(),
             workload.train_len()
         )));
     }
@@ -329,7 +363,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
 
 /// Rejects precision, recompute and strategy settings that cannot work with `model`, before
 /// any worker starts.
-fn check_policies<B, M: BlockStack<B>>(model: &M, s: &TrainerSettings) -> Result<()> {
+fn check_policies<B, M: BlockStack<B> + Module>(model: &M, s: &TrainerSettings) -> Result<()> {
     if is_mixed(s.precision.mode) && has_buffers(model) {
         return Err(Error::config(format!(
             "key `precision.mode`: {:?} keeps f32 master weights apart from a low-precision \
@@ -338,6 +372,14 @@ fn check_policies<B, M: BlockStack<B>>(model: &M, s: &TrainerSettings) -> Result
              \"-true\" precision, or a model without BatchNorm",
             name_of(&s.precision.mode)
         )));
+    }
+    if s.parallel.strategy == StrategyKind::Pipeline {
+        let layout = FlatLayout::new(model, &block_ids(model), 1);
+        crate::strategy::pipeline::stage_elements(
+            &layout,
+            s.parallel.pipeline.stages,
+            s.parallel.pipeline.cuts.as_deref(),
+        )?;
     }
     let blocks_recomputed =
         s.recompute.mode == RecomputeMode::Blocks || s.parallel.strategy == StrategyKind::Zero3;

@@ -129,6 +129,8 @@ struct Worker<'a, W: Workload> {
 /// Running sums of a logging window, kept on the device until a log line needs them.
 struct Window {
     loss: Option<Tensor<1>>,
+    /// Micro-batches whose loss this rank computed.
+    scored: usize,
     steps: usize,
     samples: usize,
     started: Instant,
@@ -144,6 +146,7 @@ impl Window {
     fn new() -> Self {
         Self {
             loss: None,
+            scored: 0,
             steps: 0,
             samples: 0,
             started: Instant::now(),
@@ -237,6 +240,7 @@ impl<W: Workload> Worker<'_, W> {
                 sync_batchnorm: s.parallel.sync_batchnorm,
                 optim: s.optim.clone(),
                 bucket_elements,
+                pipeline: s.parallel.pipeline.clone(),
             },
         )?;
         if let Some(optim) = &start.optim {
@@ -244,7 +248,9 @@ impl<W: Workload> Worker<'_, W> {
         }
         let begin = &start.state;
         let mut scaler = begin.scaler.clone();
-        let peak = scaled_lr(&s.optim, world, t.accumulate);
+        let data_rank = s.data_rank(rank);
+        let data_world = s.data_world();
+        let peak = scaled_lr(&s.optim, data_world, s.micro_batches());
         let schedule = Schedule::new(peak, &s.schedule, self.total);
         let spe = self.sampler.steps_per_epoch();
 
@@ -292,10 +298,10 @@ impl<W: Workload> Worker<'_, W> {
             }
             let lr = schedule.lr(step);
             let loss_scale = scaler.as_ref().map(|sc| sc.scale as f32);
-            let accumulate = t.accumulate;
+            let micros = s.micro_batches();
             let objective = move |loss: Tensor<1>| {
-                let loss = if accumulate > 1 {
-                    loss.div_scalar(accumulate as f32)
+                let loss = if micros > 1 {
+                    loss.div_scalar(micros as f32)
                 } else {
                     loss
                 };
@@ -307,28 +313,36 @@ impl<W: Workload> Worker<'_, W> {
 
             let t0 = Instant::now();
             strategy.begin_step()?;
-            window.compute += t0.elapsed().as_secs_f64();
-            for micro in 0..accumulate {
+            // The strategy takes each micro-batch when it needs it; building them is data time.
+            let mut data_seconds = 0.0;
+            let mut batches = (0..micros).map(|micro| {
                 let t0 = Instant::now();
-                let micro_step = step * accumulate + micro;
+                let micro_step = step * micros + micro;
                 let indices = self
                     .workload
-                    .sample(micro_step, rank, world, t.batch_size)
-                    .unwrap_or_else(|| self.sampler.indices(&order, step_in_epoch, micro, rank));
+                    .sample(micro_step, data_rank, data_world, t.batch_size)
+                    .unwrap_or_else(|| {
+                        self.sampler
+                            .indices(&order, step_in_epoch, micro, data_rank)
+                    });
                 let mut batch = self.workload.train_batch(&indices, &self.device);
                 if dtype != FloatDType::F32 {
                     batch = self.workload.cast_batch(batch, dtype);
                 }
-                let t1 = Instant::now();
-                let out = strategy.micro_step(batch, micro + 1 == accumulate, &objective)?;
-                let detached = out.loss.cast(FloatDType::F32);
+                data_seconds += t0.elapsed().as_secs_f64();
+                batch
+            });
+            let losses = strategy.micro_steps(&mut batches, micros, &objective)?;
+            drop(batches);
+            window.scored += losses.len();
+            for loss in losses {
                 window.loss = Some(match window.loss.take() {
-                    Some(l) => l + detached,
-                    None => detached,
+                    Some(l) => l + loss,
+                    None => loss,
                 });
-                window.data += (t1 - t0).as_secs_f64();
-                window.compute += t1.elapsed().as_secs_f64();
             }
+            window.data += data_seconds;
+            window.compute += t0.elapsed().as_secs_f64() - data_seconds;
             // Collectives inside the micro-steps (ZeRO's reduce-scatters and gathers) count
             // as synchronisation, not compute.
             let inside = strategy.take_sync_seconds();
@@ -351,18 +365,21 @@ impl<W: Workload> Worker<'_, W> {
             }
 
             if t.check_replicas && world > 1 {
-                self.check_replicas(strategy.replicated_values(), step)?;
+                strategy.check_replicas(step)?;
             }
 
             let last = step == self.total;
             if step.is_multiple_of(t.log_every) || last {
                 let elapsed = window.started.elapsed().as_secs_f64() - window.excluded;
+                // Every rank that scored micro-batches contributes their losses (a pipeline's
+                // last stage alone scores them).
                 let mut stats = vec![
-                    window.loss.take().map_or(0.0, |l| l.into_scalar::<f32>())
-                        / (window.steps * accumulate) as f32,
+                    window.loss.take().map_or(0.0, |l| l.into_scalar::<f32>()),
+                    window.scored as f32,
                 ];
-                self.comm.all_reduce(&mut stats, ReduceOp::Mean)?;
-                let loss = f64::from(stats[0]);
+                self.comm.all_reduce(&mut stats, ReduceOp::Sum)?;
+                let loss = f64::from(stats[0]) / f64::from(stats[1]).max(1.0);
+                let report = strategy.report()?;
                 last_train_loss = Some(loss);
                 let rate = window.samples as f64 / elapsed.max(1e-9);
                 let per = |x: f64| x / window.steps as f64;
@@ -390,7 +407,14 @@ impl<W: Workload> Worker<'_, W> {
                         r.insert("loss_scale".into(), num(sc.scale));
                         r.insert("skipped_steps".into(), json!(sc.skipped));
                     }
+                    for (key, value) in report.fields {
+                        r.insert(key, value);
+                    }
                     m.write(&r);
+                    for mut extra in report.records {
+                        extra.insert("step".into(), json!(step));
+                        m.write(&extra);
+                    }
                     for sample in self.monitor.map(SystemMonitor::drain).unwrap_or_default() {
                         m.write(&sample);
                     }
@@ -517,26 +541,6 @@ impl<W: Workload> Worker<'_, W> {
             lead: Some((summary, model.valid())),
             memory,
         })
-    }
-
-    /// Fails if any rank's `values` differ from rank 0's by even one bit.
-    fn check_replicas(&self, mine: Vec<f32>, step: usize) -> Result<()> {
-        if mine.is_empty() {
-            return Ok(());
-        }
-        let all = self.comm.all_gather(&mine)?;
-        let n = mine.len();
-        for r in 1..self.world() {
-            let other = &all[r * n..(r + 1) * n];
-            if let Some(i) = (0..n).find(|&i| all[i].to_bits() != other[i].to_bits()) {
-                return Err(Error::Worker(format!(
-                    "replicas diverged after step {step}: rank {r} differs from rank 0 at \
-                     parameter element {i} ({} vs {})",
-                    other[i], all[i]
-                )));
-            }
-        }
-        Ok(())
     }
 
     /// Mean loss and accuracy over the whole evaluation set, each sample counted once, in the
