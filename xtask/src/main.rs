@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+mod bench_pipeline;
 mod bench_policies;
 mod bench_zero;
 
@@ -33,6 +34,10 @@ commands:
   bench zero [--steps N] [--rounds N] [--devices 2,4] [--config FILE] [--set KEY=VALUE ...]
                                         step time and bytes per rank of ddp, zero1, zero2 and
                                         zero3 (default: configs/gpt-text.toml, 20 steps, N = 2 and 4)
+  bench pipeline [--steps N] [--rounds N] [--micro 1,2,4,8] [--config FILE] [--set KEY=VALUE ...]
+                                        step time, measured bubble and activation memory of a
+                                        2-stage pipeline (GPipe, 1F1B) against one device
+                                        accumulating the same micro-batches
   bench monitor [--steps N] [--rounds R] [--devices N] [--config FILE]
                                         throughput with monitoring on and off, alternating
                                         runs of `train` (default 60 steps, 5 rounds, 2 devices,
@@ -69,6 +74,7 @@ enum Task {
     Bench { args: Vec<String> },
     BenchPolicies(bench_policies::Options),
     BenchZero(bench_zero::Options),
+    BenchPipeline(bench_pipeline::Options),
     BenchMonitor(MonitorBench),
     Plot { args: Vec<String> },
 }
@@ -170,6 +176,7 @@ fn main() -> ExitCode {
         Task::Bench { args } => workspace_root().and_then(|root| bench(&root, &args)),
         Task::BenchPolicies(o) => workspace_root().and_then(|root| bench_policies::run(&root, &o)),
         Task::BenchZero(o) => workspace_root().and_then(|root| bench_zero::run(&root, &o)),
+        Task::BenchPipeline(o) => workspace_root().and_then(|root| bench_pipeline::run(&root, &o)),
         Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
         Task::Plot { args } => workspace_root().and_then(|root| run_train(&root, &args)),
     };
@@ -196,6 +203,7 @@ fn parse_args(args: &[String]) -> Result<Task> {
         }),
         ["bench", "policies", rest @ ..] => bench_policies::parse(rest).map(Task::BenchPolicies),
         ["bench", "zero", rest @ ..] => bench_zero::parse(rest).map(Task::BenchZero),
+        ["bench", "pipeline", rest @ ..] => bench_pipeline::parse(rest).map(Task::BenchPipeline),
         ["bench", "monitor", rest @ ..] => MonitorBench::parse(rest).map(Task::BenchMonitor),
         ["bench", ..] => Err("bench needs a benchmark: ddp, monitor or policies".into()),
         ["plot", rest @ ..] if !rest.is_empty() => Ok(Task::Plot {
