@@ -86,6 +86,24 @@ impl Activation {
         each!(self, t => t.to_device(device))
     }
 
+    /// The activation on `device` as that device's own tensors are: with autodiff and the
+    /// device's gradient-checkpointing strategy when the device has autodiff. For an activation
+    /// that arrived from another device or process.
+    pub fn arrive(self, device: &Device) -> Self {
+        each!(self, t => {
+            let t = t.to_device(device);
+            if device.is_autodiff() {
+                let t = t.autodiff();
+                match device.gradient_checkpointing_strategy() {
+                    Some(s) => t.with_gradient_checkpointing_strategy(s),
+                    None => t,
+                }
+            } else {
+                t
+            }
+        })
+    }
+
     /// The activation converted to `dtype`.
     pub fn cast(self, dtype: FloatDType) -> Self {
         each!(self, t => t.cast(dtype))

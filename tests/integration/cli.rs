@@ -206,3 +206,19 @@ fn devices_report_lists_the_cpu_and_the_auto_choice() {
     let out = train_bin(&dir, &["--accelerator", "wgpu", "--devices", "0,7"]);
     assert_one_line_error(&out, &["wgpu adapter 7"]);
 }
+
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn several_processes_without_the_mpi_feature_are_refused() {
+    // What mpirun puts in each process's environment; this build cannot join them.
+    let dir = temp_dir("no-mpi");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--max-steps", "1"])
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_one_line_error(&out, &["process 0 of 2", "mpi", "--features kiln/mpi"]);
+    assert!(!dir.join("runs").exists(), "nothing is written");
+}

@@ -5,6 +5,8 @@ mod common;
 mod ddp;
 mod gpt;
 mod monitor;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod pipeline;
 mod policies;
 mod training;

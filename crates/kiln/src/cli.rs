@@ -146,6 +146,21 @@ pub fn devices_report() -> Vec<String> {
     listed(DeviceType::Cuda, "cuda", &mut lines);
     #[cfg(not(feature = "cuda"))]
     lines.push("cuda   not built (enable the `cuda` feature)".to_string());
+    let p = crate::comm::Processes::from_env();
+    if p.count > 1 {
+        lines.push(format!(
+            "procs  {} processes under a launcher (this is process {}); each runs the devices \
+             above: world = {} × devices{}",
+            p.count,
+            p.index,
+            p.count,
+            if cfg!(feature = "mpi") {
+                ""
+            } else {
+                " (this build lacks the `mpi` feature)"
+            }
+        ));
+    }
     let auto = if cfg!(feature = "cuda") {
         "cuda"
     } else {
@@ -414,12 +429,23 @@ pub fn main_with(args: Args) -> i32 {
             }
         };
     }
+    // Under a launcher with several processes, MPI starts here (or the run is refused).
+    let _processes = match crate::comm::start(crate::comm::Processes::from_env()) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
     let outcome = args.resolve().and_then(|(config, options)| {
         if args.print_config {
             print!("{}", config.to_toml());
             return Ok(());
         }
         let result = train(&config, &options)?;
+        if crate::comm::processes().index != 0 {
+            return Ok(());
+        }
         let s = &result.summary;
         let acc = s.val_accuracy.map_or(String::new(), |a| {
             format!(", val accuracy {:.2}%", a * 100.0)

@@ -822,13 +822,12 @@ impl RootConfig {
                 format!("lists a device twice: {devices:?}"),
             );
         }
-        if self.strategy.name == StrategyKind::Single && devices.len() > 1 {
+        // The world is every process's devices (one process without a launcher).
+        let world = devices.len() * crate::comm::Processes::from_env().count;
+        if self.strategy.name == StrategyKind::Single && world > 1 {
             return bad(
                 "strategy.name",
-                format!(
-                    "`single` runs on one device, but {} are selected",
-                    devices.len()
-                ),
+                format!("`single` runs on one device, but {world} are selected"),
             );
         }
         let pipe = &self.pipeline;
@@ -849,14 +848,13 @@ impl RootConfig {
                 ),
             );
         }
-        if pipelined && !devices.len().is_multiple_of(pipe.stages) {
+        if pipelined && !world.is_multiple_of(pipe.stages) {
             return bad(
                 "pipeline.stages",
                 format!(
-                    "{} stages must divide the {} devices (devices / stages pipelines train as \
-                     replicas)",
-                    pipe.stages,
-                    devices.len()
+                    "{} stages must divide the {world} devices (devices / stages pipelines \
+                     train as replicas)",
+                    pipe.stages
                 ),
             );
         }
@@ -900,9 +898,9 @@ impl RootConfig {
 
     /// The strategy actually used, resolving `auto` by device count.
     pub fn strategy(&self) -> StrategyKind {
-        self.strategy
-            .name
-            .resolve(self.hardware.devices.indices().len())
+        self.strategy.name.resolve(
+            self.hardware.devices.indices().len() * crate::comm::Processes::from_env().count,
+        )
     }
 
     /// The run directory: `run.dir`, or `runs/<run.name>`.

@@ -162,8 +162,10 @@ pub struct Summary {
     pub wall_seconds: f64,
     /// Training samples per second over the whole run.
     pub samples_per_sec: f64,
-    /// Number of devices (replicas).
+    /// Number of ranks (devices over every process).
     pub devices: usize,
+    /// Number of processes (1 without a launcher).
+    pub processes: usize,
     /// Parallel strategy.
     pub strategy: String,
     /// Numeric precision.

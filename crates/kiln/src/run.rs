@@ -80,9 +80,13 @@ pub fn load_data(config: &DataConfig) -> Result<ImageSplits> {
         DatasetKind::FashionMnist => IdxKind::FashionMnist,
     };
     let dir = config.resolved_dir();
-    if config.download && !dir.is_dir() {
+    // One process per machine downloads; the others wait for it.
+    if config.download && crate::comm::processes().local_index == 0 && !dir.is_dir() {
         println!("downloading {} into {}", kind.name(), dir.display());
         kiln_datasets::download_mnist(&dir, kind)?;
+    }
+    if config.download {
+        crate::comm::process_barrier();
     }
     Ok(kind.load(&dir)?)
 }
@@ -205,9 +209,12 @@ fn train_images(config: &RootConfig, options: &RunOptions) -> Result<RunResult> 
 
 fn train_text(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
     let path = config.data.resolved_path();
-    if config.data.download && !path.exists() {
+    if config.data.download && crate::comm::processes().local_index == 0 && !path.exists() {
         println!("downloading Tiny Shakespeare into {}", path.display());
         kiln_datasets::text::download_text(kiln_datasets::text::TINY_SHAKESPEARE_URL, &path)?;
+    }
+    if config.data.download {
+        crate::comm::process_barrier();
     }
     if !path.is_file() {
         return Err(Error::data(format!(
@@ -307,30 +314,37 @@ where
         }
     }
 
-    let run_dir = choose_run_dir(config, options)?;
-    std::fs::create_dir_all(&run_dir).map_err(|e| Error::io(&run_dir, e))?;
-    let mut saved = config.clone();
-    saved.run.dir = Some(run_dir.clone());
-    write_atomic(&run_dir.join("config.toml"), saved.to_toml().as_bytes())?;
-    write_atomic(
-        &run_dir.join(SPEC_FILE),
-        toml::to_string_pretty(spec)
-            .expect("spec serialises")
-            .as_bytes(),
-    )?;
-    save_extra(&run_dir)?;
+    // Process 0 chooses the run directory and writes the run's files; the others follow it.
+    let first = crate::comm::processes().index == 0;
+    let run_dir = PathBuf::from(crate::comm::agree(|| {
+        let run_dir = choose_run_dir(config, options)?;
+        std::fs::create_dir_all(&run_dir).map_err(|e| Error::io(&run_dir, e))?;
+        let mut saved = config.clone();
+        saved.run.dir = Some(run_dir.clone());
+        write_atomic(&run_dir.join("config.toml"), saved.to_toml().as_bytes())?;
+        write_atomic(
+            &run_dir.join(SPEC_FILE),
+            toml::to_string_pretty(spec)
+                .expect("spec serialises")
+                .as_bytes(),
+        )?;
+        save_extra(&run_dir)?;
+        Ok(run_dir.display().to_string())
+    })?);
 
     let mut settings = TrainerSettings::from_config(config, devices, accelerator, run_dir.clone());
     settings.output.resume_from = options.resume_from.clone();
-    settings.output.progress = options.verbose;
-    if options.verbose {
+    settings.output.progress = options.verbose && first;
+    if options.verbose && first {
         print_table(config, workload, &settings, &run_dir, rows);
     }
 
     let (summary, model) = fit(workload, &settings)?;
-    export_model(&run_dir, &model)?;
-    let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");
-    write_atomic(&run_dir.join("summary.json"), &json)?;
+    if first {
+        export_model(&run_dir, &model)?;
+        let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");
+        write_atomic(&run_dir.join("summary.json"), &json)?;
+    }
     Ok(RunResult {
         dir: run_dir,
         summary,
@@ -599,7 +613,16 @@ fn print_table<W: Workload>(
         ("accelerator", s.parallel.accelerator.clone()),
         (
             "devices",
-            format!("{world} {:?}", config.hardware.devices.indices()),
+            if s.parallel.processes.count > 1 {
+                format!(
+                    "{} processes × {} devices {:?} = {world} ranks",
+                    s.parallel.processes.count,
+                    s.parallel.devices.len(),
+                    config.hardware.devices.indices()
+                )
+            } else {
+                format!("{world} {:?}", config.hardware.devices.indices())
+            },
         ),
         ("strategy", strategy_line(s)),
         ("world size", world.to_string()),

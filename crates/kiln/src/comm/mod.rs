@@ -8,12 +8,142 @@
 //! order, so the same inputs always give the same bits.
 
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 
 pub use local::{LocalComm, local_group};
 
 use kiln_models::Activation;
 
 use crate::error::Result;
+
+/// Where this process stands among the processes a launcher (`mpirun`, `srun`) started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Processes {
+    /// This process's index, `0..count`.
+    pub index: usize,
+    /// Number of processes.
+    pub count: usize,
+    /// This process's index among the processes of its machine.
+    pub local_index: usize,
+}
+
+impl Processes {
+    /// One process alone.
+    pub const ALONE: Processes = Processes {
+        index: 0,
+        count: 1,
+        local_index: 0,
+    };
+
+    /// What the launcher's environment says: OpenMPI's `OMPI_COMM_WORLD_*`, MPICH/PMI's
+    /// `PMI_*`, or Slurm's `srun` (`SLURM_PROCID` with `SLURM_STEP_NUM_TASKS`); one process
+    /// alone when none is set.
+    pub fn from_env() -> Self {
+        let var = |k: &str| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+        };
+        let found = [
+            (
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+            ),
+            ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+            ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"),
+        ]
+        .iter()
+        .find_map(|(rank, size, local)| {
+            Some(Processes {
+                index: var(rank)?,
+                count: var(size)?,
+                local_index: var(local).unwrap_or(0),
+            })
+        });
+        match found {
+            Some(p) if p.count > 0 && p.index < p.count => p,
+            _ => Processes::ALONE,
+        }
+    }
+}
+
+/// Starts what several processes need (MPI, with the `mpi` feature) and returns a guard to
+/// keep until the run is over. Without the feature, several processes are refused with the
+/// way to build kiln for them.
+pub fn start(processes: Processes) -> Result<Option<Box<dyn std::any::Any>>> {
+    if processes.count <= 1 {
+        return Ok(None);
+    }
+    #[cfg(feature = "mpi")]
+    {
+        Ok(mpi::init(processes)?.map(|g| Box::new(g) as Box<dyn std::any::Any>))
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        Err(crate::error::Error::Device(format!(
+            "this train runs as process {} of {} under a launcher (mpirun/srun), but it was \
+             built without the `mpi` feature; build it with `cargo build --release --features \
+             kiln/mpi` (needs libopenmpi-dev and libclang-dev), or run one process",
+            processes.index, processes.count
+        )))
+    }
+}
+
+/// One group of the world for each of this process's `devices` device threads: in-process
+/// threads, or, once MPI runs ([`start`]), the processes' threads together.
+pub fn world_group(devices: usize) -> Result<Vec<Box<dyn Collective>>> {
+    #[cfg(feature = "mpi")]
+    if mpi::active() {
+        return mpi::world_group(devices);
+    }
+    Ok(local_group(devices)
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn Collective>)
+        .collect())
+}
+
+/// What process 0 decided, on every process: `decide` runs on process 0 alone and its outcome
+/// (a value or an error message) is broadcast to the others. With one process, `decide` runs.
+pub fn agree(decide: impl FnOnce() -> Result<String>) -> Result<String> {
+    let mine = if processes().index == 0 {
+        Some(decide())
+    } else {
+        None
+    };
+    #[cfg(feature = "mpi")]
+    if mpi::active() {
+        let mut bytes = match &mine {
+            Some(Ok(v)) => [&[0u8][..], v.as_bytes()].concat(),
+            Some(Err(e)) => [&[1u8][..], e.to_string().as_bytes()].concat(),
+            None => Vec::new(),
+        };
+        mpi::agree(&mut bytes);
+        let text = String::from_utf8_lossy(&bytes[1..]).into_owned();
+        return match (bytes[0], mine) {
+            (_, Some(own)) => own,
+            (0, None) => Ok(text),
+            (_, None) => Err(crate::error::Error::Worker(format!("process 0: {text}"))),
+        };
+    }
+    mine.expect("one process is process 0")
+}
+
+/// Waits until every process arrives (nothing with one process).
+pub fn process_barrier() {
+    #[cfg(feature = "mpi")]
+    mpi::barrier();
+}
+
+/// The processes of the run: those MPI joined, or this one alone.
+pub fn processes() -> Processes {
+    #[cfg(feature = "mpi")]
+    if let Some(p) = mpi::processes() {
+        return p;
+    }
+    Processes::ALONE
+}
 
 /// The reduction an [`Collective::all_reduce`] applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

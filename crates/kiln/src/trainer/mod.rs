@@ -20,7 +20,7 @@ use burn::tensor::FloatDType;
 use kiln_models::BlockStack;
 
 use crate::checkpoint::{self, LoopState};
-use crate::comm::local_group;
+use crate::comm::{Processes, world_group};
 use crate::config::{
     MonitorConfig, OptimConfig, PipelineConfig, PrecisionConfig, RecomputeConfig, RecomputeMode,
     RootConfig, ScheduleConfig, StrategyKind, TrainConfig, name_of,
@@ -33,7 +33,7 @@ use crate::params::{FlatLayout, has_buffers};
 use crate::precision::{self, LossScaler, is_mixed};
 use crate::strategy::block_ids;
 
-pub use worker::median;
+pub use worker::{FAULT_VAR, median};
 
 /// A model and its data, as the trainer sees them; nothing here knows about devices beyond
 /// the one it is handed.
@@ -95,6 +95,8 @@ pub struct ParallelSettings {
     pub split_cpu_threads: bool,
     /// Stages and micro-batches (with the `pipeline` strategy).
     pub pipeline: PipelineConfig,
+    /// The processes of the run (each runs `devices`).
+    pub processes: Processes,
 }
 
 /// Where the run's output goes and how it is shown.
@@ -143,7 +145,11 @@ impl TrainerSettings {
         accelerator: String,
         run_dir: PathBuf,
     ) -> Self {
-        let strategy = config.strategy.name.resolve(devices.len());
+        let processes = crate::comm::processes();
+        let strategy = config
+            .strategy
+            .name
+            .resolve(devices.len() * processes.count);
         Self {
             train: config.train.clone(),
             optim: config.optim.clone(),
@@ -158,6 +164,7 @@ impl TrainerSettings {
                 bucket_mb: config.ddp.bucket_mb,
                 sync_batchnorm: config.ddp.sync_batchnorm,
                 pipeline: config.pipeline.clone(),
+                processes: crate::comm::processes(),
             },
             precision: config.precision.clone(),
             recompute: config.recompute.clone(),
@@ -170,9 +177,9 @@ impl TrainerSettings {
         }
     }
 
-    /// Number of ranks.
+    /// Number of ranks: this process's devices times the processes.
     pub fn world(&self) -> usize {
-        self.parallel.devices.len()
+        self.parallel.devices.len() * self.parallel.processes.count
     }
 
     /// Pipeline stages per replica (1 unless the strategy is `pipeline`).
@@ -261,7 +268,10 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
         precision::check_device(&settings.precision, device, &label)?;
     }
     let run_dir = &settings.output.run_dir;
-    std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
+    let first_process = p.processes.index == 0;
+    if first_process {
+        std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
+    }
 
     // Rank 0's initial weights (or the checkpoint's) are what every rank starts from.
     let main_device = p.devices[0].clone().autodiff();
@@ -331,7 +341,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
 
     // Rank 0 drains the system monitor into the sinks; dropping it stops the thread, on
     // failure too.
-    let monitor = (settings.output.monitor.interval_s > 0.0).then(|| {
+    let monitor = (first_process && settings.output.monitor.interval_s > 0.0).then(|| {
         SystemMonitor::start(MonitorSetup {
             interval: std::time::Duration::from_secs_f64(settings.output.monitor.interval_s),
             devices: p.devices.clone(),
@@ -349,7 +359,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
         state,
         optim,
     };
-    let comms = local_group(world);
+    let comms = world_group(p.devices.len())?;
     worker::run_all(
         workload,
         settings,

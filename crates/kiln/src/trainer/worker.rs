@@ -12,7 +12,7 @@ use serde_json::json;
 
 use super::{Start, TrainerSettings, Workload};
 use crate::checkpoint::{self, LoopState};
-use crate::comm::{Collective, LocalComm, ReduceOp};
+use crate::comm::{Collective, ReduceOp};
 use crate::config::{RecomputeMode, name_of};
 use crate::data::{DistributedSampler, eval_shard};
 use crate::error::{Error, Result};
@@ -24,10 +24,9 @@ use crate::strategy::{self, Context, Memory, Strategy};
 
 const ABORTED: &str = "stopped because ";
 
-/// What a rank hands back: its memory figures, and on rank 0 the summary and the final model.
+/// What a rank hands back: on the first rank of each process, the summary and the final model.
 struct Outcome<M> {
     lead: Option<(Summary, M)>,
-    memory: Memory,
 }
 
 /// Whether `e` is a rank's report that another rank aborted the group.
@@ -43,7 +42,7 @@ pub(super) fn run_all<W: Workload>(
     settings: &TrainerSettings,
     sampler: &DistributedSampler,
     total: usize,
-    comms: Vec<LocalComm>,
+    comms: Vec<Box<dyn Collective>>,
     start: &Start,
     monitor: Option<&SystemMonitor>,
 ) -> Result<(Summary, W::Model)> {
@@ -51,18 +50,20 @@ pub(super) fn run_all<W: Workload>(
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
-            .map(|(rank, comm)| {
+            .map(|(local, comm)| {
                 let sampler = sampler.clone();
+                let rank = comm.rank();
                 std::thread::Builder::new()
                     .name(format!("kiln-worker-{rank}"))
                     .spawn_scoped(scope, move || {
-                        let base = settings.parallel.devices[rank].clone().autodiff();
+                        let base = settings.parallel.devices[local].clone().autodiff();
                         let worker = Worker {
                             workload,
                             settings,
                             sampler,
                             total,
-                            comm: Box::new(comm),
+                            comm,
+                            local,
                             device: match settings.recompute.mode {
                                 RecomputeMode::Balanced => base.gradient_checkpointing(),
                                 _ => base,
@@ -85,12 +86,10 @@ pub(super) fn run_all<W: Workload>(
 
     // Report the failure that started it all, not the ranks it aborted.
     let mut lead = None;
-    let mut memories = Vec::with_capacity(results.len());
     let mut errors = Vec::new();
     for r in results {
         match r {
             Ok(out) => {
-                memories.push(out.memory);
                 if out.lead.is_some() {
                     lead = out.lead;
                 }
@@ -102,17 +101,41 @@ pub(super) fn run_all<W: Workload>(
         let origin = errors.iter().position(|e| !is_abort_echo(e)).unwrap_or(0);
         return Err(errors.swap_remove(origin));
     }
-    let (mut summary, model) =
-        lead.ok_or_else(|| Error::Worker("rank 0 returned no result".into()))?;
-    summary.param_bytes_per_rank = memories.iter().map(|m| m.params.peak).collect();
-    summary.grad_bytes_per_rank = memories.iter().map(|m| m.grads.peak).collect();
-    summary.optim_bytes_per_rank = memories.iter().map(|m| m.optim.peak).collect();
-    summary.peak_bytes_per_rank = memories.iter().map(|m| m.total_peak).collect();
-    summary.pool_peak_bytes_per_rank = memories
+    lead.ok_or_else(|| Error::Worker("the process's first rank returned no result".into()))
+}
+
+/// Every rank's memory figures, gathered (each count carried exactly in two f32 halves).
+fn gather_memory(comm: &dyn Collective, m: &Memory) -> Result<Vec<[usize; 5]>> {
+    let pool = m.pool_peak.map_or(usize::MAX, |p| p as usize);
+    let counts = [
+        m.params.peak,
+        m.grads.peak,
+        m.optim.peak,
+        m.total_peak,
+        pool,
+    ];
+    let mine: Vec<f32> = counts
         .iter()
-        .map(|m| m.pool_peak)
-        .collect::<Option<Vec<u64>>>();
-    Ok((summary, model))
+        .flat_map(|c| {
+            let c = *c as u64;
+            [
+                (c >> 40) as f32,
+                ((c >> 20) & 0xf_ffff) as f32,
+                (c & 0xf_ffff) as f32,
+            ]
+        })
+        .collect();
+    let all = comm.all_gather(&mine)?;
+    Ok(all
+        .chunks(mine.len())
+        .map(|r| {
+            let mut out = [0usize; 5];
+            for (i, v) in r.chunks(3).enumerate() {
+                out[i] = (((v[0] as u64) << 40) | ((v[1] as u64) << 20) | v[2] as u64) as usize;
+            }
+            out
+        })
+        .collect())
 }
 
 struct Worker<'a, W: Workload> {
@@ -121,6 +144,8 @@ struct Worker<'a, W: Workload> {
     sampler: DistributedSampler,
     total: usize,
     comm: Box<dyn Collective + 'a>,
+    /// This rank's index among the ranks of its process (its device's index).
+    local: usize,
     device: Device,
     /// The system monitor, on rank 0.
     monitor: Option<&'a SystemMonitor>,
@@ -367,6 +392,9 @@ impl<W: Workload> Worker<'_, W> {
             if t.check_replicas && world > 1 {
                 strategy.check_replicas(step)?;
             }
+            if injected_fault() == Some((rank, step)) {
+                panic!("injected failure after step {step} ({FAULT_VAR})");
+            }
 
             let last = step == self.total;
             if step.is_multiple_of(t.log_every) || last {
@@ -511,9 +539,9 @@ impl<W: Workload> Worker<'_, W> {
             }
         }
         wall += run_started.elapsed().as_secs_f64();
-        let memory = strategy.memory();
-        if !lead {
-            return Ok(Outcome { lead: None, memory });
+        let memories = gather_memory(self.comm.as_ref(), &strategy.memory())?;
+        if self.local != 0 {
+            return Ok(Outcome { lead: None });
         }
         let summary = Summary {
             steps: step,
@@ -531,7 +559,15 @@ impl<W: Workload> Worker<'_, W> {
             step_seconds: median(&mut step_times),
             start_rss_mib,
             peak_rss_mib: crate::monitor::process_memory_mib("VmHWM"),
-            ..Summary::default()
+            param_bytes_per_rank: memories.iter().map(|m| m[0]).collect(),
+            grad_bytes_per_rank: memories.iter().map(|m| m[1]).collect(),
+            optim_bytes_per_rank: memories.iter().map(|m| m[2]).collect(),
+            peak_bytes_per_rank: memories.iter().map(|m| m[3]).collect(),
+            pool_peak_bytes_per_rank: memories
+                .iter()
+                .map(|m| (m[4] != usize::MAX).then_some(m[4] as u64))
+                .collect(),
+            processes: s.parallel.processes.count,
         };
         if is_true_low(mode) {
             // The exported model is f32 whatever the training precision.
@@ -539,7 +575,6 @@ impl<W: Workload> Worker<'_, W> {
         }
         Ok(Outcome {
             lead: Some((summary, model.valid())),
-            memory,
         })
     }
 
@@ -598,6 +633,20 @@ impl<W: Workload> Worker<'_, W> {
             has_accuracy.then(|| f64::from(stats[1]) / n),
         ))
     }
+}
+
+/// The environment variable that makes one rank panic after one step, to test how a failure
+/// ends a run (in-process and across processes): `KILN_FAULT_INJECT=rank:step`.
+pub const FAULT_VAR: &str = "KILN_FAULT_INJECT";
+
+/// The `(rank, step)` of an injected failure, when the variable asks for one.
+fn injected_fault() -> Option<(usize, usize)> {
+    static FAULT: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    *FAULT.get_or_init(|| {
+        let raw = std::env::var(FAULT_VAR).ok()?;
+        let (rank, step) = raw.split_once(':')?;
+        Some((rank.trim().parse().ok()?, step.trim().parse().ok()?))
+    })
 }
 
 /// The median of `values` (sorted in place), `None` when empty.

@@ -257,7 +257,7 @@ impl<'a, B, M: BlockStack<B> + Module> Pipeline<'a, M, B> {
                         (x, start)
                     } else {
                         let x = self.core.timed(|_| self.pipe.recv(stage - 1))?;
-                        (x.to_device(&device), now())
+                        (x.arrive(&device), now())
                     };
                     let (out, stash, _) =
                         forward_blocks(model.clone(), x, blocks.clone(), &plan, &mut self.acc)?;
@@ -288,7 +288,7 @@ impl<'a, B, M: BlockStack<B> + Module> Pipeline<'a, M, B> {
                     } else {
                         self.core
                             .timed(|_| self.pipe.recv(stage + 1))?
-                            .to_device(&device)
+                            .arrive(&device)
                     };
                     let start = now();
                     let stash = stashes.remove(&m).expect("the forward ran first");

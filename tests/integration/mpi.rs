@@ -1,0 +1,384 @@
+//! Several processes over MPI (built with the `mpi` feature; CI runs these with OpenMPI):
+//! `mpirun -np P train --devices N` against one process with P × N devices, reruns, resume
+//! across the two, and a failing or killed process ending the whole job.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use burn::prelude::*;
+use kiln::trainer::parameter_values;
+
+use crate::common::{max_relative_diff, temp_dir, train_bin, train_losses};
+use crate::gpt::text_file;
+
+fn mpirun(np: usize, cwd: &Path, args: &[String]) -> Output {
+    let out = mpirun_command(np, cwd, args, &[])
+        .output()
+        .expect("run mpirun (OpenMPI's openmpi-bin)");
+    assert!(
+        out.status.success(),
+        "mpirun -np {np} train {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn mpirun_command(np: usize, cwd: &Path, args: &[String], env: &[(&str, &str)]) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &np.to_string(),
+    ])
+    .arg(env!("CARGO_BIN_EXE_train"))
+    .args(args)
+    .current_dir(cwd);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c
+}
+
+fn one_process(cwd: &Path, args: &[String]) {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = train_bin(cwd, &args);
+    assert!(
+        out.status.success(),
+        "train {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Model {
+    Gpt,
+    Mlp,
+}
+
+/// The arguments of a short run of `model` into `run_dir`.
+fn args(model: Model, text: &Path, run_dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut sets: Vec<String> = match model {
+        Model::Gpt => vec![
+            "data.dataset=\"text\"".into(),
+            format!("data.path={:?}", text.display().to_string()),
+            "data.eval_windows=16".into(),
+            "model.kind=\"gpt\"".into(),
+            "model.gpt.n_layer=2".into(),
+            "model.gpt.n_head=3".into(),
+            "model.gpt.n_embd=9".into(),
+            "model.gpt.block_size=8".into(),
+            "train.epochs=0".into(),
+            "optim.weight_decay=0.1".into(),
+            "train.grad_clip=1.0".into(),
+        ],
+        Model::Mlp => vec![
+            "data.dataset=\"digits\"".into(),
+            "model.kind=\"mlp\"".into(),
+            "model.mlp.hidden=[33, 17]".into(),
+            "optim.name=\"sgd\"".into(),
+            "optim.lr=0.1".into(),
+        ],
+    };
+    sets.extend([
+        "train.log_every=1".into(),
+        "train.batch_size=4".into(),
+        "monitor.interval_s=0".into(),
+        "optim.lr=0.003".into(),
+    ]);
+    sets.extend(extra.iter().map(|s| s.to_string()));
+    let mut out = vec![
+        "--config".to_string(),
+        "/dev/null".into(),
+        "--run-dir".into(),
+        run_dir.display().to_string(),
+    ];
+    for s in sets {
+        out.push("--set".into());
+        out.push(s);
+    }
+    out
+}
+
+fn params(model: Model, dir: &Path) -> Vec<Vec<f32>> {
+    let device = Device::flex();
+    match model {
+        Model::Gpt => parameter_values(&kiln_models::load_gpt_run(dir, &device).unwrap().0),
+        Model::Mlp => parameter_values(&kiln_models::load_run(dir, &device).unwrap()),
+    }
+}
+
+fn with(mut base: Vec<String>, more: &[&str]) -> Vec<String> {
+    base.extend(more.iter().map(|s| s.to_string()));
+    base
+}
+
+#[test]
+fn processes_match_one_process_with_as_many_devices_and_rerun_to_the_bit() {
+    let dir = temp_dir("mpi-parity");
+    let text = text_file(&dir);
+    for model in [Model::Gpt, Model::Mlp] {
+        for strategy in ["ddp", "zero2"] {
+            let name = format!("{model:?}-{strategy}");
+            let extra = ["train.max_steps=5", &format!("strategy.name={strategy:?}")];
+            let many = dir.join(format!("{name}-mpi"));
+            mpirun(
+                2,
+                &dir,
+                &with(args(model, &text, &many, &extra), &["--devices", "2"]),
+            );
+            let one = dir.join(format!("{name}-one"));
+            one_process(
+                &dir,
+                &with(args(model, &text, &one, &extra), &["--devices", "4"]),
+            );
+            let d = max_relative_diff(&params(model, &many), &params(model, &one));
+            println!("{name}: 2 processes × 2 devices vs 1 × 4: {d:.3e}");
+            assert!(d <= 1e-6, "{name}: {d:e}");
+            let summary = std::fs::read_to_string(many.join("summary.json")).unwrap();
+            assert!(summary.contains("\"processes\": 2"), "{summary}");
+        }
+    }
+    // Three processes of one device each, against one process of three.
+    let extra = ["train.max_steps=5"];
+    let three = dir.join("three-mpi");
+    mpirun(
+        3,
+        &dir,
+        &with(args(Model::Mlp, &text, &three, &extra), &["--devices", "1"]),
+    );
+    let one = dir.join("three-one");
+    one_process(
+        &dir,
+        &with(args(Model::Mlp, &text, &one, &extra), &["--devices", "3"]),
+    );
+    let d = max_relative_diff(&params(Model::Mlp, &three), &params(Model::Mlp, &one));
+    println!("3 processes × 1 device vs 1 × 3: {d:.3e}");
+    assert!(d <= 1e-6, "{d:e}");
+    // Two reruns under MPI: the same bits.
+    let again = dir.join("Gpt-zero2-again");
+    mpirun(
+        2,
+        &dir,
+        &with(
+            args(
+                Model::Gpt,
+                &text,
+                &again,
+                &["train.max_steps=5", "strategy.name=\"zero2\""],
+            ),
+            &["--devices", "2"],
+        ),
+    );
+    let first = dir.join("Gpt-zero2-mpi");
+    assert_eq!(train_losses(&again), train_losses(&first));
+    assert_eq!(params(Model::Gpt, &again), params(Model::Gpt, &first));
+}
+
+#[test]
+fn a_pipeline_spans_processes() {
+    let dir = temp_dir("mpi-pipeline");
+    let text = text_file(&dir);
+    let extra = [
+        "train.max_steps=5",
+        "strategy.name=\"pipeline\"",
+        "pipeline.stages=2",
+        "pipeline.microbatches=4",
+    ];
+    // Two stages in two processes (activations travel over MPI), two pipelines.
+    let many = dir.join("mpi");
+    mpirun(
+        2,
+        &dir,
+        &with(args(Model::Gpt, &text, &many, &extra), &["--devices", "2"]),
+    );
+    let one = dir.join("one");
+    one_process(
+        &dir,
+        &with(args(Model::Gpt, &text, &one, &extra), &["--devices", "4"]),
+    );
+    let d = max_relative_diff(&params(Model::Gpt, &many), &params(Model::Gpt, &one));
+    println!("pipeline, 2 processes × 2 devices vs 1 × 4: {d:.3e}");
+    assert!(d <= 1e-6, "{d:e}");
+    let cross = dir.join("cross");
+    mpirun(
+        2,
+        &dir,
+        &with(args(Model::Gpt, &text, &cross, &extra), &["--devices", "1"]),
+    );
+    let single = dir.join("single");
+    one_process(
+        &dir,
+        &with(
+            args(Model::Gpt, &text, &single, &extra),
+            &["--devices", "2"],
+        ),
+    );
+    let d = max_relative_diff(&params(Model::Gpt, &cross), &params(Model::Gpt, &single));
+    println!("pipeline, stage per process vs 1 process × 2: {d:.3e}");
+    assert!(d <= 1e-6, "{d:e}");
+}
+
+#[test]
+fn a_checkpoint_moves_between_processes_and_devices() {
+    let dir = temp_dir("mpi-resume");
+    let text = text_file(&dir);
+    let extra = [
+        "train.max_steps=6",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=10",
+    ];
+    let losses = |d: &Path| -> Vec<f64> {
+        train_losses(d)
+            .into_iter()
+            .map(|(_, b)| f64::from_bits(b))
+            .collect()
+    };
+    // Under MPI, then one process; one process, then under MPI.
+    for (first_mpi, name) in [(true, "mpi-then-one"), (false, "one-then-mpi")] {
+        let full = dir.join(format!("{name}-full"));
+        let base = args(Model::Gpt, &text, &full, &extra);
+        if first_mpi {
+            mpirun(2, &dir, &with(base, &["--devices", "2"]));
+        } else {
+            one_process(&dir, &with(base, &["--devices", "4"]));
+        }
+        let cut = dir.join(name);
+        crate::training::cut_copy(&full, &cut, 2);
+        let resume = vec!["--resume".to_string(), cut.display().to_string()];
+        if first_mpi {
+            one_process(&dir, &with(resume, &["--devices", "4"]));
+        } else {
+            mpirun(2, &dir, &with(resume, &["--devices", "2"]));
+        }
+        let (got, expected) = (losses(&cut), losses(&full));
+        assert_eq!(got.len(), expected.len(), "{name}");
+        for (i, (a, b)) in got.iter().zip(&expected).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "{name} step {}: {a} vs {b}",
+                i + 1
+            );
+        }
+    }
+}
+
+/// Waits for `child` at most `limit`; returns its output, or kills it and fails.
+fn finish_within(mut child: std::process::Child, limit: Duration) -> (Output, Duration) {
+    let started = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return (child.wait_with_output().unwrap(), started.elapsed());
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("the job did not end within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn assert_checkpoints_whole(run: &Path) {
+    let (_, newest) = kiln::checkpoint::latest(run).expect("a checkpoint was written");
+    let state = kiln::checkpoint::read_state(&newest).unwrap();
+    assert!(state.step >= 1);
+    kiln::checkpoint::load_optimizer(&newest).unwrap();
+    let spec = kiln_models::read_spec(&run.join("model.toml")).unwrap();
+    let model = spec.gpt(&Device::flex()).unwrap();
+    kiln::checkpoint::load_model(&newest, model).unwrap();
+}
+
+#[test]
+fn a_panicking_rank_ends_the_job_and_names_itself() {
+    let dir = temp_dir("mpi-panic");
+    let text = text_file(&dir);
+    let run = dir.join("run");
+    let a = with(
+        args(
+            Model::Gpt,
+            &text,
+            &run,
+            &["train.max_steps=200", "train.checkpoint_every=1"],
+        ),
+        &["--devices", "1"],
+    );
+    let child = mpirun_command(2, &dir, &a, &[(kiln::trainer::FAULT_VAR, "1:3")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (out, took) = finish_within(child, Duration::from_secs(10));
+    let text = String::from_utf8_lossy(&out.stderr);
+    println!("ended after {took:?}: {text}");
+    assert!(!out.status.success());
+    assert!(text.contains("rank 1 panicked: injected failure"), "{text}");
+    assert_checkpoints_whole(&run);
+}
+
+/// The pid of the process of `mpirun` rank `rank` training into `run`.
+fn rank_pid(run: &Path, rank: usize) -> Option<u32> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+    let run = run.display().to_string();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        let environ = std::fs::read(e.path().join("environ")).ok()?;
+        let has =
+            |hay: &[u8], needle: &str| hay.split(|b| *b == 0).any(|part| part == needle.as_bytes());
+        (has(&cmdline, &run) && has(&environ, &want)).then_some(pid)
+    })
+}
+
+#[test]
+fn a_killed_process_ends_the_job() {
+    let dir = temp_dir("mpi-kill");
+    let text = text_file(&dir);
+    let run = dir.join("run");
+    let a = with(
+        args(
+            Model::Gpt,
+            &text,
+            &run,
+            &["train.max_steps=100000", "train.checkpoint_every=2"],
+        ),
+        &["--devices", "1"],
+    );
+    let child = mpirun_command(2, &dir, &a, &[])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until a few steps have run, then kill rank 1 outright.
+    let started = Instant::now();
+    let victim = loop {
+        let steps = std::fs::read_to_string(run.join("metrics.jsonl"))
+            .map(|m| m.lines().count())
+            .unwrap_or(0);
+        if steps >= 4
+            && let Some(pid) = rank_pid(&run, 1)
+        {
+            break pid;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the job never got going"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let killed = Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (out, took) = finish_within(child, Duration::from_secs(10));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("ended {took:?} after the kill");
+    assert!(!out.status.success());
+    assert!(text.contains("rank 1"), "{text}");
+    assert_checkpoints_whole(&run);
+}
