@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+mod bench_mpi;
 mod bench_pipeline;
 mod bench_policies;
 mod bench_zero;
@@ -38,6 +39,10 @@ commands:
                                         step time, measured bubble and activation memory of a
                                         2-stage pipeline (GPipe, 1F1B) against one device
                                         accumulating the same micro-batches
+  bench mpi [--steps N] [--rounds N] [--config FILE]
+                                        GPT step time in one process vs two under mpirun, and
+                                        kiln's MPI all-reduce bandwidth vs MPI_Allreduce
+                                        (needs OpenMPI and libclang; builds the mpi feature)
   bench monitor [--steps N] [--rounds R] [--devices N] [--config FILE]
                                         throughput with monitoring on and off, alternating
                                         runs of `train` (default 60 steps, 5 rounds, 2 devices,
@@ -75,6 +80,7 @@ enum Task {
     BenchPolicies(bench_policies::Options),
     BenchZero(bench_zero::Options),
     BenchPipeline(bench_pipeline::Options),
+    BenchMpi(bench_mpi::Options),
     BenchMonitor(MonitorBench),
     Plot { args: Vec<String> },
 }
@@ -177,6 +183,7 @@ fn main() -> ExitCode {
         Task::BenchPolicies(o) => workspace_root().and_then(|root| bench_policies::run(&root, &o)),
         Task::BenchZero(o) => workspace_root().and_then(|root| bench_zero::run(&root, &o)),
         Task::BenchPipeline(o) => workspace_root().and_then(|root| bench_pipeline::run(&root, &o)),
+        Task::BenchMpi(o) => workspace_root().and_then(|root| bench_mpi::run(&root, &o)),
         Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
         Task::Plot { args } => workspace_root().and_then(|root| run_train(&root, &args)),
     };
@@ -204,6 +211,7 @@ fn parse_args(args: &[String]) -> Result<Task> {
         ["bench", "policies", rest @ ..] => bench_policies::parse(rest).map(Task::BenchPolicies),
         ["bench", "zero", rest @ ..] => bench_zero::parse(rest).map(Task::BenchZero),
         ["bench", "pipeline", rest @ ..] => bench_pipeline::parse(rest).map(Task::BenchPipeline),
+        ["bench", "mpi", rest @ ..] => bench_mpi::parse(rest).map(Task::BenchMpi),
         ["bench", "monitor", rest @ ..] => MonitorBench::parse(rest).map(Task::BenchMonitor),
         ["bench", ..] => Err("bench needs a benchmark: ddp, monitor or policies".into()),
         ["plot", rest @ ..] if !rest.is_empty() => Ok(Task::Plot {

@@ -180,6 +180,7 @@ pub fn world_group(devices: usize) -> Result<Vec<Box<dyn Collective>>> {
                 mpi: Some(state.world.clone()),
                 splits: AtomicU64::new(0),
                 senders: Mutex::new(HashMap::new()),
+                scratch: Mutex::new(Vec::new()),
             }) as Box<dyn Collective>
         })
         .collect())
@@ -205,6 +206,8 @@ struct Hier {
     splits: AtomicU64,
     /// A sending thread per destination in another process.
     senders: Mutex<HashMap<usize, Sender<Message>>>,
+    /// The lead's send buffer of reductions.
+    scratch: Mutex<Vec<f32>>,
 }
 
 /// An activation on its way to another process: its shape and dtype, and its values.
@@ -264,7 +267,11 @@ impl Collective for Hier {
         self.local.all_reduce(data, ReduceOp::Sum)?;
         if let Some(comm) = self.spanning() {
             if self.lead() {
-                let mine = data.to_vec();
+                // MPI reduces from one buffer into another; the copy goes to a buffer kept
+                // between calls, so that large buckets do not fault in fresh pages each time.
+                let mut mine = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+                mine.clear();
+                mine.extend_from_slice(data);
                 comm.0
                     .all_reduce_into(&mine[..], data, SystemOperation::sum());
             }
@@ -522,6 +529,7 @@ impl Collective for Hier {
             mpi,
             splits: AtomicU64::new(0),
             senders: Mutex::new(HashMap::new()),
+            scratch: Mutex::new(Vec::new()),
         }))
     }
 
