@@ -84,16 +84,36 @@ impl FromStr for IdxKind {
 }
 
 /// Reads a whole file, transparently inflating it when it starts with the gzip magic bytes.
-fn read_maybe_gzip(path: &Path) -> Result<Vec<u8>, DatasetError> {
+///
+/// A gzip file is inflated no further than its header says its payload is (`payload` reads
+/// that from the first `header_len` bytes), plus one byte to tell extra data apart: a small
+/// file that inflates without end, or a header that claims billions of items, never makes the
+/// reader allocate more than the data that is really there up to what the header declares.
+fn read_maybe_gzip(
+    path: &Path,
+    header_len: usize,
+    payload: impl Fn(&[u8]) -> u64,
+) -> Result<Vec<u8>, DatasetError> {
     let raw = fs::read(path).map_err(|e| DatasetError::io(path, "cannot read", e))?;
     if !raw.starts_with(&GZIP_MAGIC) {
         return Ok(raw);
     }
-    let mut inflated = Vec::with_capacity(raw.len() * 4);
+    let inflate = |e| DatasetError::io(path, "cannot decompress gzip data", e);
     // Multi-member decoding accepts files that were concatenated from several gzip streams.
-    MultiGzDecoder::new(raw.as_slice())
+    let mut decoder = MultiGzDecoder::new(raw.as_slice());
+    let mut inflated = Vec::with_capacity(header_len);
+    (&mut decoder)
+        .take(header_len as u64)
         .read_to_end(&mut inflated)
-        .map_err(|e| DatasetError::io(path, "cannot decompress gzip data", e))?;
+        .map_err(inflate)?;
+    if inflated.len() < header_len {
+        return Ok(inflated);
+    }
+    let limit = payload(&inflated).saturating_add(1);
+    decoder
+        .take(limit)
+        .read_to_end(&mut inflated)
+        .map_err(inflate)?;
     Ok(inflated)
 }
 
@@ -253,13 +273,23 @@ fn parse_labels(path: &Path, mut bytes: Vec<u8>) -> Result<Vec<u8>, DatasetError
 /// The magic number, the dimensions and the exact payload length are all checked; a file that
 /// is short or carries extra bytes is rejected rather than partially used.
 pub fn read_idx_images(path: &Path) -> Result<(usize, usize, usize, Vec<u8>), DatasetError> {
-    parse_images(path, read_maybe_gzip(path)?)
+    let declared = |h: &[u8]| {
+        let (n, rows, cols) = (be_u32(h, 4), be_u32(h, 8), be_u32(h, 12));
+        if rows as usize > MAX_SIDE || cols as usize > MAX_SIDE {
+            return 0;
+        }
+        u64::from(n) * u64::from(rows) * u64::from(cols)
+    };
+    parse_images(path, read_maybe_gzip(path, IMAGES_HEADER, declared)?)
 }
 
 /// Reads an IDX label file (raw or gzip), checking its header, length and that every label is
 /// one of the ten classes.
 pub fn read_idx_labels(path: &Path) -> Result<Vec<u8>, DatasetError> {
-    parse_labels(path, read_maybe_gzip(path)?)
+    parse_labels(
+        path,
+        read_maybe_gzip(path, LABELS_HEADER, |h| u64::from(be_u32(h, 4)))?,
+    )
 }
 
 /// The accepted spellings of one of the four standard files: the original dash form and the

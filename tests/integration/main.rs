@@ -3,11 +3,13 @@
 mod cli;
 mod common;
 mod ddp;
+mod fuzz;
 mod gpt;
 mod monitor;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod pipeline;
 mod policies;
+mod robust;
 mod training;
 mod zero;

@@ -239,7 +239,7 @@ fn train_plot_draws_pngs_of_the_requested_size() {
 }
 
 #[test]
-fn a_machine_without_nvml_says_so_once_and_trains_on() {
+fn a_machine_without_nvml_says_so_once_when_asked_and_trains_on() {
     let dir = temp_dir("monitor-nvml");
     let out = train_bin(
         &dir,
@@ -248,6 +248,8 @@ fn a_machine_without_nvml_says_so_once_and_trains_on() {
             "4",
             "--set",
             "monitor.interval_s=0.05",
+            "--set",
+            "monitor.gpu=true",
             "--name",
             "n",
         ],

@@ -437,16 +437,28 @@ pub fn main_with(args: Args) -> i32 {
             return 2;
         }
     };
+    crate::signal::install();
+    let mut stopped = false;
     let outcome = args.resolve().and_then(|(config, options)| {
         if args.print_config {
             print!("{}", config.to_toml());
             return Ok(());
         }
         let result = train(&config, &options)?;
+        stopped = result.summary.stopped_by.is_some();
         if crate::comm::processes().index != 0 {
             return Ok(());
         }
         let s = &result.summary;
+        if let Some(signal) = &s.stopped_by {
+            println!(
+                "stopped by {signal} after step {}: checkpoint written; continue with `train \
+                 --resume {}`",
+                s.steps,
+                result.dir.display()
+            );
+            return Ok(());
+        }
         let acc = s.val_accuracy.map_or(String::new(), |a| {
             format!(", val accuracy {:.2}%", a * 100.0)
         });
@@ -461,6 +473,7 @@ pub fn main_with(args: Args) -> i32 {
         Ok(())
     });
     match outcome {
+        Ok(()) if stopped => crate::signal::STOPPED_EXIT_CODE,
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e}");

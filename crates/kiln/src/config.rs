@@ -193,6 +193,11 @@ pub struct MonitorConfig {
     /// Weight of the history in the smoothed throughput (an exponential moving average over
     /// logging windows): 0 keeps only the newest window. Default 0.8.
     pub smoothing: f64,
+    /// GPU utilization and power through NVML: `true` asks for them (and says when they cannot
+    /// be had), `false` does not try; unset samples what NVML offers and says nothing on a
+    /// machine without it. Default: unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<bool>,
 }
 
 impl Default for MonitorConfig {
@@ -202,6 +207,7 @@ impl Default for MonitorConfig {
             interval_s: 1.0,
             peak_tflops: None,
             smoothing: 0.8,
+            gpu: None,
         }
     }
 }
@@ -346,6 +352,18 @@ pub struct TrainConfig {
     /// Clip gradients to this global L2 norm. Default: unset (no clipping).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grad_clip: Option<f64>,
+    /// Steps whose gradients hold an infinity or NaN (without a loss scaler) that may be
+    /// skipped, leaving the parameters as they were; one more stops the run with an error
+    /// naming the step, rank and micro-batch. Default 0.
+    pub skip_nonfinite: usize,
+    /// On the first SIGINT/SIGTERM, finish the step in flight on every rank, write a
+    /// checkpoint and stop (a second signal stops at once). Default true.
+    pub checkpoint_on_signal: bool,
+    /// Keep the checkpoint with the best validation `val_loss` (lowest) or `val_accuracy`
+    /// (highest) besides the newest `keep_checkpoints`; validation then runs at every
+    /// checkpoint. Default: unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub best_metric: Option<String>,
     /// Assert after every step that all replicas hold identical parameters (slow; for tests;
     /// `zero3` keeps no replicas, so there it checks nothing).
     /// Default false.
@@ -364,6 +382,9 @@ impl Default for TrainConfig {
             checkpoint_every: None,
             keep_checkpoints: 3,
             grad_clip: None,
+            skip_nonfinite: 0,
+            checkpoint_on_signal: true,
+            best_metric: None,
             check_replicas: false,
         }
     }
@@ -631,7 +652,11 @@ impl RootConfig {
             let inner = humanize(&one_line(e.inner()), &path);
             Error::config(format!("{origin}: key `{path}`: {inner}"))
         })?;
-        config.validate()?;
+        // A value that parses but cannot work names its source too.
+        config.validate().map_err(|e| match e {
+            Error::Config(m) => Error::config(format!("{origin}: {m}")),
+            other => other,
+        })?;
         Ok(config)
     }
 
@@ -661,6 +686,14 @@ impl RootConfig {
             if v == Some(0) {
                 return bad(key, "must be at least 1 (or left unset), got 0".into());
             }
+        }
+        if let Some(m) = &self.train.best_metric
+            && !["val_loss", "val_accuracy"].contains(&m.as_str())
+        {
+            return bad(
+                "train.best_metric",
+                format!("expected \"val_loss\" or \"val_accuracy\", got {m:?}"),
+            );
         }
         if let Some(c) = self.train.grad_clip
             && !(c.is_finite() && c > 0.0)

@@ -15,6 +15,8 @@ pub enum Error {
     Device(String),
     /// A worker failed; the whole run stopped.
     Worker(String),
+    /// Training itself went wrong (a non-finite loss or gradient); the run stopped.
+    Training(String),
     /// Another I/O failure.
     Io(String),
 }
@@ -49,6 +51,7 @@ impl fmt::Display for Error {
             Error::Checkpoint(m) => ("checkpoint", m),
             Error::Device(m) => ("device", m),
             Error::Worker(m) => ("worker", m),
+            Error::Training(m) => ("training", m),
             Error::Io(m) => ("io", m),
         };
         // Messages are shown as one line whatever their source wrote.

@@ -24,6 +24,7 @@ pub mod params;
 pub mod plot;
 pub mod precision;
 pub mod run;
+pub mod signal;
 pub mod sinks;
 pub mod strategy;
 pub mod trainer;

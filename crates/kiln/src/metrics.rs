@@ -166,6 +166,9 @@ pub struct Summary {
     pub devices: usize,
     /// Number of processes (1 without a launcher).
     pub processes: usize,
+    /// The signal that stopped the run early (after a checkpoint), if one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped_by: Option<String>,
     /// Parallel strategy.
     pub strategy: String,
     /// Numeric precision.

@@ -183,6 +183,9 @@ pub struct MonitorSetup {
     /// The replicas are CPU replicas in their own thread pools (`kiln-worker-R…` threads), so
     /// each one's CPU time can be told apart.
     pub cpu_replicas: bool,
+    /// GPU sampling through NVML: `Some(true)` asks for it (and says when it cannot be had),
+    /// `Some(false)` does not try, `None` samples what NVML offers and stays silent otherwise.
+    pub gpu: Option<bool>,
 }
 
 /// One reading of the system.
@@ -297,7 +300,7 @@ fn mib(x: f64) -> String {
 
 /// The sampler thread and what it produced.
 pub struct SystemMonitor {
-    notice: String,
+    notice: Option<String>,
     step: Arc<AtomicUsize>,
     samples: Mutex<Receiver<SystemSample>>,
     latest: Arc<Mutex<Option<SystemSample>>>,
@@ -309,7 +312,15 @@ impl SystemMonitor {
     /// Starts sampling. NVML is opened here: [`SystemMonitor::notice`] says whether GPU
     /// utilization and power are sampled, and why not.
     pub fn start(setup: MonitorSetup) -> Self {
-        let (gpus, notice) = Gpus::open(&setup.devices);
+        let (gpus, notice) = match setup.gpu {
+            Some(false) => (None, None),
+            asked => {
+                let (gpus, line) = Gpus::open(&setup.devices);
+                // Without a GPU to sample, a run that did not ask for one hears nothing of it.
+                let say = gpus.is_some() || asked == Some(true);
+                (gpus, say.then_some(line))
+            }
+        };
         let step = Arc::new(AtomicUsize::new(0));
         let latest = Arc::new(Mutex::new(None));
         let (stop_tx, stop_rx) = mpsc::channel::<()>();
@@ -351,9 +362,10 @@ impl SystemMonitor {
         }
     }
 
-    /// One line on what is sampled and what is not (NVML).
-    pub fn notice(&self) -> &str {
-        &self.notice
+    /// One line on what is sampled and what is not (NVML), when there is something to say:
+    /// GPUs found, or GPU sampling asked for (`monitor.gpu = true`) and not possible.
+    pub fn notice(&self) -> Option<&str> {
+        self.notice.as_deref()
     }
 
     /// Tells the sampler the last finished step.
@@ -804,12 +816,18 @@ mod tests {
             interval: Duration::from_millis(20),
             devices: vec![Device::flex(), Device::flex()],
             cpu_replicas: true,
+            gpu: Some(true),
         });
-        assert!(
-            monitor.notice().starts_with("monitor: NVML"),
-            "{}",
-            monitor.notice()
-        );
+        // Asked for, GPU sampling says what it found (on this machine: no NVML).
+        let notice = monitor.notice().expect("asked for GPU sampling");
+        assert!(notice.starts_with("monitor: NVML"), "{notice}");
+        let quiet = SystemMonitor::start(MonitorSetup {
+            interval: Duration::from_millis(20),
+            devices: vec![Device::flex()],
+            cpu_replicas: false,
+            gpu: Some(false),
+        });
+        assert_eq!(quiet.notice(), None);
         monitor.set_step(3);
         std::thread::sleep(Duration::from_millis(150));
         let stopped = Instant::now();

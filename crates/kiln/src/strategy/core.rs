@@ -40,6 +40,8 @@ pub(crate) struct Core<'a> {
     pub reduce_dtype: ReduceDtype,
     pub bucket_elements: usize,
     pub memory: Memory,
+    /// Whether the last optimizer step was refused for a non-finite gradient (no scaler).
+    pub nonfinite: bool,
     sync_seconds: f64,
 }
 
@@ -78,6 +80,7 @@ impl<'a> Core<'a> {
             reduce_dtype: ctx.precision.reduce_dtype,
             bucket_elements: ctx.bucket_elements.max(1),
             memory: Memory::default(),
+            nonfinite: false,
             sync_seconds: 0.0,
         }
     }
@@ -259,14 +262,24 @@ impl<'a> Core<'a> {
     ) -> Result<Option<Tensor<1>>> {
         let mut grads = grads;
         let unscale = scaler.as_ref().map(|sc| (1.0 / sc.scale) as f32);
+        if let Some(u) = unscale {
+            grads = grads.mul_scalar(u);
+        }
+        // Every rank holds a shard of the same averaged gradient (or all of it): one flag,
+        // summed over ranks, decides for every rank alike. A loss scaler takes an overflow as
+        // the sign to lower its scale; without one, a non-finite gradient is the run's problem
+        // (the loop stops, or skips as `train.skip_nonfinite` allows).
+        let total: f32 = grads.clone().abs().sum().into_scalar();
+        let mut flag = vec![f32::from(u8::from(!total.is_finite()))];
+        self.timed(|c| c.all_reduce(&mut flag, ReduceOp::Sum))?;
+        let finite = flag[0] == 0.0;
+        self.nonfinite = !finite && scaler.is_none();
         if let Some(sc) = scaler {
-            grads = grads.mul_scalar((1.0 / sc.scale) as f32);
-            let total: f32 = grads.clone().abs().sum().into_scalar();
-            let mut flag = vec![f32::from(u8::from(!total.is_finite()))];
-            self.timed(|c| c.all_reduce(&mut flag, ReduceOp::Sum))?;
-            if !sc.update(flag[0] == 0.0) {
+            if !sc.update(finite) {
                 return Ok(None);
             }
+        } else if !finite {
+            return Ok(None);
         }
         if let Some(max) = clip {
             // On the device: the factor is a tensor, never read back.

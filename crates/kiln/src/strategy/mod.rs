@@ -61,6 +61,10 @@ macro_rules! answered_by_core {
         fn take_sync_seconds(&mut self) -> f64 {
             self.core.take_sync_seconds()
         }
+
+        fn nonfinite(&self) -> bool {
+            self.core.nonfinite
+        }
     };
 }
 use answered_by_core;
@@ -111,6 +115,9 @@ pub trait Strategy<M, B> {
     fn memory(&self) -> Memory;
     /// Seconds spent in collectives since the last call.
     fn take_sync_seconds(&mut self) -> f64;
+    /// Whether the last optimizer step was refused because a gradient was not finite (with no
+    /// loss scaler to take it as an overflow).
+    fn nonfinite(&self) -> bool;
 }
 
 /// What a strategy adds to a log line: fields of the training record, and records of its own.

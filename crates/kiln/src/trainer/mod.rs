@@ -301,6 +301,22 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
     check_policies::<W::Batch, _>(&initial, settings)?;
     let mut optim = None;
     if let Some(dir) = &settings.output.resume_from {
+        // Checkpoint writers killed mid-write leave temporary directories; they go now.
+        if first_process {
+            let removed = checkpoint::remove_stale(run_dir)?;
+            if !removed.is_empty() {
+                println!(
+                    "removed {} temporary checkpoint director{} that a killed writer left: {}",
+                    removed.len(),
+                    if removed.len() == 1 { "y" } else { "ies" },
+                    removed
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+        }
         let saved = checkpoint::read_state(dir)?;
         if saved.samples_per_step != sampler.samples_per_step() {
             return Err(Error::checkpoint(format!(
@@ -346,12 +362,13 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
             interval: std::time::Duration::from_secs_f64(settings.output.monitor.interval_s),
             devices: p.devices.clone(),
             cpu_replicas: p.split_cpu_threads && world > 1,
+            gpu: settings.output.monitor.gpu,
         })
     });
-    if let Some(m) = &monitor
+    if let Some(notice) = monitor.as_ref().and_then(SystemMonitor::notice)
         && settings.output.progress
     {
-        println!("{}", m.notice());
+        println!("{notice}");
     }
 
     let start = Start {

@@ -312,6 +312,8 @@ impl<W: Workload> Worker<'_, W> {
         let mut last_val: Option<(f64, Option<f64>)> = None;
         let mut validated_at = None;
         let mut step_times = Vec::new();
+        let mut nonfinite_skipped = 0usize;
+        let mut stopped_by = None;
         let start_rss_mib = crate::monitor::process_memory_mib("VmRSS");
         let run_started = Instant::now();
 
@@ -360,6 +362,7 @@ impl<W: Workload> Worker<'_, W> {
             let losses = strategy.micro_steps(&mut batches, micros, &objective)?;
             drop(batches);
             window.scored += losses.len();
+            let step_losses = losses.clone();
             for loss in losses {
                 window.loss = Some(match window.loss.take() {
                     Some(l) => l + loss,
@@ -379,6 +382,16 @@ impl<W: Workload> Worker<'_, W> {
             let inside = strategy.take_sync_seconds();
             window.sync += inside;
             window.optim += t2.elapsed().as_secs_f64() - inside;
+            if strategy.nonfinite() {
+                // Every rank saw the same flag. Within the allowance the step is skipped (the
+                // parameters stay as they were); past it the run stops, before anything is
+                // written for this step.
+                if nonfinite_skipped < t.skip_nonfinite {
+                    nonfinite_skipped += 1;
+                } else {
+                    return Err(self.nonfinite_error(step + 1, &step_losses, &s.output.run_dir)?);
+                }
+            }
 
             step += 1;
             step_in_epoch += 1;
@@ -435,6 +448,9 @@ impl<W: Workload> Worker<'_, W> {
                         r.insert("loss_scale".into(), num(sc.scale));
                         r.insert("skipped_steps".into(), json!(sc.skipped));
                     }
+                    if t.skip_nonfinite > 0 {
+                        r.insert("nonfinite_skipped".into(), json!(nonfinite_skipped));
+                    }
                     for (key, value) in report.fields {
                         r.insert(key, value);
                     }
@@ -461,9 +477,25 @@ impl<W: Workload> Worker<'_, W> {
                 window = Window::new();
             }
 
+            // A signal asks every rank to stop here with a checkpoint; the ranks agree on the
+            // step (a signal reaches processes and threads at different moments).
+            let signalled = if t.checkpoint_on_signal && !last {
+                let mut flag = vec![crate::signal::requested().map_or(0.0, |sig| sig as f32)];
+                if world > 1 {
+                    self.comm.all_reduce(&mut flag, ReduceOp::Sum)?;
+                }
+                (flag[0] > 0.0).then(|| crate::signal::requested().unwrap_or(libc::SIGTERM))
+            } else {
+                None
+            };
+            let checkpoint_due = t.checkpoint_every.is_some_and(|n| step.is_multiple_of(n))
+                || last
+                || signalled.is_some();
             let epoch_end = step_in_epoch == spe;
             let periodic_val = t.val_every.is_some_and(|n| step.is_multiple_of(n));
-            if epoch_end || periodic_val || last {
+            // With a best metric, every checkpoint is scored.
+            let scored = checkpoint_due && t.best_metric.is_some();
+            if epoch_end || periodic_val || last || scored {
                 let val_started = Instant::now();
                 let model = strategy.full_model()?;
                 let v = self.validate(&model)?;
@@ -494,7 +526,7 @@ impl<W: Workload> Worker<'_, W> {
                 window.excluded += val_started.elapsed().as_secs_f64();
             }
 
-            if t.checkpoint_every.is_some_and(|n| step.is_multiple_of(n)) || last {
+            if checkpoint_due {
                 let saving = Instant::now();
                 let model = strategy.full_model()?;
                 let optim = strategy.optimizer_state()?;
@@ -511,22 +543,36 @@ impl<W: Workload> Worker<'_, W> {
                         wall_seconds: wall + run_started.elapsed().as_secs_f64(),
                         scaler: scaler.clone(),
                     };
+                    let score = t.best_metric.as_deref().and_then(|metric| {
+                        let v = last_val.filter(|_| validated_at == Some(step))?;
+                        let value = if metric == "val_accuracy" { v.1? } else { v.0 };
+                        Some(checkpoint::Score { metric, value })
+                    });
                     checkpoint::save(
                         &s.output.run_dir,
                         &model,
                         &optim,
                         &state,
                         t.keep_checkpoints,
+                        score,
                     )?;
                 }
                 // Nobody runs ahead of a checkpoint that has not landed yet.
                 self.comm.barrier()?;
                 window.excluded += saving.elapsed().as_secs_f64();
             }
+            if let Some(signal) = signalled {
+                stopped_by = Some(crate::signal::name(signal));
+                break;
+            }
         }
 
         let mut model = strategy.full_model()?;
-        if validated_at != Some(step) && self.workload.eval_len() > 0 && step > 0 {
+        if validated_at != Some(step)
+            && self.workload.eval_len() > 0
+            && step > 0
+            && stopped_by.is_none()
+        {
             last_val = Some(self.validate(&model)?);
         }
         if let Some(p) = &progress {
@@ -568,6 +614,7 @@ impl<W: Workload> Worker<'_, W> {
                 .map(|m| (m[4] != usize::MAX).then_some(m[4] as u64))
                 .collect(),
             processes: s.parallel.processes.count,
+            stopped_by,
         };
         if is_true_low(mode) {
             // The exported model is f32 whatever the training precision.
@@ -576,6 +623,43 @@ impl<W: Workload> Worker<'_, W> {
         Ok(Outcome {
             lead: Some((summary, model.valid())),
         })
+    }
+
+    /// The error of a step whose gradients were not finite: which ranks' micro-batches had a
+    /// non-finite loss (or that every loss was finite and the gradients were not), and the
+    /// newest checkpoint, which nothing has overwritten.
+    fn nonfinite_error(
+        &self,
+        step: usize,
+        losses: &[Tensor<1>],
+        run_dir: &std::path::Path,
+    ) -> Result<Error> {
+        let bad = losses
+            .iter()
+            .position(|l| !l.clone().into_scalar::<f32>().is_finite())
+            .map_or(-1.0, |m| m as f32);
+        let all = self.comm.all_gather(&[bad])?;
+        let at: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| **m >= 0.0)
+            .map(|(r, m)| format!("rank {r} micro-batch {}", *m as usize))
+            .collect();
+        let what = if at.is_empty() {
+            "a non-finite gradient (every loss was finite)".to_string()
+        } else {
+            format!("a non-finite loss ({})", at.join(", "))
+        };
+        let kept = checkpoint::list(run_dir)
+            .pop()
+            .map_or("none was written".to_string(), |(_, d)| {
+                format!("{} is intact", d.display())
+            });
+        Ok(Error::Training(format!(
+            "step {step}: {what}; the step was not taken and the newest checkpoint {kept} \
+             (train.skip_nonfinite = {} lets a run skip such steps)",
+            self.settings.train.skip_nonfinite
+        )))
     }
 
     /// Mean loss and accuracy over the whole evaluation set, each sample counted once, in the

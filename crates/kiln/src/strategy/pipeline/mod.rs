@@ -630,6 +630,10 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Pipeline<'_, M, B> {
     fn take_sync_seconds(&mut self) -> f64 {
         self.core.take_sync_seconds()
     }
+
+    fn nonfinite(&self) -> bool {
+        self.core.nonfinite
+    }
 }
 
 /// The bytes per rank of the heaviest stage: its units' parameters (and compute copy),

@@ -1,0 +1,400 @@
+//! Runs that survive operations: a signal stops a run with a checkpoint it resumes from bit for
+//! bit, a non-finite loss stops a run (or is skipped), stale temporary checkpoints go on
+//! resume, the best checkpoint is kept, a checkpoint that cannot be written leaves the last one
+//! intact, and a CPU run says nothing of NVML.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+use kiln::run::{ImageWorkload, RunOptions, train};
+use kiln::trainer::{TrainerSettings, Workload, fit};
+use kiln_models::{Classifier, ImageBatch, ModelSpec};
+
+use crate::common::{metrics, small_config, temp_dir, train_bin, train_losses};
+use crate::gpt::text_file;
+
+/// The arguments of a GPT run of `steps` steps into `run`, long enough to be interrupted.
+fn gpt_args(text: &Path, run: &Path, steps: usize, devices: usize) -> Vec<String> {
+    let mut a = vec![
+        "--config".to_string(),
+        "/dev/null".into(),
+        "--run-dir".into(),
+        run.display().to_string(),
+        "--devices".into(),
+        devices.to_string(),
+        "--max-steps".into(),
+        steps.to_string(),
+    ];
+    for s in [
+        "data.dataset=\"text\"".to_string(),
+        format!("data.path={:?}", text.display().to_string()),
+        "data.eval_windows=8".into(),
+        "model.kind=\"gpt\"".into(),
+        "model.gpt.n_layer=2".into(),
+        "model.gpt.n_head=2".into(),
+        "model.gpt.n_embd=32".into(),
+        "model.gpt.block_size=16".into(),
+        "train.epochs=0".into(),
+        "train.batch_size=8".into(),
+        "train.log_every=1".into(),
+        "train.checkpoint_every=1000".into(),
+        "monitor.interval_s=0".into(),
+    ] {
+        a.push("--set".into());
+        a.push(s);
+    }
+    a
+}
+
+#[test]
+fn sigterm_stops_with_a_checkpoint_that_resumes_bit_for_bit() {
+    let dir = temp_dir("sigterm");
+    let text = text_file(&dir);
+    let steps = 400;
+    for devices in [1, 2] {
+        let full = dir.join(format!("full-{devices}"));
+        let out = train_bin(&dir, &to_str(&gpt_args(&text, &full, steps, devices)));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+
+        let run = dir.join(format!("stopped-{devices}"));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_train"))
+            .args(gpt_args(&text, &run, steps, devices))
+            .current_dir(&dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Signal once a few steps are logged.
+        let started = Instant::now();
+        while std::fs::read_to_string(run.join("metrics.jsonl"))
+            .map(|m| m.lines().count())
+            .unwrap_or(0)
+            < 3
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "no steps logged"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let signalled = Instant::now();
+        let sent = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                signalled.elapsed() < Duration::from_secs(20),
+                "the run did not stop after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        println!(
+            "devices {devices}: stopped {:?} after SIGTERM",
+            signalled.elapsed()
+        );
+        assert_eq!(
+            status.code(),
+            Some(kiln::signal::STOPPED_EXIT_CODE),
+            "{stdout}"
+        );
+        assert!(stdout.contains("stopped by SIGTERM"), "{stdout}");
+        assert!(stdout.contains("--resume"), "{stdout}");
+        let (stopped_at, _) = kiln::checkpoint::latest(&run).unwrap();
+        assert!(stopped_at < steps, "stopped at {stopped_at}");
+
+        let resumed = train_bin(&dir, &["--resume", run.to_str().unwrap()]);
+        assert!(
+            resumed.status.success(),
+            "{}",
+            String::from_utf8_lossy(&resumed.stderr)
+        );
+        assert_eq!(train_losses(&run), train_losses(&full), "devices {devices}");
+    }
+}
+
+fn to_str(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// The image workload, except that rank 1's batch of micro-step `poison` is all NaN.
+struct NanAt {
+    inner: ImageWorkload,
+    poison: usize,
+    seen: std::sync::atomic::AtomicUsize,
+}
+
+impl Workload for NanAt {
+    type Model = Classifier;
+    type Batch = ImageBatch;
+
+    fn init_model(&self, device: &Device) -> Classifier {
+        self.inner.init_model(device)
+    }
+    fn train_len(&self) -> usize {
+        self.inner.train_len()
+    }
+    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
+        let batch = self.inner.train_batch(indices, device);
+        let on_rank_1 = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("kiln-worker-1"));
+        if on_rank_1 && self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == self.poison {
+            return ImageBatch {
+                images: batch.images.mul_scalar(f32::NAN),
+                ..batch
+            };
+        }
+        batch
+    }
+    fn eval_len(&self) -> usize {
+        self.inner.eval_len()
+    }
+    fn eval_batch(&self, range: std::ops::Range<usize>, device: &Device) -> ImageBatch {
+        self.inner.eval_batch(range, device)
+    }
+    fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
+        self.inner.cast_batch(batch, dtype)
+    }
+}
+
+fn nan_run(dir: &Path, skip: usize) -> (kiln::Result<kiln::metrics::Summary>, NanAt) {
+    let config = small_config(
+        dir,
+        &[
+            "model.kind=\"mlp\"",
+            "model.mlp.hidden=[16]",
+            "train.checkpoint_every=1",
+            "train.keep_checkpoints=100",
+            "train.max_steps=6",
+            &format!("train.skip_nonfinite={skip}"),
+        ],
+    );
+    let splits = kiln_datasets::digits();
+    let workload = NanAt {
+        inner: ImageWorkload {
+            spec: ModelSpec {
+                model: config.model.clone(),
+                input: Some(kiln::data::input_spec(&splits.train)),
+            },
+            splits,
+        },
+        poison: 3,
+        seen: Default::default(),
+    };
+    let settings = TrainerSettings::from_config(
+        &config,
+        vec![Device::flex(), Device::flex()],
+        "cpu".into(),
+        dir.to_path_buf(),
+    );
+    (fit(&workload, &settings).map(|(s, _)| s), workload)
+}
+
+#[test]
+fn a_nan_loss_stops_the_run_naming_the_step_or_is_skipped_and_counted() {
+    let dir = temp_dir("nan");
+    let (result, workload) = nan_run(&dir.join("stop"), 0);
+    let message = result.unwrap_err().to_string();
+    println!("{message}");
+    // Rank 1's fourth batch is step 4's only micro-batch.
+    assert!(message.starts_with("training error: step 4:"), "{message}");
+    assert!(message.contains("rank 1 micro-batch 0"), "{message}");
+    assert!(message.contains("step-00000003"), "{message}");
+    assert!(!message.contains('\n'));
+    // Nothing was written for step 4, and step 3's checkpoint loads.
+    let steps: Vec<usize> = kiln::checkpoint::list(&dir.join("stop"))
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3]);
+    let last = kiln::checkpoint::step_dir(&dir.join("stop"), 3);
+    let model = kiln::checkpoint::load_model(&last, workload.init_model(&Device::flex())).unwrap();
+    assert!(
+        kiln::trainer::parameter_values(&model)
+            .iter()
+            .flatten()
+            .all(|x| x.is_finite())
+    );
+
+    let (result, _) = nan_run(&dir.join("skip"), 1);
+    let summary = result.unwrap();
+    assert_eq!(summary.steps, 6);
+    let records = metrics(&dir.join("skip"), "train");
+    assert_eq!(records.last().unwrap()["nonfinite_skipped"], 1);
+    assert_eq!(records[2]["nonfinite_skipped"], 0);
+    assert!(summary.final_train_loss.is_some());
+}
+
+#[test]
+fn resume_removes_stale_temporary_checkpoints_and_says_so() {
+    let dir = temp_dir("stale");
+    let run = dir.join("run");
+    let config = small_config(&run, &["train.checkpoint_every=4", "train.max_steps=8"]);
+    train(&config, &RunOptions::default()).unwrap();
+    let stale = run.join("checkpoints").join(".tmp-step-9-4242");
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("model.bpk"), b"half a file").unwrap();
+    let out = train_bin(
+        &dir,
+        &["--resume", run.to_str().unwrap(), "--max-steps", "10"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("removed 1 temporary checkpoint directory") && stdout.contains("4242"),
+        "{stdout}"
+    );
+    assert!(!stale.exists());
+}
+
+#[test]
+fn the_best_checkpoint_is_kept_beside_the_newest() {
+    // The mechanism, with scores chosen so that the best is not the newest.
+    let dir = temp_dir("best");
+    let config = small_config(
+        &dir.join("unit"),
+        &["model.kind=\"mlp\"", "train.max_steps=1"],
+    );
+    let result = train(&config, &RunOptions::default()).unwrap();
+    let (_, ckpt) = kiln::checkpoint::latest(&result.dir).unwrap();
+    let state = kiln::checkpoint::read_state(&ckpt).unwrap();
+    let optim = kiln::checkpoint::load_optimizer(&ckpt).unwrap();
+    let model = kiln_models::load_run(&result.dir, &Device::flex()).unwrap();
+    let run = dir.join("scores");
+    for (step, loss) in [(1, 0.5), (2, 0.2), (3, 0.4), (4, 0.3)] {
+        let state = kiln::checkpoint::LoopState {
+            step,
+            ..state.clone()
+        };
+        let score = kiln::checkpoint::Score {
+            metric: "val_loss",
+            value: loss,
+        };
+        kiln::checkpoint::save(&run, &model, &optim, &state, 1, Some(score)).unwrap();
+    }
+    let kept: Vec<usize> = kiln::checkpoint::list(&run)
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(kept, vec![2, 4]);
+    assert_eq!(kiln::checkpoint::read_best(&run).unwrap().step, 2);
+
+    // End to end: validation at every checkpoint, the best by accuracy kept.
+    let run = dir.join("run");
+    let config = small_config(
+        &run,
+        &[
+            "train.checkpoint_every=3",
+            "train.keep_checkpoints=1",
+            "train.max_steps=12",
+            "train.best_metric=\"val_accuracy\"",
+        ],
+    );
+    train(&config, &RunOptions::default()).unwrap();
+    let best = kiln::checkpoint::read_best(&run).unwrap();
+    let vals = metrics(&run, "val");
+    let top = vals
+        .iter()
+        .map(|r| r["accuracy"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert_eq!(best.value, top);
+    let kept: Vec<usize> = kiln::checkpoint::list(&run)
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert!(
+        kept.contains(&best.step) && kept.contains(&12),
+        "{kept:?} {best:?}"
+    );
+    assert!(kept.len() <= 2);
+    let bad = kiln::RootConfig::load(None, &["train.best_metric=\"loss\"".to_string()]);
+    assert!(bad.unwrap_err().to_string().contains("train.best_metric"));
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_is_one_error_and_the_last_one_stays() {
+    let dir = temp_dir("no-space");
+    let run = dir.join("run");
+    // The default ConvNet: a 60 KB model file, a 120 KB optimizer file.
+    let config = small_config(
+        &run,
+        &[
+            "train.max_steps=2",
+            "monitor.sinks=[\"jsonl\"]",
+            "model.convnet.channels=[16, 32]",
+        ],
+    );
+    train(&config, &RunOptions::default()).unwrap();
+    // A file-size limit of 16 KiB: the run's small files fit, a checkpoint's model does not.
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -f 32 && exec {} --resume {} --max-steps 4",
+            env!("CARGO_BIN_EXE_train"),
+            run.display()
+        ))
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stderr}");
+    assert!(!out.status.success());
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: checkpoint error:") && last.contains(".bpk"),
+        "{last}"
+    );
+    // No half-written directory, and the step-2 checkpoint still loads.
+    let leftovers: Vec<_> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty());
+    let (step, ckpt) = kiln::checkpoint::latest(&run).unwrap();
+    assert_eq!(step, 2);
+    kiln::checkpoint::load_optimizer(&ckpt).unwrap();
+    kiln_models::load_run(&run, &Device::flex()).unwrap();
+}
+
+#[test]
+fn a_cpu_run_says_nothing_of_nvml_unless_asked() {
+    let dir = temp_dir("nvml");
+    let quiet = train_bin(&dir, &["--max-steps", "2", "--run-dir", "quiet"]);
+    assert!(quiet.status.success());
+    let text = String::from_utf8_lossy(&quiet.stdout).to_string()
+        + &String::from_utf8_lossy(&quiet.stderr);
+    assert!(!text.contains("NVML"), "{text}");
+    let asked = train_bin(
+        &dir,
+        &[
+            "--max-steps",
+            "2",
+            "--run-dir",
+            "asked",
+            "--set",
+            "monitor.gpu=true",
+        ],
+    );
+    assert!(asked.status.success());
+    assert!(String::from_utf8_lossy(&asked.stdout).contains("NVML unavailable"));
+}
