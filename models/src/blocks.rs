@@ -138,20 +138,40 @@ impl Activation {
 
 /// A model whose forward pass is `head(block_{n-1}(… block_0(stem(batch))))`, the same
 /// computation as its [`TrainStep::step`].
+///
+/// Describing the stack is optional: `impl BlockStack<MyBatch> for MyModel {}` declares a model
+/// without one (`num_blocks` is 0), which trains through [`TrainStep::step`] under every
+/// strategy that does not need the cut; the features that do (block recomputation,
+/// synchronised BatchNorm, ZeRO-3, pipeline stages) refuse such a model at start, so the other
+/// methods' defaults are never called.
 pub trait BlockStack<B>: TrainStep<B> {
-    /// Number of blocks.
-    fn num_blocks(&self) -> usize;
+    /// Number of blocks. Default 0: the model describes no stack.
+    fn num_blocks(&self) -> usize {
+        0
+    }
     /// The input of block 0 (for a GPT, the token and position embeddings).
-    fn stem(&self, batch: &B) -> Activation;
+    fn stem(&self, batch: &B) -> Activation {
+        let _ = batch;
+        panic!("BlockStack::stem is called only for a model whose num_blocks is above 0")
+    }
     /// Block `i` applied to `x`.
-    fn block(&self, i: usize, x: Activation) -> Activation;
+    fn block(&self, i: usize, x: Activation) -> Activation {
+        let _ = (i, x);
+        panic!("BlockStack::block is called only for a block the model describes")
+    }
     /// The layers after the last block and the loss.
-    fn head(&self, x: Activation, batch: &B) -> StepOutput;
+    fn head(&self, x: Activation, batch: &B) -> StepOutput {
+        let _ = (x, batch);
+        panic!("BlockStack::head is called only for a model whose num_blocks is above 0")
+    }
     /// The ids of block `i`'s float parameters (see [`crate::param_ids`]), which lets a
     /// trainer gather, reduce or place one block's parameters on their own. A parameter that
     /// no block claims (embeddings, the head, weights tied between them) belongs to the model
     /// as a whole.
-    fn block_params(&self, i: usize) -> Vec<ParamId>;
+    fn block_params(&self, i: usize) -> Vec<ParamId> {
+        let _ = i;
+        Vec::new()
+    }
     /// Whether running a block twice on the same input gives the same output (false when it
     /// draws random numbers, e.g. dropout), which recomputation needs.
     fn blocks_deterministic(&self) -> bool {

@@ -2,6 +2,7 @@
 
 mod cli;
 mod common;
+mod custom;
 mod ddp;
 mod fuzz;
 mod gpt;

@@ -8,6 +8,11 @@
 //! around any model), [`checkpoint`] and [`metrics`] (what rank 0 writes), [`config`] and
 //! [`run`] (from a TOML file to a finished run). Models and datasets live in their own crates
 //! and know nothing of these.
+//!
+//! To train a model of one's own: implement [`TrainStep`] (a batch in, the loss out) and
+//! [`BlockStack`] (`impl BlockStack<MyBatch> for MyModel {}` when the model does not describe
+//! its blocks), a [`Workload`] (the model's construction and the data), and call
+//! [`train_workload`] with a [`RootConfig`].
 #![warn(missing_docs)]
 
 pub mod checkpoint;
@@ -31,3 +36,7 @@ pub mod trainer;
 
 pub use config::RootConfig;
 pub use error::{Error, Result};
+// What a model of one's own implements, and how it is trained.
+pub use kiln_models::{Activation, BlockStack, StepOutput, TrainStep};
+pub use run::{RunInfo, RunOptions, RunResult, train_workload};
+pub use trainer::Workload;

@@ -204,7 +204,7 @@ fn train_images(config: &RootConfig, options: &RunOptions) -> Result<RunResult> 
         spec: spec.clone(),
         splits,
     };
-    launch(config, options, &workload, &spec, rows, |_| Ok(()))
+    launch_builtin(config, options, &workload, &spec, rows, |_| Ok(()))
 }
 
 fn train_text(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
@@ -281,7 +281,7 @@ fn train_text(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
         seed: config.run.seed,
         eval,
     };
-    launch(config, options, &workload, &spec, rows, |dir| {
+    launch_builtin(config, options, &workload, &spec, rows, |dir| {
         Ok(tokenizer.save(&dir.join(TOKENIZER_FILE))?)
     })
 }
@@ -293,14 +293,58 @@ const EVAL_SEED: u64 = 0x0e7a_1000;
 /// File of the tokenizer inside a text run's directory.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
-/// Everything a run does once its workload is built: devices, run directory, table, the
-/// trainer, the exported model and the summary.
-fn launch<W>(
+/// A built-in workload's run: its model spec (`model.toml`) beside the workload's own files.
+fn launch_builtin<W>(
     config: &RootConfig,
     options: &RunOptions,
     workload: &W,
     spec: &ModelSpec,
     rows: Vec<(&str, String)>,
+    save_extra: impl FnOnce(&Path) -> Result<()>,
+) -> Result<RunResult>
+where
+    W: Workload,
+    W::Model: burn::store::ModuleSnapshot,
+{
+    let info = RunInfo {
+        model: name_of(&config.model.kind),
+        rows: rows.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        builtin_sections: true,
+    };
+    train_workload(config, options, workload, info, |dir| {
+        write_atomic(
+            &dir.join(SPEC_FILE),
+            toml::to_string_pretty(spec)
+                .expect("spec serialises")
+                .as_bytes(),
+        )?;
+        save_extra(dir)
+    })
+}
+
+/// How a workload's run describes itself besides what kiln knows.
+#[derive(Debug, Clone, Default)]
+pub struct RunInfo {
+    /// The model's name in the start-up table.
+    pub model: String,
+    /// More rows of the start-up table (`("data", "…")`).
+    pub rows: Vec<(String, String)>,
+    /// Whether the run's `config.toml` keeps the `[model]` and `[data]` sections. They
+    /// describe kiln's built-in workloads; a workload of one's own leaves them out.
+    pub builtin_sections: bool,
+}
+
+/// Trains `workload` as `config` says, with everything `train` gives: devices, strategy,
+/// precision and recompute, the run directory (`config.toml`, metrics, checkpoints,
+/// `summary.json`), resume (`options.resume_from`), the start-up table, and the exported
+/// model (`model.bpk`, `model.safetensors`). `save_extra` writes the workload's own files
+/// into the run directory (on process 0, before training). `config`'s `[model]` and `[data]`
+/// sections are not read: the workload is the model and the data.
+pub fn train_workload<W>(
+    config: &RootConfig,
+    options: &RunOptions,
+    workload: &W,
+    info: RunInfo,
     save_extra: impl FnOnce(&Path) -> Result<()>,
 ) -> Result<RunResult>
 where
@@ -321,13 +365,14 @@ where
         std::fs::create_dir_all(&run_dir).map_err(|e| Error::io(&run_dir, e))?;
         let mut saved = config.clone();
         saved.run.dir = Some(run_dir.clone());
-        write_atomic(&run_dir.join("config.toml"), saved.to_toml().as_bytes())?;
-        write_atomic(
-            &run_dir.join(SPEC_FILE),
-            toml::to_string_pretty(spec)
-                .expect("spec serialises")
-                .as_bytes(),
-        )?;
+        let mut table: toml::Table =
+            toml::from_str(&saved.to_toml()).expect("a config's TOML reads back");
+        if !info.builtin_sections {
+            table.remove("model");
+            table.remove("data");
+        }
+        let text = toml::to_string_pretty(&table).expect("a table serialises");
+        write_atomic(&run_dir.join("config.toml"), text.as_bytes())?;
         save_extra(&run_dir)?;
         Ok(run_dir.display().to_string())
     })?);
@@ -336,7 +381,7 @@ where
     settings.output.resume_from = options.resume_from.clone();
     settings.output.progress = options.verbose && first;
     if options.verbose && first {
-        print_table(config, workload, &settings, &run_dir, rows);
+        print_table(config, workload, &settings, &run_dir, &info);
     }
 
     let (summary, model) = fit(workload, &settings)?;
@@ -589,7 +634,7 @@ fn print_table<W: Workload>(
     w: &W,
     s: &TrainerSettings,
     run_dir: &Path,
-    extra: Vec<(&str, String)>,
+    info: &RunInfo,
 ) {
     let world = s.world();
     let t = &s.train;
@@ -653,12 +698,9 @@ fn print_table<W: Workload>(
                 name_of(&s.schedule.kind)
             ),
         ),
-        (
-            "model",
-            format!("{}, {params} parameters", name_of(&config.model.kind)),
-        ),
+        ("model", format!("{}, {params} parameters", info.model)),
     ];
-    rows.extend(extra);
+    rows.extend(info.rows.iter().map(|(k, v)| (k.as_str(), v.clone())));
     rows.push(("steps", format!("{spe} per epoch, {total} in all")));
     println!("kiln");
     for (k, v) in rows {

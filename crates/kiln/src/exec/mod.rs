@@ -158,7 +158,10 @@ where
     M: BlockStack<B> + Module,
     H: Hooks<M>,
 {
-    let walk = hooks.blockwise() || plan.recompute != Recompute::Keep || plan.sync_bn.is_some();
+    // A model that describes no blocks always runs whole (the settings that need its blocks
+    // are refused at start).
+    let walk = model.num_blocks() > 0
+        && (hooks.blockwise() || plan.recompute != Recompute::Keep || plan.sync_bn.is_some());
     if !walk {
         let out = model.step(batch);
         let grads = GradientsParams::from_grads(objective(out.loss.clone()).backward(), &model);

@@ -400,6 +400,29 @@ fn check_policies<B, M: BlockStack<B> + Module>(model: &M, s: &TrainerSettings) 
             name_of(&s.precision.mode)
         )));
     }
+    if model.num_blocks() == 0 {
+        let needs = if s.parallel.strategy == StrategyKind::Zero3 {
+            Some((
+                "strategy.name",
+                "\"zero3\" gathers the model block by block",
+                "use strategy \"zero2\"",
+            ))
+        } else if s.parallel.sync_batchnorm && s.world() > 1 {
+            Some((
+                "ddp.sync_batchnorm",
+                "synchronised BatchNorm cuts the model around the norms of its blocks",
+                "turn ddp.sync_batchnorm off",
+            ))
+        } else {
+            None
+        };
+        if let Some((key, why, instead)) = needs {
+            return Err(Error::config(format!(
+                "key `{key}`: {why}, but this model describes no blocks (its BlockStack's \
+                 num_blocks is 0); describe the blocks, or {instead}"
+            )));
+        }
+    }
     if s.parallel.strategy == StrategyKind::Pipeline {
         let layout = FlatLayout::new(model, &block_ids(model), 1);
         crate::strategy::pipeline::stage_elements(

@@ -1,0 +1,217 @@
+//! A model kiln does not ship, trained through the library API as another crate would: two
+//! devices, resume, the exported weights loaded back, and the features that need a block
+//! stack refusing a model without one.
+
+use std::ops::Range;
+use std::path::Path;
+
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+use kiln::{
+    BlockStack, RootConfig, RunInfo, RunOptions, StepOutput, TrainStep, Workload, train_workload,
+};
+use kiln_models::ImageBatch;
+
+use crate::common::{max_relative_diff, small_config, temp_dir, train_losses};
+
+/// A small classifier of one's own: two linear layers with a tanh between.
+#[derive(Module, Debug)]
+struct Tiny {
+    hidden: Linear,
+    out: Linear,
+}
+
+impl Tiny {
+    fn new(device: &Device) -> Self {
+        Self {
+            hidden: LinearConfig::new(64, 24).init(device),
+            out: LinearConfig::new(24, 10).init(device),
+        }
+    }
+
+    fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+        self.out
+            .forward(self.hidden.forward(images.flatten(1, 3)).tanh())
+    }
+}
+
+impl TrainStep<ImageBatch> for Tiny {
+    fn step(&self, batch: ImageBatch) -> StepOutput {
+        let samples = batch.targets.dims()[0];
+        let logits = self.forward(batch.images).cast(FloatDType::F32);
+        let correct = logits
+            .clone()
+            .argmax(1)
+            .squeeze_dim::<1>(1)
+            .equal(batch.targets.clone())
+            .int()
+            .sum();
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, batch.targets);
+        StepOutput {
+            loss,
+            correct: Some(correct),
+            samples,
+        }
+    }
+}
+
+/// No block stack described.
+impl BlockStack<ImageBatch> for Tiny {}
+
+/// The embedded digits for `Tiny`.
+struct TinyDigits(kiln_datasets::ImageSplits);
+
+impl Workload for TinyDigits {
+    type Model = Tiny;
+    type Batch = ImageBatch;
+
+    fn init_model(&self, device: &Device) -> Tiny {
+        Tiny::new(device)
+    }
+    fn train_len(&self) -> usize {
+        self.0.train.len()
+    }
+    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
+        kiln::data::ImageBatcher::new(device.clone()).batch(&self.0.train, indices)
+    }
+    fn eval_len(&self) -> usize {
+        self.0.test.len()
+    }
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
+        let indices: Vec<usize> = range.collect();
+        kiln::data::ImageBatcher::new(device.clone()).batch(&self.0.test, &indices)
+    }
+    fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
+        ImageBatch {
+            images: batch.images.cast(dtype),
+            ..batch
+        }
+    }
+}
+
+fn run(config: &RootConfig, resume: Option<&Path>) -> kiln::Result<kiln::RunResult> {
+    let options = RunOptions {
+        resume_from: resume.map(Path::to_path_buf),
+        ..RunOptions::default()
+    };
+    let info = RunInfo {
+        model: "tiny".into(),
+        ..RunInfo::default()
+    };
+    train_workload(
+        config,
+        &options,
+        &TinyDigits(kiln_datasets::digits()),
+        info,
+        |dir| {
+            std::fs::write(dir.join("tiny.txt"), "a model of one's own")
+                .map_err(|e| kiln::Error::io(dir, e))
+        },
+    )
+}
+
+#[test]
+fn a_model_of_ones_own_trains_on_two_devices_resumes_and_exports() {
+    let dir = temp_dir("custom");
+    let o = [
+        "hardware.devices=2",
+        "train.max_steps=8",
+        "train.checkpoint_every=4",
+        "train.keep_checkpoints=10",
+        "train.check_replicas=true",
+    ];
+    let full = run(&small_config(&dir.join("full"), &o), None).unwrap();
+    assert_eq!(full.summary.strategy, "ddp");
+    assert!(full.dir.join("tiny.txt").is_file());
+    let saved = std::fs::read_to_string(full.dir.join("config.toml")).unwrap();
+    assert!(
+        !saved.contains("[model"),
+        "the built-in model section is left out: {saved}"
+    );
+
+    // Resume from step 4: the same losses, bit for bit.
+    let cut = dir.join("cut");
+    crate::training::cut_copy(&full.dir, &cut, 4);
+    let (run_dir, ckpt) = kiln::run::resolve_resume(&cut).unwrap();
+    let config = small_config(&run_dir, &o);
+    run(&config, Some(&ckpt)).unwrap();
+    assert_eq!(train_losses(&cut), train_losses(&full.dir));
+
+    // The exported weights load into the user's own module and score what the run reported.
+    let device = Device::flex();
+    let model = Tiny::new(&device)
+        .try_load_file(full.dir.join("model.bpk"))
+        .unwrap();
+    let splits = kiln_datasets::digits();
+    let indices: Vec<usize> = (0..splits.test.len()).collect();
+    let batch = kiln::data::ImageBatcher::new(device.clone()).batch(&splits.test, &indices);
+    let correct: i64 = model.step(batch).correct.unwrap().into_scalar();
+    let accuracy = correct as f64 / splits.test.len() as f64;
+    assert!((accuracy - full.summary.val_accuracy.unwrap()).abs() < 1e-9);
+
+    // ZeRO-2 runs it whole (no blocks to walk) and matches ddp.
+    let ddp = kiln::trainer::parameter_values(&model);
+    let zero2 = run(
+        &small_config(
+            &dir.join("zero2"),
+            &[
+                "hardware.devices=2",
+                "train.max_steps=8",
+                "strategy.name=\"zero2\"",
+            ],
+        ),
+        None,
+    )
+    .unwrap();
+    let z = Tiny::new(&device)
+        .try_load_file(zero2.dir.join("model.bpk"))
+        .unwrap();
+    let d = max_relative_diff(&kiln::trainer::parameter_values(&z), &ddp);
+    assert!(d <= 1e-6, "zero2 vs ddp {d:e}");
+}
+
+#[test]
+fn what_needs_a_block_stack_refuses_a_model_without_one() {
+    let dir = temp_dir("custom-refusals");
+    for (name, o, key) in [
+        (
+            "zero3",
+            &["hardware.devices=2", "strategy.name=\"zero3\""][..],
+            "strategy.name",
+        ),
+        (
+            "blocks",
+            &["recompute.mode=\"blocks\""][..],
+            "recompute.mode",
+        ),
+        (
+            "syncbn",
+            &["hardware.devices=2", "ddp.sync_batchnorm=true"][..],
+            "ddp.sync_batchnorm",
+        ),
+        (
+            "pipeline",
+            &[
+                "hardware.devices=2",
+                "strategy.name=\"pipeline\"",
+                "pipeline.stages=2",
+            ][..],
+            "pipeline.stages",
+        ),
+    ] {
+        let mut all = vec!["train.max_steps=2"];
+        all.extend_from_slice(o);
+        let e = run(&small_config(&dir.join(name), &all), None)
+            .unwrap_err()
+            .to_string();
+        println!("{name}: {e}");
+        assert!(e.starts_with("config error:"), "{name}: {e}");
+        assert!(e.contains(key), "{name}: {e}");
+        assert!(e.contains("block"), "{name}: {e}");
+    }
+}
