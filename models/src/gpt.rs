@@ -357,11 +357,10 @@ impl BlockStack<TokenBatch> for Gpt {
 
     fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
         let samples = batch.inputs.dims()[0];
-        StepOutput {
-            loss: Gpt::loss(self.head(x.into_rank()), batch.targets.clone()),
-            correct: None,
+        StepOutput::new(
+            Gpt::loss(self.head(x.into_rank()), batch.targets.clone()),
             samples,
-        }
+        )
     }
 
     fn blocks_deterministic(&self) -> bool {
@@ -373,11 +372,7 @@ impl TrainStep<TokenBatch> for Gpt {
     fn step(&self, batch: TokenBatch) -> StepOutput {
         let samples = batch.inputs.dims()[0];
         let logits = self.forward(batch.inputs);
-        StepOutput {
-            loss: Gpt::loss(logits, batch.targets),
-            correct: None,
-            samples,
-        }
+        StepOutput::new(Gpt::loss(logits, batch.targets), samples)
     }
 }
 

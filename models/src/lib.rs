@@ -86,12 +86,83 @@ pub struct StepOutput {
     pub correct: Option<Tensor<1, Int>>,
     /// Number of samples in the batch.
     pub samples: usize,
+    /// Further scalars by name (`recon_loss`, `d_real`), each a mean over the batch of shape
+    /// `[1]`: the trainer averages them over micro-batches and ranks and logs them beside the
+    /// loss, in training and in validation.
+    pub metrics: Vec<(String, Tensor<1>)>,
+}
+
+impl StepOutput {
+    /// The output of a batch of `samples` samples whose mean loss is `loss`.
+    pub fn new(loss: Tensor<1>, samples: usize) -> Self {
+        Self {
+            loss,
+            correct: None,
+            samples,
+            metrics: Vec::new(),
+        }
+    }
+
+    /// This output with a count of correct predictions (a classifier's accuracy).
+    pub fn with_correct(mut self, correct: Tensor<1, Int>) -> Self {
+        self.correct = Some(correct);
+        self
+    }
+
+    /// This output with one more named scalar (a mean over the batch, shape `[1]`).
+    pub fn with_metric(mut self, name: impl Into<String>, value: Tensor<1>) -> Self {
+        self.metrics.push((name.into(), value));
+        self
+    }
+}
+
+/// Parameters that one optimizer of a several-optimizer step owns (a GAN's generator or
+/// discriminator): a name, used in the config (`[groups.<name>]`), the logs and the
+/// checkpoint, and the ids of its parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamGroup {
+    /// The group's name: lower-case letters, digits, `_` and `-`.
+    pub name: String,
+    /// Its parameters (from [`param_ids`] of a sub-module, or chosen one by one).
+    pub params: Vec<burn::module::ParamId>,
+}
+
+impl ParamGroup {
+    /// The group `name` of every float parameter of `module`.
+    pub fn of<M: Module>(name: impl Into<String>, module: &M) -> Self {
+        Self {
+            name: name.into(),
+            params: param_ids(module),
+        }
+    }
 }
 
 /// The one thing kiln's trainer needs from a model: a batch in, loss and outputs out.
+///
+/// A step with several optimizers (a GAN's discriminator, then its generator) names its
+/// parameter groups in [`TrainStep::param_groups`] and gives each group's loss in
+/// [`TrainStep::group_step`]. The trainer then runs, for each group in order: that group's
+/// forward and backward on every micro-batch of the step (the gradients reduced over ranks
+/// once, after the last), and that group's optimizer step, which touches no other parameter.
+/// A later group sees the parameters an earlier one has just stepped.
 pub trait TrainStep<B>: Module {
-    /// Runs the forward pass and the loss on `batch`.
+    /// Runs the forward pass and the loss on `batch` (for validation, and for training when
+    /// the model has one optimizer).
     fn step(&self, batch: B) -> StepOutput;
+
+    /// The parameter groups that take optimizers of their own, in the order a step runs them.
+    /// Empty (the default): one optimizer over every parameter, trained on [`TrainStep::step`].
+    fn param_groups(&self) -> Vec<ParamGroup> {
+        Vec::new()
+    }
+
+    /// The loss whose gradients group `group` (an index into [`TrainStep::param_groups`])
+    /// steps on; gradients it gives other groups' parameters are dropped. Defaults to
+    /// [`TrainStep::step`].
+    fn group_step(&self, group: usize, batch: B) -> StepOutput {
+        let _ = group;
+        self.step(batch)
+    }
 }
 
 /// The shape of the data a classifier is built for.
@@ -118,9 +189,5 @@ pub fn classification_output(logits: Tensor<2>, targets: Tensor<1, Int>) -> Step
     let loss = burn::nn::loss::CrossEntropyLossConfig::new()
         .init(&logits.device())
         .forward(logits, targets);
-    StepOutput {
-        loss,
-        correct: Some(correct),
-        samples,
-    }
+    StepOutput::new(loss, samples).with_correct(correct)
 }

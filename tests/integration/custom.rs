@@ -52,11 +52,7 @@ impl TrainStep<ImageBatch> for Tiny {
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits, batch.targets);
-        StepOutput {
-            loss,
-            correct: Some(correct),
-            samples,
-        }
+        StepOutput::new(loss, samples).with_correct(correct)
     }
 }
 

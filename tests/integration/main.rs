@@ -5,6 +5,7 @@ mod common;
 mod custom;
 mod ddp;
 mod fuzz;
+mod generative;
 mod gpt;
 mod monitor;
 #[cfg(feature = "mpi")]

@@ -288,7 +288,15 @@ fn the_best_checkpoint_is_kept_beside_the_newest() {
             metric: "val_loss",
             value: loss,
         };
-        kiln::checkpoint::save(&run, &model, &optim, &state, 1, Some(score)).unwrap();
+        kiln::checkpoint::save(
+            &run,
+            &model,
+            &[(String::new(), optim.clone())],
+            &state,
+            1,
+            Some(score),
+        )
+        .unwrap();
     }
     let kept: Vec<usize> = kiln::checkpoint::list(&run)
         .into_iter()

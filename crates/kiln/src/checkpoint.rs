@@ -94,7 +94,7 @@ pub struct Best {
 pub fn save<M: Module>(
     run_dir: &Path,
     model: &M,
-    optim: &OptimState,
+    optim: &[(String, OptimState)],
     state: &LoopState,
     keep: usize,
     score: Option<Score>,
@@ -115,7 +115,9 @@ pub fn save<M: Module>(
                 one_line(&e)
             ))
         })?;
-        save_optimizer(&tmp.join(OPTIM_FILE), optim)?;
+        for (group, state) in optim {
+            save_optimizer(&tmp.join(optim_file(group)), state)?;
+        }
         let json = serde_json::to_vec_pretty(state).expect("loop state serialises");
         write_synced(&tmp.join(STATE_FILE), &json)
     })();
@@ -292,9 +294,24 @@ pub fn save_optimizer(path: &Path, optim: &OptimState) -> Result<()> {
         .map_err(|e| Error::checkpoint(format!("{}: {}", path.display(), one_line(&e))))
 }
 
+/// The file of parameter group `group`'s optimizer state (`""`: the one optimizer of a
+/// model without groups, `optimizer.bpk`; otherwise `optimizer.<group>.bpk`).
+pub fn optim_file(group: &str) -> String {
+    if group.is_empty() {
+        OPTIM_FILE.to_string()
+    } else {
+        format!("optimizer.{group}.bpk")
+    }
+}
+
 /// Reads a checkpoint's optimizer state.
 pub fn load_optimizer(dir: &Path) -> Result<OptimState> {
-    let path = dir.join(OPTIM_FILE);
+    load_group_optimizer(dir, "")
+}
+
+/// Reads the optimizer state of parameter group `group` (see [`optim_file`]).
+pub fn load_group_optimizer(dir: &Path, group: &str) -> Result<OptimState> {
+    let path = dir.join(optim_file(group));
     if !path.is_file() {
         return Err(Error::checkpoint(format!(
             "{}: missing optimizer state",

@@ -6,7 +6,7 @@ use clap::Parser;
 
 use crate::config::{Accelerator, PrecisionMode, RootConfig, StrategyKind, apply_override};
 use crate::error::{Error, Result};
-use crate::run::{RunOptions, resolve_resume, train};
+use crate::run::{RunOptions, RunResult, resolve_resume, train};
 
 /// The recipe used when no `--config` is given (a copy of `configs/digits-convnet.toml`, built
 /// in so that a fresh checkout trains with no files and no arguments).
@@ -19,7 +19,15 @@ pub struct Args {
     /// Something other than training.
     #[command(subcommand)]
     pub command: Option<Command>,
-    /// TOML run config (default: the built-in digits-convnet recipe).
+    /// The training flags.
+    #[command(flatten)]
+    pub flags: Flags,
+}
+
+/// The flags of a training command line, kiln's `train` and a program's own alike.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct Flags {
+    /// TOML run config (default: the built-in recipe).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Number of devices (`4`) or a list of device indices (`0,2,3`).
@@ -237,6 +245,22 @@ pub fn sample(args: &SampleArgs) -> Result<String> {
 impl Args {
     /// The config these arguments describe, and how the run should start.
     pub fn resolve(&self) -> Result<(RootConfig, RunOptions)> {
+        let (table, origin, options) = self
+            .flags
+            .resolve_table(DEFAULT_RECIPE, "built-in configs/digits-convnet.toml")?;
+        Ok((RootConfig::from_table(table, &origin)?, options))
+    }
+}
+
+impl Flags {
+    /// The TOML table these flags describe (the config file, or `recipe` when none is
+    /// given, with every flag and `--set` applied), the name of its source for errors, and
+    /// how the run should start.
+    pub fn resolve_table(
+        &self,
+        recipe: &str,
+        recipe_name: &str,
+    ) -> Result<(toml::Table, String, RunOptions)> {
         let mut options = RunOptions {
             verbose: true,
             explicit_dir: self.run_dir.is_some(),
@@ -264,13 +288,16 @@ impl Args {
                     ))
                 })?
             }
-            None => toml::from_str(DEFAULT_RECIPE).expect("the embedded default recipe parses"),
+            None => toml::from_str(recipe).map_err(|e| {
+                Error::config(format!(
+                    "{recipe_name}: invalid TOML: {}",
+                    crate::config::one_line(&e)
+                ))
+            })?,
         };
         let origin = config_path
             .as_ref()
-            .map_or("built-in configs/digits-convnet.toml".to_string(), |p| {
-                p.display().to_string()
-            });
+            .map_or(recipe_name.to_string(), |p| p.display().to_string());
 
         let mut set = |key: &str, value: toml::Value| {
             let mut node = &mut table;
@@ -329,8 +356,7 @@ impl Args {
         for o in &self.set {
             apply_override(&mut table, o)?;
         }
-        let config = RootConfig::from_table(table, &origin)?;
-        Ok((config, options))
+        Ok((table, origin, options))
     }
 }
 
@@ -392,43 +418,66 @@ fn parse_devices(raw: &str) -> Result<toml::Value> {
 
 /// Runs the `train` command with `args`; returns the process exit code.
 pub fn main_with(args: Args) -> i32 {
-    if let Some(Command::Devices) = &args.command {
-        let previous = std::panic::take_hook();
-        // A runtime that fails to start is reported in the list; keep its panic message out.
-        std::panic::set_hook(Box::new(|_| {}));
-        let report = devices_report();
-        std::panic::set_hook(previous);
-        for line in report {
-            println!("{line}");
-        }
-        return 0;
-    }
-    if let Some(Command::Plot(plot_args)) = &args.command {
-        return match plot(plot_args) {
-            Ok(lines) => {
-                for line in lines {
-                    println!("{line}");
+    match &args.command {
+        Some(Command::Devices) => return print_devices(),
+        Some(Command::Plot(plot_args)) => return print_plot(plot_args),
+        Some(Command::Sample(sample_args)) => {
+            return match sample(sample_args) {
+                Ok(text) => {
+                    println!("{text}");
+                    0
                 }
-                0
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                2
-            }
-        };
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    2
+                }
+            };
+        }
+        None => {}
     }
-    if let Some(Command::Sample(sample_args)) = &args.command {
-        return match sample(sample_args) {
-            Ok(text) => {
-                println!("{text}");
-                0
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                2
-            }
-        };
+    run_training(|| {
+        let (config, options) = args.resolve()?;
+        if args.flags.print_config {
+            print!("{}", config.to_toml());
+            return Ok(None);
+        }
+        train(&config, &options).map(Some)
+    })
+}
+
+/// `devices`: prints the hardware report; returns the exit code.
+pub(crate) fn print_devices() -> i32 {
+    let previous = std::panic::take_hook();
+    // A runtime that fails to start is reported in the list; keep its panic message out.
+    std::panic::set_hook(Box::new(|_| {}));
+    let report = devices_report();
+    std::panic::set_hook(previous);
+    for line in report {
+        println!("{line}");
     }
+    0
+}
+
+/// `plot`: draws the charts and prints what was written; returns the exit code.
+pub(crate) fn print_plot(args: &PlotArgs) -> i32 {
+    match plot(args) {
+        Ok(lines) => {
+            for line in lines {
+                println!("{line}");
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
+}
+
+/// Starts the processes (MPI under a launcher) and the signal handlers, runs `train` (which
+/// returns `None` when it only printed the config) and reports how the run ended; returns the
+/// exit code: 0 done, 2 error, 3 stopped by a signal with a checkpoint.
+pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) -> i32 {
     // Under a launcher with several processes, MPI starts here (or the run is refused).
     let _processes = match crate::comm::start(crate::comm::Processes::from_env()) {
         Ok(guard) => guard,
@@ -439,25 +488,31 @@ pub fn main_with(args: Args) -> i32 {
     };
     crate::signal::install();
     let mut stopped = false;
-    let outcome = args.resolve().and_then(|(config, options)| {
-        if args.print_config {
-            print!("{}", config.to_toml());
-            return Ok(());
-        }
-        let result = train(&config, &options)?;
+    let outcome = train().map(|result| {
+        let Some(result) = result else {
+            return;
+        };
         stopped = result.summary.stopped_by.is_some();
         if crate::comm::processes().index != 0 {
-            return Ok(());
+            return;
         }
         let s = &result.summary;
         if let Some(signal) = &s.stopped_by {
+            let program = std::env::args()
+                .next()
+                .and_then(|p| {
+                    std::path::Path::new(&p)
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                })
+                .unwrap_or_else(|| "train".to_string());
             println!(
-                "stopped by {signal} after step {}: checkpoint written; continue with `train \
+                "stopped by {signal} after step {}: checkpoint written; continue with `{program} \
                  --resume {}`",
                 s.steps,
                 result.dir.display()
             );
-            return Ok(());
+            return;
         }
         let acc = s.val_accuracy.map_or(String::new(), |a| {
             format!(", val accuracy {:.2}%", a * 100.0)
@@ -470,7 +525,6 @@ pub fn main_with(args: Args) -> i32 {
             s.val_loss.map_or("n/a".into(), |l| format!("{l:.4}")),
             result.dir.display()
         );
-        Ok(())
     });
     match outcome {
         Ok(()) if stopped => crate::signal::STOPPED_EXIT_CODE,

@@ -41,6 +41,22 @@ pub struct RootConfig {
     pub precision: PrecisionConfig,
     /// Activation checkpointing (recomputation during backward).
     pub recompute: RecomputeConfig,
+    /// The optimizer and schedule of each parameter group of a model that steps several
+    /// optimizers (`[groups.generator.optim]`); each inherits `[optim]` and `[schedule]` key
+    /// by key. A group the model names and this omits uses `[optim]` and `[schedule]` as
+    /// they are.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub groups: std::collections::BTreeMap<String, GroupConfig>,
+}
+
+/// `[groups.<name>]`: one parameter group's optimizer and schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct GroupConfig {
+    /// The group's optimizer (what it does not set comes from `[optim]`).
+    pub optim: OptimConfig,
+    /// The group's learning-rate schedule (what it does not set comes from `[schedule]`).
+    pub schedule: ScheduleConfig,
 }
 
 /// Numeric precision, with the meanings Lightning gives these names.
@@ -645,7 +661,8 @@ impl RootConfig {
     }
 
     /// Builds the typed config from a TOML table; `origin` names the source in errors.
-    pub fn from_table(table: toml::Table, origin: &str) -> Result<Self> {
+    pub fn from_table(mut table: toml::Table, origin: &str) -> Result<Self> {
+        inherit_group_sections(&mut table);
         let de = toml::Value::Table(table);
         let config: RootConfig = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
@@ -703,38 +720,19 @@ impl RootConfig {
                 format!("must be a positive number, got {c}"),
             );
         }
-        if !(self.optim.lr.is_finite() && self.optim.lr > 0.0) {
-            return bad(
-                "optim.lr",
-                format!("must be a positive number, got {}", self.optim.lr),
-            );
-        }
-        if self.optim.weight_decay.is_nan() || self.optim.weight_decay < 0.0 {
-            return bad(
-                "optim.weight_decay",
-                format!("must be >= 0, got {}", self.optim.weight_decay),
-            );
-        }
-        for (key, v) in [
-            ("optim.momentum", self.optim.momentum),
-            ("optim.beta1", self.optim.beta1),
-            ("optim.beta2", self.optim.beta2),
-        ] {
-            if !(0.0..1.0).contains(&v) {
-                return bad(key, format!("must be in [0, 1), got {v}"));
+        check_optim("", &self.optim, &self.schedule)?;
+        for (name, group) in &self.groups {
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
+            {
+                return bad(
+                    &format!("groups.{name}"),
+                    "a group name is lower-case letters, digits, `_` and `-`".into(),
+                );
             }
-        }
-        if self.optim.eps.is_nan() || self.optim.eps <= 0.0 {
-            return bad(
-                "optim.eps",
-                format!("must be positive, got {}", self.optim.eps),
-            );
-        }
-        if !(0.0..=1.0).contains(&self.schedule.min_lr_ratio) {
-            return bad(
-                "schedule.min_lr_ratio",
-                format!("must be in [0, 1], got {}", self.schedule.min_lr_ratio),
-            );
+            check_optim(&format!("groups.{name}."), &group.optim, &group.schedule)?;
         }
         let f = self.data.train_fraction;
         if f.is_nan() || f <= 0.0 || f >= 1.0 {
@@ -945,6 +943,77 @@ impl RootConfig {
     }
 }
 
+/// Rejects optimizer and schedule values that cannot work; `prefix` is the keys' section
+/// (`""` or `"groups.generator."`).
+fn check_optim(prefix: &str, optim: &OptimConfig, schedule: &ScheduleConfig) -> Result<()> {
+    let bad = |key: &str, msg: String| Err(Error::config(format!("key `{prefix}{key}`: {msg}")));
+    if !(optim.lr.is_finite() && optim.lr > 0.0) {
+        return bad(
+            "optim.lr",
+            format!("must be a positive number, got {}", optim.lr),
+        );
+    }
+    if optim.weight_decay.is_nan() || optim.weight_decay < 0.0 {
+        return bad(
+            "optim.weight_decay",
+            format!("must be >= 0, got {}", optim.weight_decay),
+        );
+    }
+    for (key, v) in [
+        ("optim.momentum", optim.momentum),
+        ("optim.beta1", optim.beta1),
+        ("optim.beta2", optim.beta2),
+    ] {
+        if !(0.0..1.0).contains(&v) {
+            return bad(key, format!("must be in [0, 1), got {v}"));
+        }
+    }
+    if optim.eps.is_nan() || optim.eps <= 0.0 {
+        return bad("optim.eps", format!("must be positive, got {}", optim.eps));
+    }
+    if !(0.0..=1.0).contains(&schedule.min_lr_ratio) {
+        return bad(
+            "schedule.min_lr_ratio",
+            format!("must be in [0, 1], got {}", schedule.min_lr_ratio),
+        );
+    }
+    Ok(())
+}
+
+/// Fills every `[groups.<name>.optim]` and `[groups.<name>.schedule]` with the keys of the
+/// root `[optim]` and `[schedule]` it does not set. Anything that is not a table is left for
+/// the typed parse to report.
+fn inherit_group_sections(table: &mut toml::Table) {
+    let roots: Vec<(&str, toml::Table)> = ["optim", "schedule"]
+        .into_iter()
+        .map(|key| {
+            let base = match table.get(key) {
+                Some(toml::Value::Table(t)) => t.clone(),
+                _ => toml::Table::new(),
+            };
+            (key, base)
+        })
+        .collect();
+    let Some(toml::Value::Table(groups)) = table.get_mut("groups") else {
+        return;
+    };
+    for (_, group) in groups.iter_mut() {
+        let toml::Value::Table(group) = group else {
+            continue;
+        };
+        for (key, base) in &roots {
+            let own = group
+                .entry(key.to_string())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            if let toml::Value::Table(own) = own {
+                for (k, v) in base {
+                    own.entry(k.clone()).or_insert_with(|| v.clone());
+                }
+            }
+        }
+    }
+}
+
 /// Applies one `a.b.c=value` override to a TOML table. The value is read as a TOML value, and
 /// as a plain string when it is not one.
 pub fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<()> {
@@ -992,7 +1061,7 @@ fn parse_value(raw: &str) -> toml::Value {
 
 /// Serde's messages in a user's words: type names as kinds of value, without the location
 /// that the caller already prints.
-fn humanize(message: &str, path: &str) -> String {
+pub(crate) fn humanize(message: &str, path: &str) -> String {
     let mut m = message.replace(&format!(" in `{path}`"), "");
     for (rust, words) in [
         ("expected usize", "expected a non-negative integer"),

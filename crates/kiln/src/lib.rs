@@ -15,6 +15,7 @@
 //! [`train_workload`] with a [`RootConfig`].
 #![warn(missing_docs)]
 
+pub mod app;
 pub mod checkpoint;
 pub mod cli;
 pub mod comm;
@@ -34,9 +35,10 @@ pub mod sinks;
 pub mod strategy;
 pub mod trainer;
 
+pub use app::{App, UserConfig};
 pub use config::RootConfig;
 pub use error::{Error, Result};
 // What a model of one's own implements, and how it is trained.
-pub use kiln_models::{Activation, BlockStack, StepOutput, TrainStep};
+pub use kiln_models::{Activation, BlockStack, ParamGroup, StepOutput, TrainStep, param_ids};
 pub use run::{RunInfo, RunOptions, RunResult, train_workload};
 pub use trainer::Workload;

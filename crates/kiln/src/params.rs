@@ -280,8 +280,26 @@ impl FlatLayout {
     /// parameters, cut into `shards` shards. A parameter claimed by no block, or by more than
     /// one, belongs to the `rest` unit.
     pub fn new<M: Module>(module: &M, blocks: &[Vec<ParamId>], shards: usize) -> Self {
+        Self::build(trainable_params(module), blocks, shards)
+    }
+
+    /// The layout of the trainable parameters of `module` whose ids are in `ids` (one
+    /// optimizer's group), in module order, as one unit cut into `shards` shards.
+    pub fn of_params<M: Module>(module: &M, ids: &[ParamId], shards: usize) -> Self {
+        let chosen: std::collections::HashSet<ParamId> = ids.iter().copied().collect();
+        let params = trainable_params(module)
+            .into_iter()
+            .filter(|(id, _, _)| chosen.contains(id))
+            .collect();
+        Self::build(params, &[], shards)
+    }
+
+    fn build(
+        params: Vec<(ParamId, String, Vec<usize>)>,
+        blocks: &[Vec<ParamId>],
+        shards: usize,
+    ) -> Self {
         assert!(shards > 0, "a layout needs at least one shard");
-        let params = trainable_params(module);
         let mut owner: HashMap<ParamId, Option<usize>> = HashMap::new();
         for (b, ids) in blocks.iter().enumerate() {
             for id in ids {

@@ -1,7 +1,8 @@
 //! `train plot`: PNG charts of a run's `metrics.jsonl`.
 //!
-//! Four charts: `loss.png` (training and validation loss against the step), `throughput.png`
-//! (samples or tokens per second, each window and smoothed, against the step), `memory.png`
+//! Five charts: `loss.png` (training and validation loss against the step), `metrics.png`
+//! (the step's named metrics, when it logs any), `throughput.png` (samples or tokens per
+//! second, each window and smoothed, against the step), `memory.png`
 //! and `utilization.png` (the system monitor's samples against the time since the start); and,
 //! for a pipeline run, `schedule.png`: the last recorded flush as a timeline, one row per
 //! stage and a box per micro-batch's forward or backward, the idle time left white. A
@@ -55,6 +56,7 @@ pub fn plot_run(run_dir: &Path, out_dir: &Path, width: u32, height: u32) -> Resu
     register_font();
     let charts = [
         loss_chart(&records),
+        metrics_chart(&records),
         throughput_chart(&records),
         memory_chart(&records),
         utilization_chart(&records),
@@ -154,6 +156,49 @@ fn loss_chart(records: &[Value]) -> Built {
         title: "Loss".into(),
         x_label: "step",
         y_label: "loss".into(),
+        series: s,
+        from_zero: false,
+    })
+}
+
+/// The step's named metrics (listed in each record's `metrics`), training as lines and
+/// validation as dots.
+fn metrics_chart(records: &[Value]) -> Built {
+    let mut names: Vec<String> = Vec::new();
+    for r in records {
+        for n in r["metrics"].as_array().into_iter().flatten() {
+            if let Some(n) = n.as_str()
+                && !names.iter().any(|m| m == n)
+            {
+                names.push(n.to_string());
+            }
+        }
+    }
+    if names.is_empty() {
+        return Err(Outcome::Skipped(
+            "metrics",
+            "the step logged no named metrics".into(),
+        ));
+    }
+    let mut s = Vec::new();
+    for name in &names {
+        let train = values(records, "train", "step", name);
+        if !train.is_empty() {
+            s.push(series(name, train));
+        }
+        let val = values(records, "val", "step", name);
+        if !val.is_empty() {
+            s.push(Series {
+                dots: true,
+                ..series(&format!("{name} (validation)"), val)
+            });
+        }
+    }
+    Ok(Chart {
+        name: "metrics",
+        title: "Metrics".into(),
+        x_label: "step",
+        y_label: "value".into(),
         series: s,
         from_zero: false,
     })
@@ -501,6 +546,62 @@ fn schedule_timeline(records: &[Value], path: &Path, width: u32, height: u32) ->
     })();
     drawn.map_err(|e| fail(&e))?;
     Ok(true)
+}
+
+/// Writes greyscale images as one PNG grid, atomically: `pixels` holds `count` images of
+/// `height × width` values in `[0, 1]` (clamped), one after another, drawn `columns` to a row
+/// with a one-pixel gap, each pixel `scale` pixels wide. For a workload's snapshots (generated
+/// samples, reconstructions).
+pub fn save_image_grid(
+    path: &Path,
+    pixels: &[f32],
+    height: usize,
+    width: usize,
+    columns: usize,
+    scale: usize,
+) -> Result<()> {
+    let per = height * width;
+    if per == 0 || columns == 0 || scale == 0 || !pixels.len().is_multiple_of(per) {
+        return Err(Error::config(format!(
+            "{}: an image grid needs whole images of {height}×{width} pixels, {columns} columns \
+             and a scale of at least 1 ({} values given)",
+            path.display(),
+            pixels.len()
+        )));
+    }
+    let count = pixels.len() / per;
+    let rows = count.div_ceil(columns).max(1);
+    let cell_w = width * scale + 1;
+    let cell_h = height * scale + 1;
+    let (w, h) = (columns * cell_w + 1, rows * cell_h + 1);
+    // The gaps are mid-grey, so that white and black images both show their edges.
+    let mut canvas = vec![96u8; w * h];
+    for i in 0..count {
+        let (r, c) = (i / columns, i % columns);
+        for y in 0..height * scale {
+            for x in 0..width * scale {
+                let v = pixels[i * per + (y / scale) * width + x / scale];
+                let at = (r * cell_h + 1 + y) * w + c * cell_w + 1 + x;
+                canvas[at] = (v.clamp(0.0, 1.0) * 255.0).round() as u8;
+            }
+        }
+    }
+    let mut bytes = Vec::new();
+    {
+        let mut encoder = png::Encoder::new(&mut bytes, w as u32, h as u32);
+        encoder.set_color(png::ColorType::Grayscale);
+        encoder.set_depth(png::BitDepth::Eight);
+        let mut writer = encoder
+            .write_header()
+            .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+        writer
+            .write_image_data(&canvas)
+            .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    crate::checkpoint::write_atomic(path, &bytes)
 }
 
 #[cfg(test)]

@@ -310,6 +310,7 @@ where
         model: name_of(&config.model.kind),
         rows: rows.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
         builtin_sections: true,
+        sections: Vec::new(),
     };
     train_workload(config, options, workload, info, |dir| {
         write_atomic(
@@ -332,6 +333,9 @@ pub struct RunInfo {
     /// Whether the run's `config.toml` keeps the `[model]` and `[data]` sections. They
     /// describe kiln's built-in workloads; a workload of one's own leaves them out.
     pub builtin_sections: bool,
+    /// Sections of the workload's own written into `config.toml` (a program's `[model]` and
+    /// `[data]`, so that `--resume` reads them back).
+    pub sections: Vec<(String, toml::Value)>,
 }
 
 /// Trains `workload` as `config` says, with everything `train` gives: devices, strategy,
@@ -370,6 +374,9 @@ where
         if !info.builtin_sections {
             table.remove("model");
             table.remove("data");
+        }
+        for (name, value) in &info.sections {
+            table.insert(name.clone(), value.clone());
         }
         let text = toml::to_string_pretty(&table).expect("a table serialises");
         write_atomic(&run_dir.join("config.toml"), text.as_bytes())?;
@@ -688,18 +695,37 @@ fn print_table<W: Workload>(
                 )
             },
         ),
-        (
-            "lr",
-            format!(
-                "{:.3e} ({} scaling of {:.3e}), {} schedule",
-                scaled_lr(&s.optim, replicas, micros),
-                name_of(&s.optim.scale_lr),
-                s.optim.lr,
-                name_of(&s.schedule.kind)
-            ),
-        ),
         ("model", format!("{}, {params} parameters", info.model)),
     ];
+    let lr_line = |optim: &crate::config::OptimConfig, schedule: &crate::config::ScheduleConfig| {
+        format!(
+            "{:.3e} ({} scaling of {:.3e}), {} schedule",
+            scaled_lr(optim, replicas, micros),
+            name_of(&optim.scale_lr),
+            optim.lr,
+            name_of(&schedule.kind)
+        )
+    };
+    let groups = kiln_models::TrainStep::<W::Batch>::param_groups(&probe);
+    let mut lr_rows = Vec::new();
+    if groups.is_empty() {
+        lr_rows.push(("lr".to_string(), lr_line(&s.optim, &s.schedule)));
+    } else {
+        for g in &groups {
+            let optim = s.group_optim(&g.name);
+            lr_rows.push((
+                format!("lr {}", g.name),
+                format!(
+                    "{} {}",
+                    name_of(&optim.name),
+                    lr_line(optim, s.group_schedule(&g.name))
+                ),
+            ));
+        }
+    }
+    let model_row = rows.pop().expect("the model row");
+    rows.extend(lr_rows.iter().map(|(k, v)| (k.as_str(), v.clone())));
+    rows.push(model_row);
     rows.extend(info.rows.iter().map(|(k, v)| (k.as_str(), v.clone())));
     rows.push(("steps", format!("{spe} per epoch, {total} in all")));
     println!("kiln");

@@ -57,12 +57,20 @@ impl CsvSink {
     /// Creates `path` with `columns` (the first of which is the step), keeping the rows of an
     /// earlier file with the same header up to step `keep_until` when resuming.
     pub fn create(path: &Path, columns: Vec<String>, keep_until: Option<usize>) -> Result<Self> {
-        let header = columns.join(",");
+        let mut columns = columns;
+        let mut header = columns.join(",");
         let kept: Vec<String> = match keep_until {
             Some(limit) if path.exists() => {
                 let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
                 let mut lines = text.lines();
-                if lines.next() == Some(header.as_str()) {
+                let first = lines.next();
+                // A header that goes on past these columns carries a run's named metrics,
+                // which the resumed run writes again.
+                if let Some(longer) = first.filter(|h| h.starts_with(&format!("{header},"))) {
+                    columns = longer.split(',').map(str::to_string).collect();
+                    header = longer.to_string();
+                }
+                if first == Some(header.as_str()) {
                     lines
                         .filter(|row| {
                             row.split(',')
@@ -93,6 +101,23 @@ impl CsvSink {
 
     /// Appends `record` as a row.
     pub fn write(&mut self, record: &Map<String, Value>) -> Result<()> {
+        // Named metrics (listed under `metrics`) get columns of their own when they first
+        // appear.
+        let new: Vec<String> = record
+            .get("metrics")
+            .and_then(Value::as_array)
+            .map(|names| {
+                names
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .filter(|n| !self.columns.iter().any(|c| c == n))
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !new.is_empty() {
+            self.add_columns(new)?;
+        }
         let cells: Vec<String> = self
             .columns
             .iter()
@@ -105,6 +130,32 @@ impl CsvSink {
         writeln!(self.out, "{}", cells.join(","))
             .and_then(|()| self.out.flush())
             .map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+impl CsvSink {
+    /// Rewrites the file with `new` columns after the present ones (empty in earlier rows).
+    fn add_columns(&mut self, new: Vec<String>) -> Result<()> {
+        self.out.flush().map_err(|e| Error::io(&self.path, e))?;
+        let text = std::fs::read_to_string(&self.path).map_err(|e| Error::io(&self.path, e))?;
+        self.columns.extend(new.iter().cloned());
+        let pad = ",".repeat(new.len());
+        let mut body = self.columns.join(",");
+        body.push('\n');
+        for row in text.lines().skip(1) {
+            body.push_str(row);
+            body.push_str(&pad);
+            body.push('\n');
+        }
+        let tmp = self.path.with_extension("csv.tmp");
+        std::fs::write(&tmp, body).map_err(|e| Error::io(&tmp, e))?;
+        std::fs::rename(&tmp, &self.path).map_err(|e| Error::io(&self.path, e))?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.path)
+            .map_err(|e| Error::io(&self.path, e))?;
+        self.out = BufWriter::new(file);
+        Ok(())
     }
 }
 

@@ -194,9 +194,15 @@ where
     (out, acc.take())
 }
 
-fn detached(out: StepOutput) -> StepOutput {
+/// `out` cut from its graph: the loss and the named metrics detached, in f32.
+pub(crate) fn detached(out: StepOutput) -> StepOutput {
     StepOutput {
         loss: out.loss.detach(),
+        metrics: out
+            .metrics
+            .into_iter()
+            .map(|(name, v)| (name, v.detach().cast(burn::tensor::FloatDType::F32)))
+            .collect(),
         ..out
     }
 }

@@ -19,6 +19,7 @@
 
 mod core;
 pub mod ddp;
+pub mod groups;
 pub mod pipeline;
 pub mod single;
 pub mod zero1;
@@ -79,14 +80,14 @@ pub trait Strategy<M, B> {
     /// Forward and backward of the `count` micro-batches of one optimizer step, each taken
     /// from `batches` when the strategy needs it (a pipeline stage that neither embeds nor
     /// scores takes none). `objective` turns a micro-batch's mean loss into what is
-    /// differentiated. Returns the losses (detached, f32) of the micro-batches this rank
-    /// scored.
+    /// differentiated. Returns the outputs (detached, the loss in f32) of the micro-batches
+    /// this rank scored.
     fn micro_steps(
         &mut self,
         batches: &mut dyn Iterator<Item = B>,
         count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
-    ) -> Result<Vec<Tensor<1>>>;
+    ) -> Result<Vec<StepOutput>>;
     /// Reduces what is left to reduce, unscales and checks the gradients (with a scaler),
     /// clips them to `clip` and steps the optimizer at `lr`. Returns whether it stepped (a
     /// scaler skips steps whose gradients overflowed, on every rank alike).
@@ -103,6 +104,34 @@ pub trait Strategy<M, B> {
     fn optimizer_state(&mut self) -> Result<Option<OptimState>>;
     /// Takes this rank's part of a canonical optimizer state.
     fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()>;
+    /// Every optimizer's canonical state by parameter group, on rank 0: one entry named `""`
+    /// for a model with one optimizer.
+    fn optimizer_states(&mut self) -> Result<Option<Vec<(String, OptimState)>>> {
+        Ok(self.optimizer_state()?.map(|s| vec![(String::new(), s)]))
+    }
+    /// Takes this rank's part of every group's canonical optimizer state.
+    fn load_optimizer_states(&mut self, states: &[(String, OptimState)]) -> Result<()> {
+        match states {
+            [(name, state)] if name.is_empty() => self.load_optimizer_state(state),
+            _ => Err(crate::error::Error::checkpoint(format!(
+                "the checkpoint holds the optimizer states of groups {:?}, but this model \
+                 steps one optimizer",
+                states.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>()
+            ))),
+        }
+    }
+    /// Makes parameter group `group` the one that the next [`Strategy::begin_step`],
+    /// [`Strategy::micro_steps`] and [`Strategy::optimizer_step`] train (models with several
+    /// optimizers; every other strategy has group 0 alone).
+    fn select_group(&mut self, group: usize) -> Result<()> {
+        if group == 0 {
+            Ok(())
+        } else {
+            Err(crate::error::Error::Worker(format!(
+                "this strategy steps one optimizer; there is no group {group}"
+            )))
+        }
+    }
     /// Fails if the ranks that must hold the same parameters (replicas, tied copies) differ
     /// by even one bit.
     fn check_replicas(&mut self, step: usize) -> Result<()>;
@@ -130,21 +159,29 @@ pub struct Report {
 }
 
 /// Runs `count` micro-batches from `batches` one at a time through `step`, collecting their
-/// losses as f32.
+/// outputs with the losses in f32.
 pub(crate) fn one_by_one<B>(
     batches: &mut dyn Iterator<Item = B>,
     count: usize,
     mut step: impl FnMut(B) -> Result<StepOutput>,
-) -> Result<Vec<Tensor<1>>> {
-    let mut losses = Vec::with_capacity(count);
+) -> Result<Vec<StepOutput>> {
+    let mut outs = Vec::with_capacity(count);
     for batch in batches.take(count) {
-        let out = step(batch)?;
-        losses.push(out.loss.cast(burn::tensor::FloatDType::F32));
+        outs.push(scored(step(batch)?));
     }
-    Ok(losses)
+    Ok(outs)
+}
+
+/// A detached micro-batch output as the loop keeps it: the loss in f32.
+pub(crate) fn scored(out: StepOutput) -> StepOutput {
+    StepOutput {
+        loss: out.loss.cast(burn::tensor::FloatDType::F32),
+        ..out
+    }
 }
 
 /// What a strategy is built from besides the model.
+#[derive(Clone)]
 pub struct Context<'a> {
     /// This rank's view of the group.
     pub comm: &'a dyn Collective,
@@ -162,6 +199,9 @@ pub struct Context<'a> {
     pub bucket_elements: usize,
     /// Stages, micro-batches and schedule (with the `pipeline` strategy).
     pub pipeline: crate::config::PipelineConfig,
+    /// The optimizer of each parameter group of a model with several (by group name; a group
+    /// not here uses `optim`).
+    pub group_optims: std::collections::BTreeMap<String, OptimConfig>,
 }
 
 /// The ids of every block's parameters.
@@ -184,6 +224,22 @@ where
     let blocks = block_ids(&model);
     let layout = |shards: usize| FlatLayout::new(&model, &blocks, shards);
     let world = ctx.comm.world_size();
+    if !model.param_groups().is_empty() {
+        // Checked at start (`trainer::check_policies`): only the replicated strategies take a
+        // step with several optimizers.
+        let reduce = match kind {
+            StrategyKind::Auto | StrategyKind::Single => false,
+            StrategyKind::Ddp => true,
+            other => {
+                return Err(crate::error::Error::config(format!(
+                    "key `strategy.name`: {:?} cannot step a model with several optimizers",
+                    crate::config::name_of(&other)
+                )));
+            }
+        };
+        let whole = Core::new(ctx.clone(), layout(1));
+        return Ok(Box::new(groups::Groups::new(model, whole, ctx, reduce)?));
+    }
     Ok(match kind {
         StrategyKind::Auto | StrategyKind::Single => {
             let core = Core::new(ctx, layout(1));

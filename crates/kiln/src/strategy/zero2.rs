@@ -57,7 +57,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero2<'_, M> {
         batches: &mut dyn Iterator<Item = B>,
         count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
-    ) -> Result<Vec<Tensor<1>>> {
+    ) -> Result<Vec<StepOutput>> {
         one_by_one(batches, count, |batch| -> Result<StepOutput> {
             let recompute = self.core.recompute;
             let sync_bn = self.core.plan(recompute).sync_bn.is_some();

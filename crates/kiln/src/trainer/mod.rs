@@ -22,8 +22,8 @@ use kiln_models::BlockStack;
 use crate::checkpoint::{self, LoopState};
 use crate::comm::{Processes, world_group};
 use crate::config::{
-    MonitorConfig, OptimConfig, PipelineConfig, PrecisionConfig, RecomputeConfig, RecomputeMode,
-    RootConfig, ScheduleConfig, StrategyKind, TrainConfig, name_of,
+    GroupConfig, MonitorConfig, OptimConfig, PipelineConfig, PrecisionConfig, RecomputeConfig,
+    RecomputeMode, RootConfig, ScheduleConfig, StrategyKind, TrainConfig, name_of,
 };
 use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
@@ -48,6 +48,14 @@ pub trait Workload: Sync {
     fn train_len(&self) -> usize;
     /// The training batch of `indices` on `device`.
     fn train_batch(&self, indices: &[usize], device: &Device) -> Self::Batch;
+    /// The training batch of `indices` for optimizer step `step`, for workloads whose batches
+    /// carry random numbers of their own (a GAN's noise): drawn from the sample's index and
+    /// the step, they are the same whatever the devices. Defaults to
+    /// [`Workload::train_batch`].
+    fn train_batch_at(&self, indices: &[usize], step: usize, device: &Device) -> Self::Batch {
+        let _ = step;
+        self.train_batch(indices, device)
+    }
     /// Number of evaluation samples.
     fn eval_len(&self) -> usize;
     /// The evaluation batch of samples `range` on `device`.
@@ -75,6 +83,18 @@ pub trait Workload: Sync {
     /// model FLOPs utilization (MFU) is logged when this and a peak FLOP/s are known.
     fn flops_per_sample(&self) -> Option<f64> {
         None
+    }
+    /// Every how many optimizer steps [`Workload::snapshot`] runs, and after the last step
+    /// (`Some(0)`: after the last step only); `None`, the default, never.
+    fn snapshot_every(&self) -> Option<usize> {
+        None
+    }
+    /// Writes what the workload shows of the model at `step` (a grid of generated images,
+    /// reconstructions) into `run_dir`; called on rank 0 with the whole model, its weights in
+    /// f32.
+    fn snapshot(&self, step: usize, model: &Self::Model, run_dir: &std::path::Path) -> Result<()> {
+        let _ = (step, model, run_dir);
+        Ok(())
     }
 }
 
@@ -133,6 +153,8 @@ pub struct TrainerSettings {
     pub recompute: RecomputeConfig,
     /// Run directory, resume point, monitoring and display.
     pub output: OutputSettings,
+    /// The optimizer and schedule of each parameter group (models with several optimizers).
+    pub groups: std::collections::BTreeMap<String, GroupConfig>,
 }
 
 impl TrainerSettings {
@@ -174,7 +196,20 @@ impl TrainerSettings {
                 monitor: config.monitor.clone(),
                 progress: false,
             },
+            groups: config.groups.clone(),
         }
+    }
+
+    /// The optimizer of parameter group `name` (`[optim]` for a group the config omits).
+    pub fn group_optim(&self, name: &str) -> &OptimConfig {
+        self.groups.get(name).map_or(&self.optim, |g| &g.optim)
+    }
+
+    /// The schedule of parameter group `name` (`[schedule]` for a group the config omits).
+    pub fn group_schedule(&self, name: &str) -> &ScheduleConfig {
+        self.groups
+            .get(name)
+            .map_or(&self.schedule, |g| &g.schedule)
     }
 
     /// Number of ranks: this process's devices times the processes.
@@ -231,7 +266,8 @@ pub(crate) struct Start {
     /// no Burn `RunningState`.
     pub weights: ModuleRecord,
     pub state: LoopState,
-    pub optim: Option<crate::optim::OptimState>,
+    /// By parameter group (`""` alone for a model with one optimizer).
+    pub optim: Option<Vec<(String, crate::optim::OptimState)>>,
 }
 
 /// Trains `workload` as `settings` say and returns the summary and the final model.
@@ -328,23 +364,44 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
             )));
         }
         initial = checkpoint::load_model(dir, initial)?;
-        // Fail before the workers start if the optimizer state does not fit the model.
-        let loaded = checkpoint::load_optimizer(dir)?;
-        let layout = FlatLayout::new(&initial, &block_ids(&initial), 1);
-        let file = dir.join(checkpoint::OPTIM_FILE);
-        loaded.leaves(&layout).map_err(|e| match e {
-            Error::Checkpoint(m) => Error::checkpoint(format!("{}: {m}", file.display())),
-            other => other,
-        })?;
-        if loaded.kind != settings.optim.name {
-            return Err(Error::checkpoint(format!(
-                "{}: the optimizer state is {}'s, but optim.name = {:?}",
-                file.display(),
-                name_of(&loaded.kind),
-                name_of(&settings.optim.name)
-            )));
+        // Fail before the workers start if an optimizer state does not fit the model.
+        let groups = kiln_models::TrainStep::<W::Batch>::param_groups(&initial);
+        let parts: Vec<(String, FlatLayout, String)> = if groups.is_empty() {
+            let layout = FlatLayout::new(&initial, &block_ids(&initial), 1);
+            vec![(String::new(), layout, "optim.name".to_string())]
+        } else {
+            groups
+                .iter()
+                .map(|g| {
+                    let layout = FlatLayout::of_params(&initial, &g.params, 1);
+                    (
+                        g.name.clone(),
+                        layout,
+                        format!("groups.{}.optim.name", g.name),
+                    )
+                })
+                .collect()
+        };
+        let mut states = Vec::with_capacity(parts.len());
+        for (group, layout, key) in parts {
+            let loaded = checkpoint::load_group_optimizer(dir, &group)?;
+            let file = dir.join(checkpoint::optim_file(&group));
+            loaded.leaves(&layout).map_err(|e| match e {
+                Error::Checkpoint(m) => Error::checkpoint(format!("{}: {m}", file.display())),
+                other => other,
+            })?;
+            let wanted = settings.group_optim(&group).name;
+            if loaded.kind != wanted {
+                return Err(Error::checkpoint(format!(
+                    "{}: the optimizer state is {}'s, but {key} = {:?}",
+                    file.display(),
+                    name_of(&loaded.kind),
+                    name_of(&wanted)
+                )));
+            }
+            states.push((group, loaded));
         }
-        optim = Some(loaded);
+        optim = Some(states);
         let fresh = state.scaler.take();
         state = saved;
         state.seed = settings.seed;
@@ -391,6 +448,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
 /// Rejects precision, recompute and strategy settings that cannot work with `model`, before
 /// any worker starts.
 fn check_policies<B, M: BlockStack<B> + Module>(model: &M, s: &TrainerSettings) -> Result<()> {
+    check_groups(model, s)?;
     if is_mixed(s.precision.mode) && has_buffers(model) {
         return Err(Error::config(format!(
             "key `precision.mode`: {:?} keeps f32 master weights apart from a low-precision \
@@ -455,6 +513,113 @@ fn check_policies<B, M: BlockStack<B> + Module>(model: &M, s: &TrainerSettings) 
                 " or use strategy \"zero2\""
             }
         )));
+    }
+    Ok(())
+}
+
+/// Checks a model's parameter groups (if it has any) against the settings: names that the
+/// config knows, every trainable parameter in exactly one group, and only what a step with
+/// several optimizers can run.
+fn check_groups<B, M: BlockStack<B> + Module>(model: &M, s: &TrainerSettings) -> Result<()> {
+    let groups = model.param_groups();
+    let names: Vec<&str> = groups.iter().map(|g| g.name.as_str()).collect();
+    if groups.is_empty() {
+        if let Some(name) = s.groups.keys().next() {
+            return Err(Error::config(format!(
+                "key `groups.{name}`: this model steps one optimizer and has no parameter groups \
+                 (its TrainStep::param_groups is empty); configure it in [optim]"
+            )));
+        }
+        return Ok(());
+    }
+    for name in s.groups.keys() {
+        if !names.contains(&name.as_str()) {
+            return Err(Error::config(format!(
+                "key `groups.{name}`: the model has no parameter group {name:?} (its groups: {})",
+                names.join(", ")
+            )));
+        }
+    }
+    let layout = FlatLayout::new(model, &[], 1);
+    let mut owner: std::collections::HashMap<burn::module::ParamId, &str> = Default::default();
+    for g in &groups {
+        let valid = !g.name.is_empty()
+            && g.name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
+        if !valid {
+            return Err(Error::config(format!(
+                "parameter group {:?}: a group name is lower-case letters, digits, `_` and `-`",
+                g.name
+            )));
+        }
+        if names.iter().filter(|n| **n == g.name).count() > 1 {
+            return Err(Error::config(format!(
+                "parameter group {:?} is named twice in TrainStep::param_groups",
+                g.name
+            )));
+        }
+        for id in &g.params {
+            let Some(entry) = layout.entry(*id) else {
+                continue;
+            };
+            if let Some(other) = owner.insert(*id, &g.name) {
+                return Err(Error::config(format!(
+                    "parameter `{}` is in parameter groups {other:?} and {:?}; each parameter \
+                     belongs to one optimizer",
+                    entry.path, g.name
+                )));
+            }
+        }
+    }
+    if let Some(e) = layout.entries.iter().find(|e| !owner.contains_key(&e.id)) {
+        return Err(Error::config(format!(
+            "parameter `{}` is trainable but in no parameter group ({}); add it to one, or \
+             freeze it",
+            e.path,
+            names.join(", ")
+        )));
+    }
+    let refuse = |key: &str, what: String, instead: &str| {
+        Err(Error::config(format!(
+            "key `{key}`: {what}, but this model steps {} optimizers ({}); {instead}",
+            groups.len(),
+            names.join(", ")
+        )))
+    };
+    match s.parallel.strategy {
+        StrategyKind::Auto | StrategyKind::Single | StrategyKind::Ddp => {}
+        other => {
+            return refuse(
+                "strategy.name",
+                format!(
+                    "{:?} shards or splits one optimizer's step",
+                    name_of(&other)
+                ),
+                "use \"ddp\" or \"single\"",
+            );
+        }
+    }
+    if s.recompute.mode == RecomputeMode::Blocks {
+        return refuse(
+            "recompute.mode",
+            "\"blocks\" walks one loss block by block".into(),
+            "use \"balanced\" or \"none\"",
+        );
+    }
+    if s.parallel.sync_batchnorm && s.world() > 1 {
+        return refuse(
+            "ddp.sync_batchnorm",
+            "synchronised BatchNorm walks one loss block by block".into(),
+            "turn it off",
+        );
+    }
+    if s.precision.uses_scaler() {
+        return refuse(
+            "precision.mode",
+            "\"16-mixed\" scales one loss with one dynamic scaler".into(),
+            "use \"bf16-mixed\" or \"32\"",
+        );
     }
     Ok(())
 }

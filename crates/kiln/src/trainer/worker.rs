@@ -1,13 +1,14 @@
 //! One rank's loop: steps, accumulation, logging, validation, checkpoints. It talks to its
 //! [`Strategy`] and its [`Collective`] through their traits only.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::panic::AssertUnwindSafe;
 use std::time::Instant;
 
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::FloatDType;
-use kiln_models::TrainStep;
+use kiln_models::{StepOutput, TrainStep};
 use serde_json::json;
 
 use super::{Start, TrainerSettings, Workload};
@@ -153,9 +154,12 @@ struct Worker<'a, W: Workload> {
 
 /// Running sums of a logging window, kept on the device until a log line needs them.
 struct Window {
-    loss: Option<Tensor<1>>,
-    /// Micro-batches whose loss this rank computed.
-    scored: usize,
+    /// Summed losses, one per parameter group (one for a model with one optimizer).
+    loss: Vec<Option<Tensor<1>>>,
+    /// Micro-batches whose loss this rank computed, per group.
+    scored: Vec<usize>,
+    /// Named metrics of the micro-batch outputs: their sum and how many were added.
+    metrics: BTreeMap<String, (Tensor<1>, usize)>,
     steps: usize,
     samples: usize,
     started: Instant,
@@ -168,10 +172,11 @@ struct Window {
 }
 
 impl Window {
-    fn new() -> Self {
+    fn new(phases: usize) -> Self {
         Self {
-            loss: None,
-            scored: 0,
+            loss: vec![None; phases],
+            scored: vec![0; phases],
+            metrics: BTreeMap::new(),
             steps: 0,
             samples: 0,
             started: Instant::now(),
@@ -182,6 +187,129 @@ impl Window {
             optim: 0.0,
         }
     }
+
+    /// Adds group `phase`'s micro-batch outputs.
+    fn add(&mut self, phase: usize, outs: &[StepOutput]) {
+        self.scored[phase] += outs.len();
+        for out in outs {
+            let l = out.loss.clone();
+            self.loss[phase] = Some(match self.loss[phase].take() {
+                Some(sum) => sum + l,
+                None => l,
+            });
+            add_metrics(&mut self.metrics, &out.metrics, 1.0);
+        }
+    }
+}
+
+/// A validation's mean loss and, for a classifier, its accuracy.
+type Scores = (f64, Option<f64>);
+
+/// Adds `metrics` (each weighted by `weight`) into the running sums `into`.
+fn add_metrics(
+    into: &mut BTreeMap<String, (Tensor<1>, usize)>,
+    metrics: &[(String, Tensor<1>)],
+    weight: f32,
+) {
+    for (name, value) in metrics {
+        let value = value.clone().cast(FloatDType::F32).mul_scalar(weight);
+        match into.get_mut(name) {
+            Some((sum, n)) => {
+                *sum = sum.clone() + value;
+                *n += 1;
+            }
+            None => {
+                into.insert(name.clone(), (value, 1));
+            }
+        }
+    }
+}
+
+/// The names every rank knows, sorted: the union of each rank's `mine` (ranks that score no
+/// micro-batch, like a pipeline's first stage, know none).
+fn agree_names(comm: &dyn Collective, mine: &BTreeSet<String>) -> Result<Vec<String>> {
+    if comm.world_size() == 1 {
+        return Ok(mine.iter().cloned().collect());
+    }
+    let text: Vec<f32> = mine
+        .iter()
+        .cloned()
+        .collect::<Vec<_>>()
+        .join("\n")
+        .bytes()
+        .map(f32::from)
+        .collect();
+    let lengths = comm.all_gather(&[text.len() as f32])?;
+    let longest = lengths.iter().fold(0.0f32, |a, b| a.max(*b)) as usize;
+    if longest == 0 {
+        return Ok(Vec::new());
+    }
+    let mut padded = text;
+    padded.resize(longest, 0.0);
+    let all = comm.all_gather(&padded)?;
+    let mut names = BTreeSet::new();
+    for (chunk, len) in all.chunks(longest).zip(lengths) {
+        let bytes: Vec<u8> = chunk[..len as usize].iter().map(|b| *b as u8).collect();
+        let text = String::from_utf8_lossy(&bytes);
+        names.extend(
+            text.split('\n')
+                .filter(|n| !n.is_empty())
+                .map(str::to_string),
+        );
+    }
+    Ok(names.into_iter().collect())
+}
+
+/// The mean of each of `names` over every rank's sums `local` (value, count), in `names`'
+/// order; a name no rank reported is left out.
+fn mean_metrics(
+    comm: &dyn Collective,
+    names: &[String],
+    local: BTreeMap<String, (Tensor<1>, usize)>,
+) -> Result<Vec<(String, f64)>> {
+    let mut stats = Vec::with_capacity(names.len() * 2);
+    for name in names {
+        match local.get(name) {
+            Some((sum, n)) => {
+                stats.push(sum.clone().into_scalar::<f32>());
+                stats.push(*n as f32);
+            }
+            None => stats.extend([0.0, 0.0]),
+        }
+    }
+    if !stats.is_empty() && comm.world_size() > 1 {
+        comm.all_reduce(&mut stats, ReduceOp::Sum)?;
+    }
+    Ok(names
+        .iter()
+        .zip(stats.chunks(2))
+        .filter(|(_, s)| s[1] > 0.0)
+        .map(|(name, s)| (name.clone(), f64::from(s[0]) / f64::from(s[1])))
+        .collect())
+}
+
+/// Adds the named metrics to `record` and lists their names under `metrics`; a name that is
+/// one of kiln's own fields is an error.
+fn put_metrics(
+    record: &mut serde_json::Map<String, serde_json::Value>,
+    metrics: &[(String, f64)],
+) -> Result<()> {
+    if metrics.is_empty() {
+        return Ok(());
+    }
+    for (name, value) in metrics {
+        if record.contains_key(name) || name == "metrics" {
+            return Err(Error::Training(format!(
+                "the step's metric {name:?} has the name of one of kiln's own fields; rename it"
+            )));
+        }
+        record.insert(name.clone(), num(*value));
+    }
+    record.insert(
+        "metrics".into(),
+        json!(metrics.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>()),
+    );
+    Ok(())
 }
 
 impl<W: Workload> Worker<'_, W> {
@@ -253,6 +381,11 @@ impl<W: Workload> Worker<'_, W> {
         let dtype = compute_dtype(mode);
 
         let model = self.build_model(start);
+        let groups: Vec<String> = TrainStep::<W::Batch>::param_groups(&model)
+            .into_iter()
+            .map(|g| g.name)
+            .collect();
+        let phases = groups.len().max(1);
         let bucket_elements = (s.parallel.bucket_mb * 1024.0 * 1024.0 / 4.0).max(1.0) as usize;
         let mut strategy: Box<dyn Strategy<W::Model, W::Batch> + '_> = strategy::build(
             s.parallel.strategy,
@@ -266,17 +399,28 @@ impl<W: Workload> Worker<'_, W> {
                 optim: s.optim.clone(),
                 bucket_elements,
                 pipeline: s.parallel.pipeline.clone(),
+                group_optims: s
+                    .groups
+                    .iter()
+                    .map(|(name, g)| (name.clone(), g.optim.clone()))
+                    .collect(),
             },
         )?;
         if let Some(optim) = &start.optim {
-            strategy.load_optimizer_state(optim)?;
+            strategy.load_optimizer_states(optim)?;
         }
         let begin = &start.state;
         let mut scaler = begin.scaler.clone();
         let data_rank = s.data_rank(rank);
         let data_world = s.data_world();
-        let peak = scaled_lr(&s.optim, data_world, s.micro_batches());
-        let schedule = Schedule::new(peak, &s.schedule, self.total);
+        // One schedule per optimizer.
+        let schedules: Vec<Schedule> = (0..phases)
+            .map(|g| {
+                let name = groups.get(g).map_or("", String::as_str);
+                let peak = scaled_lr(s.group_optim(name), data_world, s.micro_batches());
+                Schedule::new(peak, s.group_schedule(name), self.total)
+            })
+            .collect();
         let spe = self.sampler.steps_per_epoch();
 
         let mut metrics = if lead {
@@ -307,7 +451,7 @@ impl<W: Workload> Worker<'_, W> {
         let mut samples = begin.samples;
         let mut wall = begin.wall_seconds;
         let mut order = self.sampler.epoch_order(epoch);
-        let mut window = Window::new();
+        let mut window = Window::new(phases);
         let mut last_train_loss = None;
         let mut last_val: Option<(f64, Option<f64>)> = None;
         let mut validated_at = None;
@@ -323,7 +467,8 @@ impl<W: Workload> Worker<'_, W> {
                 step_in_epoch = 0;
                 order = self.sampler.epoch_order(epoch);
             }
-            let lr = schedule.lr(step);
+            let lrs: Vec<f64> = schedules.iter().map(|sc| sc.lr(step)).collect();
+            let lr = lrs[0];
             let loss_scale = scaler.as_ref().map(|sc| sc.scale as f32);
             let micros = s.micro_batches();
             let objective = move |loss: Tensor<1>| {
@@ -338,58 +483,66 @@ impl<W: Workload> Worker<'_, W> {
                 }
             };
 
-            let t0 = Instant::now();
-            strategy.begin_step()?;
-            // The strategy takes each micro-batch when it needs it; building them is data time.
-            let mut data_seconds = 0.0;
-            let mut batches = (0..micros).map(|micro| {
+            // Each optimizer in turn (one for most models): its micro-steps over the step's
+            // micro-batches, then its update, which the next group's micro-steps see.
+            for (phase, &lr_phase) in lrs.iter().enumerate() {
                 let t0 = Instant::now();
-                let micro_step = step * micros + micro;
-                let indices = self
-                    .workload
-                    .sample(micro_step, data_rank, data_world, t.batch_size)
-                    .unwrap_or_else(|| {
-                        self.sampler
-                            .indices(&order, step_in_epoch, micro, data_rank)
-                    });
-                let mut batch = self.workload.train_batch(&indices, &self.device);
-                if dtype != FloatDType::F32 {
-                    batch = self.workload.cast_batch(batch, dtype);
+                if phases > 1 {
+                    strategy.select_group(phase)?;
                 }
-                data_seconds += t0.elapsed().as_secs_f64();
-                batch
-            });
-            let losses = strategy.micro_steps(&mut batches, micros, &objective)?;
-            drop(batches);
-            window.scored += losses.len();
-            let step_losses = losses.clone();
-            for loss in losses {
-                window.loss = Some(match window.loss.take() {
-                    Some(l) => l + loss,
-                    None => loss,
+                strategy.begin_step()?;
+                // The strategy takes each micro-batch when it needs it; building them is data
+                // time.
+                let mut data_seconds = 0.0;
+                let mut batches = (0..micros).map(|micro| {
+                    let t0 = Instant::now();
+                    let micro_step = step * micros + micro;
+                    let indices = self
+                        .workload
+                        .sample(micro_step, data_rank, data_world, t.batch_size)
+                        .unwrap_or_else(|| {
+                            self.sampler
+                                .indices(&order, step_in_epoch, micro, data_rank)
+                        });
+                    let mut batch = self.workload.train_batch_at(&indices, step, &self.device);
+                    if dtype != FloatDType::F32 {
+                        batch = self.workload.cast_batch(batch, dtype);
+                    }
+                    data_seconds += t0.elapsed().as_secs_f64();
+                    batch
                 });
-            }
-            window.data += data_seconds;
-            window.compute += t0.elapsed().as_secs_f64() - data_seconds;
-            // Collectives inside the micro-steps (ZeRO's reduce-scatters and gathers) count
-            // as synchronisation, not compute.
-            let inside = strategy.take_sync_seconds();
-            window.compute -= inside;
-            window.sync += inside;
+                let outs = strategy.micro_steps(&mut batches, micros, &objective)?;
+                drop(batches);
+                window.add(phase, &outs);
+                window.data += data_seconds;
+                window.compute += t0.elapsed().as_secs_f64() - data_seconds;
+                // Collectives inside the micro-steps (ZeRO's reduce-scatters and gathers)
+                // count as synchronisation, not compute.
+                let inside = strategy.take_sync_seconds();
+                window.compute -= inside;
+                window.sync += inside;
 
-            let t2 = Instant::now();
-            strategy.optimizer_step(lr, scaler.as_mut(), t.grad_clip)?;
-            let inside = strategy.take_sync_seconds();
-            window.sync += inside;
-            window.optim += t2.elapsed().as_secs_f64() - inside;
-            if strategy.nonfinite() {
-                // Every rank saw the same flag. Within the allowance the step is skipped (the
-                // parameters stay as they were); past it the run stops, before anything is
-                // written for this step.
-                if nonfinite_skipped < t.skip_nonfinite {
-                    nonfinite_skipped += 1;
-                } else {
-                    return Err(self.nonfinite_error(step + 1, &step_losses, &s.output.run_dir)?);
+                let t2 = Instant::now();
+                strategy.optimizer_step(lr_phase, scaler.as_mut(), t.grad_clip)?;
+                let inside = strategy.take_sync_seconds();
+                window.sync += inside;
+                window.optim += t2.elapsed().as_secs_f64() - inside;
+                if strategy.nonfinite() {
+                    // Every rank saw the same flag. Within the allowance the step is skipped
+                    // (the parameters stay as they were); past it the run stops, before
+                    // anything is written for this step.
+                    if nonfinite_skipped < t.skip_nonfinite {
+                        nonfinite_skipped += 1;
+                    } else {
+                        let losses: Vec<Tensor<1>> = outs.iter().map(|o| o.loss.clone()).collect();
+                        let group = groups.get(phase).map(String::as_str);
+                        return Err(self.nonfinite_error(
+                            step + 1,
+                            group,
+                            &losses,
+                            &s.output.run_dir,
+                        )?);
+                    }
                 }
             }
 
@@ -413,13 +566,27 @@ impl<W: Workload> Worker<'_, W> {
             if step.is_multiple_of(t.log_every) || last {
                 let elapsed = window.started.elapsed().as_secs_f64() - window.excluded;
                 // Every rank that scored micro-batches contributes their losses (a pipeline's
-                // last stage alone scores them).
-                let mut stats = vec![
-                    window.loss.take().map_or(0.0, |l| l.into_scalar::<f32>()),
-                    window.scored as f32,
-                ];
+                // last stage alone scores them), per group.
+                let mut stats: Vec<f32> = window
+                    .loss
+                    .iter_mut()
+                    .map(|l| l.take().map_or(0.0, |l| l.into_scalar::<f32>()))
+                    .collect();
+                stats.extend(window.scored.iter().map(|n| *n as f32));
                 self.comm.all_reduce(&mut stats, ReduceOp::Sum)?;
-                let loss = f64::from(stats[0]) / f64::from(stats[1]).max(1.0);
+                let group_losses: Vec<f64> = (0..phases)
+                    .map(|g| f64::from(stats[g]) / f64::from(stats[phases + g]).max(1.0))
+                    .collect();
+                // With several optimizers, `loss` is the sum of theirs.
+                let loss: f64 = group_losses.iter().sum();
+                let local = std::mem::take(&mut window.metrics);
+                let names = agree_names(self.comm.as_ref(), &local.keys().cloned().collect())?;
+                let mut named: Vec<(String, f64)> = groups
+                    .iter()
+                    .zip(&group_losses)
+                    .map(|(g, l)| (format!("loss_{g}"), *l))
+                    .collect();
+                named.extend(mean_metrics(self.comm.as_ref(), &names, local)?);
                 let report = strategy.report()?;
                 last_train_loss = Some(loss);
                 let rate = window.samples as f64 / elapsed.max(1e-9);
@@ -451,6 +618,10 @@ impl<W: Workload> Worker<'_, W> {
                     if t.skip_nonfinite > 0 {
                         r.insert("nonfinite_skipped".into(), json!(nonfinite_skipped));
                     }
+                    for (g, lr) in groups.iter().zip(&lrs) {
+                        r.insert(format!("lr_{g}"), num(*lr));
+                    }
+                    put_metrics(&mut r, &named)?;
                     for (key, value) in report.fields {
                         r.insert(key, value);
                     }
@@ -474,7 +645,7 @@ impl<W: Workload> Worker<'_, W> {
                         devices.as_deref(),
                     );
                 }
-                window = Window::new();
+                window = Window::new(phases);
             }
 
             // A signal asks every rank to stop here with a checkpoint; the ranks agree on the
@@ -498,7 +669,7 @@ impl<W: Workload> Worker<'_, W> {
             if epoch_end || periodic_val || last || scored {
                 let val_started = Instant::now();
                 let model = strategy.full_model()?;
-                let v = self.validate(&model)?;
+                let (v, val_metrics) = self.validate(&model)?;
                 drop(model);
                 validated_at = Some(step);
                 last_val = Some(v);
@@ -512,6 +683,7 @@ impl<W: Workload> Worker<'_, W> {
                     if let Some(acc) = v.1 {
                         r.insert("accuracy".into(), num(acc));
                     }
+                    put_metrics(&mut r, &val_metrics)?;
                     m.write(&r);
                 }
                 if let Some(p) = &progress {
@@ -529,7 +701,7 @@ impl<W: Workload> Worker<'_, W> {
             if checkpoint_due {
                 let saving = Instant::now();
                 let model = strategy.full_model()?;
-                let optim = strategy.optimizer_state()?;
+                let optim = strategy.optimizer_states()?;
                 if let Some(optim) = optim.filter(|_| lead) {
                     let state = LoopState {
                         step,
@@ -561,6 +733,24 @@ impl<W: Workload> Worker<'_, W> {
                 self.comm.barrier()?;
                 window.excluded += saving.elapsed().as_secs_f64();
             }
+            let snapshot_due = self
+                .workload
+                .snapshot_every()
+                .is_some_and(|n| last || (n > 0 && step.is_multiple_of(n)));
+            if snapshot_due {
+                let started = Instant::now();
+                let model = strategy.full_model()?;
+                if lead {
+                    let model = if is_true_low(mode) {
+                        cast_params(model, FloatDType::F32, true)
+                    } else {
+                        model
+                    };
+                    self.workload
+                        .snapshot(step, &model.valid(), &s.output.run_dir)?;
+                }
+                window.excluded += started.elapsed().as_secs_f64();
+            }
             if let Some(signal) = signalled {
                 stopped_by = Some(crate::signal::name(signal));
                 break;
@@ -573,7 +763,7 @@ impl<W: Workload> Worker<'_, W> {
             && step > 0
             && stopped_by.is_none()
         {
-            last_val = Some(self.validate(&model)?);
+            last_val = Some(self.validate(&model)?.0);
         }
         if let Some(p) = &progress {
             p.finish();
@@ -631,6 +821,7 @@ impl<W: Workload> Worker<'_, W> {
     fn nonfinite_error(
         &self,
         step: usize,
+        group: Option<&str>,
         losses: &[Tensor<1>],
         run_dir: &std::path::Path,
     ) -> Result<Error> {
@@ -645,11 +836,14 @@ impl<W: Workload> Worker<'_, W> {
             .filter(|(_, m)| **m >= 0.0)
             .map(|(r, m)| format!("rank {r} micro-batch {}", *m as usize))
             .collect();
-        let what = if at.is_empty() {
+        let mut what = if at.is_empty() {
             "a non-finite gradient (every loss was finite)".to_string()
         } else {
             format!("a non-finite loss ({})", at.join(", "))
         };
+        if let Some(group) = group {
+            what = format!("{what} in parameter group {group:?}");
+        }
         let kept = checkpoint::list(run_dir)
             .pop()
             .map_or("none was written".to_string(), |(_, d)| {
@@ -663,8 +857,8 @@ impl<W: Workload> Worker<'_, W> {
     }
 
     /// Mean loss and accuracy over the whole evaluation set, each sample counted once, in the
-    /// precision the ranks train in.
-    fn validate(&self, model: &W::Model) -> Result<(f64, Option<f64>)> {
+    /// precision the ranks train in; and the means of the step's named metrics.
+    fn validate(&self, model: &W::Model) -> Result<(Scores, Vec<(String, f64)>)> {
         let eval_device = self.device.clone().without_autodiff();
         let mode = self.settings.precision.mode;
         let dtype = compute_dtype(mode);
@@ -677,6 +871,7 @@ impl<W: Workload> Worker<'_, W> {
         let bs = self.settings.train.batch_size;
         let mut loss_sum: Option<Tensor<1>> = None;
         let mut correct: Option<Tensor<1, Int>> = None;
+        let mut named = BTreeMap::new();
         let mut start = range.start;
         while start < range.end {
             let end = (start + bs).min(range.end);
@@ -699,6 +894,13 @@ impl<W: Workload> Worker<'_, W> {
                     None => c,
                 });
             }
+            // Weighted by samples, then counted in samples: a mean over the set.
+            add_metrics(&mut named, &out.metrics, out.samples as f32);
+            for (name, _) in &out.metrics {
+                if let Some((_, n)) = named.get_mut(name) {
+                    *n += out.samples - 1;
+                }
+            }
             start = end;
         }
         let mut stats = vec![
@@ -712,9 +914,14 @@ impl<W: Workload> Worker<'_, W> {
         self.comm.all_reduce(&mut stats, ReduceOp::Sum)?;
         let n = f64::from(stats[2]).max(1.0);
         let has_accuracy = stats[3] as usize == self.world();
+        let names = agree_names(self.comm.as_ref(), &named.keys().cloned().collect())?;
+        let metrics = mean_metrics(self.comm.as_ref(), &names, named)?;
         Ok((
-            f64::from(stats[0]) / n,
-            has_accuracy.then(|| f64::from(stats[1]) / n),
+            (
+                f64::from(stats[0]) / n,
+                has_accuracy.then(|| f64::from(stats[1]) / n),
+            ),
+            metrics,
         ))
     }
 }

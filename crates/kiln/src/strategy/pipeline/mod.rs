@@ -38,7 +38,7 @@ use std::time::Instant;
 use burn::module::{Module, ParamId};
 use burn::prelude::*;
 use burn::tensor::FloatDType;
-use kiln_models::{Activation, BlockStack};
+use kiln_models::{Activation, BlockStack, StepOutput};
 use serde_json::json;
 
 use self::schedule::Op;
@@ -215,7 +215,7 @@ impl<'a, B, M: BlockStack<B> + Module> Pipeline<'a, M, B> {
         &mut self,
         batches: &mut dyn Iterator<Item = B>,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
-    ) -> Result<Vec<Tensor<1>>> {
+    ) -> Result<Vec<StepOutput>> {
         let (first, last) = (self.first(), self.last());
         let (stage, micro) = (self.stage, self.microbatches);
         let blocks = self.blocks();
@@ -266,7 +266,7 @@ impl<'a, B, M: BlockStack<B> + Module> Pipeline<'a, M, B> {
                         let (o, up, grads) = head_backward(&model, out, batch, objective);
                         self.acc.grads(&model, Part::Head, grads)?;
                         upstreams.insert(m, up);
-                        losses.push(o.loss.cast(FloatDType::F32));
+                        losses.push(crate::strategy::scored(o));
                     } else {
                         self.core.timed(|_| self.pipe.send(stage + 1, out))?;
                     }
@@ -377,7 +377,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Pipeline<'_, M, B> {
         batches: &mut dyn Iterator<Item = B>,
         count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
-    ) -> Result<Vec<Tensor<1>>> {
+    ) -> Result<Vec<StepOutput>> {
         let mut losses = Vec::new();
         for _ in 0..count / self.microbatches {
             losses.extend(self.flush(batches, objective)?);

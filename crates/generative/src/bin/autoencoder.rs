@@ -1,0 +1,7 @@
+//! `autoencoder`: trains the autoencoder with kiln's whole command line.
+
+fn main() {
+    kiln::App::new("autoencoder", "Train an autoencoder with kiln")
+        .recipe(include_str!("../../../../configs/autoencoder-digits.toml"))
+        .main(kiln_generative::autoencoder::AutoencoderWorkload::new)
+}

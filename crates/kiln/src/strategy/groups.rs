@@ -1,0 +1,234 @@
+//! A step with several optimizers (a GAN's discriminator, then its generator), on one device
+//! (`single`) or replicated (`ddp`).
+//!
+//! Each parameter group of [`TrainStep::param_groups`](kiln_models::TrainStep::param_groups)
+//! has a [`Core`] of its own: a [`FlatLayout`](crate::params::FlatLayout) over its parameters
+//! only, its optimizer and its optimizer state. The loop selects a group, runs its micro-steps
+//! (gradients accumulated locally, then averaged over ranks once, after the last: the
+//! `toggle_model(sync_grad=…)` pattern) and steps it. Gradients the group's loss gives other
+//! groups' parameters are dropped, and the step loads the group's parameters alone, so another
+//! group's parameters and optimizer state stay as they were, bit for bit.
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+use kiln_models::{BlockStack, StepOutput};
+
+use super::core::{Core, Norm, Replica, cat_or_empty};
+use super::{Context, Memory, Strategy, one_by_one};
+use crate::error::{Error, Result};
+use crate::exec::{Accumulate, Hooks, Part, detached};
+use crate::optim::OptimState;
+use crate::params::FlatLayout;
+use crate::precision::LossScaler;
+
+/// Several optimizers over disjoint parameter groups of one replicated model.
+pub struct Groups<'a, M: Module> {
+    /// The whole model's equipment: the compute copy, memory counts, buffers and replicas.
+    whole: Core<'a>,
+    /// One per group: its layout, optimizer and state.
+    cores: Vec<Core<'a>>,
+    names: Vec<String>,
+    replica: Replica<M>,
+    acc: Accumulate<M>,
+    current: usize,
+    /// Average the gradients over ranks (`ddp`), or not (`single`).
+    reduce: bool,
+}
+
+impl<'a, M: Module> Groups<'a, M> {
+    pub(crate) fn new<B>(
+        model: M,
+        mut whole: Core<'a>,
+        ctx: Context<'a>,
+        reduce: bool,
+    ) -> Result<Self>
+    where
+        M: BlockStack<B>,
+    {
+        let groups = model.param_groups();
+        let mut cores = Vec::with_capacity(groups.len());
+        let mut names = Vec::with_capacity(groups.len());
+        for group in groups {
+            let mut c = ctx.clone();
+            if let Some(optim) = ctx.group_optims.get(&group.name) {
+                c.optim = optim.clone();
+            }
+            let layout = FlatLayout::of_params(&model, &group.params, 1);
+            if layout.total() == 0 {
+                return Err(Error::config(format!(
+                    "parameter group {:?} holds no trainable parameter",
+                    group.name
+                )));
+            }
+            cores.push(Core::new(c, layout));
+            names.push(group.name);
+        }
+        let replica = Replica::new(model, &mut whole);
+        Ok(Self {
+            whole,
+            cores,
+            names,
+            replica,
+            acc: Accumulate::default(),
+            current: 0,
+            reduce,
+        })
+    }
+}
+
+impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Groups<'_, M> {
+    fn select_group(&mut self, group: usize) -> Result<()> {
+        if group >= self.cores.len() {
+            return Err(Error::Worker(format!(
+                "the model has {} parameter groups; there is no group {group}",
+                self.cores.len()
+            )));
+        }
+        self.current = group;
+        Ok(())
+    }
+
+    fn begin_step(&mut self) -> Result<()> {
+        // Each group's compute copy is cast afresh: a later group sees what an earlier one
+        // stepped.
+        self.replica.begin(&mut self.whole);
+        Ok(())
+    }
+
+    fn micro_steps(
+        &mut self,
+        batches: &mut dyn Iterator<Item = B>,
+        count: usize,
+        objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
+    ) -> Result<Vec<StepOutput>> {
+        let group = self.current;
+        one_by_one(batches, count, |batch| -> Result<StepOutput> {
+            let model = self.replica.current();
+            let out = model.group_step(group, batch);
+            let grads = GradientsParams::from_grads(objective(out.loss.clone()).backward(), &model);
+            self.acc.grads(&model, Part::All, grads)?;
+            let bytes = self.whole.layout.total() * 4;
+            self.whole.memory.grads.set(bytes);
+            self.whole.sample_pool();
+            Ok(detached(out))
+        })
+    }
+
+    fn optimizer_step(
+        &mut self,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+        clip: Option<f64>,
+    ) -> Result<bool> {
+        self.replica.end(&mut self.whole);
+        let core = &mut self.cores[self.current];
+        // The group's own gradients; what its loss gave other groups is dropped here.
+        let mut grads = self.acc.take();
+        let units: Vec<Tensor<1>> = (0..core.layout.units.len())
+            .map(|u| {
+                core.layout.unit_grads(
+                    &self.replica.model,
+                    &mut grads,
+                    u,
+                    FloatDType::F32,
+                    &core.device,
+                )
+            })
+            .collect();
+        drop(grads);
+        let flat = if self.reduce {
+            let host = core.all_reduce_units(units)?;
+            let n = host.len();
+            Tensor::<1>::from_data(TensorData::new(host, [n]), &core.inner)
+        } else {
+            cat_or_empty(units, FloatDType::F32, &core.inner)
+        };
+        let params = core.shard_of(&self.replica.model);
+        let stepped = core.finish(flat, params, lr, scaler, clip, Norm::Local)?;
+        self.whole.memory.grads.set(0);
+        let Some(flat) = stepped else {
+            return Ok(false);
+        };
+        self.replica.model = core.load_flat(self.replica.model.clone(), flat);
+        self.whole.sample_pool();
+        Ok(true)
+    }
+
+    fn full_model(&mut self) -> Result<M> {
+        self.replica.settled(&mut self.whole)
+    }
+
+    fn optimizer_state(&mut self) -> Result<Option<OptimState>> {
+        Err(Error::Worker(
+            "a model with several optimizers has one state per group".into(),
+        ))
+    }
+
+    fn load_optimizer_state(&mut self, _state: &OptimState) -> Result<()> {
+        Err(Error::checkpoint(format!(
+            "the checkpoint holds one optimizer's state, but this model steps {} optimizers \
+             ({})",
+            self.names.len(),
+            self.names.join(", ")
+        )))
+    }
+
+    fn optimizer_states(&mut self) -> Result<Option<Vec<(String, OptimState)>>> {
+        let mut out = Vec::with_capacity(self.cores.len());
+        for (name, core) in self.names.iter().zip(&mut self.cores) {
+            if let Some(state) = core.optimizer_state()? {
+                out.push((name.clone(), state));
+            }
+        }
+        Ok((self.whole.rank() == 0).then_some(out))
+    }
+
+    fn load_optimizer_states(&mut self, states: &[(String, OptimState)]) -> Result<()> {
+        for (name, core) in self.names.iter().zip(&mut self.cores) {
+            let Some((_, state)) = states.iter().find(|(n, _)| n == name) else {
+                return Err(Error::checkpoint(format!(
+                    "the checkpoint holds no optimizer state for parameter group {name:?}"
+                )));
+            };
+            core.load_optimizer_state(state).map_err(|e| match e {
+                Error::Checkpoint(m) => Error::checkpoint(format!("group {name:?}: {m}")),
+                other => other,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn check_replicas(&mut self, step: usize) -> Result<()> {
+        if !self.reduce {
+            return Ok(());
+        }
+        let values = self.replica.values();
+        let comm = self.whole.comm;
+        self.whole.check_replicas(comm, values, step)
+    }
+
+    fn memory(&self) -> Memory {
+        let mut m = self.whole.memory;
+        let optim_now: usize = self.cores.iter().map(|c| c.memory.optim.now).sum();
+        let optim_peak: usize = self.cores.iter().map(|c| c.memory.optim.peak).sum();
+        m.optim.now = optim_now;
+        m.optim.peak = optim_peak;
+        m.total_peak += optim_peak;
+        m
+    }
+
+    fn take_sync_seconds(&mut self) -> f64 {
+        self.whole.take_sync_seconds()
+            + self
+                .cores
+                .iter_mut()
+                .map(Core::take_sync_seconds)
+                .sum::<f64>()
+    }
+
+    fn nonfinite(&self) -> bool {
+        self.cores[self.current].nonfinite
+    }
+}
