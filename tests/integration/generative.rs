@@ -429,6 +429,12 @@ fn a_programs_own_sections_get_the_one_line_errors_of_kilns() {
             "groups.generator.optim.lr",
             "must be a positive number",
         ),
+        (
+            "[optim]\neps = 1e-4\n[precision]\nmode = \"16-true\"\n[groups.generator.optim]\neps = 1e-9\n",
+            &[][..],
+            "groups.generator.optim.eps",
+            "below f16's smallest normal number",
+        ),
     ] {
         let err = resolve(text, sets);
         assert!(!err.contains('\n'), "{err}");

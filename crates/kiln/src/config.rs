@@ -796,19 +796,26 @@ impl RootConfig {
         }
         // f16's smallest normal number is 6.1e-5: below it AdamW's epsilon flushes towards zero
         // in f16 optimizer state and its update divides by zero.
-        if p.mode == PrecisionMode::F16True
-            && self.optim.name == OptimizerKind::Adamw
-            && self.optim.eps < 6.1e-5
-        {
-            return bad(
-                "optim.eps",
-                format!(
-                    "{} is below f16's smallest normal number (6.1e-5), and precision \
-                     \"16-true\" keeps AdamW's state in f16, where its update would divide by \
-                     zero; set optim.eps >= 1e-4 or use precision \"16-mixed\"",
-                    self.optim.eps
-                ),
-            );
+        let optims = std::iter::once((String::new(), &self.optim)).chain(
+            self.groups
+                .iter()
+                .map(|(name, g)| (format!("groups.{name}."), &g.optim)),
+        );
+        for (prefix, optim) in optims {
+            if p.mode == PrecisionMode::F16True
+                && optim.name == OptimizerKind::Adamw
+                && optim.eps < 6.1e-5
+            {
+                return bad(
+                    &format!("{prefix}optim.eps"),
+                    format!(
+                        "{} is below f16's smallest normal number (6.1e-5), and precision \
+                         \"16-true\" keeps AdamW's state in f16, where its update would divide \
+                         by zero; set {prefix}optim.eps >= 1e-4 or use precision \"16-mixed\"",
+                        optim.eps
+                    ),
+                );
+            }
         }
         if self.recompute.every == 0 {
             return bad("recompute.every", "must be at least 1, got 0".into());
