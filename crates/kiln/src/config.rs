@@ -722,11 +722,7 @@ impl RootConfig {
         }
         check_optim("", &self.optim, &self.schedule)?;
         for (name, group) in &self.groups {
-            if name.is_empty()
-                || !name
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
-            {
+            if !is_group_name(name) {
                 return bad(
                     &format!("groups.{name}"),
                     "a group name is lower-case letters, digits, `_` and `-`".into(),
@@ -948,6 +944,14 @@ impl RootConfig {
             .clone()
             .unwrap_or_else(|| Path::new("runs").join(&self.run.name))
     }
+}
+
+/// Whether `name` can name a parameter group: lower-case letters, digits, `_` and `-`.
+pub fn is_group_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
 }
 
 /// Rejects optimizer and schedule values that cannot work; `prefix` is the keys' section

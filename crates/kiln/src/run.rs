@@ -695,7 +695,6 @@ fn print_table<W: Workload>(
                 )
             },
         ),
-        ("model", format!("{}, {params} parameters", info.model)),
     ];
     let lr_line = |optim: &crate::config::OptimConfig, schedule: &crate::config::ScheduleConfig| {
         format!(
@@ -723,9 +722,8 @@ fn print_table<W: Workload>(
             ));
         }
     }
-    let model_row = rows.pop().expect("the model row");
     rows.extend(lr_rows.iter().map(|(k, v)| (k.as_str(), v.clone())));
-    rows.push(model_row);
+    rows.push(("model", format!("{}, {params} parameters", info.model)));
     rows.extend(info.rows.iter().map(|(k, v)| (k.as_str(), v.clone())));
     rows.push(("steps", format!("{spe} per epoch, {total} in all")));
     println!("kiln");

@@ -124,20 +124,9 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Groups<'_, M> {
     ) -> Result<bool> {
         self.replica.end(&mut self.whole);
         let core = &mut self.cores[self.current];
-        // The group's own gradients; what its loss gave other groups is dropped here.
-        let mut grads = self.acc.take();
-        let units: Vec<Tensor<1>> = (0..core.layout.units.len())
-            .map(|u| {
-                core.layout.unit_grads(
-                    &self.replica.model,
-                    &mut grads,
-                    u,
-                    FloatDType::F32,
-                    &core.device,
-                )
-            })
-            .collect();
-        drop(grads);
+        // The group's own gradients (its layout's units); what its loss gave other groups is
+        // dropped here.
+        let units = self.replica.unit_grads(core, self.acc.take());
         let flat = if self.reduce {
             let host = core.all_reduce_units(units)?;
             let n = host.len();

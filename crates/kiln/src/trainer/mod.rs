@@ -540,14 +540,10 @@ fn check_groups<B, M: BlockStack<B> + Module>(model: &M, s: &TrainerSettings) ->
             )));
         }
     }
-    let layout = FlatLayout::new(model, &[], 1);
+    let trainable = crate::params::trainable_params(model);
     let mut owner: std::collections::HashMap<burn::module::ParamId, &str> = Default::default();
     for g in &groups {
-        let valid = !g.name.is_empty()
-            && g.name
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
-        if !valid {
+        if !crate::config::is_group_name(&g.name) {
             return Err(Error::config(format!(
                 "parameter group {:?}: a group name is lower-case letters, digits, `_` and `-`",
                 g.name
@@ -560,23 +556,22 @@ fn check_groups<B, M: BlockStack<B> + Module>(model: &M, s: &TrainerSettings) ->
             )));
         }
         for id in &g.params {
-            let Some(entry) = layout.entry(*id) else {
+            let Some((_, path, _)) = trainable.iter().find(|(t, _, _)| t == id) else {
                 continue;
             };
             if let Some(other) = owner.insert(*id, &g.name) {
                 return Err(Error::config(format!(
-                    "parameter `{}` is in parameter groups {other:?} and {:?}; each parameter \
-                     belongs to one optimizer",
-                    entry.path, g.name
+                    "parameter `{path}` is in parameter groups {other:?} and {:?}; each \
+                     parameter belongs to one optimizer",
+                    g.name
                 )));
             }
         }
     }
-    if let Some(e) = layout.entries.iter().find(|e| !owner.contains_key(&e.id)) {
+    if let Some((_, path, _)) = trainable.iter().find(|(id, _, _)| !owner.contains_key(id)) {
         return Err(Error::config(format!(
-            "parameter `{}` is trainable but in no parameter group ({}); add it to one, or \
+            "parameter `{path}` is trainable but in no parameter group ({}); add it to one, or \
              freeze it",
-            e.path,
             names.join(", ")
         )));
     }

@@ -197,7 +197,7 @@ impl Window {
                 Some(sum) => sum + l,
                 None => l,
             });
-            add_metrics(&mut self.metrics, &out.metrics, 1.0);
+            add_metrics(&mut self.metrics, &out.metrics, 1.0, 1);
         }
     }
 }
@@ -205,21 +205,23 @@ impl Window {
 /// A validation's mean loss and, for a classifier, its accuracy.
 type Scores = (f64, Option<f64>);
 
-/// Adds `metrics` (each weighted by `weight`) into the running sums `into`.
+/// Adds `metrics`, each weighted by `weight`, into the running sums `into`, counting `count`
+/// for each (1 per micro-batch in training, its samples in validation).
 fn add_metrics(
     into: &mut BTreeMap<String, (Tensor<1>, usize)>,
     metrics: &[(String, Tensor<1>)],
     weight: f32,
+    count: usize,
 ) {
     for (name, value) in metrics {
         let value = value.clone().cast(FloatDType::F32).mul_scalar(weight);
         match into.get_mut(name) {
             Some((sum, n)) => {
                 *sum = sum.clone() + value;
-                *n += 1;
+                *n += count;
             }
             None => {
-                into.insert(name.clone(), (value, 1));
+                into.insert(name.clone(), (value, count));
             }
         }
     }
@@ -895,12 +897,7 @@ impl<W: Workload> Worker<'_, W> {
                 });
             }
             // Weighted by samples, then counted in samples: a mean over the set.
-            add_metrics(&mut named, &out.metrics, out.samples as f32);
-            for (name, _) in &out.metrics {
-                if let Some((_, n)) = named.get_mut(name) {
-                    *n += out.samples - 1;
-                }
-            }
+            add_metrics(&mut named, &out.metrics, out.samples as f32, out.samples);
             start = end;
         }
         let mut stats = vec![
