@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use burn::prelude::*;
 use kiln::app::App;
 use kiln::comm::world_group;
-use kiln::config::{PipelineConfig, PrecisionConfig, RecomputeConfig, StrategyKind};
+use kiln::config::{PipelineConfig, PrecisionConfig, StrategyKind};
+use kiln::exec::Recompute;
+use kiln::precision::Policy;
 use kiln::strategy::{Context, Strategy, build};
 use kiln::trainer::{TrainerSettings, fit, parameter_values};
 use kiln::{UserConfig, Workload};
@@ -103,8 +105,8 @@ fn a_discriminator_step_leaves_the_generator_and_its_adamw_state_bit_identical()
     let ctx = Context {
         comm: comms[0].as_ref(),
         device: device.clone(),
-        precision: PrecisionConfig::default(),
-        recompute: RecomputeConfig::default(),
+        policy: Policy::new(&PrecisionConfig::default()),
+        recompute: Recompute::Keep,
         sync_batchnorm: false,
         optim: config.kiln.optim.clone(),
         bucket_elements: 1 << 20,

@@ -14,14 +14,14 @@
 //! The models compute their loss in f32 whatever the logits' dtype (softmax and log in 16-bit
 //! floats lose too much), which is the one place where autocast would also widen.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::GradientsParams;
+use burn::module::{Module, ModuleMapper, Param};
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{PrecisionConfig, PrecisionMode, name_of};
+use crate::config::{PrecisionConfig, PrecisionMode, ReduceDtype, name_of};
 use crate::error::{Error, Result};
+use crate::params::dtype_bytes;
 
 /// The dtype replicas compute in under `mode`.
 pub fn compute_dtype(mode: PrecisionMode) -> FloatDType {
@@ -32,32 +32,179 @@ pub fn compute_dtype(mode: PrecisionMode) -> FloatDType {
     }
 }
 
-/// Whether `mode` keeps f32 master weights apart from a low-precision compute copy.
-pub fn is_mixed(mode: PrecisionMode) -> bool {
-    matches!(mode, PrecisionMode::Bf16Mixed | PrecisionMode::F16Mixed)
+/// The precision of a run as one value, decided once from `[precision]`: the dtypes, and
+/// every step of the policy that touches a model, a batch or the optimizer (Lightning's
+/// precision plugin). Nothing else in kiln branches on the mode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    config: PrecisionConfig,
+    /// The dtype replicas compute in.
+    pub compute: FloatDType,
+    /// The dtype of the parameters the optimizer steps, and so of its state: f32, or the low
+    /// dtype of a `-true` precision.
+    pub master: FloatDType,
+    /// Whether f32 master weights are kept apart from a compute copy cast from them every step
+    /// (`bf16-mixed`, `16-mixed`).
+    pub mixed: bool,
 }
 
-/// Whether `mode` keeps the parameters themselves (and so the optimizer state) in a low dtype.
-pub fn is_true_low(mode: PrecisionMode) -> bool {
-    matches!(mode, PrecisionMode::Bf16True | PrecisionMode::F16True)
-}
-
-/// Fails with a clear message when `device` cannot compute in the dtype `config` asks for.
-pub fn check_device(config: &PrecisionConfig, device: &Device, label: &str) -> Result<()> {
-    let dtype = compute_dtype(config.mode);
-    if dtype != FloatDType::F32 && !device.supports_dtype(dtype) {
-        return Err(Error::config(format!(
-            "key `precision.mode`: {:?} computes in {dtype:?}, which device {label} does not \
-             support for arithmetic; use precision \"32\"{}",
-            name_of(&config.mode),
-            if dtype == FloatDType::BF16 {
-                " or \"16-mixed\""
-            } else {
-                ""
-            }
-        )));
+impl Policy {
+    /// The policy `config` describes.
+    pub fn new(config: &PrecisionConfig) -> Self {
+        let mode = config.mode;
+        let compute = compute_dtype(mode);
+        let low_master = matches!(mode, PrecisionMode::Bf16True | PrecisionMode::F16True);
+        Self {
+            config: config.clone(),
+            compute,
+            master: if low_master { compute } else { FloatDType::F32 },
+            mixed: matches!(mode, PrecisionMode::Bf16Mixed | PrecisionMode::F16Mixed),
+        }
     }
-    Ok(())
+
+    /// The `[precision]` section this policy was made from.
+    pub fn config(&self) -> &PrecisionConfig {
+        &self.config
+    }
+
+    /// The mode's name as the config spells it.
+    pub fn name(&self) -> String {
+        name_of(&self.config.mode)
+    }
+
+    /// The dtype gradients travel in when they are reduced.
+    pub fn reduce_dtype(&self) -> ReduceDtype {
+        self.config.reduce_dtype
+    }
+
+    /// Whether the parameters themselves live in a low dtype (`-true`).
+    pub fn low_master(&self) -> bool {
+        self.master != FloatDType::F32
+    }
+
+    /// A fresh loss scaler, when the policy scales the loss (`16-mixed`).
+    pub fn scaler(&self) -> Option<LossScaler> {
+        self.config
+            .uses_scaler()
+            .then(|| LossScaler::new(self.config.init_scale, self.config.growth_interval))
+    }
+
+    /// A rank's module as it trains: under `-true` its parameters and buffers in the low
+    /// dtype, otherwise as it is (f32).
+    pub fn master_model<M: Module>(&self, model: M) -> M {
+        if self.low_master() {
+            cast_params(model, self.master, true)
+        } else {
+            model
+        }
+    }
+
+    /// The compute copy of `master` for one step (mixed precision), with the master's
+    /// parameter ids; `None` when the master computes itself.
+    pub fn compute_copy<M: Module>(&self, master: &M) -> Option<M> {
+        self.mixed
+            .then(|| cast_params(master.clone(), self.compute, false))
+    }
+
+    /// `batch` with its float inputs in the compute dtype, `cast` doing the casting (the
+    /// workload knows which of its tensors are floats).
+    pub fn cast_batch<B>(&self, batch: B, cast: impl FnOnce(B, FloatDType) -> B) -> B {
+        if self.compute == FloatDType::F32 {
+            batch
+        } else {
+            cast(batch, self.compute)
+        }
+    }
+
+    /// The module evaluation runs: the precision the ranks train in.
+    pub fn eval_model<M: Module>(&self, model: &M) -> M {
+        self.compute_copy(model).unwrap_or_else(|| model.clone())
+    }
+
+    /// `model` as it leaves the run (exported, snapshotted): f32 whatever the training
+    /// precision.
+    pub fn export<M: Module>(&self, model: M) -> M {
+        if self.low_master() {
+            cast_params(model, FloatDType::F32, true)
+        } else {
+            model
+        }
+    }
+
+    /// Bytes of `n` parameter elements in the master dtype.
+    pub fn master_bytes(&self, n: usize) -> usize {
+        n * dtype_bytes(self.master)
+    }
+
+    /// Bytes of the compute copy of `n` parameter elements (0 when there is none).
+    pub fn compute_copy_bytes(&self, n: usize) -> usize {
+        if self.mixed {
+            n * dtype_bytes(self.compute)
+        } else {
+            0
+        }
+    }
+
+    /// Bytes of `n` parameter elements gathered to compute with (ZeRO-3's units).
+    pub fn compute_bytes(&self, n: usize) -> usize {
+        n * dtype_bytes(if self.mixed {
+            self.compute
+        } else {
+            self.master
+        })
+    }
+
+    /// Fails with a clear message when `device` cannot compute in the policy's dtype.
+    pub fn check_device(&self, device: &Device, label: &str) -> Result<()> {
+        let dtype = self.compute;
+        if dtype != FloatDType::F32 && !device.supports_dtype(dtype) {
+            return Err(Error::config(format!(
+                "key `precision.mode`: {:?} computes in {dtype:?}, which device {label} does not \
+                 support for arithmetic; use precision \"32\"{}",
+                self.name(),
+                if dtype == FloatDType::BF16 {
+                    " or \"16-mixed\""
+                } else {
+                    ""
+                }
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses a model the policy cannot run: mixed precision with buffers (BatchNorm running
+    /// statistics), which Burn shares between the master and its compute copy.
+    pub fn check_model(&self, has_buffers: bool) -> Result<()> {
+        if self.mixed && has_buffers {
+            return Err(Error::config(format!(
+                "key `precision.mode`: {:?} keeps f32 master weights apart from a low-precision \
+                 copy, but this model has buffers (BatchNorm running statistics), which Burn \
+                 shares between the two and updates in the compute dtype; use precision \"32\" \
+                 or a \"-true\" precision, or a model without BatchNorm",
+                self.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The start-up table's words for the policy; `reduced` when gradients are reduced
+    /// between this process's devices.
+    pub fn describe(&self, reduced: bool) -> String {
+        let mut line = self.name();
+        if self.mixed {
+            line += " (f32 master weights and optimizer state)";
+        }
+        if self.config.uses_scaler() {
+            line += &format!(", dynamic loss scale from {}", self.config.init_scale);
+        }
+        if reduced {
+            line += &format!(
+                ", gradients reduced in {}",
+                name_of(&self.config.reduce_dtype)
+            );
+        }
+        line
+    }
 }
 
 /// `module` with its trained parameters (and, with `buffers`, its other float tensors) in
@@ -86,55 +233,6 @@ pub fn cast_params<M: Module>(module: M, dtype: FloatDType, buffers: bool) -> M 
         }
     }
     module.map(&mut Cast { dtype, buffers })
-}
-
-/// Converts every gradient in `grads` to the dtype of its parameter in `module` (the master
-/// copy), multiplying by `scale` on the way when given; returns the sum of the absolute values
-/// of all gradients when `measure` (infinite or NaN when any gradient is), for the loss
-/// scaler's overflow check.
-pub fn to_master_grads<M: Module>(
-    module: &M,
-    mut grads: GradientsParams,
-    scale: Option<f32>,
-    measure: bool,
-) -> (GradientsParams, Option<Tensor<1>>) {
-    struct Convert<'a> {
-        grads: &'a mut GradientsParams,
-        scale: Option<f32>,
-        measure: bool,
-        total: Option<Tensor<1>>,
-    }
-    impl ModuleVisitor for Convert<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if !param.is_require_grad() {
-                return;
-            }
-            let Some(g) = self.grads.remove::<D>(param.id) else {
-                return;
-            };
-            let mut g = g.cast(FloatDType::from(param.val().dtype()));
-            if let Some(s) = self.scale {
-                g = g.mul_scalar(s);
-            }
-            if self.measure {
-                let part = g.clone().cast(FloatDType::F32).abs().sum();
-                self.total = Some(match self.total.take() {
-                    Some(t) => t + part,
-                    None => part,
-                });
-            }
-            self.grads.register::<D>(param.id, g);
-        }
-    }
-    let mut c = Convert {
-        grads: &mut grads,
-        scale,
-        measure,
-        total: None,
-    };
-    module.visit(&mut c);
-    let total = c.total;
-    (grads, total)
 }
 
 /// Dynamic loss scaling for f16: the loss is multiplied by `scale` before backward so that

@@ -14,13 +14,12 @@ use kiln_models::{
 };
 
 use crate::checkpoint::{self, write_atomic};
-use crate::config::{
-    Accelerator, DataConfig, DatasetKind, HardwareConfig, RootConfig, StrategyKind, name_of,
-};
+use crate::config::{Accelerator, DataConfig, DatasetKind, HardwareConfig, RootConfig, name_of};
 use crate::data::{ImageBatcher, input_spec};
 use crate::error::{Error, Result};
 use crate::metrics::Summary;
 use crate::optim::scaled_lr;
+use crate::strategy::{ModelFacts, Setup};
 use crate::trainer::{TrainerSettings, Workload, fit, total_steps};
 
 /// Image classification: a [`Classifier`] trained on an [`ImageSplits`].
@@ -549,80 +548,10 @@ pub fn resolve_resume(path: &Path) -> Result<(PathBuf, PathBuf)> {
     Ok((path.to_path_buf(), dir))
 }
 
-/// The start-up table's precision and recompute line.
-fn precision_line(config: &RootConfig) -> String {
-    let p = &config.precision;
-    let mut line = name_of(&p.mode);
-    if crate::precision::is_mixed(p.mode) {
-        line += " (f32 master weights and optimizer state)";
-    }
-    if p.uses_scaler() {
-        line += &format!(", dynamic loss scale from {}", p.init_scale);
-    }
-    if config.hardware.devices.indices().len() > 1 {
-        line += &format!(", gradients reduced in {}", name_of(&p.reduce_dtype));
-    }
-    let r = &config.recompute;
-    let zero3 = config.strategy() == StrategyKind::Zero3;
-    line += &match r.mode {
-        crate::config::RecomputeMode::Blocks if r.every > 1 => {
-            format!("; recompute every {}th block", r.every)
-        }
-        crate::config::RecomputeMode::None | crate::config::RecomputeMode::Balanced if zero3 => {
-            format!(
-                "; recompute {}, and zero3 recomputes every block but the last",
-                name_of(&r.mode)
-            )
-        }
-        m => format!("; recompute {}", name_of(&m)),
-    };
-    line
-}
-
-/// The start-up table's strategy line: the strategy and what it shards.
-fn strategy_line(s: &TrainerSettings) -> String {
-    let world = s.world();
-    match s.parallel.strategy {
-        StrategyKind::Auto | StrategyKind::Single => "single (one device)".to_string(),
-        StrategyKind::Ddp => format!("ddp ({world} replicas, gradients all-reduced)"),
-        StrategyKind::Zero1 => format!("zero1 (optimizer state sharded over {world})"),
-        StrategyKind::Zero2 => format!(
-            "zero2 (gradients and optimizer state sharded over {world}; each block's gradients \
-             reduce-scattered as its backward ends)"
-        ),
-        StrategyKind::Pipeline => {
-            let p = &s.parallel.pipeline;
-            format!(
-                "pipeline ({} stages × {} replicas, {} micro-batches per flush, {})",
-                p.stages,
-                world / p.stages,
-                p.microbatches,
-                name_of(&p.schedule)
-            )
-        }
-        StrategyKind::Zero3 => format!(
-            "zero3 (parameters, gradients and optimizer state sharded over {world}; blocks \
-             gathered for their forward and backward and recomputed in the backward)"
-        ),
-    }
-}
-
 /// The start-up table's memory line: the expected peak bytes per rank of parameters,
 /// gradients and optimizer state, for `model`.
-fn memory_line<B, M: kiln_models::BlockStack<B> + Module>(
-    s: &TrainerSettings,
-    model: &M,
-) -> String {
-    let layout = crate::params::FlatLayout::new(model, &crate::strategy::block_ids(model), 1);
-    let e = match crate::strategy::estimate(
-        s.parallel.strategy,
-        &layout,
-        s.world(),
-        &s.precision,
-        &s.optim,
-        &s.recompute,
-        &s.parallel.pipeline,
-    ) {
+fn memory_line(s: &TrainerSettings, setup: &Setup, model: &ModelFacts) -> String {
+    let e = match setup.estimate(&model.layout, &s.optim) {
         Ok(e) => e,
         Err(e) => return format!("not estimated: {e}"),
     };
@@ -659,7 +588,10 @@ fn print_table<W: Workload>(
     let total = total_steps(t, spe);
     let probe = kiln_models::with_rng(|| w.init_model(&Device::flex().autodiff()));
     let params = probe.num_params();
-    let memory = memory_line(s, &probe);
+    let setup = s.setup();
+    let facts = ModelFacts::of::<W::Batch, _>(&probe);
+    let memory = memory_line(s, &setup, &facts);
+    let local_devices = config.hardware.devices.indices().len();
     let mut rows = vec![
         ("run", run_dir.display().to_string()),
         ("accelerator", s.parallel.accelerator.clone()),
@@ -676,17 +608,26 @@ fn print_table<W: Workload>(
                 format!("{world} {:?}", config.hardware.devices.indices())
             },
         ),
-        ("strategy", strategy_line(s)),
+        ("strategy", setup.describe()),
         ("world size", world.to_string()),
         ("memory", memory),
-        ("precision", precision_line(config)),
+        (
+            "precision",
+            format!(
+                "{}; {}",
+                setup.policy.describe(local_devices > 1),
+                setup.recompute_line()
+            ),
+        ),
         (
             "batch",
-            if s.parallel.strategy == StrategyKind::Pipeline {
+            if setup.stages() > 1 || setup.flush() > 1 {
                 format!(
                     "{} per micro-batch × {} micro-batches × {replicas} pipelines × {} \
                      accumulation = {per_step} per step",
-                    t.batch_size, s.parallel.pipeline.microbatches, t.accumulate
+                    t.batch_size,
+                    setup.flush(),
+                    t.accumulate
                 )
             } else {
                 format!(

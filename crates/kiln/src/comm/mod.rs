@@ -10,6 +10,7 @@
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod pack;
 
 pub use local::{LocalComm, local_group};
 

@@ -139,6 +139,10 @@ pub struct Plan<'a> {
     pub sync_bn: Option<&'a dyn Collective>,
     /// The device the model's parameters live on (with autodiff).
     pub device: &'a Device,
+    /// The parameter group whose loss runs ([`TrainStep::group_step`](kiln_models::TrainStep::group_step)),
+    /// for a model with several optimizers; `None` runs [`TrainStep::step`](kiln_models::TrainStep::step).
+    /// A group's loss runs whole (the settings that walk the blocks refuse such models).
+    pub group: Option<usize>,
 }
 
 /// Runs `model` on `batch`, differentiates `objective(loss)` and hands the parameter gradients
@@ -162,6 +166,17 @@ where
     // are refused at start).
     let walk = model.num_blocks() > 0
         && (hooks.blockwise() || plan.recompute != Recompute::Keep || plan.sync_bn.is_some());
+    if let Some(group) = plan.group {
+        if walk {
+            return Err(crate::error::Error::Worker(
+                "a parameter group's loss runs whole; the block walk takes one loss".into(),
+            ));
+        }
+        let out = model.group_step(group, batch);
+        let grads = GradientsParams::from_grads(objective(out.loss.clone()).backward(), &model);
+        hooks.grads(&model, Part::All, grads)?;
+        return Ok((detached(out), model));
+    }
     if !walk {
         let out = model.step(batch);
         let grads = GradientsParams::from_grads(objective(out.loss.clone()).backward(), &model);
@@ -187,6 +202,7 @@ where
         recompute,
         sync_bn: None,
         device,
+        group: None,
     };
     let mut acc = Accumulate::default();
     let (out, _) = run(model.clone(), batch, &plan, &mut acc, objective)

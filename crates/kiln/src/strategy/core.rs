@@ -1,6 +1,7 @@
-//! What the strategies share: the rank's collective, device, layout and optimizer, the step
-//! that follows the reduction (unscale, overflow check, clipping, update), the replicated
-//! module with its compute copy, and the reduce-scatter that ZeRO-2/3 run block by block.
+//! What every strategy's rank holds: its collective, device, layout and optimizer, the
+//! reductions of flat gradients (all-reduce in buckets, the reduce-scatter of one unit), the
+//! step that follows them (unscale, overflow check, clipping, update), and the canonical
+//! optimizer state in and out of the rank's shard.
 
 use std::time::Instant;
 
@@ -11,14 +12,12 @@ use burn::tensor::FloatDType;
 
 use super::{Context, Memory};
 use crate::comm::{Collective, ReduceOp};
-use crate::config::{RecomputeMode, ReduceDtype};
+use crate::config::ReduceDtype;
 use crate::error::{Error, Result};
-use crate::exec::{Hooks, Part, Plan, Recompute};
+use crate::exec::{Plan, Recompute};
 use crate::optim::{FlatOptimizer, OptimState};
-use crate::params::{
-    FlatLayout, collect_floats, dtype_bytes, has_buffers, replace_floats, sync_running_state,
-};
-use crate::precision::{LossScaler, cast_params, compute_dtype, is_mixed, is_true_low};
+use crate::params::{FlatLayout, collect_floats, has_buffers, replace_floats, sync_running_state};
+use crate::precision::{LossScaler, Policy};
 
 /// A rank's shared equipment; see the module documentation.
 pub(crate) struct Core<'a> {
@@ -29,15 +28,12 @@ pub(crate) struct Core<'a> {
     pub inner: Device,
     pub layout: FlatLayout,
     pub optimizer: FlatOptimizer,
-    /// The dtype of the parameters the optimizer steps (f32, or the low dtype of `-true`).
+    /// The precision policy: the master and compute dtypes, the compute copy.
+    pub policy: Policy,
+    /// The dtype of the parameters the optimizer steps (the policy's master dtype).
     pub master: FloatDType,
-    /// The dtype the model computes in.
-    pub compute: FloatDType,
-    /// Whether a compute copy is cast from the master each step.
-    pub mixed: bool,
     pub recompute: Recompute,
     pub sync_batchnorm: bool,
-    pub reduce_dtype: ReduceDtype,
     pub bucket_elements: usize,
     pub memory: Memory,
     /// Whether the last optimizer step was refused for a non-finite gradient (no scaler).
@@ -50,22 +46,11 @@ impl<'a> Core<'a> {
     /// one shard: the whole of it).
     pub fn new(ctx: Context<'a>, layout: FlatLayout) -> Self {
         let shards = layout.shards;
-        let mode = ctx.precision.mode;
-        let master = if is_true_low(mode) {
-            compute_dtype(mode)
-        } else {
-            FloatDType::F32
-        };
+        let master = ctx.policy.master;
         let rank = if shards > 1 { ctx.comm.rank() } else { 0 };
         let inner = ctx.device.clone().without_autodiff();
         let optimizer =
             FlatOptimizer::new(&ctx.optim, &layout.shard_decay_mask(rank), master, &inner);
-        let recompute = match ctx.recompute.mode {
-            RecomputeMode::Blocks => Recompute::Blocks {
-                every: ctx.recompute.every,
-            },
-            RecomputeMode::None | RecomputeMode::Balanced => Recompute::Keep,
-        };
         Self {
             comm: ctx.comm,
             device: ctx.device,
@@ -73,11 +58,9 @@ impl<'a> Core<'a> {
             layout,
             optimizer,
             master,
-            compute: compute_dtype(mode),
-            mixed: is_mixed(mode),
-            recompute,
+            policy: ctx.policy,
+            recompute: ctx.recompute,
             sync_batchnorm: ctx.sync_batchnorm,
-            reduce_dtype: ctx.precision.reduce_dtype,
             bucket_elements: ctx.bucket_elements.max(1),
             memory: Memory::default(),
             nonfinite: false,
@@ -99,6 +82,7 @@ impl<'a> Core<'a> {
             recompute,
             sync_bn: (self.sync_batchnorm && self.world() > 1).then_some(self.comm),
             device: &self.device,
+            group: None,
         }
     }
 
@@ -127,7 +111,7 @@ impl<'a> Core<'a> {
     /// bf16 (read back at half the bytes) and widened again.
     fn travelling(&self, flat: Tensor<1>) -> Result<Vec<f32>> {
         let readback = |e| Error::Worker(format!("gradient readback: {e:?}"));
-        Ok(match self.reduce_dtype {
+        Ok(match self.policy.reduce_dtype() {
             ReduceDtype::F32 => flat
                 .cast(FloatDType::F32)
                 .into_data()
@@ -161,7 +145,7 @@ impl<'a> Core<'a> {
         let mut out = Vec::new();
         for t in units {
             let host = self.travelling(t)?;
-            match self.reduce_dtype {
+            match self.policy.reduce_dtype() {
                 ReduceDtype::F32 => {
                     let mut host = host;
                     let bucket = self.bucket_elements;
@@ -210,7 +194,7 @@ impl<'a> Core<'a> {
         let host = self.travelling(flat)?;
         let mut piece = self.timed(|c| c.reduce_scatter(&host, ReduceOp::Mean))?;
         drop(host);
-        if self.reduce_dtype == ReduceDtype::Bf16 {
+        if self.policy.reduce_dtype() == ReduceDtype::Bf16 {
             // As an all-reduce in bf16: exact sums, rounded once.
             for x in &mut piece {
                 *x = burn::tensor::bf16::from_f32(*x).to_f32();
@@ -429,7 +413,7 @@ impl<'a> Core<'a> {
 
     /// Bytes of `n` parameter elements in the master dtype.
     pub fn master_bytes(&self, n: usize) -> usize {
-        n * dtype_bytes(self.master)
+        self.policy.master_bytes(n)
     }
 }
 
@@ -457,101 +441,5 @@ pub(crate) fn cat_or_empty(parts: Vec<Tensor<1>>, dtype: FloatDType, device: &De
         Tensor::<1>::zeros([0], device).cast(dtype)
     } else {
         Tensor::cat(parts, 0)
-    }
-}
-
-/// A full replica in the master dtype, with the compute copy of a lower precision cast from it
-/// once per optimizer step: what `single`, `ddp`, `zero1` and `zero2` hold.
-pub(crate) struct Replica<M> {
-    /// The master parameters (and the buffers).
-    pub model: M,
-    compute: Option<M>,
-}
-
-impl<M: Module> Replica<M> {
-    pub fn new(model: M, core: &mut Core) -> Self {
-        core.memory
-            .params
-            .set(core.master_bytes(core.layout.total()));
-        core.memory.note();
-        Self {
-            model,
-            compute: None,
-        }
-    }
-
-    /// Casts this step's compute copy (mixed precision), counting its bytes.
-    pub fn begin(&mut self, core: &mut Core) {
-        if core.mixed {
-            self.compute = Some(cast_params(self.model.clone(), core.compute, false));
-            core.memory
-                .params
-                .add(core.layout.total() * dtype_bytes(core.compute));
-            core.memory.note();
-        }
-    }
-
-    /// The module the micro-steps run: the compute copy, or the master itself.
-    pub fn current(&self) -> M {
-        self.compute.clone().unwrap_or_else(|| self.model.clone())
-    }
-
-    /// Drops the compute copy.
-    pub fn end(&mut self, core: &mut Core) {
-        if self.compute.take().is_some() {
-            core.memory
-                .params
-                .sub(core.layout.total() * dtype_bytes(core.compute));
-        }
-    }
-
-    /// The rank's flat gradients unit by unit (padded), f32, taken out of `grads`.
-    pub fn unit_grads(&self, core: &Core, mut grads: GradientsParams) -> Vec<Tensor<1>> {
-        (0..core.layout.units.len())
-            .map(|u| {
-                core.layout
-                    .unit_grads(&self.model, &mut grads, u, FloatDType::F32, &core.device)
-            })
-            .collect()
-    }
-
-    /// The master model with its buffers settled over ranks (see [`Core::settle_buffers`]).
-    pub fn settled(&mut self, core: &mut Core) -> Result<M> {
-        let model = core.settle_buffers(self.model.clone())?;
-        self.model = model.clone();
-        Ok(model)
-    }
-
-    /// The trained parameters' values, flattened (the replicas must agree on them).
-    pub fn values(&self) -> Vec<f32> {
-        collect_floats(&self.model, true)
-    }
-}
-
-/// Walk hooks that reduce-scatter each part's gradients into the rank's gradient shard as soon
-/// as its backward is done (ZeRO-2 and ZeRO-3).
-pub(crate) struct Scatter<'c, 'a> {
-    pub core: &'c mut Core<'a>,
-    pub shard: &'c mut Vec<f32>,
-}
-
-impl<'c, 'a> Scatter<'c, 'a> {
-    /// Reduce-scatters every unit that has gradients in `grads`. Every rank runs the same
-    /// graph, so every rank reduces the same units in the same order.
-    pub fn scatter<M: Module>(&mut self, model: &M, mut grads: GradientsParams) -> Result<()> {
-        for u in self.core.layout.units_in(model, &grads) {
-            self.core.scatter_unit(model, &mut grads, u, self.shard)?;
-        }
-        Ok(())
-    }
-}
-
-impl<M: Module> Hooks<M> for Scatter<'_, '_> {
-    fn blockwise(&self) -> bool {
-        true
-    }
-
-    fn grads(&mut self, model: &M, _part: Part, grads: GradientsParams) -> Result<()> {
-        self.scatter(model, grads)
     }
 }

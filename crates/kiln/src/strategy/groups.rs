@@ -10,15 +10,15 @@
 //! group's parameters and optimizer state stay as they were, bit for bit.
 
 use burn::module::Module;
-use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 use kiln_models::{BlockStack, StepOutput};
 
-use super::core::{Core, Norm, Replica, cat_or_empty};
+use super::core::{Core, cat_or_empty};
+use super::replica::{Replica, accumulate, step_whole};
 use super::{Context, Memory, Strategy, one_by_one};
 use crate::error::{Error, Result};
-use crate::exec::{Accumulate, Hooks, Part, detached};
+use crate::exec::Accumulate;
 use crate::optim::OptimState;
 use crate::params::FlatLayout;
 use crate::precision::LossScaler;
@@ -103,16 +103,10 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Groups<'_, M> {
         count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
     ) -> Result<Vec<StepOutput>> {
-        let group = self.current;
-        one_by_one(batches, count, |batch| -> Result<StepOutput> {
-            let model = self.replica.current();
-            let out = model.group_step(group, batch);
-            let grads = GradientsParams::from_grads(objective(out.loss.clone()).backward(), &model);
-            self.acc.grads(&model, Part::All, grads)?;
-            let bytes = self.whole.layout.total() * 4;
-            self.whole.memory.grads.set(bytes);
-            self.whole.sample_pool();
-            Ok(detached(out))
+        let group = Some(self.current);
+        let (whole, replica, acc) = (&mut self.whole, &self.replica, &mut self.acc);
+        one_by_one(batches, count, |batch| {
+            accumulate(whole, replica, acc, batch, objective, group)
         })
     }
 
@@ -134,15 +128,12 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Groups<'_, M> {
         } else {
             cat_or_empty(units, FloatDType::F32, &core.inner)
         };
-        let params = core.shard_of(&self.replica.model);
-        let stepped = core.finish(flat, params, lr, scaler, clip, Norm::Local)?;
+        let stepped = step_whole(core, &mut self.replica, flat, lr, scaler, clip)?;
         self.whole.memory.grads.set(0);
-        let Some(flat) = stepped else {
-            return Ok(false);
-        };
-        self.replica.model = core.load_flat(self.replica.model.clone(), flat);
-        self.whole.sample_pool();
-        Ok(true)
+        if stepped.is_some() {
+            self.whole.sample_pool();
+        }
+        Ok(stepped.is_some())
     }
 
     fn full_model(&mut self) -> Result<M> {
@@ -193,9 +184,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Groups<'_, M> {
         if !self.reduce {
             return Ok(());
         }
-        let values = self.replica.values();
-        let comm = self.whole.comm;
-        self.whole.check_replicas(comm, values, step)
+        self.replica.check(&mut self.whole, step)
     }
 
     fn memory(&self) -> Memory {

@@ -1,9 +1,14 @@
-//! Strategies: what one optimizer step does across ranks.
+//! Strategies: what one optimizer step does across ranks, and what each one allows.
 //!
-//! The training loop talks to a [`Strategy`] only: it hands it each micro-batch, asks it for
-//! an optimizer step, and for the whole model when it evaluates or checkpoints. Each strategy
-//! owns its rank's share of the model (replica or shard), where gradients go, where optimizer
-//! state lives, and how its state leaves and re-enters a checkpoint:
+//! Each strategy lives in its own file and owns two things:
+//! - its **rules** ([`Rules`]): the settings and models it refuses (one line naming the key),
+//!   its start-up line, the bytes per rank it expects, and how many ranks and micro-batches
+//!   one replica takes. The launcher, the start-up table and the loop ask [`Setup`], which asks
+//!   the registry ([`rules`]); nothing outside this folder names a concrete strategy;
+//! - its **step** ([`Strategy`]): the loop hands it each micro-batch, asks it for an optimizer
+//!   step, and for the whole model when it evaluates or checkpoints. It owns its rank's share of
+//!   the model (replica or shard), where gradients go, where optimizer state lives, and how
+//!   its state leaves and re-enters a checkpoint:
 //!
 //! | strategy | parameters per rank | gradients per rank | optimizer state per rank |
 //! |---|---|---|---|
@@ -12,15 +17,23 @@
 //! | [`zero1`] | all | all, all-reduced on the last micro-step | its shard |
 //! | [`zero2`] | all | its shard: each block's reduce-scattered as its backward ends | its shard |
 //! | [`zero3`] | its shard + the gathered units | as zero2 | its shard |
+//! | [`pipeline`] | its stage's | its stage's, averaged with the same stage's | its stage's |
 //!
-//! Every strategy steps a [`FlatOptimizer`](crate::optim::FlatOptimizer) over its shard of one
-//! [`FlatLayout`](crate::params::FlatLayout) (the whole space for `single` and `ddp`), so there
-//! is one optimizer path and one checkpoint format ([`OptimState`]).
+//! The replicated strategies (`single`, `ddp`, `zero1`, `zero2`) share one step
+//! ([`replica::Replicated`]) and differ only in their [`replica::Reduction`]. Every strategy
+//! steps a [`FlatOptimizer`](crate::optim::FlatOptimizer) over its shard of one
+//! [`FlatLayout`] (the whole space for `single` and `ddp`), so there is one optimizer path and
+//! one checkpoint format ([`OptimState`]).
+//!
+//! Adding a strategy: a file here with a type implementing [`Rules`] (and [`Strategy`], or a
+//! [`replica::Reduction`]), one arm in [`rules`] and one in [`build`], and a variant of
+//! [`StrategyKind`].
 
 mod core;
 pub mod ddp;
 pub mod groups;
 pub mod pipeline;
+mod replica;
 pub mod single;
 pub mod zero1;
 pub mod zero2;
@@ -32,11 +45,15 @@ use kiln_models::{BlockStack, StepOutput};
 use serde::Serialize;
 
 use crate::comm::Collective;
-use crate::config::{OptimConfig, PrecisionConfig, RecomputeConfig, StrategyKind};
-use crate::error::Result;
+use crate::config::{
+    DdpConfig, OptimConfig, OptimizerKind, PipelineConfig, RecomputeConfig, RecomputeMode,
+    RootConfig, StrategyKind, name_of,
+};
+use crate::error::{Error, Result};
+use crate::exec::Recompute;
 use crate::optim::OptimState;
-use crate::params::{FlatLayout, dtype_bytes};
-use crate::precision::{LossScaler, compute_dtype, is_mixed, is_true_low};
+use crate::params::{FlatLayout, has_buffers};
+use crate::precision::{LossScaler, Policy};
 
 pub(crate) use self::core::Core;
 
@@ -71,8 +88,8 @@ macro_rules! answered_by_core {
 use answered_by_core;
 
 /// What one optimizer step does across ranks; see the module documentation. Collective
-/// methods (all but [`Strategy::replicated_values`], [`Strategy::memory`] and
-/// [`Strategy::take_sync_seconds`]) must be called by every rank in the same order.
+/// methods (all but [`Strategy::memory`], [`Strategy::take_sync_seconds`] and
+/// [`Strategy::nonfinite`]) must be called by every rank in the same order.
 pub trait Strategy<M, B> {
     /// Prepares an optimizer step (the compute copy of a lower precision; ZeRO-3 gathers the
     /// parameters that stay gathered for the whole step).
@@ -113,7 +130,7 @@ pub trait Strategy<M, B> {
     fn load_optimizer_states(&mut self, states: &[(String, OptimState)]) -> Result<()> {
         match states {
             [(name, state)] if name.is_empty() => self.load_optimizer_state(state),
-            _ => Err(crate::error::Error::checkpoint(format!(
+            _ => Err(Error::checkpoint(format!(
                 "the checkpoint holds the optimizer states of groups {:?}, but this model \
                  steps one optimizer",
                 states.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>()
@@ -127,7 +144,7 @@ pub trait Strategy<M, B> {
         if group == 0 {
             Ok(())
         } else {
-            Err(crate::error::Error::Worker(format!(
+            Err(Error::Worker(format!(
                 "this strategy steps one optimizer; there is no group {group}"
             )))
         }
@@ -158,6 +175,194 @@ pub struct Report {
     pub records: Vec<serde_json::Map<String, serde_json::Value>>,
 }
 
+/// The settings strategies are checked, described, estimated and built with, resolved once
+/// from the config and the world: what the loop's settings hold for them, and nothing else.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// The strategy (resolved: never `auto`).
+    pub kind: StrategyKind,
+    /// Number of ranks.
+    pub world: usize,
+    /// The precision policy.
+    pub policy: Policy,
+    /// Activation checkpointing.
+    pub recompute: RecomputeConfig,
+    /// Gradient buckets and synchronised BatchNorm.
+    pub ddp: DdpConfig,
+    /// The pipeline's stages, micro-batches and schedule.
+    pub pipeline: PipelineConfig,
+}
+
+impl Setup {
+    /// The setup `config` describes for `world` ranks (`auto` resolved by the world).
+    pub fn new(config: &RootConfig, world: usize) -> Self {
+        Self {
+            kind: config.strategy.name.resolve(world),
+            world,
+            policy: Policy::new(&config.precision),
+            recompute: config.recompute.clone(),
+            ddp: config.ddp.clone(),
+            pipeline: config.pipeline.clone(),
+        }
+    }
+
+    /// The strategy's rules.
+    pub fn rules(&self) -> &'static dyn Rules {
+        rules(self.kind)
+    }
+
+    /// The strategy's name as the config spells it.
+    pub fn name(&self) -> String {
+        name_of(&self.kind)
+    }
+
+    /// Refuses what the strategy cannot run with these settings, whatever the model.
+    pub fn check(&self) -> Result<()> {
+        self.rules().check(self)
+    }
+
+    /// Refuses a model the strategy cannot run (several optimizers where it steps one, a
+    /// model without the blocks it needs).
+    pub fn check_model(&self, model: &ModelFacts) -> Result<()> {
+        let rules = self.rules();
+        if !model.groups.is_empty() && rules.one_optimizer() {
+            return Err(Error::config(format!(
+                "key `strategy.name`: {:?} shards or splits one optimizer's step, but this model \
+                 steps {} optimizers ({}); use \"ddp\" or \"single\"",
+                self.name(),
+                model.groups.len(),
+                model.groups.join(", ")
+            )));
+        }
+        rules.check_model(model, self)
+    }
+
+    /// Ranks that one replica of the model takes (a pipeline's stages; 1 otherwise).
+    pub fn stages(&self) -> usize {
+        self.rules().stages(self)
+    }
+
+    /// Micro-batches one accumulation step runs (a pipeline's flush; 1 otherwise).
+    pub fn flush(&self) -> usize {
+        self.rules().flush(self)
+    }
+
+    /// The start-up table's line for the strategy.
+    pub fn describe(&self) -> String {
+        self.rules().describe(self)
+    }
+
+    /// The start-up table's words for activation checkpointing under this strategy.
+    pub fn recompute_line(&self) -> String {
+        self.rules().recompute_line(self)
+    }
+
+    /// The expected peak bytes per rank for a model laid out as `layout` (any shard count),
+    /// with `optim`'s state.
+    pub fn estimate(&self, layout: &FlatLayout, optim: &OptimConfig) -> Result<Estimate> {
+        self.rules().estimate(layout, optim, self)
+    }
+
+    /// Which blocks the block walk recomputes, as `[recompute]` says (Burn's `balanced` is the
+    /// device's business and walks nothing).
+    pub fn walk_recompute(&self) -> Recompute {
+        match self.recompute.mode {
+            RecomputeMode::Blocks => Recompute::Blocks {
+                every: self.recompute.every,
+            },
+            RecomputeMode::None | RecomputeMode::Balanced => Recompute::Keep,
+        }
+    }
+}
+
+/// What a strategy's rules see of a model: its blocks, its parameter groups and its layout.
+#[derive(Debug, Clone)]
+pub struct ModelFacts {
+    /// Blocks its [`BlockStack`] describes.
+    pub blocks: usize,
+    /// Whether a block run twice gives the same result (no dropout).
+    pub deterministic: bool,
+    /// Whether it has buffers (BatchNorm running statistics).
+    pub buffers: bool,
+    /// Its parameter groups' names (none for a model with one optimizer).
+    pub groups: Vec<String>,
+    /// Its trainable parameters in one shard: the parameters outside every block, then each
+    /// block.
+    pub layout: FlatLayout,
+}
+
+impl ModelFacts {
+    /// The facts of `model`.
+    pub fn of<B, M: BlockStack<B> + Module>(model: &M) -> Self {
+        Self {
+            blocks: model.num_blocks(),
+            deterministic: model.blocks_deterministic(),
+            buffers: has_buffers(model),
+            groups: model.param_groups().into_iter().map(|g| g.name).collect(),
+            layout: FlatLayout::new(model, &block_ids(model), 1),
+        }
+    }
+}
+
+/// What a strategy allows, says of itself and expects to hold, before any rank runs (Lightning
+/// Fabric's strategy classes own the same: their checks, their description). Each strategy
+/// file has one type implementing it; [`rules`] finds it.
+pub trait Rules: Sync {
+    /// Refuses settings the strategy cannot run, whatever the model; one line naming the key.
+    fn check(&self, setup: &Setup) -> Result<()> {
+        let _ = setup;
+        Ok(())
+    }
+    /// Refuses a model the strategy cannot run; one line naming the key.
+    fn check_model(&self, model: &ModelFacts, setup: &Setup) -> Result<()> {
+        let _ = (model, setup);
+        Ok(())
+    }
+    /// Whether the strategy steps one optimizer only (it refuses a model with parameter
+    /// groups).
+    fn one_optimizer(&self) -> bool {
+        true
+    }
+    /// The start-up table's line: the strategy and what it shards.
+    fn describe(&self, setup: &Setup) -> String;
+    /// The start-up table's words for activation checkpointing under this strategy.
+    fn recompute_line(&self, setup: &Setup) -> String {
+        let r = &setup.recompute;
+        match r.mode {
+            RecomputeMode::Blocks if r.every > 1 => {
+                format!("recompute every {}th block", r.every)
+            }
+            m => format!("recompute {}", name_of(&m)),
+        }
+    }
+    /// The bytes per rank the strategy is expected to hold at its peaks, as DeepSpeed's
+    /// estimator gives them: computed from the layout (any shard count), before training.
+    fn estimate(&self, layout: &FlatLayout, optim: &OptimConfig, setup: &Setup)
+    -> Result<Estimate>;
+    /// Ranks one replica of the model takes.
+    fn stages(&self, setup: &Setup) -> usize {
+        let _ = setup;
+        1
+    }
+    /// Micro-batches one accumulation step runs.
+    fn flush(&self, setup: &Setup) -> usize {
+        let _ = setup;
+        1
+    }
+}
+
+/// The rules of strategy `kind` (`auto` as `single`: resolve it first by the world).
+pub fn rules(kind: StrategyKind) -> &'static dyn Rules {
+    match kind {
+        StrategyKind::Auto | StrategyKind::Single => &single::Single,
+        StrategyKind::Ddp => &ddp::Ddp,
+        StrategyKind::Zero1 => &zero1::Zero1,
+        StrategyKind::Zero2 => &zero2::Zero2,
+        StrategyKind::Zero3 => &zero3::Zero3,
+        StrategyKind::Pipeline => &pipeline::Pipeline,
+    }
+}
+
 /// Runs `count` micro-batches from `batches` one at a time through `step`, collecting their
 /// outputs with the losses in f32.
 pub(crate) fn one_by_one<B>(
@@ -180,28 +385,53 @@ pub(crate) fn scored(out: StepOutput) -> StepOutput {
     }
 }
 
-/// What a strategy is built from besides the model.
+/// What one rank's strategy is built from besides the model: resolved values, no config
+/// sections beyond the strategy's own.
 #[derive(Clone)]
 pub struct Context<'a> {
     /// This rank's view of the group.
     pub comm: &'a dyn Collective,
     /// The rank's device, with autodiff (and Burn's checkpointing for `balanced`).
     pub device: Device,
-    /// Precision policy.
-    pub precision: PrecisionConfig,
-    /// Activation checkpointing.
-    pub recompute: RecomputeConfig,
+    /// The precision policy.
+    pub policy: Policy,
+    /// Which blocks the block walk recomputes.
+    pub recompute: Recompute,
     /// Synchronise BatchNorm statistics over ranks.
     pub sync_batchnorm: bool,
-    /// The optimizer.
-    pub optim: OptimConfig,
     /// Elements of one gradient bucket of an all-reduce.
     pub bucket_elements: usize,
-    /// Stages, micro-batches and schedule (with the `pipeline` strategy).
-    pub pipeline: crate::config::PipelineConfig,
+    /// Stages, micro-batches and schedule (the `pipeline` strategy's own section).
+    pub pipeline: PipelineConfig,
+    /// The optimizer.
+    pub optim: OptimConfig,
     /// The optimizer of each parameter group of a model with several (by group name; a group
     /// not here uses `optim`).
     pub group_optims: std::collections::BTreeMap<String, OptimConfig>,
+}
+
+impl<'a> Context<'a> {
+    /// The context of the rank `comm` on `device` under `setup`, stepping `optim` (and
+    /// `group_optims` for a model with parameter groups).
+    pub fn new(
+        setup: &Setup,
+        comm: &'a dyn Collective,
+        device: Device,
+        optim: OptimConfig,
+        group_optims: std::collections::BTreeMap<String, OptimConfig>,
+    ) -> Self {
+        Self {
+            comm,
+            device,
+            policy: setup.policy.clone(),
+            recompute: setup.walk_recompute(),
+            sync_batchnorm: setup.ddp.sync_batchnorm,
+            bucket_elements: (setup.ddp.bucket_mb * 1024.0 * 1024.0 / 4.0).max(1.0) as usize,
+            pipeline: setup.pipeline.clone(),
+            optim,
+            group_optims,
+        }
+    }
 }
 
 /// The ids of every block's parameters.
@@ -221,47 +451,49 @@ pub fn build<'a, B: 'a, M>(
 where
     M: BlockStack<B> + Module + 'static,
 {
+    use replica::Replicated;
     let blocks = block_ids(&model);
     let layout = |shards: usize| FlatLayout::new(&model, &blocks, shards);
     let world = ctx.comm.world_size();
-    if !model.param_groups().is_empty() {
-        // Checked at start (`trainer::check_policies`): only the replicated strategies take a
-        // step with several optimizers.
-        let reduce = match kind {
-            StrategyKind::Auto | StrategyKind::Single => false,
-            StrategyKind::Ddp => true,
-            other => {
-                return Err(crate::error::Error::config(format!(
-                    "key `strategy.name`: {:?} cannot step a model with several optimizers",
-                    crate::config::name_of(&other)
-                )));
-            }
-        };
-        let whole = Core::new(ctx.clone(), layout(1));
-        return Ok(Box::new(groups::Groups::new(model, whole, ctx, reduce)?));
-    }
+    let grouped = !model.param_groups().is_empty();
     Ok(match kind {
+        // A model with several optimizers steps one group at a time (checked at start: only
+        // these two take one).
+        StrategyKind::Auto | StrategyKind::Single if grouped => {
+            let whole = Core::new(ctx.clone(), layout(1));
+            Box::new(groups::Groups::new(model, whole, ctx, false)?)
+        }
+        StrategyKind::Ddp if grouped => {
+            let whole = Core::new(ctx.clone(), layout(1));
+            Box::new(groups::Groups::new(model, whole, ctx, true)?)
+        }
+        _ if grouped => {
+            return Err(Error::config(format!(
+                "key `strategy.name`: {:?} cannot step a model with several optimizers",
+                name_of(&kind)
+            )));
+        }
         StrategyKind::Auto | StrategyKind::Single => {
             let core = Core::new(ctx, layout(1));
-            Box::new(single::Single::new(model, core))
+            Box::new(Replicated::new(model, core, single::Single))
         }
         StrategyKind::Ddp => {
             let core = Core::new(ctx, layout(1));
-            Box::new(ddp::Ddp::new(model, core))
+            Box::new(Replicated::new(model, core, ddp::Ddp))
         }
         StrategyKind::Zero1 => {
             let core = Core::new(ctx, layout(world));
-            Box::new(zero1::Zero1::new(model, core))
+            Box::new(Replicated::new(model, core, zero1::Zero1))
         }
         StrategyKind::Zero2 => {
             let core = Core::new(ctx, layout(world));
-            Box::new(zero2::Zero2::new(model, core))
+            Box::new(Replicated::new(model, core, zero2::Zero2))
         }
         StrategyKind::Zero3 => {
             let core = Core::new(ctx, layout(world));
-            Box::new(zero3::Zero3::new(model, core)?)
+            Box::new(zero3::Sharded::new(model, core)?)
         }
-        StrategyKind::Pipeline => Box::new(pipeline::Pipeline::new(model, &blocks, ctx)?),
+        StrategyKind::Pipeline => Box::new(pipeline::Stage::new(model, &blocks, ctx)?),
     })
 }
 
@@ -315,8 +547,7 @@ impl Memory {
     }
 }
 
-/// The bytes per rank a strategy is expected to hold at its peaks, as DeepSpeed's estimator
-/// gives them: computed from the layout, before training.
+/// The bytes per rank a strategy is expected to hold at its peaks (see [`Rules::estimate`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Estimate {
     /// Parameter bytes.
@@ -328,86 +559,71 @@ pub struct Estimate {
 }
 
 /// Optimizer-state tensors per parameter element.
-fn state_tensors(optim: &OptimConfig) -> usize {
+pub(crate) fn state_tensors(optim: &OptimConfig) -> usize {
     match optim.name {
-        crate::config::OptimizerKind::Adamw => 2,
-        crate::config::OptimizerKind::Sgd => usize::from(optim.momentum > 0.0),
+        OptimizerKind::Adamw => 2,
+        OptimizerKind::Sgd => usize::from(optim.momentum > 0.0),
     }
 }
 
-/// The expected peak bytes per rank of `kind` over `world` ranks for a model laid out as
-/// `layout` (any shard count), with ZeRO-3 recomputing as `recompute` says and a pipeline
-/// cut as `pipeline` says (the heaviest stage's figures).
-pub fn estimate(
-    kind: StrategyKind,
+/// The estimate of a strategy that holds every parameter (and a compute copy), `grads`
+/// gradient elements and the optimizer state of `state` elements.
+pub(crate) fn replicated_estimate(
     layout: &FlatLayout,
-    world: usize,
-    precision: &PrecisionConfig,
     optim: &OptimConfig,
-    recompute: &RecomputeConfig,
-    pipeline: &crate::config::PipelineConfig,
-) -> Result<Estimate> {
-    let sharded = layout.with_shards(world);
-    let mode = precision.mode;
-    let master = if is_true_low(mode) {
-        compute_dtype(mode)
-    } else {
-        burn::tensor::FloatDType::F32
-    };
-    let mb = dtype_bytes(master);
+    setup: &Setup,
+    grads: usize,
+    state: usize,
+) -> Estimate {
     let full = layout.total();
-    let compute_copy = if is_mixed(mode) {
-        full * dtype_bytes(compute_dtype(mode))
-    } else {
-        0
-    };
-    let shard = sharded.shard_len;
-    let state = state_tensors(optim);
-    let gathered = |n: usize| {
-        n * if is_mixed(mode) {
-            dtype_bytes(compute_dtype(mode))
-        } else {
-            mb
-        }
-    };
-    Ok(match kind {
-        StrategyKind::Pipeline => {
-            let stage =
-                pipeline::stage_elements(layout, pipeline.stages, pipeline.cuts.as_deref())?;
-            let copy = if is_mixed(mode) {
-                stage * dtype_bytes(compute_dtype(mode))
-            } else {
-                0
-            };
-            Estimate {
-                params: stage * mb + copy,
-                grads: stage * 4,
-                optim: state * stage * mb,
-            }
-        }
-        StrategyKind::Auto | StrategyKind::Single | StrategyKind::Ddp => Estimate {
-            params: full * mb + compute_copy,
-            grads: full * 4,
-            optim: state * full * mb,
-        },
-        StrategyKind::Zero1 => Estimate {
-            params: full * mb + compute_copy,
-            grads: full * 4,
-            optim: state * shard * mb,
-        },
-        StrategyKind::Zero2 => Estimate {
-            params: full * mb + compute_copy,
-            grads: (shard + sharded.largest_unit()) * 4,
-            optim: state * shard * mb,
-        },
-        StrategyKind::Zero3 => Estimate {
-            params: shard * mb
-                + gathered(zero3::gathered_peak(
-                    &sharded,
-                    zero3::recompute_for(recompute),
-                )),
-            grads: (shard + sharded.largest_unit()) * 4,
-            optim: state * shard * mb,
-        },
-    })
+    let p = &setup.policy;
+    Estimate {
+        params: p.master_bytes(full) + p.compute_copy_bytes(full),
+        grads: grads * 4,
+        optim: state_tensors(optim) * p.master_bytes(state),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup(overrides: &[&str], processes: usize) -> Result<()> {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        let config = RootConfig::load(None, &o)?;
+        let world = config.hardware.devices.indices().len() * processes;
+        Setup::new(&config, world).check()
+    }
+
+    #[test]
+    fn strategies_refuse_what_they_cannot_run() {
+        assert!(setup(&["hardware.devices=2"], 1).is_ok());
+        let e = setup(&["hardware.devices=2", "strategy.name=\"single\""], 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("strategy.name") && e.contains("2 are selected"),
+            "{e}"
+        );
+        // Two processes of one device each are two ranks.
+        assert!(setup(&["strategy.name=\"single\""], 2).is_err());
+        let e = setup(&["strategy.name=\"zero3\"", "ddp.sync_batchnorm=true"], 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ddp.sync_batchnorm") && e.contains("zero3"),
+            "{e}"
+        );
+        let e = setup(
+            &[
+                "hardware.devices=2",
+                "strategy.name=\"pipeline\"",
+                "pipeline.stages=3",
+            ],
+            1,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("pipeline.stages") && e.contains("divide"), "{e}");
+    }
 }

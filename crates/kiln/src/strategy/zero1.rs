@@ -4,36 +4,42 @@
 
 use burn::module::Module;
 use burn::prelude::*;
-use kiln_models::{BlockStack, StepOutput};
 
-use super::core::{Core, Norm, Replica};
-use super::ddp::{accumulate, averaged};
-use super::{Strategy, answered_by_core, one_by_one};
+use super::core::{Core, Norm};
+use super::replica::{Held, Reduction, Replica, averaged, local, step_shard};
+use super::{Estimate, Rules, Setup, replicated_estimate};
+use crate::config::OptimConfig;
 use crate::error::Result;
-use crate::exec::Accumulate;
-use crate::params::host_f32;
+use crate::params::FlatLayout;
 use crate::precision::LossScaler;
 
 /// Sharded optimizer state over replicated parameters and gradients.
-pub struct Zero1<'a, M: Module> {
-    core: Core<'a>,
-    replica: Replica<M>,
-    acc: Accumulate<M>,
-}
+pub struct Zero1;
 
-impl<'a, M: Module> Zero1<'a, M> {
-    pub(crate) fn new(model: M, mut core: Core<'a>) -> Self {
-        let replica = Replica::new(model, &mut core);
-        Self {
-            core,
-            replica,
-            acc: Accumulate::default(),
-        }
+impl Rules for Zero1 {
+    fn describe(&self, setup: &Setup) -> String {
+        format!("zero1 (optimizer state sharded over {})", setup.world)
+    }
+
+    fn estimate(
+        &self,
+        layout: &FlatLayout,
+        optim: &OptimConfig,
+        setup: &Setup,
+    ) -> Result<Estimate> {
+        let shard = layout.with_shards(setup.world).shard_len;
+        Ok(replicated_estimate(
+            layout,
+            optim,
+            setup,
+            layout.total(),
+            shard,
+        ))
     }
 }
 
 /// This rank's pieces of `padded`, the concatenation of every unit's padded flat space.
-pub(crate) fn my_pieces(core: &Core, padded: &[f32]) -> Vec<f32> {
+fn my_pieces(core: &Core, padded: &[f32]) -> Vec<f32> {
     let rank = core.rank();
     let mut out = Vec::with_capacity(core.layout.shard_len);
     let mut base = 0;
@@ -56,95 +62,30 @@ fn unpadded(core: &Core, padded: &[f32]) -> Vec<f32> {
     out
 }
 
-/// Steps this rank's shard with the gradient shard `grads` (host) and all-gathers the updated
-/// parameters into `replica`: the end of every step of `zero1` and `zero2`.
-pub(crate) fn step_shard<M: Module>(
-    core: &mut Core,
-    replica: &mut Replica<M>,
-    grads: Vec<f32>,
-    lr: f64,
-    scaler: Option<&mut LossScaler>,
-    clip: Option<f64>,
-    norm: Norm<'_>,
-) -> Result<bool> {
-    let n = grads.len();
-    let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), &core.inner);
-    let params = core.shard_of(&replica.model);
-    let stepped = core.finish(grads, params, lr, scaler, clip, norm)?;
-    core.memory.grads.set(0);
-    let Some(shard) = stepped else {
-        return Ok(false);
-    };
-    let values = core.gather_canonical(&host_f32(shard))?;
-    replica.model = core.load_canonical(replica.model.clone(), values);
-    core.sample_pool();
-    Ok(true)
-}
-
-impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero1<'_, M> {
-    fn begin_step(&mut self) -> Result<()> {
-        self.replica.begin(&mut self.core);
-        Ok(())
-    }
-
-    fn micro_steps(
-        &mut self,
-        batches: &mut dyn Iterator<Item = B>,
-        count: usize,
-        objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
-    ) -> Result<Vec<StepOutput>> {
-        one_by_one(batches, count, |batch| -> Result<StepOutput> {
-            accumulate(
-                &mut self.core,
-                &self.replica,
-                &mut self.acc,
-                batch,
-                objective,
-            )
-        })
-    }
-
-    fn optimizer_step(
-        &mut self,
+impl Reduction for Zero1 {
+    fn step<M: Module>(
+        &self,
+        core: &mut Core,
+        replica: &mut Replica<M>,
+        held: &mut Held<M>,
         lr: f64,
         scaler: Option<&mut LossScaler>,
         clip: Option<f64>,
     ) -> Result<bool> {
-        self.replica.end(&mut self.core);
-        let all = averaged(&mut self.core, &self.replica, &mut self.acc)?;
-        let grads = my_pieces(&self.core, &all);
+        let all = averaged(core, replica, local(held))?;
+        let grads = my_pieces(core, &all);
         // Every rank has the whole averaged gradient: clipping takes its norm as `ddp` does.
         let norm = if clip.is_some() {
-            let whole = unpadded(&self.core, &all);
+            let whole = unpadded(core, &all);
             let n = whole.len();
             Norm::Whole(Box::new(Tensor::from_data(
                 TensorData::new(whole, [n]),
-                &self.core.inner,
+                &core.inner,
             )))
         } else {
             Norm::Local
         };
         drop(all);
-        step_shard(
-            &mut self.core,
-            &mut self.replica,
-            grads,
-            lr,
-            scaler,
-            clip,
-            norm,
-        )
+        step_shard(core, replica, grads, lr, scaler, clip, norm)
     }
-
-    fn full_model(&mut self) -> Result<M> {
-        self.replica.settled(&mut self.core)
-    }
-
-    fn check_replicas(&mut self, step: usize) -> Result<()> {
-        let values = self.replica.values();
-        let comm = self.core.comm;
-        self.core.check_replicas(comm, values, step)
-    }
-
-    answered_by_core!();
 }

@@ -24,22 +24,99 @@ use burn::tensor::FloatDType;
 use kiln_models::{BlockStack, StepOutput};
 
 use super::core::{Core, Norm};
-use super::zero2::open_shard;
-use super::{Strategy, answered_by_core, one_by_one};
-use crate::config::{RecomputeConfig, RecomputeMode};
-use crate::error::Result;
+use super::replica::open_shard;
+use super::{
+    Estimate, ModelFacts, Rules, Setup, Strategy, answered_by_core, one_by_one, state_tensors,
+};
+use crate::config::{OptimConfig, RecomputeMode, name_of};
+use crate::error::{Error, Result};
 use crate::exec::{self, Hooks, Part, Recompute};
-use crate::params::{FlatLayout, dtype_bytes, host_f32};
+use crate::params::{FlatLayout, host_f32};
 use crate::precision::LossScaler;
 
-/// Which blocks ZeRO-3 recomputes under `config`: every block (but the last) unless
-/// `blocks` with `every = K` says otherwise.
-pub fn recompute_for(config: &RecomputeConfig) -> Recompute {
-    match config.mode {
-        RecomputeMode::Blocks => Recompute::Blocks {
-            every: config.every,
-        },
-        RecomputeMode::None | RecomputeMode::Balanced => Recompute::Blocks { every: 1 },
+/// ZeRO-3's rules: it needs the model's blocks, runs each twice, and cannot synchronise
+/// BatchNorm.
+pub struct Zero3;
+
+impl Rules for Zero3 {
+    fn check(&self, setup: &Setup) -> Result<()> {
+        if setup.ddp.sync_batchnorm {
+            return Err(Error::config(
+                "key `ddp.sync_batchnorm`: cannot be combined with strategy.name = \"zero3\": \
+                 zero3 recomputes every block in its backward (to release its gathered \
+                 parameters), and synchronised BatchNorm cannot run a block twice; use strategy \
+                 \"zero2\" or turn ddp.sync_batchnorm off",
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_model(&self, model: &ModelFacts, setup: &Setup) -> Result<()> {
+        if model.blocks == 0 {
+            return Err(Error::config(
+                "key `strategy.name`: \"zero3\" gathers the model block by block, but this \
+                 model describes no blocks (its BlockStack's num_blocks is 0); describe the \
+                 blocks, or use strategy \"zero2\"",
+            ));
+        }
+        // `recompute.mode = "blocks"` refuses a model with dropout in its own words, first.
+        if !model.deterministic && setup.recompute.mode != RecomputeMode::Blocks {
+            return Err(Error::config(
+                "key `strategy.name`: \"zero3\" recomputes each block in its backward, which \
+                 runs each block twice and needs both runs to agree, but this model draws \
+                 random numbers in its blocks (dropout > 0); set the model's dropout to 0 or \
+                 use strategy \"zero2\"",
+            ));
+        }
+        Ok(())
+    }
+
+    fn describe(&self, setup: &Setup) -> String {
+        format!(
+            "zero3 (parameters, gradients and optimizer state sharded over {}; blocks \
+             gathered for their forward and backward and recomputed in the backward)",
+            setup.world
+        )
+    }
+
+    fn recompute_line(&self, setup: &Setup) -> String {
+        let r = &setup.recompute;
+        match r.mode {
+            RecomputeMode::Blocks if r.every > 1 => {
+                format!("recompute every {}th block", r.every)
+            }
+            RecomputeMode::Blocks => "recompute blocks".to_string(),
+            m => format!(
+                "recompute {}, and zero3 recomputes every block but the last",
+                name_of(&m)
+            ),
+        }
+    }
+
+    fn estimate(
+        &self,
+        layout: &FlatLayout,
+        optim: &OptimConfig,
+        setup: &Setup,
+    ) -> Result<Estimate> {
+        let sharded = layout.with_shards(setup.world);
+        let shard = sharded.shard_len;
+        let p = &setup.policy;
+        Ok(Estimate {
+            params: p.master_bytes(shard)
+                + p.compute_bytes(gathered_peak(&sharded, recompute_for(setup))),
+            grads: (shard + sharded.largest_unit()) * 4,
+            optim: state_tensors(optim) * p.master_bytes(shard),
+        })
+    }
+}
+
+/// Which blocks ZeRO-3 recomputes: every block (but the last) unless `blocks` with
+/// `every = K` says otherwise.
+fn recompute_for(setup: &Setup) -> Recompute {
+    match setup.walk_recompute() {
+        Recompute::Keep => Recompute::Blocks { every: 1 },
+        blocks => blocks,
     }
 }
 
@@ -70,8 +147,8 @@ pub fn gathered_peak(layout: &FlatLayout, recompute: Recompute) -> usize {
     peak
 }
 
-/// Fully sharded data parallelism.
-pub struct Zero3<'a, M: Module> {
+/// Fully sharded data parallelism: one rank's step.
+pub struct Sharded<'a, M: Module> {
     core: Core<'a>,
     /// The model with every released unit's parameters replaced by placeholders (its buffers
     /// stay whole).
@@ -85,7 +162,7 @@ pub struct Zero3<'a, M: Module> {
     recompute: Recompute,
 }
 
-impl<'a, M: Module> Zero3<'a, M> {
+impl<'a, M: Module> Sharded<'a, M> {
     pub(crate) fn new(model: M, mut core: Core<'a>) -> Result<Self> {
         let params = core.shard_of(&model);
         let mut model = model;
@@ -112,8 +189,8 @@ impl<'a, M: Module> Zero3<'a, M> {
     }
 
     fn hooks(&mut self) -> Units<'_, 'a> {
-        let dtype = if self.core.mixed {
-            self.core.compute
+        let dtype = if self.core.policy.mixed {
+            self.core.policy.compute
         } else {
             self.core.master
         };
@@ -164,7 +241,7 @@ impl Units<'_, '_> {
             .layout
             .load_unit(model, u, flat, self.dtype, &self.core.device);
         self.gathered[u] = true;
-        let bytes = self.core.layout.units[u].len * dtype_bytes(self.dtype);
+        let bytes = self.core.layout.units[u].len * crate::params::dtype_bytes(self.dtype);
         self.core.memory.params.add(bytes);
         self.core.memory.note();
         Ok(model)
@@ -175,7 +252,7 @@ impl Units<'_, '_> {
             return model;
         }
         self.gathered[u] = false;
-        let bytes = self.core.layout.units[u].len * dtype_bytes(self.dtype);
+        let bytes = self.core.layout.units[u].len * crate::params::dtype_bytes(self.dtype);
         self.core.memory.params.sub(bytes);
         self.core.layout.release_unit(model, u, &self.core.device)
     }
@@ -214,9 +291,9 @@ impl<M: Module> Hooks<M> for Units<'_, '_> {
     }
 }
 
-impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero3<'_, M> {
+impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
     fn begin_step(&mut self) -> Result<()> {
-        open_shard(&mut self.core, &mut self.grads);
+        self.grads = open_shard(&mut self.core);
         let model = self.model.take().expect("the model is home between steps");
         let model = self.hooks().gather(model, 0)?;
         self.model = Some(model);
@@ -236,6 +313,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Zero3<'_, M> {
                 recompute,
                 sync_bn: None,
                 device: &device,
+                group: None,
             };
             let model = self
                 .model

@@ -43,17 +43,75 @@ use serde_json::json;
 
 use self::schedule::Op;
 use super::core::{Core, Norm};
-use super::{Context, Report, Strategy};
+use super::{Context, Estimate, ModelFacts, Report, Rules, Setup, Strategy, state_tensors};
 use crate::comm::{Collective, ReduceOp};
-use crate::config::{PipelineSchedule, name_of};
-use crate::error::Result;
+use crate::config::{OptimConfig, PipelineSchedule, name_of};
+use crate::error::{Error, Result};
 use crate::exec::{
     Accumulate, Hooks, Part, Plan, backward_blocks, forward_blocks, head_backward, stem_backward,
     stem_forward,
 };
 use crate::optim::OptimState;
-use crate::params::{FlatLayout, buffers_with_ids, dtype_bytes, host_f32, replace_floats};
-use crate::precision::{LossScaler, cast_params};
+use crate::params::{FlatLayout, buffers_with_ids, host_f32, replace_floats};
+use crate::precision::LossScaler;
+
+/// The pipeline's rules: stages divide the ranks, and no more stages than blocks.
+pub struct Pipeline;
+
+impl Rules for Pipeline {
+    fn check(&self, setup: &Setup) -> Result<()> {
+        let stages = setup.pipeline.stages;
+        if !setup.world.is_multiple_of(stages) {
+            return Err(Error::config(format!(
+                "key `pipeline.stages`: {stages} stages must divide the {} devices (devices / \
+                 stages pipelines train as replicas)",
+                setup.world
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_model(&self, model: &ModelFacts, setup: &Setup) -> Result<()> {
+        let p = &setup.pipeline;
+        stage_elements(&model.layout, p.stages, p.cuts.as_deref()).map(|_| ())
+    }
+
+    fn describe(&self, setup: &Setup) -> String {
+        let p = &setup.pipeline;
+        format!(
+            "pipeline ({} stages × {} replicas, {} micro-batches per flush, {})",
+            p.stages,
+            setup.world / p.stages,
+            p.microbatches,
+            name_of(&p.schedule)
+        )
+    }
+
+    /// The heaviest stage's figures.
+    fn estimate(
+        &self,
+        layout: &FlatLayout,
+        optim: &OptimConfig,
+        setup: &Setup,
+    ) -> Result<Estimate> {
+        let p = &setup.pipeline;
+        let stage = stage_elements(layout, p.stages, p.cuts.as_deref())?;
+        let policy = &setup.policy;
+        Ok(Estimate {
+            params: policy.master_bytes(stage) + policy.compute_copy_bytes(stage),
+            grads: stage * 4,
+            optim: state_tensors(optim) * policy.master_bytes(stage),
+        })
+    }
+
+    fn stages(&self, setup: &Setup) -> usize {
+        setup.pipeline.stages
+    }
+
+    fn flush(&self, setup: &Setup) -> usize {
+        setup.pipeline.microbatches
+    }
+}
 
 /// Seconds since one moment shared by every thread of the process, so that stages' timelines
 /// line up.
@@ -87,7 +145,7 @@ struct Timeline {
 }
 
 /// A pipeline stage of one replica; see the module documentation.
-pub struct Pipeline<'a, M: Module, B> {
+pub struct Stage<'a, M: Module, B> {
     core: Core<'a>,
     /// Every unit of the model (this stage's layout is `core.layout`).
     full: FlatLayout,
@@ -118,7 +176,7 @@ pub struct Pipeline<'a, M: Module, B> {
     _batch: PhantomData<fn(B)>,
 }
 
-impl<'a, B, M: BlockStack<B> + Module> Pipeline<'a, M, B> {
+impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
     pub(crate) fn new(model: M, blocks: &[Vec<ParamId>], ctx: Context<'a>) -> Result<Self> {
         let comm = ctx.comm;
         let stages = ctx.pipeline.stages;
@@ -228,6 +286,7 @@ impl<'a, B, M: BlockStack<B> + Module> Pipeline<'a, M, B> {
             recompute: self.core.recompute,
             sync_bn,
             device: &device,
+            group: None,
         };
         let recompute_stem = blocks
             .clone()
@@ -361,11 +420,14 @@ impl<'a, B, M: BlockStack<B> + Module> Pipeline<'a, M, B> {
     }
 }
 
-impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Pipeline<'_, M, B> {
+impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
     fn begin_step(&mut self) -> Result<()> {
-        if self.core.mixed {
-            self.compute = Some(cast_params(self.model.clone(), self.core.compute, false));
-            let bytes = self.core.layout.total() * dtype_bytes(self.core.compute);
+        if let Some(copy) = self.core.policy.compute_copy(&self.model) {
+            self.compute = Some(copy);
+            let bytes = self
+                .core
+                .policy
+                .compute_copy_bytes(self.core.layout.total());
             self.core.memory.params.add(bytes);
             self.core.memory.note();
         }
@@ -395,7 +457,10 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Pipeline<'_, M, B> {
         clip: Option<f64>,
     ) -> Result<bool> {
         if self.compute.take().is_some() {
-            let bytes = self.core.layout.total() * dtype_bytes(self.core.compute);
+            let bytes = self
+                .core
+                .policy
+                .compute_copy_bytes(self.core.layout.total());
             self.core.memory.params.sub(bytes);
         }
         let grads = self.reduced_grads()?;
@@ -560,21 +625,18 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Pipeline<'_, M, B> {
             ]);
         }
         let comm = self.core.comm;
-        let lengths = self.core.timed(|_| comm.all_gather(&[mine.len() as f32]))?;
-        let all = self.core.timed(|_| comm.all_gather(&mine))?;
+        let all = self
+            .core
+            .timed(|_| crate::comm::pack::gather_ragged(comm, &mine))?;
         let mut report = Report::default();
         if self.core.rank() != 0 {
             return Ok(report);
         }
         // Replica 0's stages are ranks 0..K.
         let (k, m) = (self.stages, self.microbatches);
-        let mut at = 0;
         let mut ops = Vec::new();
         let mut held = Vec::new();
-        for (s, len) in lengths.iter().take(k).enumerate() {
-            let len = *len as usize;
-            let v = &all[at..at + len];
-            at += len;
+        for (s, v) in all.iter().take(k).enumerate() {
             let idle = if v[1] > 0.0 {
                 1.0 - f64::from(v[0]) / f64::from(v[1])
             } else {
@@ -596,12 +658,10 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Pipeline<'_, M, B> {
         }
         // The whole pipeline's idle share: what the stages' work leaves of K × the longest
         // stage's span (the white area of the timeline).
-        let stats: Vec<(f64, f64)> = (0..k)
-            .scan(0, |at, s| {
-                let v = &all[*at..];
-                *at += lengths[s] as usize;
-                Some((f64::from(v[0]), f64::from(v[1])))
-            })
+        let stats: Vec<(f64, f64)> = all
+            .iter()
+            .take(k)
+            .map(|v| (f64::from(v[0]), f64::from(v[1])))
             .collect();
         let span = stats.iter().map(|x| x.1).fold(0.0, f64::max);
         if span > 0.0 {
@@ -636,9 +696,9 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Pipeline<'_, M, B> {
     }
 }
 
-/// The bytes per rank of the heaviest stage: its units' parameters (and compute copy),
-/// gradients and optimizer state.
-pub fn stage_elements(layout: &FlatLayout, stages: usize, cuts: Option<&[usize]>) -> Result<usize> {
+/// The parameter elements of the heaviest stage: its blocks', and on the first and last stage
+/// the parameters outside the blocks.
+fn stage_elements(layout: &FlatLayout, stages: usize, cuts: Option<&[usize]>) -> Result<usize> {
     let weights: Vec<usize> = layout.units[1..].iter().map(|u| u.len).collect();
     let cuts = partition::cuts(&weights, stages, cuts)?;
     Ok((0..stages)

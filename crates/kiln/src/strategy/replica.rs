@@ -1,0 +1,334 @@
+//! The replicated strategies' one step: `single`, `ddp`, `zero1` and `zero2` hold a full replica
+//! on every rank, cast its compute copy at the start of a step, run the micro-batches on it and
+//! bring it up to date after the update. They differ only in where a step's gradients go —
+//! added up on the rank and reduced at the end (or not at all), or reduce-scattered into a
+//! shard as each part's backward ends — and in which part of the space a rank steps: their
+//! [`Reduction`]. The pieces the steps are made of ([`averaged`], [`step_whole`],
+//! [`step_shard`], [`open_shard`]) live here too, for `zero3` and parameter groups to share.
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+use kiln_models::{BlockStack, StepOutput};
+
+use super::core::{Core, Norm};
+use super::{Strategy, answered_by_core, one_by_one};
+use crate::error::Result;
+use crate::exec::{self, Accumulate, Hooks, Part};
+use crate::params::{collect_floats, host_f32};
+use crate::precision::LossScaler;
+
+/// A full replica in the master dtype, with the compute copy of a lower precision cast from it
+/// once per optimizer step.
+pub(crate) struct Replica<M> {
+    /// The master parameters (and the buffers).
+    pub model: M,
+    compute: Option<M>,
+}
+
+impl<M: Module> Replica<M> {
+    pub fn new(model: M, core: &mut Core) -> Self {
+        core.memory
+            .params
+            .set(core.master_bytes(core.layout.total()));
+        core.memory.note();
+        Self {
+            model,
+            compute: None,
+        }
+    }
+
+    /// Casts this step's compute copy (mixed precision), counting its bytes.
+    pub fn begin(&mut self, core: &mut Core) {
+        if let Some(copy) = core.policy.compute_copy(&self.model) {
+            self.compute = Some(copy);
+            let bytes = core.policy.compute_copy_bytes(core.layout.total());
+            core.memory.params.add(bytes);
+            core.memory.note();
+        }
+    }
+
+    /// The module the micro-steps run: the compute copy, or the master itself.
+    pub fn current(&self) -> M {
+        self.compute.clone().unwrap_or_else(|| self.model.clone())
+    }
+
+    /// Drops the compute copy.
+    pub fn end(&mut self, core: &mut Core) {
+        if self.compute.take().is_some() {
+            let bytes = core.policy.compute_copy_bytes(core.layout.total());
+            core.memory.params.sub(bytes);
+        }
+    }
+
+    /// The rank's flat gradients unit by unit (padded), f32, taken out of `grads`.
+    pub fn unit_grads(&self, core: &Core, mut grads: GradientsParams) -> Vec<Tensor<1>> {
+        (0..core.layout.units.len())
+            .map(|u| {
+                core.layout
+                    .unit_grads(&self.model, &mut grads, u, FloatDType::F32, &core.device)
+            })
+            .collect()
+    }
+
+    /// The master model with its buffers settled over ranks (see [`Core::settle_buffers`]).
+    pub fn settled(&mut self, core: &mut Core) -> Result<M> {
+        let model = core.settle_buffers(self.model.clone())?;
+        self.model = model.clone();
+        Ok(model)
+    }
+
+    /// Fails if the replicas of `core`'s group differ in their trained parameters.
+    pub fn check(&self, core: &mut Core, step: usize) -> Result<()> {
+        let values = collect_floats(&self.model, true);
+        let comm = core.comm;
+        core.check_replicas(comm, values, step)
+    }
+}
+
+/// Where a replicated strategy keeps a step's gradients until its optimizer step.
+pub(crate) enum Held<M: Module> {
+    /// Added up on the rank, micro-batch after micro-batch.
+    Local(Accumulate<M>),
+    /// The rank's shard of the averaged gradient, each part reduce-scattered into it as its
+    /// backward ends.
+    Shard(Vec<f32>),
+}
+
+/// What a replicated strategy does with its gradients: the one thing in which `single`, `ddp`,
+/// `zero1` and `zero2` differ.
+pub(crate) trait Reduction {
+    /// Whether the micro-steps reduce-scatter each part's gradients into a shard (no whole
+    /// gradient is kept) rather than adding them up on the rank.
+    fn scatters(&self) -> bool {
+        false
+    }
+    /// Whether the ranks hold replicas that must agree bit for bit.
+    fn replicated(&self) -> bool {
+        true
+    }
+    /// The optimizer step after the micro-steps: reduces what is left to reduce, steps the
+    /// rank's part of the space and brings `replica` up to date. Returns whether it stepped.
+    fn step<M: Module>(
+        &self,
+        core: &mut Core,
+        replica: &mut Replica<M>,
+        held: &mut Held<M>,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+        clip: Option<f64>,
+    ) -> Result<bool>;
+}
+
+/// A replicated strategy: a [`Replica`] per rank, its gradients handled as `R` says.
+pub(crate) struct Replicated<'a, M: Module, R> {
+    core: Core<'a>,
+    replica: Replica<M>,
+    held: Held<M>,
+    reduction: R,
+}
+
+impl<'a, M: Module, R: Reduction> Replicated<'a, M, R> {
+    pub fn new(model: M, mut core: Core<'a>, reduction: R) -> Self {
+        let replica = Replica::new(model, &mut core);
+        Self {
+            core,
+            replica,
+            held: Held::Local(Accumulate::default()),
+            reduction,
+        }
+    }
+}
+
+/// One micro-batch on `replica`: its gradients added to `acc`, on the rank (no communication).
+/// `group` names the parameter group whose loss runs (models with several optimizers).
+pub(crate) fn accumulate<B, M: BlockStack<B> + Module>(
+    core: &mut Core,
+    replica: &Replica<M>,
+    acc: &mut Accumulate<M>,
+    batch: B,
+    objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
+    group: Option<usize>,
+) -> Result<StepOutput> {
+    let mut plan = core.plan(core.recompute);
+    plan.group = group;
+    let (out, _) = exec::run(replica.current(), batch, &plan, acc, objective)?;
+    let bytes = core.layout.total() * 4;
+    core.memory.grads.set(bytes);
+    core.sample_pool();
+    Ok(out)
+}
+
+/// One micro-batch on `replica` as the block walk: each part's gradients reduce-scattered into
+/// `shard` as its backward ends.
+fn scatter<B, M: BlockStack<B> + Module>(
+    core: &mut Core,
+    replica: &Replica<M>,
+    shard: &mut Vec<f32>,
+    batch: B,
+    objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
+) -> Result<StepOutput> {
+    let recompute = core.recompute;
+    let sync_bn = core.plan(recompute).sync_bn.is_some();
+    let device = core.device.clone();
+    let comm = core.comm;
+    let plan = exec::Plan {
+        recompute,
+        sync_bn: sync_bn.then_some(comm),
+        device: &device,
+        group: None,
+    };
+    let mut hooks = Scatter {
+        core: &mut *core,
+        shard,
+    };
+    let (out, _) = exec::run(replica.current(), batch, &plan, &mut hooks, objective)?;
+    core.sample_pool();
+    Ok(out)
+}
+
+impl<B, M: BlockStack<B> + Module, R: Reduction> Strategy<M, B> for Replicated<'_, M, R> {
+    fn begin_step(&mut self) -> Result<()> {
+        self.replica.begin(&mut self.core);
+        if self.reduction.scatters() {
+            self.held = Held::Shard(open_shard(&mut self.core));
+        }
+        Ok(())
+    }
+
+    fn micro_steps(
+        &mut self,
+        batches: &mut dyn Iterator<Item = B>,
+        count: usize,
+        objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
+    ) -> Result<Vec<StepOutput>> {
+        let (core, replica) = (&mut self.core, &self.replica);
+        one_by_one(batches, count, |batch| match &mut self.held {
+            Held::Local(acc) => accumulate(core, replica, acc, batch, objective, None),
+            Held::Shard(shard) => scatter(core, replica, shard, batch, objective),
+        })
+    }
+
+    fn optimizer_step(
+        &mut self,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+        clip: Option<f64>,
+    ) -> Result<bool> {
+        self.replica.end(&mut self.core);
+        self.reduction.step(
+            &mut self.core,
+            &mut self.replica,
+            &mut self.held,
+            lr,
+            scaler,
+            clip,
+        )
+    }
+
+    fn full_model(&mut self) -> Result<M> {
+        self.replica.settled(&mut self.core)
+    }
+
+    fn check_replicas(&mut self, step: usize) -> Result<()> {
+        if !self.reduction.replicated() {
+            // One device: no replicas to compare.
+            return Ok(());
+        }
+        self.replica.check(&mut self.core, step)
+    }
+
+    answered_by_core!();
+}
+
+/// The gradients a step added up on the rank, taken out of `held`.
+pub(crate) fn local<M: Module>(held: &mut Held<M>) -> GradientsParams {
+    match held {
+        Held::Local(acc) => acc.take(),
+        Held::Shard(_) => unreachable!("a strategy that adds up locally holds an accumulator"),
+    }
+}
+
+/// The averaged flat gradients of the accumulated micro-steps, on the host (every unit padded).
+pub(crate) fn averaged<M: Module>(
+    core: &mut Core,
+    replica: &Replica<M>,
+    grads: GradientsParams,
+) -> Result<Vec<f32>> {
+    let units = replica.unit_grads(core, grads);
+    core.all_reduce_units(units)
+}
+
+/// Steps the whole flat space of `core` with the gradient `grads` and loads the result into
+/// `replica`: the end of every step of `single`, `ddp` and a parameter group.
+pub(crate) fn step_whole<M: Module>(
+    core: &mut Core,
+    replica: &mut Replica<M>,
+    grads: Tensor<1>,
+    lr: f64,
+    scaler: Option<&mut LossScaler>,
+    clip: Option<f64>,
+) -> Result<Option<()>> {
+    let params = core.shard_of(&replica.model);
+    let stepped = core.finish(grads, params, lr, scaler, clip, Norm::Local)?;
+    Ok(stepped.map(|flat| {
+        // One shard: the stepped flat space is the canonical vector.
+        replica.model = core.load_flat(replica.model.clone(), flat);
+    }))
+}
+
+/// Steps this rank's shard with the gradient shard `grads` (host) and all-gathers the updated
+/// parameters into `replica`: the end of every step of `zero1` and `zero2`.
+pub(crate) fn step_shard<M: Module>(
+    core: &mut Core,
+    replica: &mut Replica<M>,
+    grads: Vec<f32>,
+    lr: f64,
+    scaler: Option<&mut LossScaler>,
+    clip: Option<f64>,
+    norm: Norm<'_>,
+) -> Result<bool> {
+    let n = grads.len();
+    let grads = Tensor::<1>::from_data(TensorData::new(grads, [n]), &core.inner);
+    let params = core.shard_of(&replica.model);
+    let stepped = core.finish(grads, params, lr, scaler, clip, norm)?;
+    core.memory.grads.set(0);
+    let Some(shard) = stepped else {
+        return Ok(false);
+    };
+    let values = core.gather_canonical(&host_f32(shard))?;
+    replica.model = core.load_canonical(replica.model.clone(), values);
+    core.sample_pool();
+    Ok(true)
+}
+
+/// A step's gradient shard (zeros), counted.
+pub(crate) fn open_shard(core: &mut Core) -> Vec<f32> {
+    let bytes = core.layout.shard_len * 4;
+    core.memory.grads.set(bytes);
+    core.memory.note();
+    vec![0.0; core.layout.shard_len]
+}
+
+/// Walk hooks that reduce-scatter each part's gradients into the rank's gradient shard as soon
+/// as its backward is done (ZeRO-2).
+pub(crate) struct Scatter<'c, 'a> {
+    pub core: &'c mut Core<'a>,
+    pub shard: &'c mut Vec<f32>,
+}
+
+impl<M: Module> Hooks<M> for Scatter<'_, '_> {
+    fn blockwise(&self) -> bool {
+        true
+    }
+
+    fn grads(&mut self, model: &M, _part: Part, mut grads: GradientsParams) -> Result<()> {
+        // Every rank runs the same graph, so every rank reduces the same units in the same
+        // order.
+        for u in self.core.layout.units_in(model, &grads) {
+            self.core.scatter_unit(model, &mut grads, u, self.shard)?;
+        }
+        Ok(())
+    }
+}

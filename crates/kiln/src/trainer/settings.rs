@@ -1,0 +1,172 @@
+//! What the loop needs besides the workload, one part per concern, and what it derives from
+//! them: the strategy's [`Setup`], the data-parallel degree, the micro-batches of a step.
+
+use std::path::PathBuf;
+
+use burn::prelude::*;
+
+use crate::comm::Processes;
+use crate::config::{
+    DdpConfig, GroupConfig, MonitorConfig, OptimConfig, PipelineConfig, PrecisionConfig,
+    RecomputeConfig, RootConfig, ScheduleConfig, StrategyKind, TrainConfig,
+};
+use crate::precision::Policy;
+use crate::strategy::Setup;
+
+/// How the work is spread: devices, strategy, and the data-parallel knobs.
+#[derive(Debug, Clone)]
+pub struct ParallelSettings {
+    /// One device per rank.
+    pub devices: Vec<Device>,
+    /// Accelerator name for the summary.
+    pub accelerator: String,
+    /// The strategy (resolved: `auto` is `single` for one device, `ddp` for more).
+    pub strategy: StrategyKind,
+    /// Size of one gradient bucket of the all-reduce, in MiB of f32.
+    pub bucket_mb: f64,
+    /// Synchronise BatchNorm batch statistics across ranks.
+    pub sync_batchnorm: bool,
+    /// Limit CPU ranks to their share of the cores (one rayon pool each).
+    pub split_cpu_threads: bool,
+    /// Stages and micro-batches (with the `pipeline` strategy).
+    pub pipeline: PipelineConfig,
+    /// The processes of the run (each runs `devices`).
+    pub processes: Processes,
+}
+
+/// Where the run's output goes and how it is shown.
+#[derive(Debug, Clone)]
+pub struct OutputSettings {
+    /// Where rank 0 writes metrics and checkpoints.
+    pub run_dir: PathBuf,
+    /// Checkpoint directory to continue from.
+    pub resume_from: Option<PathBuf>,
+    /// Metric sinks, the system monitor's interval, the peak FLOP/s and the smoothing.
+    pub monitor: MonitorConfig,
+    /// Show progress (a bar on a terminal, log lines otherwise) on rank 0.
+    pub progress: bool,
+}
+
+/// What the loop needs besides the workload, one part per concern.
+#[derive(Debug, Clone)]
+pub struct TrainerSettings {
+    /// Loop settings.
+    pub train: TrainConfig,
+    /// Optimizer settings.
+    pub optim: OptimConfig,
+    /// Learning-rate schedule.
+    pub schedule: ScheduleConfig,
+    /// Seed of initialisation and data order.
+    pub seed: u64,
+    /// Drop the last incomplete global batch of each epoch.
+    pub drop_last: bool,
+    /// Devices and strategy.
+    pub parallel: ParallelSettings,
+    /// Precision policy.
+    pub precision: PrecisionConfig,
+    /// Activation checkpointing.
+    pub recompute: RecomputeConfig,
+    /// Run directory, resume point, monitoring and display.
+    pub output: OutputSettings,
+    /// The optimizer and schedule of each parameter group (models with several optimizers).
+    pub groups: std::collections::BTreeMap<String, GroupConfig>,
+}
+
+impl TrainerSettings {
+    /// The settings `config` describes, for one rank per device of `devices`, writing into
+    /// `run_dir`: a fresh run, without progress display (set `output.resume_from` and
+    /// `output.progress` to change that).
+    pub fn from_config(
+        config: &RootConfig,
+        devices: Vec<Device>,
+        accelerator: String,
+        run_dir: PathBuf,
+    ) -> Self {
+        let processes = crate::comm::processes();
+        let strategy = config
+            .strategy
+            .name
+            .resolve(devices.len() * processes.count);
+        Self {
+            train: config.train.clone(),
+            optim: config.optim.clone(),
+            schedule: config.schedule.clone(),
+            seed: config.run.seed,
+            drop_last: config.data.drop_last,
+            parallel: ParallelSettings {
+                split_cpu_threads: accelerator.starts_with("cpu"),
+                devices,
+                accelerator,
+                strategy,
+                bucket_mb: config.ddp.bucket_mb,
+                sync_batchnorm: config.ddp.sync_batchnorm,
+                pipeline: config.pipeline.clone(),
+                processes,
+            },
+            precision: config.precision.clone(),
+            recompute: config.recompute.clone(),
+            output: OutputSettings {
+                run_dir,
+                resume_from: None,
+                monitor: config.monitor.clone(),
+                progress: false,
+            },
+            groups: config.groups.clone(),
+        }
+    }
+
+    /// The optimizer of parameter group `name` (`[optim]` for a group the config omits).
+    pub fn group_optim(&self, name: &str) -> &OptimConfig {
+        self.groups.get(name).map_or(&self.optim, |g| &g.optim)
+    }
+
+    /// The schedule of parameter group `name` (`[schedule]` for a group the config omits).
+    pub fn group_schedule(&self, name: &str) -> &ScheduleConfig {
+        self.groups
+            .get(name)
+            .map_or(&self.schedule, |g| &g.schedule)
+    }
+
+    /// Number of ranks: this process's devices times the processes.
+    pub fn world(&self) -> usize {
+        self.parallel.devices.len() * self.parallel.processes.count
+    }
+
+    /// What the strategy is checked, described and built with.
+    pub fn setup(&self) -> Setup {
+        let p = &self.parallel;
+        Setup {
+            kind: p.strategy,
+            world: self.world(),
+            policy: Policy::new(&self.precision),
+            recompute: self.recompute.clone(),
+            ddp: DdpConfig {
+                bucket_mb: p.bucket_mb,
+                sync_batchnorm: p.sync_batchnorm,
+            },
+            pipeline: p.pipeline.clone(),
+        }
+    }
+
+    /// Ranks per replica of the model (a pipeline's stages; 1 otherwise).
+    pub fn stages(&self) -> usize {
+        self.setup().stages()
+    }
+
+    /// Ranks that draw their own samples: the data-parallel degree (every rank, or one
+    /// pipeline of `stages` ranks).
+    pub fn data_world(&self) -> usize {
+        self.world() / self.stages()
+    }
+
+    /// The data-parallel rank of `rank` (a pipeline's stages share one; a pipeline's ranks are
+    /// consecutive).
+    pub fn data_rank(&self, rank: usize) -> usize {
+        rank / self.stages()
+    }
+
+    /// Micro-batches per optimizer step: the accumulation, times a pipeline's micro-batches.
+    pub fn micro_batches(&self) -> usize {
+        self.train.accumulate * self.setup().flush()
+    }
+}

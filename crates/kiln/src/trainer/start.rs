@@ -1,0 +1,162 @@
+//! Where the workers start: rank 0's initial weights (or a checkpoint's), the loop's position
+//! and the optimizer state to continue, read and checked before any worker runs.
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::store::ModuleRecord;
+
+use super::{TrainerSettings, Workload, checks};
+use crate::checkpoint::{self, LoopState};
+use crate::config::name_of;
+use crate::data::DistributedSampler;
+use crate::error::{Error, Result};
+use crate::optim::OptimState;
+use crate::params::FlatLayout;
+use crate::strategy::{Setup, block_ids};
+
+/// Optimizer states by parameter group (`""` alone for a model with one optimizer).
+type GroupStates = Vec<(String, OptimState)>;
+
+/// What the workers start from.
+pub(crate) struct Start {
+    /// Every rank builds its own module and loads these weights into it, so that ranks share
+    /// no Burn `RunningState`.
+    pub weights: ModuleRecord,
+    /// Where the loop stands.
+    pub state: LoopState,
+    /// The optimizer states to continue.
+    pub optim: Option<GroupStates>,
+    /// The model's parameter groups, in the order a step trains them (none for a model with
+    /// one optimizer).
+    pub groups: Vec<String>,
+}
+
+/// Builds the initial model, checks it against the settings and the strategy, and reads the
+/// checkpoint to resume from, if any.
+pub(super) fn prepare<W: Workload>(
+    workload: &W,
+    settings: &TrainerSettings,
+    setup: &Setup,
+    sampler: &DistributedSampler,
+) -> Result<Start> {
+    // Rank 0's initial weights (or the checkpoint's) are what every rank starts from.
+    let main_device = settings.parallel.devices[0].clone().autodiff();
+    // Seeding and initialisation happen under kiln-models' random-number lock, so that runs
+    // sharing the process cannot interleave their draws.
+    let initial = kiln_models::with_rng(|| {
+        main_device.seed(settings.seed);
+        kiln_models::materialized(workload.init_model(&main_device))
+    });
+    let state = LoopState {
+        step: 0,
+        epoch: 0,
+        step_in_epoch: 0,
+        seed: settings.seed,
+        world_size: settings.world(),
+        samples_per_step: sampler.samples_per_step(),
+        lr: 0.0,
+        samples: 0,
+        wall_seconds: 0.0,
+        scaler: setup.policy.scaler(),
+    };
+    checks::check_model::<W::Batch, _>(&initial, settings, setup)?;
+    let groups = kiln_models::TrainStep::<W::Batch>::param_groups(&initial)
+        .into_iter()
+        .map(|g| g.name)
+        .collect();
+    let Some(dir) = &settings.output.resume_from else {
+        return Ok(Start {
+            weights: initial.into_record(),
+            state,
+            optim: None,
+            groups,
+        });
+    };
+    let (model, state, optim) = resume::<W::Batch, _>(dir, initial, state, settings)?;
+    Ok(Start {
+        weights: model.into_record(),
+        state,
+        optim: Some(optim),
+        groups,
+    })
+}
+
+/// The checkpoint in `dir` applied to a fresh start: its model, its position (with this run's
+/// seed, world and scaler policy) and every parameter group's optimizer state, each checked
+/// against the model and the settings.
+fn resume<B, M: kiln_models::BlockStack<B> + Module>(
+    dir: &Path,
+    model: M,
+    fresh: LoopState,
+    settings: &TrainerSettings,
+) -> Result<(M, LoopState, GroupStates)> {
+    // Checkpoint writers killed mid-write leave temporary directories; they go now.
+    if settings.parallel.processes.index == 0 {
+        let removed = checkpoint::remove_stale(&settings.output.run_dir)?;
+        if !removed.is_empty() {
+            println!(
+                "removed {} temporary checkpoint director{} that a killed writer left: {}",
+                removed.len(),
+                if removed.len() == 1 { "y" } else { "ies" },
+                removed
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
+    let mut state = checkpoint::read_state(dir)?;
+    if state.samples_per_step != fresh.samples_per_step {
+        return Err(Error::checkpoint(format!(
+            "{}: checkpoint took {} samples per step, this run takes {} (batch × devices × \
+             accumulation must match to continue the same data order)",
+            dir.display(),
+            state.samples_per_step,
+            fresh.samples_per_step
+        )));
+    }
+    let model = checkpoint::load_model(dir, model)?;
+    // Fail before the workers start if an optimizer state does not fit the model.
+    let groups = model.param_groups();
+    let parts: Vec<(String, FlatLayout, String)> = if groups.is_empty() {
+        let layout = FlatLayout::new(&model, &block_ids(&model), 1);
+        vec![(String::new(), layout, "optim.name".to_string())]
+    } else {
+        groups
+            .iter()
+            .map(|g| {
+                let layout = FlatLayout::of_params(&model, &g.params, 1);
+                let key = format!("groups.{}.optim.name", g.name);
+                (g.name.clone(), layout, key)
+            })
+            .collect()
+    };
+    let mut states = Vec::with_capacity(parts.len());
+    for (group, layout, key) in parts {
+        let loaded = checkpoint::load_group_optimizer(dir, &group)?;
+        let file = dir.join(checkpoint::optim_file(&group));
+        loaded.leaves(&layout).map_err(|e| match e {
+            Error::Checkpoint(m) => Error::checkpoint(format!("{}: {m}", file.display())),
+            other => other,
+        })?;
+        let wanted = settings.group_optim(&group).name;
+        if loaded.kind != wanted {
+            return Err(Error::checkpoint(format!(
+                "{}: the optimizer state is {}'s, but {key} = {:?}",
+                file.display(),
+                name_of(&loaded.kind),
+                name_of(&wanted)
+            )));
+        }
+        states.push((group, loaded));
+    }
+    state.seed = fresh.seed;
+    state.world_size = fresh.world_size;
+    // A checkpoint of a run without a scaler continues with a fresh one, and a run that no
+    // longer scales drops it.
+    let saved = state.scaler.take();
+    state.scaler = fresh.scaler.map(|fresh| saved.unwrap_or(fresh));
+    Ok((model, state, states))
+}
