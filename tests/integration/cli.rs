@@ -155,12 +155,15 @@ fn print_config_round_trips() {
     let out = train_bin(&dir, &["--print-config", "--devices", "0,2", "--lr", "0.5"]);
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
-    let config: kiln::RootConfig = toml::from_str(&text).unwrap();
+    let printed = |text: &str| {
+        kiln::builtin::Config::from_table(toml::from_str(text).unwrap(), "stdout").unwrap()
+    };
+    let config = printed(&text).kiln;
     assert_eq!(config.hardware.devices.indices(), vec![0, 2]);
     assert_eq!(config.optim.lr, 0.5);
     assert_eq!(config.run.name, "digits-convnet");
     // The file in configs/ and the built-in default are the same recipe.
-    let file = kiln::RootConfig::load(
+    let file = kiln::builtin::load(
         Some(std::path::Path::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../../configs/digits-convnet.toml"
@@ -169,8 +172,7 @@ fn print_config_round_trips() {
     )
     .unwrap();
     let out = train_bin(&dir, &["--print-config"]);
-    let builtin: kiln::RootConfig =
-        toml::from_str(&String::from_utf8(out.stdout).unwrap()).unwrap();
+    let builtin = printed(&String::from_utf8(out.stdout).unwrap());
     assert_eq!(file, builtin);
 }
 
@@ -201,7 +203,7 @@ fn every_shipped_recipe_is_valid() {
             >::from_table(table(), &origin)
             .map(|_| ())
         } else {
-            kiln::RootConfig::load(Some(&path), &[]).map(|_| ())
+            kiln::builtin::load(Some(&path), &[]).map(|_| ())
         };
         checked.unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         n += 1;

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use kiln::RootConfig;
+use kiln::builtin::Config;
 use serde_json::Value;
 
 /// A fresh, empty directory for one test.
@@ -18,7 +18,7 @@ pub fn temp_dir(name: &str) -> PathBuf {
 }
 
 /// A small, fast digits config writing into `run_dir`.
-pub fn small_config(run_dir: &Path, overrides: &[&str]) -> RootConfig {
+pub fn small_config(run_dir: &Path, overrides: &[&str]) -> Config {
     let mut all = vec![
         "data.dataset=\"digits\"".to_string(),
         "model.convnet.channels=[4, 8]".to_string(),
@@ -29,7 +29,7 @@ pub fn small_config(run_dir: &Path, overrides: &[&str]) -> RootConfig {
         format!("run.dir={:?}", run_dir.display().to_string()),
     ];
     all.extend(overrides.iter().map(|s| s.to_string()));
-    RootConfig::load(None, &all).unwrap()
+    kiln::builtin::load(None, &all).unwrap()
 }
 
 /// Every record of a run's metrics.jsonl with the given split.

@@ -10,9 +10,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::FloatDType;
-use kiln::{
-    BlockStack, RootConfig, RunInfo, RunOptions, StepOutput, TrainStep, Workload, train_workload,
-};
+use kiln::{BlockStack, RunInfo, RunOptions, StepOutput, TrainStep, Workload, train_workload};
 use kiln_models::ImageBatch;
 
 use crate::common::{max_relative_diff, small_config, temp_dir, train_losses};
@@ -90,7 +88,7 @@ impl Workload for TinyDigits {
     }
 }
 
-fn run(config: &RootConfig, resume: Option<&Path>) -> kiln::Result<kiln::RunResult> {
+fn run(config: &kiln::builtin::Config, resume: Option<&Path>) -> kiln::Result<kiln::RunResult> {
     let options = RunOptions {
         resume_from: resume.map(Path::to_path_buf),
         ..RunOptions::default()
@@ -100,7 +98,7 @@ fn run(config: &RootConfig, resume: Option<&Path>) -> kiln::Result<kiln::RunResu
         ..RunInfo::default()
     };
     train_workload(
-        config,
+        &config.kiln,
         &options,
         &TinyDigits(kiln_datasets::digits()),
         info,

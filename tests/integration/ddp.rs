@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use burn::prelude::*;
 use kiln::Error;
-use kiln::run::{ImageWorkload, RunOptions, train};
+use kiln::builtin::image::ImageWorkload;
+use kiln::builtin::train;
+use kiln::run::RunOptions;
 use kiln::trainer::{TrainerSettings, Workload, fit, parameter_values};
 use kiln_models::{Classifier, ImageBatch, ModelSpec, load_run};
 
@@ -305,7 +307,7 @@ fn a_failing_worker_stops_every_rank_with_its_message() {
         Default::default(),
     );
     let mut settings = TrainerSettings::from_config(
-        &config,
+        &config.kiln,
         vec![Device::flex(), Device::flex(), Device::flex()],
         "cpu".into(),
         dir.clone(),

@@ -8,7 +8,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
-use kiln::run::{RunOptions, train};
+use kiln::builtin::train;
+use kiln::run::RunOptions;
 
 use crate::common::{small_config, temp_dir};
 
@@ -148,10 +149,10 @@ fn idx_files_raw_and_gzipped() {
 #[test]
 fn config_files_and_set_values() {
     let dir = temp_dir("fuzz-config");
-    let valid = kiln::cli::DEFAULT_RECIPE.as_bytes();
+    let valid = kiln::builtin::RECIPE.as_bytes();
     let path = dir.join("recipe.toml");
     fuzz("config file", &path, valid, 1500, 5, |p| {
-        kiln::RootConfig::load(Some(p), &[])
+        kiln::builtin::load(Some(p), &[])
             .map(|_| ())
             .map_err(|e| e.to_string())
     });
@@ -174,7 +175,7 @@ fn config_files_and_set_values() {
         let raw = cases_gen.mutate(b"[1, 2.5, \"x\", true]");
         let value = String::from_utf8_lossy(&raw).replace('\n', " ");
         let set = format!("{key}={value}");
-        match catch_unwind(|| kiln::RootConfig::load(None, std::slice::from_ref(&set))) {
+        match catch_unwind(|| kiln::builtin::load(None, std::slice::from_ref(&set))) {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
                 let e = e.to_string();

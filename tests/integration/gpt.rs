@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
-use kiln::run::{RunOptions, train};
+use kiln::builtin::train;
+use kiln::run::RunOptions;
 use kiln::trainer::parameter_values;
 
 use crate::common::{assert_one_line_error, max_relative_diff, metrics, temp_dir, train_bin};
@@ -18,7 +19,7 @@ pub(crate) fn text_file(dir: &Path) -> PathBuf {
     path
 }
 
-pub(crate) fn gpt_config(run: &Path, text: &Path, extra: &[&str]) -> kiln::RootConfig {
+pub(crate) fn gpt_config(run: &Path, text: &Path, extra: &[&str]) -> kiln::builtin::Config {
     let mut o: Vec<String> = vec![
         "data.dataset=\"text\"".into(),
         format!("data.path={:?}", text.display().to_string()),
@@ -37,7 +38,7 @@ pub(crate) fn gpt_config(run: &Path, text: &Path, extra: &[&str]) -> kiln::RootC
         format!("run.dir={:?}", run.display().to_string()),
     ];
     o.extend(extra.iter().map(|s| s.to_string()));
-    kiln::RootConfig::load(None, &o).unwrap()
+    kiln::builtin::load(None, &o).unwrap()
 }
 
 #[test]

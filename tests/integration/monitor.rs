@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use kiln::run::{RunOptions, train};
+use kiln::builtin::train;
+use kiln::run::RunOptions;
 use serde_json::Value;
 
 use crate::common::{assert_one_line_error, small_config, temp_dir, train_bin};

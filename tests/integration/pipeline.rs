@@ -5,7 +5,8 @@
 use std::path::Path;
 
 use burn::prelude::*;
-use kiln::run::{RunOptions, train};
+use kiln::builtin::train;
+use kiln::run::RunOptions;
 use kiln::strategy::pipeline::schedule::{Op, check};
 use kiln::trainer::parameter_values;
 
@@ -29,7 +30,7 @@ enum Model {
     ConvNet,
 }
 
-fn config(model: Model, dir: &Path, text: &Path, extra: &[String]) -> kiln::RootConfig {
+fn config(model: Model, dir: &Path, text: &Path, extra: &[String]) -> kiln::builtin::Config {
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let mut o: Vec<&str> = vec!["train.max_steps=5", "train.epochs=0", "train.log_every=1"];
     match model {

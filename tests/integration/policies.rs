@@ -7,9 +7,11 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
+use kiln::builtin::image::ImageWorkload;
+use kiln::builtin::train;
 use kiln::config::StrategyKind;
 use kiln::exec::{Recompute, forward_backward};
-use kiln::run::{ImageWorkload, RunOptions, train};
+use kiln::run::RunOptions;
 use kiln::trainer::{TrainerSettings, Workload, fit, parameter_values};
 use kiln_models::{
     Classifier, ConvNetConfig, GptConfig, ImageBatch, InputSpec, ModelSpec, TokenBatch,
@@ -153,7 +155,7 @@ fn recomputed_blocks_give_the_plain_gradients_for_the_convnet_and_keep_batchnorm
 }
 
 /// Final parameters of a short run of `config`.
-fn run_params(config: &kiln::RootConfig) -> Vec<Vec<f32>> {
+fn run_params(config: &kiln::builtin::Config) -> Vec<Vec<f32>> {
     let result = train(config, &RunOptions::default()).unwrap();
     parameter_values(&result_model(&result.dir))
 }
@@ -283,7 +285,7 @@ fn mixed_precision_trains_the_gpt_as_well_as_f32_with_f32_master_weights() {
     );
     let workload = image_workload(&config);
     let settings = TrainerSettings::from_config(
-        &config,
+        &config.kiln,
         vec![Device::flex()],
         "cpu".into(),
         dir.join("master"),
@@ -310,7 +312,7 @@ fn param_ids<M: Module>(module: &M) -> Vec<burn::module::ParamId> {
     ids.0
 }
 
-fn image_workload(config: &kiln::RootConfig) -> ImageWorkload {
+fn image_workload(config: &kiln::builtin::Config) -> ImageWorkload {
     let splits = kiln_datasets::digits();
     ImageWorkload {
         spec: ModelSpec {
@@ -375,7 +377,7 @@ impl Workload for Poisoned {
     }
 }
 
-fn mlp_16_mixed(dir: &std::path::Path, extra: &[&str]) -> kiln::RootConfig {
+fn mlp_16_mixed(dir: &std::path::Path, extra: &[&str]) -> kiln::builtin::Config {
     let mut o = vec![
         "model.kind=\"mlp\"",
         "model.mlp.hidden=[32]",
@@ -407,7 +409,7 @@ fn an_infinite_gradient_skips_the_step_on_every_replica_and_halves_the_scale() {
             seen: Default::default(),
         };
         let mut settings = TrainerSettings::from_config(
-            &config,
+            &config.kiln,
             vec![Device::flex(), Device::flex()],
             "cpu".into(),
             dir.clone(),

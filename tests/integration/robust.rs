@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use burn::prelude::*;
 use burn::tensor::FloatDType;
-use kiln::run::{ImageWorkload, RunOptions, train};
+use kiln::builtin::image::ImageWorkload;
+use kiln::builtin::train;
+use kiln::run::RunOptions;
 use kiln::trainer::{TrainerSettings, Workload, fit};
 use kiln_models::{Classifier, ImageBatch, ModelSpec};
 
@@ -196,7 +198,7 @@ fn nan_run(dir: &Path, skip: usize) -> (kiln::Result<kiln::metrics::Summary>, Na
         seen: Default::default(),
     };
     let settings = TrainerSettings::from_config(
-        &config,
+        &config.kiln,
         vec![Device::flex(), Device::flex()],
         "cpu".into(),
         dir.to_path_buf(),
@@ -333,7 +335,7 @@ fn the_best_checkpoint_is_kept_beside_the_newest() {
         "{kept:?} {best:?}"
     );
     assert!(kept.len() <= 2);
-    let bad = kiln::RootConfig::load(None, &["train.best_metric=\"loss\"".to_string()]);
+    let bad = kiln::builtin::load(None, &["train.best_metric=\"loss\"".to_string()]);
     assert!(bad.unwrap_err().to_string().contains("train.best_metric"));
 }
 

@@ -2,7 +2,8 @@
 //! directory, bit-identical reruns and resume, and loading the result for inference.
 
 use burn::prelude::*;
-use kiln::run::{RunOptions, train};
+use kiln::builtin::train;
+use kiln::run::RunOptions;
 use kiln_models::{ImageBatch, load_classifier, load_run, read_spec};
 
 use crate::common::{metrics, small_config, temp_dir, train_bin, train_losses};
@@ -78,7 +79,7 @@ fn default_recipe_reaches_97_percent_and_writes_the_run_directory() {
     assert!(val.iter().all(|r| r["accuracy"].is_number()));
     assert!(kiln::checkpoint::latest(&run).is_ok());
     // The saved config reloads to the one that ran.
-    kiln::RootConfig::load(Some(&run.join("config.toml")), &[]).unwrap();
+    kiln::builtin::load(Some(&run.join("config.toml")), &[]).unwrap();
 }
 
 #[test]
@@ -119,8 +120,8 @@ fn resume_continues_bit_for_bit() {
     cut_copy(&full.dir, &cut, 4);
     let (run_dir, ckpt) = kiln::run::resolve_resume(&cut).unwrap();
     assert!(ckpt.ends_with("step-00000004"), "{}", ckpt.display());
-    let mut config = kiln::RootConfig::load(Some(&run_dir.join("config.toml")), &[]).unwrap();
-    config.run.dir = Some(run_dir);
+    let mut config = kiln::builtin::load(Some(&run_dir.join("config.toml")), &[]).unwrap();
+    config.kiln.run.dir = Some(run_dir);
     let resumed = train(
         &config,
         &RunOptions {

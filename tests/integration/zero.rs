@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::prelude::*;
-use kiln::run::{RunOptions, train};
+use kiln::builtin::train;
+use kiln::run::RunOptions;
 use kiln::trainer::parameter_values;
 
 use crate::common::{max_relative_diff, small_config, temp_dir, train_bin, train_losses};
@@ -41,7 +42,7 @@ enum Workload {
     Mlp,
 }
 
-fn config(workload: Workload, dir: &Path, text: &Path, extra: &[String]) -> kiln::RootConfig {
+fn config(workload: Workload, dir: &Path, text: &Path, extra: &[String]) -> kiln::builtin::Config {
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     match workload {
         Workload::Gpt => {
@@ -297,7 +298,7 @@ fn gpt_run(dir: &Path, text: &Path, strategy: &str, devices: usize) -> PathBuf {
 /// Resumes the run in `cut` (cut after step 4) with `strategy` on `devices` ranks.
 fn resume_as(cut: &Path, strategy: &str, devices: usize) {
     let (run_dir, ckpt) = kiln::run::resolve_resume(cut).unwrap();
-    let config = kiln::RootConfig::load(
+    let config = kiln::builtin::load(
         Some(&run_dir.join("config.toml")),
         &[
             format!("run.dir={:?}", run_dir.display().to_string()),
@@ -496,7 +497,7 @@ fn matrix(strategy: &str) {
 }
 
 /// [`small_config`] that returns the configuration error instead of panicking on it.
-fn small_config_checked(run_dir: &Path, overrides: &[&str]) -> kiln::Result<kiln::RootConfig> {
+fn small_config_checked(run_dir: &Path, overrides: &[&str]) -> kiln::Result<kiln::builtin::Config> {
     let mut all = vec![
         "data.dataset=\"digits\"".to_string(),
         "train.log_every=1".to_string(),
@@ -504,7 +505,7 @@ fn small_config_checked(run_dir: &Path, overrides: &[&str]) -> kiln::Result<kiln
         format!("run.dir={:?}", run_dir.display().to_string()),
     ];
     all.extend(overrides.iter().map(|s| s.to_string()));
-    kiln::RootConfig::load(None, &all)
+    kiln::builtin::load(None, &all)
 }
 
 #[test]

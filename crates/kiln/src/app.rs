@@ -1,6 +1,7 @@
 //! A program's own training command line: one call in its `main` gives it kiln's `train`
 //! command line (every flag, `--config`, `--set`, `--resume`, `--print-config`, `devices`
-//! and `plot`) around its own model and data.
+//! and `plot`) around its own model and data. kiln's own `train` is such a program
+//! ([`crate::builtin`]).
 //!
 //! The program's `[model]` and `[data]` sections are its own serde types; every other section
 //! is kiln's. Both are checked the same way: an unknown key or a value of the wrong type is one
@@ -16,15 +17,18 @@
 //! ```
 
 use std::ffi::OsString;
+use std::path::Path;
+use std::rc::Rc;
 
 use clap::{CommandFactory, FromArgMatches};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::cli::{Flags, PlotArgs};
-use crate::config::{RootConfig, one_line};
+use crate::config::{RootConfig, one_line, read_table, with_origin};
 use crate::error::{Error, Result};
-use crate::run::{RunInfo, RunOptions, train_workload};
+use crate::run::{RunInfo, RunOptions, RunResult, train_workload};
+use crate::strategy::Setup;
 use crate::trainer::Workload;
 
 /// A program's whole config: its own `[model]` and `[data]`, and kiln's sections.
@@ -43,6 +47,13 @@ where
     M: Serialize + DeserializeOwned,
     D: Serialize + DeserializeOwned,
 {
+    /// Reads a config file (none: every section's defaults), applies `--set key=value`
+    /// overrides and checks the result.
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self> {
+        let (table, origin) = read_table(path, overrides)?;
+        Self::from_table(table, &origin)
+    }
+
     /// Builds the config from a TOML table; `origin` names its source in errors. A missing
     /// `[model]` or `[data]` is read as an empty section (the type's defaults, or its error).
     pub fn from_table(mut table: toml::Table, origin: &str) -> Result<Self> {
@@ -69,16 +80,26 @@ where
         ]
     }
 
-    /// The whole config as TOML text.
+    /// The whole config as TOML text: `[run]`, the program's `[data]` and `[model]`, then
+    /// kiln's other sections, each in its fields' order.
     pub fn to_toml(&self) -> String {
-        let mut table: toml::Table =
-            toml::from_str(&self.kiln.to_toml()).expect("a config's TOML reads back");
-        table.remove("model");
-        table.remove("data");
-        for (name, value) in self.sections() {
-            table.insert(name, value);
+        #[derive(Serialize)]
+        struct Own<'a, M, D> {
+            data: &'a D,
+            model: &'a M,
         }
-        toml::to_string_pretty(&table).expect("a table serialises")
+        let kiln = self.kiln.to_toml();
+        let own = toml::to_string_pretty(&Own {
+            data: &self.data,
+            model: &self.model,
+        })
+        .expect("a program's sections serialise");
+        // kiln's text opens with `[run]`, which holds no table of its own: the program's
+        // sections go before the next header.
+        match kiln.find("\n[") {
+            Some(at) => format!("{}{own}{}", &kiln[..=at], &kiln[at..]),
+            None => format!("{kiln}\n{own}"),
+        }
     }
 }
 
@@ -90,36 +111,35 @@ fn to_value<T: Serialize>(v: &T) -> toml::Value {
 /// Section `name` of `origin` as a `T`, with kiln's one-line errors: the dotted key, and what
 /// was expected. Keys `T` does not know are errors even where `T` does not deny them.
 pub fn section<T: DeserializeOwned>(value: toml::Value, name: &str, origin: &str) -> Result<T> {
-    let key = |path: &str| {
-        if path.is_empty() || path == "." {
-            name.to_string()
-        } else {
-            format!("{name}.{path}")
-        }
-    };
+    // Read as the one entry of a table, so that paths and messages name the section as they
+    // do for kiln's own.
+    let mut wrapped = toml::Table::new();
+    wrapped.insert(name.to_string(), value);
     let mut unknown = Vec::new();
-    let parsed: std::result::Result<T, _> = serde_path_to_error::deserialize(
-        serde_ignored::Deserializer::new(value, &mut |path: serde_ignored::Path<'_>| {
-            unknown.push(path.to_string())
-        }),
-    );
-    let parsed = parsed.map_err(|e| {
+    let parsed: std::result::Result<std::collections::BTreeMap<String, T>, _> =
+        serde_path_to_error::deserialize(serde_ignored::Deserializer::new(
+            toml::Value::Table(wrapped),
+            &mut |path: serde_ignored::Path<'_>| unknown.push(path.to_string()),
+        ));
+    let mut parsed = parsed.map_err(|e| {
         let path = e.path().to_string();
         let inner = crate::config::humanize(&one_line(e.inner()), &path);
-        Error::config(format!("{origin}: key `{}`: {inner}", key(&path)))
+        Error::config(format!("{origin}: key `{path}`: {inner}"))
     })?;
     if let Some(path) = unknown.first() {
         let field = path.rsplit('.').next().unwrap_or(path);
         return Err(Error::config(format!(
-            "{origin}: key `{}`: unknown field `{field}`",
-            key(path)
+            "{origin}: key `{path}`: unknown field `{field}`"
         )));
     }
-    Ok(parsed)
+    Ok(parsed.remove(name).expect("the section was read"))
 }
 
+/// A subcommand of a program's own (`train sample`).
+type Handler<'a> = Rc<dyn Fn(&clap::ArgMatches) -> Result<()> + 'a>;
+
 /// A program's own command line; see the module documentation.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct App<'a> {
     /// The program's name (in `--help` and the start-up table).
     pub name: &'a str,
@@ -127,6 +147,30 @@ pub struct App<'a> {
     pub about: &'a str,
     /// The TOML recipe used when no `--config` is given.
     pub recipe: &'a str,
+    /// How errors name the recipe (default: "NAME's built-in recipe").
+    pub recipe_origin: Option<&'a str>,
+    /// The version `--version` prints (none: no `--version`).
+    pub version: Option<&'a str>,
+    commands: Vec<(clap::Command, Handler<'a>)>,
+}
+
+impl std::fmt::Debug for App<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("name", &self.name)
+            .field("about", &self.about)
+            .field("recipe_origin", &self.recipe_origin)
+            .field("version", &self.version)
+            .field(
+                "commands",
+                &self
+                    .commands
+                    .iter()
+                    .map(|(c, _)| c.get_name().to_string())
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
 }
 
 /// Commands besides training, in a program's own command line.
@@ -150,6 +194,14 @@ pub struct AppArgs {
     pub flags: Flags,
 }
 
+/// What a command line asked for.
+enum Parsed<'h, 'a> {
+    /// A program's own subcommand, with its arguments.
+    Own(&'h Handler<'a>, clap::ArgMatches),
+    /// Training, `devices` or `plot`.
+    Kiln(Box<AppArgs>),
+}
+
 impl<'a> App<'a> {
     /// A program `name` that trains from `[model]`/`[data]` defaults and kiln's when no
     /// `--config` is given.
@@ -158,6 +210,9 @@ impl<'a> App<'a> {
             name,
             about,
             recipe: "",
+            recipe_origin: None,
+            version: None,
+            commands: Vec::new(),
         }
     }
 
@@ -167,28 +222,115 @@ impl<'a> App<'a> {
         Self { recipe, ..self }
     }
 
+    /// The same program naming its built-in recipe `origin` in errors.
+    pub fn recipe_origin(self, origin: &'a str) -> Self {
+        Self {
+            recipe_origin: Some(origin),
+            ..self
+        }
+    }
+
+    /// The same program with a `--version` that prints `version`.
+    pub fn version(self, version: &'a str) -> Self {
+        Self {
+            version: Some(version),
+            ..self
+        }
+    }
+
+    /// The same program with a subcommand of its own: `name` takes the arguments `A` and runs
+    /// `run` (an error is the program's one-line error, exit code 2).
+    pub fn command<A>(
+        mut self,
+        name: &'static str,
+        about: &'static str,
+        run: impl Fn(A) -> Result<()> + 'a,
+    ) -> Self
+    where
+        A: clap::Args + FromArgMatches,
+    {
+        let command = A::augment_args(clap::Command::new(name)).about(about);
+        let handler: Handler<'a> =
+            Rc::new(move |m: &clap::ArgMatches| run(A::from_arg_matches(m).map_err(clap_error)?));
+        self.commands.push((command, handler));
+        self
+    }
+
+    /// The program's clap command: kiln's flags and subcommands, and the program's own
+    /// subcommands listed first.
+    fn command_line(&self) -> clap::Command {
+        let mut command = AppArgs::command()
+            .name(self.name.to_owned())
+            .about(self.about.to_owned());
+        if let Some(v) = self.version {
+            command = command.version(v.to_owned());
+        }
+        for (i, (own, _)) in self.commands.iter().enumerate() {
+            command = command.subcommand(own.clone().display_order(i));
+        }
+        let first = self.commands.len();
+        for (i, name) in ["devices", "plot"].into_iter().enumerate() {
+            command = command.mut_subcommand(name, |c| c.display_order(first + i));
+        }
+        command
+    }
+
     /// Parses `args` (the program's name first).
     pub fn parse<I, T>(&self, args: I) -> std::result::Result<AppArgs, clap::Error>
     where
         I: IntoIterator<Item = T>,
         T: Into<OsString> + Clone,
     {
-        let command = AppArgs::command()
-            .name(self.name.to_owned())
-            .about(self.about.to_owned());
-        let matches = command.try_get_matches_from(args)?;
+        let matches = self.command_line().try_get_matches_from(args)?;
         AppArgs::from_arg_matches(&matches)
     }
 
-    /// The config `flags` describe, and how the run should start.
+    fn parse_all<I, T>(&self, args: I) -> std::result::Result<Parsed<'_, 'a>, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let matches = self.command_line().try_get_matches_from(args)?;
+        if let Some((name, sub)) = matches.subcommand()
+            && let Some((_, handler)) = self.commands.iter().find(|(c, _)| c.get_name() == name)
+        {
+            return Ok(Parsed::Own(handler, sub.clone()));
+        }
+        Ok(Parsed::Kiln(Box::new(AppArgs::from_arg_matches(&matches)?)))
+    }
+
+    /// The config `flags` describe, and how the run should start. Besides each section's
+    /// checks, the strategy refuses what it cannot run on the ranks this launch gives it.
     pub fn resolve<M, D>(&self, flags: &Flags) -> Result<(UserConfig<M, D>, RunOptions)>
     where
         M: Serialize + DeserializeOwned,
         D: Serialize + DeserializeOwned,
     {
-        let (table, origin, options) =
-            flags.resolve_table(self.recipe, &format!("{}'s built-in recipe", self.name))?;
-        Ok((UserConfig::from_table(table, &origin)?, options))
+        self.resolve_checked(flags, &|_: &UserConfig<M, D>| Ok(()))
+    }
+
+    /// [`Self::resolve`], with `check` refusing what the program's own sections cannot run.
+    fn resolve_checked<M, D>(
+        &self,
+        flags: &Flags,
+        check: &dyn Fn(&UserConfig<M, D>) -> Result<()>,
+    ) -> Result<(UserConfig<M, D>, RunOptions)>
+    where
+        M: Serialize + DeserializeOwned,
+        D: Serialize + DeserializeOwned,
+    {
+        let default_origin = format!("{}'s built-in recipe", self.name);
+        let origin = self.recipe_origin.unwrap_or(&default_origin);
+        let (table, origin, options) = flags.resolve_table(self.recipe, origin)?;
+        let config = UserConfig::from_table(table, &origin)?;
+        check(&config).map_err(|e| with_origin(e, &origin))?;
+        // The launcher's processes, each running the configured devices, are the world.
+        let processes = crate::comm::Processes::from_env().count;
+        let world = config.kiln.hardware.devices.indices().len() * processes;
+        Setup::new(&config.kiln, world)
+            .check()
+            .map_err(|e| with_origin(e, &origin))?;
+        Ok((config, options))
     }
 
     /// Runs the command line of this process and exits with its code (0 done, 2 error, 3
@@ -218,8 +360,58 @@ impl<'a> App<'a> {
         I: IntoIterator<Item = T>,
         T: Into<OsString> + Clone,
     {
-        let args = match self.parse(args) {
-            Ok(args) => args,
+        let train = |config: &UserConfig<M, D>, options: &RunOptions| {
+            let workload = build(config)?;
+            let info = RunInfo {
+                model: self.name.to_string(),
+                sections: config.sections(),
+                ..RunInfo::default()
+            };
+            train_workload(&config.kiln, options, &workload, info, |_| Ok(()))
+        };
+        self.run_with(args, |_| Ok(()), train)
+    }
+
+    /// [`Self::main`] for a program that runs its training itself: `check` refuses what its
+    /// own sections cannot run (before anything is printed or written), and `train` trains
+    /// (usually through [`train_workload`], with the workload the config asks for).
+    pub fn main_with<M, D>(
+        &self,
+        check: impl Fn(&UserConfig<M, D>) -> Result<()>,
+        train: impl FnOnce(&UserConfig<M, D>, &RunOptions) -> Result<RunResult>,
+    ) -> !
+    where
+        M: Serialize + DeserializeOwned,
+        D: Serialize + DeserializeOwned,
+    {
+        crate::cli::quiet_worker_panics();
+        std::process::exit(self.run_with(std::env::args_os(), check, train))
+    }
+
+    /// [`Self::main_with`] on the command line `args`; returns the exit code.
+    pub fn run_with<M, D, I, T>(
+        &self,
+        args: I,
+        check: impl Fn(&UserConfig<M, D>) -> Result<()>,
+        train: impl FnOnce(&UserConfig<M, D>, &RunOptions) -> Result<RunResult>,
+    ) -> i32
+    where
+        M: Serialize + DeserializeOwned,
+        D: Serialize + DeserializeOwned,
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let args = match self.parse_all(args) {
+            Ok(Parsed::Kiln(args)) => args,
+            Ok(Parsed::Own(handler, matches)) => {
+                return match handler(&matches) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        2
+                    }
+                };
+            }
             Err(e) => {
                 let _ = e.print();
                 return if e.use_stderr() { 2 } else { 0 };
@@ -231,19 +423,17 @@ impl<'a> App<'a> {
             None => {}
         }
         crate::cli::run_training(|| {
-            let (config, options) = self.resolve::<M, D>(&args.flags)?;
+            let (config, options) = self.resolve_checked::<M, D>(&args.flags, &check)?;
             if args.flags.print_config {
                 print!("{}", config.to_toml());
                 return Ok(None);
             }
-            let workload = build(&config)?;
-            let info = RunInfo {
-                model: self.name.to_string(),
-                rows: Vec::new(),
-                builtin_sections: false,
-                sections: config.sections(),
-            };
-            train_workload(&config.kiln, &options, &workload, info, |_| Ok(())).map(Some)
+            train(&config, &options).map(Some)
         })
     }
+}
+
+/// A clap error as kiln's.
+fn clap_error(e: clap::Error) -> Error {
+    Error::config(one_line(&e.to_string()))
 }

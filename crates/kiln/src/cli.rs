@@ -1,28 +1,12 @@
-//! The `train` command line: flags for the common knobs, `--set` for any config key.
+//! The training command line's parts, shared by every program built on [`App`](crate::App)
+//! (kiln's own `train` among them): flags for the common knobs, `--set` for any config key,
+//! `devices`, `plot`, and how a run is started and reported.
 
 use std::path::PathBuf;
 
-use clap::Parser;
-
-use crate::config::{Accelerator, PrecisionMode, RootConfig, StrategyKind, apply_override};
+use crate::config::{Accelerator, PrecisionMode, StrategyKind, apply_override};
 use crate::error::{Error, Result};
-use crate::run::{RunOptions, RunResult, resolve_resume, train};
-
-/// The recipe used when no `--config` is given (a copy of `configs/digits-convnet.toml`, built
-/// in so that a fresh checkout trains with no files and no arguments).
-pub const DEFAULT_RECIPE: &str = include_str!("../../../configs/digits-convnet.toml");
-
-/// Train a model on one or many devices.
-#[derive(Debug, Parser)]
-#[command(name = "train", version, about, args_conflicts_with_subcommands = true)]
-pub struct Args {
-    /// Something other than training.
-    #[command(subcommand)]
-    pub command: Option<Command>,
-    /// The training flags.
-    #[command(flatten)]
-    pub flags: Flags,
-}
+use crate::run::{RunOptions, RunResult, resolve_resume};
 
 /// The flags of a training command line, kiln's `train` and a program's own alike.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -78,17 +62,6 @@ pub struct Flags {
     /// Print the resolved config as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
-}
-
-/// Commands besides training.
-#[derive(Debug, clap::Subcommand)]
-pub enum Command {
-    /// Generate text with a trained GPT run.
-    Sample(SampleArgs),
-    /// List the devices kiln can see and what `--accelerator auto` would choose.
-    Devices,
-    /// Draw a run's metrics as PNG charts (loss, throughput, memory, utilization).
-    Plot(PlotArgs),
 }
 
 /// `train plot`: charts of a run's `metrics.jsonl`.
@@ -176,80 +149,6 @@ pub fn devices_report() -> Vec<String> {
     };
     lines.push(format!("auto   --accelerator auto chooses {auto}"));
     lines
-}
-
-/// `train sample`: continue a prompt with a trained GPT.
-#[derive(Debug, clap::Args)]
-pub struct SampleArgs {
-    /// The run directory of a GPT run.
-    #[arg(long, value_name = "PATH")]
-    pub run: PathBuf,
-    /// Text to continue (every character must be in the run's vocabulary).
-    #[arg(long, default_value = "\n")]
-    pub prompt: String,
-    /// Number of characters to generate.
-    #[arg(long, default_value_t = 500)]
-    pub tokens: usize,
-    /// Softmax temperature; 0 picks the most likely character.
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f64,
-    /// Sample only among the K most likely characters.
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Seed of the sampling.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
-}
-
-/// Generates text from a trained GPT run; returns prompt + continuation.
-pub fn sample(args: &SampleArgs) -> Result<String> {
-    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
-        return Err(Error::config(format!(
-            "--temperature {}: expected a number >= 0",
-            args.temperature
-        )));
-    }
-    if args.top_k == Some(0) {
-        return Err(Error::config("--top-k 0: expected at least 1".to_string()));
-    }
-    let tokenizer_path = args.run.join(crate::run::TOKENIZER_FILE);
-    if !tokenizer_path.is_file() {
-        return Err(Error::checkpoint(format!(
-            "{}: not found; is {} a GPT run directory?",
-            tokenizer_path.display(),
-            args.run.display()
-        )));
-    }
-    let tokenizer = kiln_datasets::text::CharTokenizer::load(&tokenizer_path)?;
-    let device = burn::prelude::Device::flex();
-    let (model, config) = kiln_models::load_gpt_run(&args.run, &device)
-        .map_err(|e| Error::checkpoint(e.to_string()))?;
-    let prompt = tokenizer
-        .encode(&args.prompt)
-        .map_err(|e| Error::config(format!("--prompt: {e}")))?;
-    if prompt.is_empty() {
-        return Err(Error::config("--prompt: must not be empty".to_string()));
-    }
-    let mut rng = kiln_datasets::rng::SplitMix64::new(args.seed);
-    let ids = model.generate(
-        &prompt,
-        args.tokens,
-        args.temperature,
-        args.top_k,
-        config.block_size,
-        || rng.next_f64(),
-    );
-    Ok(tokenizer.decode(&ids))
-}
-
-impl Args {
-    /// The config these arguments describe, and how the run should start.
-    pub fn resolve(&self) -> Result<(RootConfig, RunOptions)> {
-        let (table, origin, options) = self
-            .flags
-            .resolve_table(DEFAULT_RECIPE, "built-in configs/digits-convnet.toml")?;
-        Ok((RootConfig::from_table(table, &origin)?, options))
-    }
 }
 
 impl Flags {
@@ -414,35 +313,6 @@ fn parse_devices(raw: &str) -> Result<toml::Value> {
             .map(toml::Value::Integer)
             .ok_or_else(bad)
     }
-}
-
-/// Runs the `train` command with `args`; returns the process exit code.
-pub fn main_with(args: Args) -> i32 {
-    match &args.command {
-        Some(Command::Devices) => return print_devices(),
-        Some(Command::Plot(plot_args)) => return print_plot(plot_args),
-        Some(Command::Sample(sample_args)) => {
-            return match sample(sample_args) {
-                Ok(text) => {
-                    println!("{text}");
-                    0
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    2
-                }
-            };
-        }
-        None => {}
-    }
-    run_training(|| {
-        let (config, options) = args.resolve()?;
-        if args.flags.print_config {
-            print!("{}", config.to_toml());
-            return Ok(None);
-        }
-        train(&config, &options).map(Some)
-    })
 }
 
 /// `devices`: prints the hardware report; returns the exit code.

@@ -6,21 +6,17 @@
 
 use std::path::{Path, PathBuf};
 
-use kiln_models::ModelSection;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-/// The whole run configuration. Each component receives only its own section.
+/// The engine's configuration: every section but a program's own `[model]` and `[data]` (see
+/// [`UserConfig`](crate::UserConfig)). Each component receives only its own section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct RootConfig {
     /// Naming, seeding and output location of the run.
     pub run: RunConfig,
-    /// Which dataset to train on and where it lives.
-    pub data: DataConfig,
-    /// The model architecture.
-    pub model: ModelSection,
     /// Loop settings: length, batch, logging, validation, checkpoints.
     pub train: TrainConfig,
     /// The optimizer.
@@ -268,77 +264,6 @@ impl Default for RunConfig {
             dir: None,
             seed: 42,
         }
-    }
-}
-
-/// Which dataset a run trains on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DatasetKind {
-    /// The 1,797 8×8 digits embedded in kiln (no files needed).
-    Digits,
-    /// MNIST IDX files in `data.dir`.
-    Mnist,
-    /// Fashion-MNIST IDX files in `data.dir`.
-    FashionMnist,
-    /// A UTF-8 text file in `data.path`, tokenised by character (for `model.kind = "gpt"`).
-    Text,
-}
-
-/// `[data]`: dataset choice and location.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DataConfig {
-    /// `digits` (embedded), `mnist` or `fashion-mnist`. Default `digits`.
-    pub dataset: DatasetKind,
-    /// Directory of the IDX files for `mnist`/`fashion-mnist`. Default `data/<dataset>`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub dir: Option<PathBuf>,
-    /// Download the dataset from its canonical URL when `dir` is missing. Default false.
-    pub download: bool,
-    /// Drop the last incomplete global batch of an epoch instead of wrapping around.
-    /// Default false.
-    pub drop_last: bool,
-    /// The text file of the `text` dataset. Default `data/text/moby-dick.txt`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub path: Option<PathBuf>,
-    /// Fraction of the text (from its start) used for training; the rest is validation.
-    /// Default 0.9.
-    pub train_fraction: f64,
-    /// Number of fixed validation windows the `text` dataset is scored on. Default 240.
-    pub eval_windows: usize,
-}
-
-impl Default for DataConfig {
-    fn default() -> Self {
-        Self {
-            dataset: DatasetKind::Digits,
-            dir: None,
-            download: false,
-            drop_last: false,
-            path: None,
-            train_fraction: 0.9,
-            eval_windows: 240,
-        }
-    }
-}
-
-impl DataConfig {
-    /// The directory the IDX files are read from.
-    pub fn resolved_dir(&self) -> PathBuf {
-        self.dir.clone().unwrap_or_else(|| match self.dataset {
-            DatasetKind::Digits => PathBuf::from("data/digits"),
-            DatasetKind::Mnist => PathBuf::from("data/mnist"),
-            DatasetKind::FashionMnist => PathBuf::from("data/fashion-mnist"),
-            DatasetKind::Text => PathBuf::from("data/text"),
-        })
-    }
-
-    /// The text file of the `text` dataset.
-    pub fn resolved_path(&self) -> PathBuf {
-        self.path
-            .clone()
-            .unwrap_or_else(|| PathBuf::from("data/text/moby-dick.txt"))
     }
 }
 
@@ -643,21 +568,8 @@ impl Default for HardwareConfig {
 impl RootConfig {
     /// Reads a config file, applies `--set key=value` overrides and checks the result.
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self> {
-        let (mut value, origin) = match path {
-            Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .map_err(|e| Error::config(format!("{}: cannot read: {e}", p.display())))?;
-                let value: toml::Table = toml::from_str(&text).map_err(|e| {
-                    Error::config(format!("{}: invalid TOML: {}", p.display(), one_line(&e)))
-                })?;
-                (value, p.display().to_string())
-            }
-            None => (toml::Table::new(), "built-in defaults".to_string()),
-        };
-        for o in overrides {
-            apply_override(&mut value, o)?;
-        }
-        Self::from_table(value, &origin)
+        let (table, origin) = read_table(path, overrides)?;
+        Self::from_table(table, &origin)
     }
 
     /// Builds the typed config from a TOML table; `origin` names the source in errors.
@@ -670,56 +582,15 @@ impl RootConfig {
             Error::config(format!("{origin}: key `{path}`: {inner}"))
         })?;
         // A value that parses but cannot work names its source too.
-        config.validate().map_err(|e| match e {
-            Error::Config(m) => Error::config(format!("{origin}: {m}")),
-            other => other,
-        })?;
+        config.validate().map_err(|e| with_origin(e, origin))?;
         Ok(config)
     }
 
-    /// Rejects values that parse but cannot work, naming the key.
+    /// Rejects values that parse but cannot work, naming the key: each section's own checks,
+    /// then what ties sections together. What a strategy refuses for a number of ranks is the
+    /// strategy's to say (`strategy::Setup::check`), once the world is known.
     pub fn validate(&self) -> Result<()> {
-        let bad = |key: &str, msg: String| Err(Error::config(format!("key `{key}`: {msg}")));
-        if self.train.batch_size == 0 {
-            return bad("train.batch_size", "must be at least 1, got 0".into());
-        }
-        if self.train.accumulate == 0 {
-            return bad("train.accumulate", "must be at least 1, got 0".into());
-        }
-        if self.train.log_every == 0 {
-            return bad("train.log_every", "must be at least 1, got 0".into());
-        }
-        if self.train.epochs == 0 && self.train.max_steps.is_none() {
-            return bad(
-                "train.epochs",
-                "must be at least 1 when train.max_steps is unset".into(),
-            );
-        }
-        for (key, v) in [
-            ("train.max_steps", self.train.max_steps),
-            ("train.val_every", self.train.val_every),
-            ("train.checkpoint_every", self.train.checkpoint_every),
-        ] {
-            if v == Some(0) {
-                return bad(key, "must be at least 1 (or left unset), got 0".into());
-            }
-        }
-        if let Some(m) = &self.train.best_metric
-            && !["val_loss", "val_accuracy"].contains(&m.as_str())
-        {
-            return bad(
-                "train.best_metric",
-                format!("expected \"val_loss\" or \"val_accuracy\", got {m:?}"),
-            );
-        }
-        if let Some(c) = self.train.grad_clip
-            && !(c.is_finite() && c > 0.0)
-        {
-            return bad(
-                "train.grad_clip",
-                format!("must be a positive number, got {c}"),
-            );
-        }
+        self.train.check()?;
         check_optim("", &self.optim, &self.schedule)?;
         for (name, group) in &self.groups {
             if !is_group_name(name) {
@@ -730,58 +601,8 @@ impl RootConfig {
             }
             check_optim(&format!("groups.{name}."), &group.optim, &group.schedule)?;
         }
-        let f = self.data.train_fraction;
-        if f.is_nan() || f <= 0.0 || f >= 1.0 {
-            return bad(
-                "data.train_fraction",
-                format!("must be between 0 and 1, got {}", self.data.train_fraction),
-            );
-        }
-        if self.data.eval_windows == 0 {
-            return bad("data.eval_windows", "must be at least 1, got 0".into());
-        }
-        let text_model = self.model.kind == kiln_models::ModelKind::Gpt;
-        let text_data = self.data.dataset == DatasetKind::Text;
-        if text_model != text_data {
-            return bad(
-                "data.dataset",
-                format!(
-                    "{:?} does not fit model.kind = {:?} (gpt trains on \"text\", image models \
-                     on image datasets)",
-                    name_of(&self.data.dataset),
-                    name_of(&self.model.kind)
-                ),
-            );
-        }
-        if self.ddp.bucket_mb.is_nan() || self.ddp.bucket_mb <= 0.0 {
-            return bad(
-                "ddp.bucket_mb",
-                format!("must be a positive size in MiB, got {}", self.ddp.bucket_mb),
-            );
-        }
-        let p = &self.precision;
-        if p.scaler == ScalerKind::Dynamic && p.mode != PrecisionMode::F16Mixed {
-            return bad(
-                "precision.scaler",
-                format!(
-                    "a loss scaler only applies to precision \"16-mixed\" (bf16 has f32's \
-                     exponent range, so its gradients do not underflow), got precision {:?}",
-                    name_of(&p.mode)
-                ),
-            );
-        }
-        if !(p.init_scale.is_finite() && p.init_scale >= 1.0) {
-            return bad(
-                "precision.init_scale",
-                format!("must be a finite number >= 1, got {}", p.init_scale),
-            );
-        }
-        if p.growth_interval == 0 {
-            return bad(
-                "precision.growth_interval",
-                "must be at least 1, got 0".into(),
-            );
-        }
+        self.ddp.check()?;
+        self.precision.check()?;
         if self.ddp.sync_batchnorm && self.recompute.mode == RecomputeMode::Blocks {
             return bad(
                 "ddp.sync_batchnorm",
@@ -790,18 +611,27 @@ impl RootConfig {
                     .into(),
             );
         }
-        // f16's smallest normal number is 6.1e-5: below it AdamW's epsilon flushes towards zero
-        // in f16 optimizer state and its update divides by zero.
+        self.check_f16_eps()?;
+        self.recompute.check()?;
+        self.monitor.check()?;
+        self.hardware.check()?;
+        self.pipeline.check(self.strategy.name)?;
+        self.run.check()
+    }
+
+    /// Under `16-true` AdamW's state lives in f16, whose smallest normal number is 6.1e-5:
+    /// an epsilon below it flushes towards zero and the update divides by zero.
+    fn check_f16_eps(&self) -> Result<()> {
+        if self.precision.mode != PrecisionMode::F16True {
+            return Ok(());
+        }
         let optims = std::iter::once((String::new(), &self.optim)).chain(
             self.groups
                 .iter()
                 .map(|(name, g)| (format!("groups.{name}."), &g.optim)),
         );
         for (prefix, optim) in optims {
-            if p.mode == PrecisionMode::F16True
-                && optim.name == OptimizerKind::Adamw
-                && optim.eps < 6.1e-5
-            {
+            if optim.name == OptimizerKind::Adamw && optim.eps < 6.1e-5 {
                 return bad(
                     &format!("{prefix}optim.eps"),
                     format!(
@@ -813,20 +643,168 @@ impl RootConfig {
                 );
             }
         }
-        if self.recompute.every == 0 {
+        Ok(())
+    }
+
+    /// The config as TOML text.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a RootConfig always serialises")
+    }
+
+    /// The run directory: `run.dir`, or `runs/<run.name>`.
+    pub fn run_dir(&self) -> PathBuf {
+        self.run
+            .dir
+            .clone()
+            .unwrap_or_else(|| Path::new("runs").join(&self.run.name))
+    }
+}
+
+/// The TOML table of the config file at `path` (none: an empty table) with `overrides`
+/// applied, and the name of its source for errors.
+pub fn read_table(path: Option<&Path>, overrides: &[String]) -> Result<(toml::Table, String)> {
+    let (mut table, origin) = match path {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| Error::config(format!("{}: cannot read: {e}", p.display())))?;
+            let table: toml::Table = toml::from_str(&text).map_err(|e| {
+                Error::config(format!("{}: invalid TOML: {}", p.display(), one_line(&e)))
+            })?;
+            (table, p.display().to_string())
+        }
+        None => (toml::Table::new(), "built-in defaults".to_string()),
+    };
+    for o in overrides {
+        apply_override(&mut table, o)?;
+    }
+    Ok((table, origin))
+}
+
+/// `e` (a refusal of a value) named after its source, `origin`.
+pub fn with_origin(e: Error, origin: &str) -> Error {
+    match e {
+        Error::Config(m) => Error::config(format!("{origin}: {m}")),
+        other => other,
+    }
+}
+
+/// A refusal of `key`'s value.
+fn bad(key: &str, msg: String) -> Result<()> {
+    Err(Error::config(format!("key `{key}`: {msg}")))
+}
+
+impl TrainConfig {
+    /// Rejects loop settings that cannot work.
+    pub fn check(&self) -> Result<()> {
+        if self.batch_size == 0 {
+            return bad("train.batch_size", "must be at least 1, got 0".into());
+        }
+        if self.accumulate == 0 {
+            return bad("train.accumulate", "must be at least 1, got 0".into());
+        }
+        if self.log_every == 0 {
+            return bad("train.log_every", "must be at least 1, got 0".into());
+        }
+        if self.epochs == 0 && self.max_steps.is_none() {
+            return bad(
+                "train.epochs",
+                "must be at least 1 when train.max_steps is unset".into(),
+            );
+        }
+        for (key, v) in [
+            ("train.max_steps", self.max_steps),
+            ("train.val_every", self.val_every),
+            ("train.checkpoint_every", self.checkpoint_every),
+        ] {
+            if v == Some(0) {
+                return bad(key, "must be at least 1 (or left unset), got 0".into());
+            }
+        }
+        if let Some(m) = &self.best_metric
+            && !["val_loss", "val_accuracy"].contains(&m.as_str())
+        {
+            return bad(
+                "train.best_metric",
+                format!("expected \"val_loss\" or \"val_accuracy\", got {m:?}"),
+            );
+        }
+        if let Some(c) = self.grad_clip
+            && !(c.is_finite() && c > 0.0)
+        {
+            return bad(
+                "train.grad_clip",
+                format!("must be a positive number, got {c}"),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl DdpConfig {
+    /// Rejects a bucket size that cannot work.
+    pub fn check(&self) -> Result<()> {
+        if self.bucket_mb.is_nan() || self.bucket_mb <= 0.0 {
+            return bad(
+                "ddp.bucket_mb",
+                format!("must be a positive size in MiB, got {}", self.bucket_mb),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl PrecisionConfig {
+    /// Rejects a loss scaler that does not apply, and scaler values that cannot work.
+    pub fn check(&self) -> Result<()> {
+        if self.scaler == ScalerKind::Dynamic && self.mode != PrecisionMode::F16Mixed {
+            return bad(
+                "precision.scaler",
+                format!(
+                    "a loss scaler only applies to precision \"16-mixed\" (bf16 has f32's \
+                     exponent range, so its gradients do not underflow), got precision {:?}",
+                    name_of(&self.mode)
+                ),
+            );
+        }
+        if !(self.init_scale.is_finite() && self.init_scale >= 1.0) {
+            return bad(
+                "precision.init_scale",
+                format!("must be a finite number >= 1, got {}", self.init_scale),
+            );
+        }
+        if self.growth_interval == 0 {
+            return bad(
+                "precision.growth_interval",
+                "must be at least 1, got 0".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl RecomputeConfig {
+    /// Rejects a recomputation interval of 0.
+    pub fn check(&self) -> Result<()> {
+        if self.every == 0 {
             return bad("recompute.every", "must be at least 1, got 0".into());
         }
-        let m = &self.monitor;
-        if !(m.interval_s.is_finite() && m.interval_s >= 0.0) {
+        Ok(())
+    }
+}
+
+impl MonitorConfig {
+    /// Rejects sampling and throughput settings that cannot work.
+    pub fn check(&self) -> Result<()> {
+        if !(self.interval_s.is_finite() && self.interval_s >= 0.0) {
             return bad(
                 "monitor.interval_s",
                 format!(
                     "must be a number of seconds >= 0 (0 turns sampling off), got {}",
-                    m.interval_s
+                    self.interval_s
                 ),
             );
         }
-        if let Some(p) = m.peak_tflops
+        if let Some(p) = self.peak_tflops
             && !(p.is_finite() && p > 0.0)
         {
             return bad(
@@ -834,13 +812,20 @@ impl RootConfig {
                 format!("must be a positive number of TFLOP/s, got {p}"),
             );
         }
-        if !(0.0..1.0).contains(&m.smoothing) {
+        if !(0.0..1.0).contains(&self.smoothing) {
             return bad(
                 "monitor.smoothing",
-                format!("must be in [0, 1), got {}", m.smoothing),
+                format!("must be in [0, 1), got {}", self.smoothing),
             );
         }
-        let devices = self.hardware.devices.indices();
+        Ok(())
+    }
+}
+
+impl HardwareConfig {
+    /// Rejects an empty device selection and a device named twice.
+    pub fn check(&self) -> Result<()> {
+        let devices = self.devices.indices();
         if devices.is_empty() {
             return bad(
                 "hardware.devices",
@@ -856,44 +841,33 @@ impl RootConfig {
                 format!("lists a device twice: {devices:?}"),
             );
         }
-        // The world is every process's devices (one process without a launcher).
-        let world = devices.len() * crate::comm::Processes::from_env().count;
-        if self.strategy.name == StrategyKind::Single && world > 1 {
-            return bad(
-                "strategy.name",
-                format!("`single` runs on one device, but {world} are selected"),
-            );
-        }
-        let pipe = &self.pipeline;
-        if pipe.stages == 0 {
+        Ok(())
+    }
+}
+
+impl PipelineConfig {
+    /// Rejects stage and micro-batch counts of 0, cuts that do not cut, and pipeline settings
+    /// under a strategy (`strategy`) that is not `pipeline`.
+    pub fn check(&self, strategy: StrategyKind) -> Result<()> {
+        if self.stages == 0 {
             return bad("pipeline.stages", "must be at least 1, got 0".into());
         }
-        if pipe.microbatches == 0 {
+        if self.microbatches == 0 {
             return bad("pipeline.microbatches", "must be at least 1, got 0".into());
         }
-        let pipelined = self.strategy.name == StrategyKind::Pipeline;
-        if !pipelined && (pipe.stages > 1 || pipe.microbatches > 1 || pipe.cuts.is_some()) {
+        let pipelined = strategy == StrategyKind::Pipeline;
+        if !pipelined && (self.stages > 1 || self.microbatches > 1 || self.cuts.is_some()) {
             return bad(
                 "pipeline",
                 format!(
                     "[pipeline] settings apply to strategy.name = \"pipeline\", but the strategy \
                      is {:?}",
-                    name_of(&self.strategy.name)
+                    name_of(&strategy)
                 ),
             );
         }
-        if pipelined && !world.is_multiple_of(pipe.stages) {
-            return bad(
-                "pipeline.stages",
-                format!(
-                    "{} stages must divide the {world} devices (devices / stages pipelines \
-                     train as replicas)",
-                    pipe.stages
-                ),
-            );
-        }
-        if let Some(cuts) = &pipe.cuts
-            && (cuts.len() + 1 != pipe.stages
+        if let Some(cuts) = &self.cuts
+            && (cuts.len() + 1 != self.stages
                 || cuts.first() == Some(&0)
                 || cuts.windows(2).any(|w| w[0] >= w[1]))
         {
@@ -902,47 +876,24 @@ impl RootConfig {
                 format!(
                     "must hold the first block of every stage but the first: {} increasing \
                      indices from 1, got {cuts:?}",
-                    pipe.stages - 1
+                    self.stages - 1
                 ),
-            );
-        }
-        if self.strategy.name == StrategyKind::Zero3 && self.ddp.sync_batchnorm {
-            return bad(
-                "ddp.sync_batchnorm",
-                "cannot be combined with strategy.name = \"zero3\": zero3 recomputes every block \
-                 in its backward (to release its gathered parameters), and synchronised \
-                 BatchNorm cannot run a block twice; use strategy \"zero2\" or turn \
-                 ddp.sync_batchnorm off"
-                    .into(),
-            );
-        }
-        if self.run.name.is_empty() || self.run.name.contains(['/', '\\']) {
-            return bad(
-                "run.name",
-                format!("must be a plain directory name, got {:?}", self.run.name),
             );
         }
         Ok(())
     }
+}
 
-    /// The config as TOML text.
-    pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).expect("a RootConfig always serialises")
-    }
-
-    /// The strategy actually used, resolving `auto` by device count.
-    pub fn strategy(&self) -> StrategyKind {
-        self.strategy.name.resolve(
-            self.hardware.devices.indices().len() * crate::comm::Processes::from_env().count,
-        )
-    }
-
-    /// The run directory: `run.dir`, or `runs/<run.name>`.
-    pub fn run_dir(&self) -> PathBuf {
-        self.run
-            .dir
-            .clone()
-            .unwrap_or_else(|| Path::new("runs").join(&self.run.name))
+impl RunConfig {
+    /// Rejects a run name that is not a plain directory name.
+    pub fn check(&self) -> Result<()> {
+        if self.name.is_empty() || self.name.contains(['/', '\\']) {
+            return bad(
+                "run.name",
+                format!("must be a plain directory name, got {:?}", self.name),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -1120,19 +1071,18 @@ mod tests {
 
     #[test]
     fn overrides_parse_toml_values_and_fall_back_to_strings() {
+        // The built-in recipes' [data] and [model] keys: `builtin::tests`.
         let c = load(&[
             "train.epochs=3",
             "optim.lr=0.5",
-            "data.dir=/some/path",
+            "run.dir=/some/path",
             "hardware.devices=[0, 2]",
-            "model.mlp.hidden=[64]",
         ])
         .unwrap();
         assert_eq!(c.train.epochs, 3);
         assert_eq!(c.optim.lr, 0.5);
-        assert_eq!(c.data.dir.as_deref(), Some(Path::new("/some/path")));
+        assert_eq!(c.run.dir.as_deref(), Some(Path::new("/some/path")));
         assert_eq!(c.hardware.devices.indices(), vec![0, 2]);
-        assert_eq!(c.model.mlp.hidden, vec![64]);
     }
 
     #[test]
@@ -1168,24 +1118,16 @@ mod tests {
 
     #[test]
     fn auto_strategy_follows_device_count() {
-        assert_eq!(load(&[]).unwrap().strategy(), StrategyKind::Single);
+        // What strategies refuse for a number of ranks: `strategy::tests`.
+        let strategy = |o: &[&str]| {
+            let c = load(o).unwrap();
+            c.strategy.name.resolve(c.hardware.devices.indices().len())
+        };
+        assert_eq!(strategy(&[]), StrategyKind::Single);
+        assert_eq!(strategy(&["hardware.devices=2"]), StrategyKind::Ddp);
         assert_eq!(
-            load(&["hardware.devices=2"]).unwrap().strategy(),
-            StrategyKind::Ddp
-        );
-        assert!(load(&["hardware.devices=2", "strategy.name=\"single\""]).is_err());
-        assert_eq!(
-            load(&["hardware.devices=2", "strategy.name=\"zero3\""])
-                .unwrap()
-                .strategy(),
+            strategy(&["hardware.devices=2", "strategy.name=\"zero3\""]),
             StrategyKind::Zero3
-        );
-        let e = load(&["strategy.name=\"zero3\"", "ddp.sync_batchnorm=true"])
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("ddp.sync_batchnorm") && e.contains("zero3"),
-            "{e}"
         );
     }
 

@@ -6,8 +6,9 @@
 //! [`strategy`] (what a step does across ranks: `single`, `ddp`, `zero1`–`zero3`), [`trainer`]
 //! (the one loop every strategy shares, and its launcher), [`precision`] (the policy applied
 //! around any model), [`checkpoint`] and [`metrics`] (what rank 0 writes), [`config`] and
-//! [`run`] (from a TOML file to a finished run). Models and datasets live in their own crates
-//! and know nothing of these.
+//! [`run`] (from a config and a workload to a finished run), [`app`] (a program's command
+//! line). [`builtin`] is kiln's own `train` program on top of them: its image and text
+//! workloads. Models and datasets live in their own crates and know nothing of these.
 //!
 //! To train a model of one's own: implement [`TrainStep`] (a batch in, the loss out) and
 //! [`BlockStack`] (`impl BlockStack<MyBatch> for MyModel {}` when the model does not describe
@@ -16,6 +17,7 @@
 #![warn(missing_docs)]
 
 pub mod app;
+pub mod builtin;
 pub mod checkpoint;
 pub mod cli;
 pub mod comm;

@@ -1,94 +1,21 @@
-//! From a [`RootConfig`] to a finished run: data, devices, the start-up table, the run
-//! directory, the trainer, and the exported model.
+//! From a [`RootConfig`] and a [`Workload`] to a finished run: devices, the start-up table, the
+//! run directory, the trainer, and the exported model. Which workload a config asks for is a
+//! program's business (kiln's own: [`crate::builtin`]).
 
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::prelude::*;
-use kiln_datasets::text::TextData;
-use kiln_datasets::{IdxKind, ImageDataset, ImageSplits};
-use kiln_models::load::{SAFETENSORS_FILE, SPEC_FILE, WEIGHTS_FILE};
-use kiln_models::{
-    Classifier, Gpt, GptConfig, ImageBatch, ModelKind, ModelSpec, TokenBatch, save_safetensors,
-};
+use kiln_models::load::{SAFETENSORS_FILE, WEIGHTS_FILE};
+use kiln_models::save_safetensors;
 
 use crate::checkpoint::{self, write_atomic};
-use crate::config::{Accelerator, DataConfig, DatasetKind, HardwareConfig, RootConfig, name_of};
-use crate::data::{ImageBatcher, input_spec};
+use crate::config::{Accelerator, HardwareConfig, RootConfig, name_of};
 use crate::error::{Error, Result};
 use crate::metrics::Summary;
 use crate::optim::scaled_lr;
 use crate::strategy::{ModelFacts, Setup};
 use crate::trainer::{TrainerSettings, Workload, fit, total_steps};
-
-/// Image classification: a [`Classifier`] trained on an [`ImageSplits`].
-pub struct ImageWorkload {
-    /// The model to build.
-    pub spec: ModelSpec,
-    /// Training and test images.
-    pub splits: ImageSplits,
-}
-
-impl Workload for ImageWorkload {
-    type Model = Classifier;
-    type Batch = ImageBatch;
-
-    fn init_model(&self, device: &Device) -> Classifier {
-        self.spec
-            .classifier(device)
-            .expect("the spec was validated as an image classifier")
-    }
-
-    fn train_len(&self) -> usize {
-        self.splits.train.len()
-    }
-
-    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
-        ImageBatcher::new(device.clone()).batch(&self.splits.train, indices)
-    }
-
-    fn eval_len(&self) -> usize {
-        self.splits.test.len()
-    }
-
-    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
-        let indices: Vec<usize> = range.collect();
-        ImageBatcher::new(device.clone()).batch(&self.splits.test, &indices)
-    }
-
-    fn cast_batch(&self, batch: ImageBatch, dtype: burn::tensor::FloatDType) -> ImageBatch {
-        ImageBatch {
-            images: batch.images.cast(dtype),
-            ..batch
-        }
-    }
-}
-
-/// Loads the configured dataset, downloading it first when `data.download` is set and the
-/// directory is missing.
-pub fn load_data(config: &DataConfig) -> Result<ImageSplits> {
-    let kind = match config.dataset {
-        DatasetKind::Digits => return Ok(kiln_datasets::digits()),
-        DatasetKind::Text => {
-            return Err(Error::config(
-                "key `data.dataset`: \"text\" is not an image dataset".to_string(),
-            ));
-        }
-        DatasetKind::Mnist => IdxKind::Mnist,
-        DatasetKind::FashionMnist => IdxKind::FashionMnist,
-    };
-    let dir = config.resolved_dir();
-    // One process per machine downloads; the others wait for it.
-    if config.download && crate::comm::processes().local_index == 0 && !dir.is_dir() {
-        println!("downloading {} into {}", kind.name(), dir.display());
-        kiln_datasets::download_mnist(&dir, kind)?;
-    }
-    if config.download {
-        crate::comm::process_barrier();
-    }
-    Ok(kind.load(&dir)?)
-}
 
 /// The devices of the configured accelerator, and the accelerator's name.
 pub fn resolve_devices(hw: &HardwareConfig) -> Result<(Vec<Device>, String)> {
@@ -171,157 +98,6 @@ pub struct RunResult {
     pub summary: Summary,
 }
 
-/// Trains the workload `config` describes: an image classifier or a GPT on text.
-pub fn train(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
-    match config.model.kind {
-        ModelKind::Gpt => train_text(config, options),
-        ModelKind::Convnet | ModelKind::Mlp => train_images(config, options),
-    }
-}
-
-fn train_images(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
-    let splits = load_data(&config.data)?;
-    let spec = ModelSpec {
-        model: config.model.clone(),
-        input: Some(input_spec(&splits.train)),
-    };
-    spec.validate().map_err(Error::config)?;
-    let train: &ImageDataset = &splits.train;
-    let rows = vec![(
-        "data",
-        format!(
-            "{}: {} train / {} test, {}x{}, {} classes",
-            splits.name,
-            train.len(),
-            splits.test.len(),
-            train.height,
-            train.width,
-            train.num_classes
-        ),
-    )];
-    let workload = ImageWorkload {
-        spec: spec.clone(),
-        splits,
-    };
-    launch_builtin(config, options, &workload, &spec, rows, |_| Ok(()))
-}
-
-fn train_text(config: &RootConfig, options: &RunOptions) -> Result<RunResult> {
-    let path = config.data.resolved_path();
-    if config.data.download && crate::comm::processes().local_index == 0 && !path.exists() {
-        println!("downloading Tiny Shakespeare into {}", path.display());
-        kiln_datasets::text::download_text(kiln_datasets::text::TINY_SHAKESPEARE_URL, &path)?;
-    }
-    if config.data.download {
-        crate::comm::process_barrier();
-    }
-    if !path.is_file() {
-        return Err(Error::data(format!(
-            "{}: text file does not exist (run `cargo xtask fetch-data text`, set data.path, or \
-             set data.download = true for Tiny Shakespeare)",
-            path.display()
-        )));
-    }
-    let data = TextData::from_file(&path, config.data.train_fraction)?;
-    let mut gpt = config.model.gpt.clone();
-    let vocab = data.tokenizer.vocab_size();
-    if gpt.vocab_size == 0 {
-        gpt.vocab_size = vocab;
-    } else if gpt.vocab_size < vocab {
-        return Err(Error::config(format!(
-            "key `model.gpt.vocab_size`: {} is smaller than the {vocab} characters of {}",
-            gpt.vocab_size,
-            path.display()
-        )));
-    }
-    let block = gpt.block_size;
-    for (part, len) in [
-        ("training", data.train.len()),
-        ("validation", data.val.len()),
-    ] {
-        if len <= block + 1 {
-            return Err(Error::data(format!(
-                "{}: the {part} part holds {len} characters, fewer than one window of \
-                 model.gpt.block_size + 1 = {}",
-                path.display(),
-                block + 1
-            )));
-        }
-    }
-    let mut model = config.model.clone();
-    model.gpt = gpt.clone();
-    let spec = ModelSpec { model, input: None };
-    spec.validate().map_err(Error::config)?;
-    let rows = vec![
-        (
-            "data",
-            format!(
-                "{}: {} train / {} val characters, vocabulary {vocab}",
-                data.name,
-                data.train.len(),
-                data.val.len()
-            ),
-        ),
-        (
-            "model flops",
-            format!("{:.3e} per token (6N + 12LHQT)", gpt.flops_per_token()),
-        ),
-    ];
-    let eval = kiln_datasets::text::eval_starts(
-        data.val.len(),
-        block,
-        EVAL_SEED,
-        config.data.eval_windows,
-    );
-    let tokenizer = data.tokenizer.clone();
-    let workload = TextWorkload {
-        data,
-        config: gpt,
-        seed: config.run.seed,
-        eval,
-    };
-    launch_builtin(config, options, &workload, &spec, rows, |dir| {
-        Ok(tokenizer.save(&dir.join(TOKENIZER_FILE))?)
-    })
-}
-
-/// Seed of the fixed validation windows: the same for every run seed, so that runs are
-/// scored on the same text.
-const EVAL_SEED: u64 = 0x0e7a_1000;
-
-/// File of the tokenizer inside a text run's directory.
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
-
-/// A built-in workload's run: its model spec (`model.toml`) beside the workload's own files.
-fn launch_builtin<W>(
-    config: &RootConfig,
-    options: &RunOptions,
-    workload: &W,
-    spec: &ModelSpec,
-    rows: Vec<(&str, String)>,
-    save_extra: impl FnOnce(&Path) -> Result<()>,
-) -> Result<RunResult>
-where
-    W: Workload,
-    W::Model: burn::store::ModuleSnapshot,
-{
-    let info = RunInfo {
-        model: name_of(&config.model.kind),
-        rows: rows.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
-        builtin_sections: true,
-        sections: Vec::new(),
-    };
-    train_workload(config, options, workload, info, |dir| {
-        write_atomic(
-            &dir.join(SPEC_FILE),
-            toml::to_string_pretty(spec)
-                .expect("spec serialises")
-                .as_bytes(),
-        )?;
-        save_extra(dir)
-    })
-}
-
 /// How a workload's run describes itself besides what kiln knows.
 #[derive(Debug, Clone, Default)]
 pub struct RunInfo {
@@ -329,20 +105,20 @@ pub struct RunInfo {
     pub model: String,
     /// More rows of the start-up table (`("data", "…")`).
     pub rows: Vec<(String, String)>,
-    /// Whether the run's `config.toml` keeps the `[model]` and `[data]` sections. They
-    /// describe kiln's built-in workloads; a workload of one's own leaves them out.
-    pub builtin_sections: bool,
     /// Sections of the workload's own written into `config.toml` (a program's `[model]` and
     /// `[data]`, so that `--resume` reads them back).
     pub sections: Vec<(String, toml::Value)>,
+    /// Drop the last incomplete global batch of an epoch instead of wrapping around (the
+    /// built-in recipes' `data.drop_last`).
+    pub drop_last: bool,
 }
 
 /// Trains `workload` as `config` says, with everything `train` gives: devices, strategy,
 /// precision and recompute, the run directory (`config.toml`, metrics, checkpoints,
 /// `summary.json`), resume (`options.resume_from`), the start-up table, and the exported
 /// model (`model.bpk`, `model.safetensors`). `save_extra` writes the workload's own files
-/// into the run directory (on process 0, before training). `config`'s `[model]` and `[data]`
-/// sections are not read: the workload is the model and the data.
+/// into the run directory (on process 0, before training). The workload is the model and the
+/// data; `info` describes them.
 pub fn train_workload<W>(
     config: &RootConfig,
     options: &RunOptions,
@@ -361,8 +137,11 @@ where
         }
     }
 
+    // What the strategy refuses on this launch's ranks is refused before anything is written.
+    let processes = crate::comm::processes();
+    Setup::new(config, devices.len() * processes.count).check()?;
     // Process 0 chooses the run directory and writes the run's files; the others follow it.
-    let first = crate::comm::processes().index == 0;
+    let first = processes.index == 0;
     let run_dir = PathBuf::from(crate::comm::agree(|| {
         let run_dir = choose_run_dir(config, options)?;
         std::fs::create_dir_all(&run_dir).map_err(|e| Error::io(&run_dir, e))?;
@@ -370,10 +149,6 @@ where
         saved.run.dir = Some(run_dir.clone());
         let mut table: toml::Table =
             toml::from_str(&saved.to_toml()).expect("a config's TOML reads back");
-        if !info.builtin_sections {
-            table.remove("model");
-            table.remove("data");
-        }
         for (name, value) in &info.sections {
             table.insert(name.clone(), value.clone());
         }
@@ -384,6 +159,7 @@ where
     })?);
 
     let mut settings = TrainerSettings::from_config(config, devices, accelerator, run_dir.clone());
+    settings.drop_last = info.drop_last;
     settings.output.resume_from = options.resume_from.clone();
     settings.output.progress = options.verbose && first;
     if options.verbose && first {
@@ -400,91 +176,6 @@ where
         dir: run_dir,
         summary,
     })
-}
-
-/// Character-level language modelling: a [`Gpt`] on random windows of a text.
-pub struct TextWorkload {
-    /// The tokenised text.
-    pub data: TextData,
-    /// The model (vocabulary size resolved).
-    pub config: GptConfig,
-    /// Seed of the window sampling.
-    pub seed: u64,
-    /// Start offsets of the fixed validation windows.
-    pub eval: Vec<usize>,
-}
-
-impl TextWorkload {
-    fn windows(&self, tokens: &[u32], starts: &[usize], device: &Device) -> TokenBatch {
-        let t = self.config.block_size;
-        let mut inputs = Vec::with_capacity(starts.len() * t);
-        let mut targets = Vec::with_capacity(starts.len() * t);
-        for &s in starts {
-            inputs.extend(tokens[s..s + t].iter().map(|&x| i64::from(x)));
-            targets.extend(tokens[s + 1..s + t + 1].iter().map(|&x| i64::from(x)));
-        }
-        let n = starts.len();
-        TokenBatch {
-            inputs: Tensor::from_data(TensorData::new(inputs, [n, t]), device),
-            targets: Tensor::from_data(TensorData::new(targets, [n, t]), device),
-        }
-    }
-}
-
-impl Workload for TextWorkload {
-    type Model = Gpt;
-    type Batch = TokenBatch;
-
-    fn init_model(&self, device: &Device) -> Gpt {
-        self.config.init(device)
-    }
-
-    /// One "epoch" is as many windows as the training text has blocks.
-    fn train_len(&self) -> usize {
-        (self.data.train.len() / self.config.block_size).max(1)
-    }
-
-    fn train_batch(&self, starts: &[usize], device: &Device) -> TokenBatch {
-        self.windows(&self.data.train, starts, device)
-    }
-
-    fn eval_len(&self) -> usize {
-        self.eval.len()
-    }
-
-    fn eval_batch(&self, range: Range<usize>, device: &Device) -> TokenBatch {
-        self.windows(&self.data.val, &self.eval[range], device)
-    }
-
-    /// Token ids are integers: nothing to cast.
-    fn cast_batch(&self, batch: TokenBatch, _dtype: burn::tensor::FloatDType) -> TokenBatch {
-        batch
-    }
-
-    fn sample(
-        &self,
-        micro_step: usize,
-        rank: usize,
-        world: usize,
-        batch: usize,
-    ) -> Option<Vec<usize>> {
-        let all = kiln_datasets::text::window_starts(
-            self.data.train.len(),
-            self.config.block_size,
-            self.seed,
-            micro_step as u64,
-            world * batch,
-        );
-        Some(all[rank * batch..(rank + 1) * batch].to_vec())
-    }
-
-    fn tokens_per_sample(&self) -> Option<usize> {
-        Some(self.config.block_size)
-    }
-
-    fn flops_per_sample(&self) -> Option<f64> {
-        Some(self.config.flops_per_token() * self.config.block_size as f64)
-    }
 }
 
 /// Writes the final weights as burnpack and SafeTensors, each atomically.

@@ -1,9 +1,14 @@
-//! `train`: the kiln command line.
-
-use clap::Parser;
+//! `train`: kiln's command line, a program on [`kiln::App`] around the built-in workloads.
 
 fn main() {
-    kiln::cli::quiet_worker_panics();
-    let args = kiln::cli::Args::parse();
-    std::process::exit(kiln::cli::main_with(args));
+    kiln::App::new("train", env!("CARGO_PKG_DESCRIPTION"))
+        .version(env!("CARGO_PKG_VERSION"))
+        .recipe(kiln::builtin::RECIPE)
+        .recipe_origin(kiln::builtin::RECIPE_ORIGIN)
+        .command(
+            "sample",
+            "Generate text with a trained GPT run",
+            kiln::builtin::text::sample,
+        )
+        .main_with(kiln::builtin::check, kiln::builtin::train)
 }

@@ -58,7 +58,8 @@ pub struct TrainerSettings {
     pub schedule: ScheduleConfig,
     /// Seed of initialisation and data order.
     pub seed: u64,
-    /// Drop the last incomplete global batch of each epoch.
+    /// Drop the last incomplete global batch of each epoch (`false` from a config: the
+    /// program's data says, [`RunInfo::drop_last`](crate::RunInfo::drop_last)).
     pub drop_last: bool,
     /// Devices and strategy.
     pub parallel: ParallelSettings,
@@ -92,7 +93,7 @@ impl TrainerSettings {
             optim: config.optim.clone(),
             schedule: config.schedule.clone(),
             seed: config.run.seed,
-            drop_last: config.data.drop_last,
+            drop_last: false,
             parallel: ParallelSettings {
                 split_cpu_threads: accelerator.starts_with("cpu"),
                 devices,

@@ -1,0 +1,109 @@
+//! Image classification: a ConvNet or an MLP on the embedded digits, MNIST or Fashion-MNIST.
+
+use std::ops::Range;
+
+use burn::prelude::*;
+use kiln_datasets::{IdxKind, ImageDataset, ImageSplits};
+use kiln_models::{Classifier, ImageBatch, ModelSpec};
+
+use super::{Config, DataConfig, DatasetKind, launch};
+use crate::data::{ImageBatcher, input_spec};
+use crate::error::{Error, Result};
+use crate::run::{RunOptions, RunResult};
+use crate::trainer::Workload;
+
+/// Image classification: a [`Classifier`] trained on an [`ImageSplits`].
+pub struct ImageWorkload {
+    /// The model to build.
+    pub spec: ModelSpec,
+    /// Training and test images.
+    pub splits: ImageSplits,
+}
+
+impl Workload for ImageWorkload {
+    type Model = Classifier;
+    type Batch = ImageBatch;
+
+    fn init_model(&self, device: &Device) -> Classifier {
+        self.spec
+            .classifier(device)
+            .expect("the spec was validated as an image classifier")
+    }
+
+    fn train_len(&self) -> usize {
+        self.splits.train.len()
+    }
+
+    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
+        ImageBatcher::new(device.clone()).batch(&self.splits.train, indices)
+    }
+
+    fn eval_len(&self) -> usize {
+        self.splits.test.len()
+    }
+
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
+        let indices: Vec<usize> = range.collect();
+        ImageBatcher::new(device.clone()).batch(&self.splits.test, &indices)
+    }
+
+    fn cast_batch(&self, batch: ImageBatch, dtype: burn::tensor::FloatDType) -> ImageBatch {
+        ImageBatch {
+            images: batch.images.cast(dtype),
+            ..batch
+        }
+    }
+}
+
+/// Loads the configured dataset, downloading it first when `data.download` is set and the
+/// directory is missing.
+pub fn load_data(config: &DataConfig) -> Result<ImageSplits> {
+    let kind = match config.dataset {
+        DatasetKind::Digits => return Ok(kiln_datasets::digits()),
+        DatasetKind::Text => {
+            return Err(Error::config(
+                "key `data.dataset`: \"text\" is not an image dataset".to_string(),
+            ));
+        }
+        DatasetKind::Mnist => IdxKind::Mnist,
+        DatasetKind::FashionMnist => IdxKind::FashionMnist,
+    };
+    let dir = config.resolved_dir();
+    // One process per machine downloads; the others wait for it.
+    if config.download && crate::comm::processes().local_index == 0 && !dir.is_dir() {
+        println!("downloading {} into {}", kind.name(), dir.display());
+        kiln_datasets::download_mnist(&dir, kind)?;
+    }
+    if config.download {
+        crate::comm::process_barrier();
+    }
+    Ok(kind.load(&dir)?)
+}
+
+/// Trains the image classifier `config` describes.
+pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
+    let splits = load_data(&config.data)?;
+    let spec = ModelSpec {
+        model: config.model.clone(),
+        input: Some(input_spec(&splits.train)),
+    };
+    spec.validate().map_err(Error::config)?;
+    let train: &ImageDataset = &splits.train;
+    let rows = vec![(
+        "data",
+        format!(
+            "{}: {} train / {} test, {}x{}, {} classes",
+            splits.name,
+            train.len(),
+            splits.test.len(),
+            train.height,
+            train.width,
+            train.num_classes
+        ),
+    )];
+    let workload = ImageWorkload {
+        spec: spec.clone(),
+        splits,
+    };
+    launch(config, options, &workload, &spec, rows, |_| Ok(()))
+}

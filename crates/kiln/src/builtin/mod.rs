@@ -1,0 +1,222 @@
+//! kiln's own `train` program: the built-in workloads — an image classifier ([`image`]) and a
+//! character-level GPT ([`text`]) — with their `[model]` and `[data]` sections, built on
+//! [`App`](crate::App) exactly as a program of one's own is. The engine below knows none of
+//! this: it trains whatever [`Workload`] it is handed.
+//!
+//! `[model]` is `kiln_models::ModelSection` (`kind` = `convnet`, `mlp` or `gpt`); `[data]` is
+//! [`DataConfig`]. The `train` binary is
+//! ```ignore
+//! kiln::App::new("train", "…")
+//!     .recipe(kiln::builtin::RECIPE)
+//!     .command("sample", "…", kiln::builtin::text::sample)
+//!     .main_with(kiln::builtin::check, kiln::builtin::train)
+//! ```
+
+pub mod image;
+pub mod text;
+
+use std::path::{Path, PathBuf};
+
+use kiln_models::load::SPEC_FILE;
+use kiln_models::{ModelKind, ModelSection, ModelSpec};
+use serde::{Deserialize, Serialize};
+
+use crate::app::UserConfig;
+use crate::checkpoint::write_atomic;
+use crate::config::name_of;
+use crate::error::{Error, Result};
+use crate::run::{RunInfo, RunOptions, RunResult, train_workload};
+use crate::trainer::Workload;
+
+/// The recipe `train` runs without `--config` (a copy of `configs/digits-convnet.toml`, built
+/// in so that a fresh checkout trains with no files and no arguments).
+pub const RECIPE: &str = include_str!("../../../../configs/digits-convnet.toml");
+
+/// How errors name the built-in recipe.
+pub const RECIPE_ORIGIN: &str = "built-in configs/digits-convnet.toml";
+
+/// The built-in workloads' config: their `[model]` and `[data]`, and kiln's sections.
+pub type Config = UserConfig<ModelSection, DataConfig>;
+
+/// Which dataset a run trains on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DatasetKind {
+    /// The 1,797 8×8 digits embedded in kiln (no files needed).
+    Digits,
+    /// MNIST IDX files in `data.dir`.
+    Mnist,
+    /// Fashion-MNIST IDX files in `data.dir`.
+    FashionMnist,
+    /// A UTF-8 text file in `data.path`, tokenised by character (for `model.kind = "gpt"`).
+    Text,
+}
+
+/// `[data]`: dataset choice and location.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// `digits` (embedded), `mnist` or `fashion-mnist`. Default `digits`.
+    pub dataset: DatasetKind,
+    /// Directory of the IDX files for `mnist`/`fashion-mnist`. Default `data/<dataset>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
+    /// Download the dataset from its canonical URL when `dir` is missing. Default false.
+    pub download: bool,
+    /// Drop the last incomplete global batch of an epoch instead of wrapping around.
+    /// Default false.
+    pub drop_last: bool,
+    /// The text file of the `text` dataset. Default `data/text/moby-dick.txt`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// Fraction of the text (from its start) used for training; the rest is validation.
+    /// Default 0.9.
+    pub train_fraction: f64,
+    /// Number of fixed validation windows the `text` dataset is scored on. Default 240.
+    pub eval_windows: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            dataset: DatasetKind::Digits,
+            dir: None,
+            download: false,
+            drop_last: false,
+            path: None,
+            train_fraction: 0.9,
+            eval_windows: 240,
+        }
+    }
+}
+
+impl DataConfig {
+    /// The directory the IDX files are read from.
+    pub fn resolved_dir(&self) -> PathBuf {
+        self.dir.clone().unwrap_or_else(|| match self.dataset {
+            DatasetKind::Digits => PathBuf::from("data/digits"),
+            DatasetKind::Mnist => PathBuf::from("data/mnist"),
+            DatasetKind::FashionMnist => PathBuf::from("data/fashion-mnist"),
+            DatasetKind::Text => PathBuf::from("data/text"),
+        })
+    }
+
+    /// The text file of the `text` dataset.
+    pub fn resolved_path(&self) -> PathBuf {
+        self.path
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("data/text/moby-dick.txt"))
+    }
+}
+
+impl DataConfig {
+    /// Rejects values that parse but cannot work, naming the key.
+    pub fn check(&self) -> Result<()> {
+        let f = self.train_fraction;
+        if f.is_nan() || f <= 0.0 || f >= 1.0 {
+            return Err(Error::config(format!(
+                "key `data.train_fraction`: must be between 0 and 1, got {f}"
+            )));
+        }
+        if self.eval_windows == 0 {
+            return Err(Error::config(
+                "key `data.eval_windows`: must be at least 1, got 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Rejects a `[data]` that cannot work, or that does not fit `[model]` (a GPT trains on text,
+/// an image model on images).
+pub fn check(config: &Config) -> Result<()> {
+    config.data.check()?;
+    let text_model = config.model.kind == ModelKind::Gpt;
+    let text_data = config.data.dataset == DatasetKind::Text;
+    if text_model != text_data {
+        return Err(Error::config(format!(
+            "key `data.dataset`: {:?} does not fit model.kind = {:?} (gpt trains on \"text\", \
+             image models on image datasets)",
+            name_of(&config.data.dataset),
+            name_of(&config.model.kind)
+        )));
+    }
+    Ok(())
+}
+
+/// Reads a config file of the built-in workloads (none: every default), applies `--set`
+/// overrides and checks the result as `train` does.
+pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
+    let (table, origin) = crate::config::read_table(path, overrides)?;
+    let config = Config::from_table(table, &origin)?;
+    check(&config).map_err(|e| crate::config::with_origin(e, &origin))?;
+    Ok(config)
+}
+
+/// Trains the workload `config` describes: an image classifier or a GPT on text.
+pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
+    match config.model.kind {
+        ModelKind::Gpt => text::train(config, options),
+        ModelKind::Convnet | ModelKind::Mlp => image::train(config, options),
+    }
+}
+
+/// A built-in workload's run: its model spec (`model.toml`) beside the workload's own files.
+fn launch<W>(
+    config: &Config,
+    options: &RunOptions,
+    workload: &W,
+    spec: &ModelSpec,
+    rows: Vec<(&str, String)>,
+    save_extra: impl FnOnce(&Path) -> Result<()>,
+) -> Result<RunResult>
+where
+    W: Workload,
+    W::Model: burn::store::ModuleSnapshot,
+{
+    let info = RunInfo {
+        model: name_of(&config.model.kind),
+        rows: rows.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        sections: config.sections(),
+        drop_last: config.data.drop_last,
+    };
+    train_workload(&config.kiln, options, workload, info, |dir| {
+        write_atomic(
+            &dir.join(SPEC_FILE),
+            toml::to_string_pretty(spec)
+                .expect("spec serialises")
+                .as_bytes(),
+        )?;
+        save_extra(dir)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_set(overrides: &[&str]) -> Result<Config> {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        load(None, &o)
+    }
+
+    #[test]
+    fn overrides_reach_the_builtin_sections() {
+        let c = load_set(&["data.dir=/some/path", "model.mlp.hidden=[64]"]).unwrap();
+        assert_eq!(c.data.dir.as_deref(), Some(Path::new("/some/path")));
+        assert_eq!(c.model.mlp.hidden, vec![64]);
+    }
+
+    #[test]
+    fn builtin_sections_refuse_what_cannot_work() {
+        for (o, key) in [
+            ("data.train_fraction=1", "data.train_fraction"),
+            ("data.eval_windows=0", "data.eval_windows"),
+            ("data.dataset=\"text\"", "data.dataset"),
+            ("model.kid=1", "model.kid"),
+        ] {
+            let e = load_set(&[o]).unwrap_err().to_string();
+            assert!(e.contains(key), "{o}: {e}");
+        }
+    }
+}

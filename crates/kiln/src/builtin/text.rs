@@ -1,0 +1,255 @@
+//! Character-level language modelling: a GPT on random windows of a text, and `train sample`.
+
+use std::ops::Range;
+use std::path::PathBuf;
+
+use burn::prelude::*;
+use kiln_datasets::text::TextData;
+use kiln_models::{Gpt, GptConfig, ModelSpec, TokenBatch};
+
+use super::{Config, launch};
+use crate::error::{Error, Result};
+use crate::run::{RunOptions, RunResult};
+use crate::trainer::Workload;
+
+/// Trains the GPT `config` describes on its text.
+pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
+    let path = config.data.resolved_path();
+    if config.data.download && crate::comm::processes().local_index == 0 && !path.exists() {
+        println!("downloading Tiny Shakespeare into {}", path.display());
+        kiln_datasets::text::download_text(kiln_datasets::text::TINY_SHAKESPEARE_URL, &path)?;
+    }
+    if config.data.download {
+        crate::comm::process_barrier();
+    }
+    if !path.is_file() {
+        return Err(Error::data(format!(
+            "{}: text file does not exist (run `cargo xtask fetch-data text`, set data.path, or \
+             set data.download = true for Tiny Shakespeare)",
+            path.display()
+        )));
+    }
+    let data = TextData::from_file(&path, config.data.train_fraction)?;
+    let mut gpt = config.model.gpt.clone();
+    let vocab = data.tokenizer.vocab_size();
+    if gpt.vocab_size == 0 {
+        gpt.vocab_size = vocab;
+    } else if gpt.vocab_size < vocab {
+        return Err(Error::config(format!(
+            "key `model.gpt.vocab_size`: {} is smaller than the {vocab} characters of {}",
+            gpt.vocab_size,
+            path.display()
+        )));
+    }
+    let block = gpt.block_size;
+    for (part, len) in [
+        ("training", data.train.len()),
+        ("validation", data.val.len()),
+    ] {
+        if len <= block + 1 {
+            return Err(Error::data(format!(
+                "{}: the {part} part holds {len} characters, fewer than one window of \
+                 model.gpt.block_size + 1 = {}",
+                path.display(),
+                block + 1
+            )));
+        }
+    }
+    let mut model = config.model.clone();
+    model.gpt = gpt.clone();
+    let spec = ModelSpec { model, input: None };
+    spec.validate().map_err(Error::config)?;
+    let rows = vec![
+        (
+            "data",
+            format!(
+                "{}: {} train / {} val characters, vocabulary {vocab}",
+                data.name,
+                data.train.len(),
+                data.val.len()
+            ),
+        ),
+        (
+            "model flops",
+            format!("{:.3e} per token (6N + 12LHQT)", gpt.flops_per_token()),
+        ),
+    ];
+    let eval = kiln_datasets::text::eval_starts(
+        data.val.len(),
+        block,
+        EVAL_SEED,
+        config.data.eval_windows,
+    );
+    let tokenizer = data.tokenizer.clone();
+    let workload = TextWorkload {
+        data,
+        config: gpt,
+        seed: config.kiln.run.seed,
+        eval,
+    };
+    launch(config, options, &workload, &spec, rows, |dir| {
+        Ok(tokenizer.save(&dir.join(TOKENIZER_FILE))?)
+    })
+}
+
+/// Seed of the fixed validation windows: the same for every run seed, so that runs are
+/// scored on the same text.
+const EVAL_SEED: u64 = 0x0e7a_1000;
+
+/// File of the tokenizer inside a text run's directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Character-level language modelling: a [`Gpt`] on random windows of a text.
+pub struct TextWorkload {
+    /// The tokenised text.
+    pub data: TextData,
+    /// The model (vocabulary size resolved).
+    pub config: GptConfig,
+    /// Seed of the window sampling.
+    pub seed: u64,
+    /// Start offsets of the fixed validation windows.
+    pub eval: Vec<usize>,
+}
+
+impl TextWorkload {
+    fn windows(&self, tokens: &[u32], starts: &[usize], device: &Device) -> TokenBatch {
+        let t = self.config.block_size;
+        let mut inputs = Vec::with_capacity(starts.len() * t);
+        let mut targets = Vec::with_capacity(starts.len() * t);
+        for &s in starts {
+            inputs.extend(tokens[s..s + t].iter().map(|&x| i64::from(x)));
+            targets.extend(tokens[s + 1..s + t + 1].iter().map(|&x| i64::from(x)));
+        }
+        let n = starts.len();
+        TokenBatch {
+            inputs: Tensor::from_data(TensorData::new(inputs, [n, t]), device),
+            targets: Tensor::from_data(TensorData::new(targets, [n, t]), device),
+        }
+    }
+}
+
+impl Workload for TextWorkload {
+    type Model = Gpt;
+    type Batch = TokenBatch;
+
+    fn init_model(&self, device: &Device) -> Gpt {
+        self.config.init(device)
+    }
+
+    /// One "epoch" is as many windows as the training text has blocks.
+    fn train_len(&self) -> usize {
+        (self.data.train.len() / self.config.block_size).max(1)
+    }
+
+    fn train_batch(&self, starts: &[usize], device: &Device) -> TokenBatch {
+        self.windows(&self.data.train, starts, device)
+    }
+
+    fn eval_len(&self) -> usize {
+        self.eval.len()
+    }
+
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> TokenBatch {
+        self.windows(&self.data.val, &self.eval[range], device)
+    }
+
+    /// Token ids are integers: nothing to cast.
+    fn cast_batch(&self, batch: TokenBatch, _dtype: burn::tensor::FloatDType) -> TokenBatch {
+        batch
+    }
+
+    fn sample(
+        &self,
+        micro_step: usize,
+        rank: usize,
+        world: usize,
+        batch: usize,
+    ) -> Option<Vec<usize>> {
+        let all = kiln_datasets::text::window_starts(
+            self.data.train.len(),
+            self.config.block_size,
+            self.seed,
+            micro_step as u64,
+            world * batch,
+        );
+        Some(all[rank * batch..(rank + 1) * batch].to_vec())
+    }
+
+    fn tokens_per_sample(&self) -> Option<usize> {
+        Some(self.config.block_size)
+    }
+
+    fn flops_per_sample(&self) -> Option<f64> {
+        Some(self.config.flops_per_token() * self.config.block_size as f64)
+    }
+}
+
+/// `train sample`: continue a prompt with a trained GPT.
+#[derive(Debug, clap::Args)]
+pub struct SampleArgs {
+    /// The run directory of a GPT run.
+    #[arg(long, value_name = "PATH")]
+    pub run: PathBuf,
+    /// Text to continue (every character must be in the run's vocabulary).
+    #[arg(long, default_value = "\n")]
+    pub prompt: String,
+    /// Number of characters to generate.
+    #[arg(long, default_value_t = 500)]
+    pub tokens: usize,
+    /// Softmax temperature; 0 picks the most likely character.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample only among the K most likely characters.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Seed of the sampling.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// `train sample`: prints the continuation of a prompt by a trained GPT run.
+pub fn sample(args: SampleArgs) -> Result<()> {
+    println!("{}", generate(&args)?);
+    Ok(())
+}
+
+/// Generates text from a trained GPT run; returns prompt + continuation.
+pub fn generate(args: &SampleArgs) -> Result<String> {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        return Err(Error::config(format!(
+            "--temperature {}: expected a number >= 0",
+            args.temperature
+        )));
+    }
+    if args.top_k == Some(0) {
+        return Err(Error::config("--top-k 0: expected at least 1".to_string()));
+    }
+    let tokenizer_path = args.run.join(TOKENIZER_FILE);
+    if !tokenizer_path.is_file() {
+        return Err(Error::checkpoint(format!(
+            "{}: not found; is {} a GPT run directory?",
+            tokenizer_path.display(),
+            args.run.display()
+        )));
+    }
+    let tokenizer = kiln_datasets::text::CharTokenizer::load(&tokenizer_path)?;
+    let device = burn::prelude::Device::flex();
+    let (model, config) = kiln_models::load_gpt_run(&args.run, &device)
+        .map_err(|e| Error::checkpoint(e.to_string()))?;
+    let prompt = tokenizer
+        .encode(&args.prompt)
+        .map_err(|e| Error::config(format!("--prompt: {e}")))?;
+    if prompt.is_empty() {
+        return Err(Error::config("--prompt: must not be empty".to_string()));
+    }
+    let mut rng = kiln_datasets::rng::SplitMix64::new(args.seed);
+    let ids = model.generate(
+        &prompt,
+        args.tokens,
+        args.temperature,
+        args.top_k,
+        config.block_size,
+        || rng.next_f64(),
+    );
+    Ok(tokenizer.decode(&ids))
+}
