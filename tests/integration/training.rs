@@ -229,3 +229,26 @@ fn trained_model_loads_for_inference_from_run_dir_and_safetensors() {
         .to_string();
     assert!(e.contains("bad.safetensors"), "{e}");
 }
+
+#[test]
+fn a_strategy_refuses_the_launch_before_anything_is_written() {
+    // The library path (no command line): the strategy's rules see this launch's ranks.
+    let dir = temp_dir("refused-launch");
+    for (overrides, key) in [
+        (
+            &["hardware.devices=2", "strategy.name=\"single\""][..],
+            "strategy.name",
+        ),
+        (
+            &["strategy.name=\"zero3\"", "ddp.sync_batchnorm=true"][..],
+            "ddp.sync_batchnorm",
+        ),
+    ] {
+        let run = dir.join(key);
+        let config = small_config(&run, overrides);
+        let e = train(&config, &RunOptions::default()).unwrap_err();
+        assert!(matches!(e, kiln::Error::Config(_)), "{e}");
+        assert!(e.to_string().contains(key), "{e}");
+        assert!(!run.exists(), "{} was written", run.display());
+    }
+}

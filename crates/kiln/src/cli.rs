@@ -175,31 +175,27 @@ impl Flags {
             run_dir = Some(dir);
             options.resume_from = Some(checkpoint);
         }
-        let mut table: toml::Table = match &config_path {
-            Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .map_err(|e| Error::config(format!("{}: cannot read: {e}", p.display())))?;
-                toml::from_str(&text).map_err(|e| {
+        let (mut table, origin) = match &config_path {
+            Some(p) => crate::config::read_table(Some(p), &[])?,
+            None => {
+                let table = toml::from_str(recipe).map_err(|e| {
                     Error::config(format!(
-                        "{}: invalid TOML: {}",
-                        p.display(),
+                        "{recipe_name}: invalid TOML: {}",
                         crate::config::one_line(&e)
                     ))
-                })?
+                })?;
+                (table, recipe_name.to_string())
             }
-            None => toml::from_str(recipe).map_err(|e| {
-                Error::config(format!(
-                    "{recipe_name}: invalid TOML: {}",
-                    crate::config::one_line(&e)
-                ))
-            })?,
         };
-        let origin = config_path
-            .as_ref()
-            .map_or(recipe_name.to_string(), |p| p.display().to_string());
+        self.apply(&mut table, run_dir.as_deref())?;
+        Ok((table, origin, options))
+    }
 
+    /// Writes every flag that was given, then every `--set`, into `table`; `run_dir` is the
+    /// run's directory (`--run-dir`, or the run being resumed).
+    fn apply(&self, table: &mut toml::Table, run_dir: Option<&std::path::Path>) -> Result<()> {
         let mut set = |key: &str, value: toml::Value| {
-            let mut node = &mut table;
+            let mut node = &mut *table;
             let parts: Vec<&str> = key.split('.').collect();
             for part in &parts[..parts.len() - 1] {
                 node = node
@@ -249,13 +245,13 @@ impl Flags {
         if let Some(name) = &self.name {
             set("run.name", toml::Value::String(name.clone()));
         }
-        if let Some(dir) = &run_dir {
+        if let Some(dir) = run_dir {
             set("run.dir", toml::Value::String(dir.display().to_string()));
         }
         for o in &self.set {
-            apply_override(&mut table, o)?;
+            apply_override(table, o)?;
         }
-        Ok((table, origin, options))
+        Ok(())
     }
 }
 

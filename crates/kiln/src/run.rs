@@ -256,6 +256,8 @@ fn memory_line(s: &TrainerSettings, setup: &Setup, model: &ModelFacts) -> String
     )
 }
 
+/// Prints the start-up table: where the run goes, what it runs on, how the strategy and the
+/// precision split the work, the batch, the learning rates, the model and the data.
 fn print_table<W: Workload>(
     config: &RootConfig,
     w: &W,
@@ -263,71 +265,68 @@ fn print_table<W: Workload>(
     run_dir: &Path,
     info: &RunInfo,
 ) {
-    let world = s.world();
-    let t = &s.train;
+    let (world, t, setup) = (s.world(), &s.train, s.setup());
     let (replicas, micros) = (s.data_world(), s.micro_batches());
-    let per_step = t.batch_size * replicas * micros;
-    let spe = crate::data::DistributedSampler::new(
+    let sampler = crate::data::DistributedSampler::new(
         w.train_len(),
         s.seed,
         replicas,
         t.batch_size,
         micros,
         s.drop_last,
-    )
-    .steps_per_epoch();
-    let total = total_steps(t, spe);
+    );
+    let spe = sampler.steps_per_epoch();
     let probe = kiln_models::with_rng(|| w.init_model(&Device::flex().autodiff()));
-    let params = probe.num_params();
-    let setup = s.setup();
     let facts = ModelFacts::of::<W::Batch, _>(&probe);
-    let memory = memory_line(s, &setup, &facts);
-    let local_devices = config.hardware.devices.indices().len();
+    let devices = config.hardware.devices.indices();
+    let processes = s.parallel.processes.count;
     let mut rows = vec![
-        ("run", run_dir.display().to_string()),
-        ("accelerator", s.parallel.accelerator.clone()),
+        ("run".to_string(), run_dir.display().to_string()),
+        ("accelerator".into(), s.parallel.accelerator.clone()),
         (
-            "devices",
-            if s.parallel.processes.count > 1 {
+            "devices".into(),
+            if processes > 1 {
                 format!(
-                    "{} processes × {} devices {:?} = {world} ranks",
-                    s.parallel.processes.count,
-                    s.parallel.devices.len(),
-                    config.hardware.devices.indices()
+                    "{processes} processes × {} devices {devices:?} = {world} ranks",
+                    devices.len(),
                 )
             } else {
-                format!("{world} {:?}", config.hardware.devices.indices())
+                format!("{world} {devices:?}")
             },
         ),
-        ("strategy", setup.describe()),
-        ("world size", world.to_string()),
-        ("memory", memory),
+        ("strategy".into(), setup.describe()),
+        ("world size".into(), world.to_string()),
+        ("memory".into(), memory_line(s, &setup, &facts)),
         (
-            "precision",
+            "precision".into(),
             format!(
                 "{}; {}",
-                setup.policy.describe(local_devices > 1),
+                setup.policy.describe(devices.len() > 1),
                 setup.recompute_line()
             ),
         ),
         (
-            "batch",
-            if setup.stages() > 1 || setup.flush() > 1 {
-                format!(
-                    "{} per micro-batch × {} micro-batches × {replicas} pipelines × {} \
-                     accumulation = {per_step} per step",
-                    t.batch_size,
-                    setup.flush(),
-                    t.accumulate
-                )
-            } else {
-                format!(
-                    "{} per device × {world} devices × {} accumulation = {per_step} per step",
-                    t.batch_size, t.accumulate
-                )
-            },
+            "batch".into(),
+            setup.batch_line(t.batch_size, t.accumulate, sampler.samples_per_step()),
         ),
     ];
+    rows.extend(lr_rows(s, &facts.groups));
+    rows.push((
+        "model".into(),
+        format!("{}, {} parameters", info.model, probe.num_params()),
+    ));
+    rows.extend(info.rows.iter().cloned());
+    let total = total_steps(t, spe);
+    rows.push(("steps".into(), format!("{spe} per epoch, {total} in all")));
+    println!("kiln");
+    for (k, v) in rows {
+        println!("  {k:<12} {v}");
+    }
+}
+
+/// The start-up table's learning-rate rows: one, or one per parameter group of `groups`.
+fn lr_rows(s: &TrainerSettings, groups: &[String]) -> Vec<(String, String)> {
+    let (replicas, micros) = (s.data_world(), s.micro_batches());
     let lr_line = |optim: &crate::config::OptimConfig, schedule: &crate::config::ScheduleConfig| {
         format!(
             "{:.3e} ({} scaling of {:.3e}), {} schedule",
@@ -337,29 +336,18 @@ fn print_table<W: Workload>(
             name_of(&schedule.kind)
         )
     };
-    let groups = kiln_models::TrainStep::<W::Batch>::param_groups(&probe);
-    let mut lr_rows = Vec::new();
     if groups.is_empty() {
-        lr_rows.push(("lr".to_string(), lr_line(&s.optim, &s.schedule)));
-    } else {
-        for g in &groups {
-            let optim = s.group_optim(&g.name);
-            lr_rows.push((
-                format!("lr {}", g.name),
-                format!(
-                    "{} {}",
-                    name_of(&optim.name),
-                    lr_line(optim, s.group_schedule(&g.name))
-                ),
-            ));
-        }
+        return vec![("lr".to_string(), lr_line(&s.optim, &s.schedule))];
     }
-    rows.extend(lr_rows.iter().map(|(k, v)| (k.as_str(), v.clone())));
-    rows.push(("model", format!("{}, {params} parameters", info.model)));
-    rows.extend(info.rows.iter().map(|(k, v)| (k.as_str(), v.clone())));
-    rows.push(("steps", format!("{spe} per epoch, {total} in all")));
-    println!("kiln");
-    for (k, v) in rows {
-        println!("  {k:<12} {v}");
-    }
+    groups
+        .iter()
+        .map(|g| {
+            let optim = s.group_optim(g);
+            let line = lr_line(optim, s.group_schedule(g));
+            (
+                format!("lr {g}"),
+                format!("{} {line}", name_of(&optim.name)),
+            )
+        })
+        .collect()
 }

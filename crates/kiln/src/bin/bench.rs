@@ -32,10 +32,10 @@ use burn::train::{
     SupervisedTraining, TrainOutput, TrainStep,
 };
 use kiln::RootConfig;
+use kiln::builtin::image::ImageWorkload;
 use kiln::config::{OptimConfig, SinkKind, TrainConfig};
 use kiln::data::{ImageBatcher, input_spec};
 use kiln::optim::build_optimizer;
-use kiln::run::ImageWorkload;
 use kiln::trainer::{TrainerSettings, fit};
 use kiln_datasets::{ImageDataset, ImageSplits};
 use kiln_models::{Classifier, ImageBatch, ModelKind, ModelSection, ModelSpec};

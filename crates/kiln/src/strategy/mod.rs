@@ -257,6 +257,12 @@ impl Setup {
         self.rules().recompute_line(self)
     }
 
+    /// The start-up table's words for how `per_step` samples make one step: `batch` per
+    /// micro-batch, `accumulate` accumulation steps.
+    pub fn batch_line(&self, batch: usize, accumulate: usize, per_step: usize) -> String {
+        self.rules().batch_line(self, batch, accumulate, per_step)
+    }
+
     /// The expected peak bytes per rank for a model laid out as `layout` (any shard count),
     /// with `optim`'s state.
     pub fn estimate(&self, layout: &FlatLayout, optim: &OptimConfig) -> Result<Estimate> {
@@ -334,6 +340,20 @@ pub trait Rules: Sync {
             }
             m => format!("recompute {}", name_of(&m)),
         }
+    }
+    /// The start-up table's words for how `per_step` samples make one step: `batch` per
+    /// micro-batch, `accumulate` accumulation steps.
+    fn batch_line(
+        &self,
+        setup: &Setup,
+        batch: usize,
+        accumulate: usize,
+        per_step: usize,
+    ) -> String {
+        format!(
+            "{batch} per device × {} devices × {accumulate} accumulation = {per_step} per step",
+            setup.world
+        )
     }
     /// The bytes per rank the strategy is expected to hold at its peaks, as DeepSpeed's
     /// estimator gives them: computed from the layout (any shard count), before training.

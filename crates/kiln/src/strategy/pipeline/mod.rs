@@ -87,6 +87,22 @@ impl Rules for Pipeline {
         )
     }
 
+    fn batch_line(
+        &self,
+        setup: &Setup,
+        batch: usize,
+        accumulate: usize,
+        per_step: usize,
+    ) -> String {
+        let p = &setup.pipeline;
+        format!(
+            "{batch} per micro-batch × {} micro-batches × {} pipelines × {accumulate} \
+             accumulation = {per_step} per step",
+            p.microbatches,
+            setup.world / p.stages
+        )
+    }
+
     /// The heaviest stage's figures.
     fn estimate(
         &self,
