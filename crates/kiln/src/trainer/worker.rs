@@ -66,6 +66,9 @@ pub(super) fn run_all<W: Workload>(
                     groups: start.groups.clone(),
                     sampler: sampler.clone(),
                     schedules: schedules.clone(),
+                    micros: settings.micro_batches(),
+                    data_rank: settings.data_rank(rank),
+                    data_world: settings.data_world(),
                     total,
                     comm,
                     local,
@@ -133,6 +136,11 @@ pub(super) struct Worker<'a, W: Workload> {
     groups: Vec<String>,
     sampler: DistributedSampler,
     schedules: Vec<Schedule>,
+    /// Micro-batches per optimizer step.
+    micros: usize,
+    /// This rank's data-parallel rank, and how many there are.
+    data_rank: usize,
+    data_world: usize,
     total: usize,
     pub comm: Box<dyn Collective + 'a>,
     /// This rank's index among the ranks of its process (its device's index).
@@ -257,7 +265,7 @@ impl<W: Workload> Worker<'_, W> {
         }
         let lrs: Vec<f64> = self.schedules.iter().map(|s| s.lr(state.step)).collect();
         state.lr = lrs[0];
-        let micros = self.settings.micro_batches();
+        let micros = self.micros;
         let objective = objective(micros, state.scaler.as_ref().map(|s| s.scale as f32));
         for (phase, &lr) in lrs.iter().enumerate() {
             let t0 = Instant::now();
@@ -310,12 +318,12 @@ impl<W: Workload> Worker<'_, W> {
     /// The training batch of micro-batch `micro` of the step `state` is at, on this rank's
     /// device, in the compute dtype.
     fn batch(&self, state: &LoopState, order: &[usize], micro: usize) -> W::Batch {
-        let s = self.settings;
-        let (data_rank, data_world) = (s.data_rank(self.rank()), s.data_world());
-        let micro_step = state.step * s.micro_batches() + micro;
+        let (data_rank, data_world) = (self.data_rank, self.data_world);
+        let micro_step = state.step * self.micros + micro;
+        let batch_size = self.settings.train.batch_size;
         let indices = self
             .workload
-            .sample(micro_step, data_rank, data_world, s.train.batch_size)
+            .sample(micro_step, data_rank, data_world, batch_size)
             .unwrap_or_else(|| {
                 self.sampler
                     .indices(order, state.step_in_epoch, micro, data_rank)
