@@ -1,7 +1,7 @@
 //! The optimizer every strategy steps: Burn's per-tensor AdamW or SGD applied to one flat shard.
 //!
 //! A rank's optimizer sees one 1-D tensor of parameters (its shard of the
-//! [`FlatLayout`](crate::params::FlatLayout), the whole space for `single` and `ddp`) and the
+//! [`FlatLayout`], the whole space for `single` and `ddp`) and the
 //! matching 1-D gradient, and keeps the state of that shard only. The update is Burn's own
 //! [`AdamW`] / [`Sgd`] math ([`burn::optim::Optimizer::step`]), which is element-wise, so
 //! stepping a flat shard gives every element the value stepping its tensor would. Weight decay

@@ -2,7 +2,7 @@
 //! (`single`) or replicated (`ddp`).
 //!
 //! Each parameter group of [`TrainStep::param_groups`](kiln_models::TrainStep::param_groups)
-//! has a [`Core`] of its own: a [`FlatLayout`](crate::params::FlatLayout) over its parameters
+//! has a `Core` of its own: a [`FlatLayout`] over its parameters
 //! only, its optimizer and its optimizer state. The loop selects a group, runs its micro-steps
 //! (gradients accumulated locally, then averaged over ranks once, after the last: the
 //! `toggle_model(sync_grad=…)` pattern) and steps it. Gradients the group's loss gives other

@@ -1,12 +1,12 @@
 //! The training loop every strategy shares, and the launcher that starts it.
 //!
 //! [`fit`] is the launcher: it checks the settings and the model against the strategy's rules,
-//! reads a checkpoint to resume from ([`start`]), creates the group of ranks (one thread per
+//! reads a checkpoint to resume from (`start.rs`), creates the group of ranks (one thread per
 //! device, joined through a [`Collective`](crate::comm::Collective)) and starts one worker per
-//! rank. The loop itself ([`worker`]) is a step ([`Worker::train_step`](worker)) and the
-//! components that decide when they are due and act on the loop's [`LoopState`]: logging
-//! ([`log`]), validation ([`validate`]), checkpoints and snapshots ([`checkpointer`]), and the
-//! agreement on a stop signal. It talks to the collective and to a
+//! rank. The loop itself (`worker.rs`) is a step (`train_step`) and the components that decide
+//! when they are due and act on the loop's [`LoopState`](crate::checkpoint::LoopState):
+//! logging (`log.rs`), validation (`validate.rs`), checkpoints and snapshots
+//! (`checkpointer.rs`), and the agreement on a stop signal. It talks to the collective and to a
 //! [`Strategy`](crate::strategy::Strategy) through their traits only. Only rank 0 writes files.
 
 mod checkpointer;
