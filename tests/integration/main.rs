@@ -4,6 +4,7 @@ mod cli;
 mod common;
 mod custom;
 mod ddp;
+mod dist;
 mod fuzz;
 mod generative;
 mod gpt;

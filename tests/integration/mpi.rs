@@ -25,7 +25,18 @@ fn mpirun(np: usize, cwd: &Path, args: &[String]) -> Output {
 }
 
 fn mpirun_command(np: usize, cwd: &Path, args: &[String], env: &[(&str, &str)]) -> Command {
-    let mut c = Command::new("mpirun");
+    launch_command("mpirun", np, cwd, args, env)
+}
+
+/// `launcher` (mpirun, or a script taking mpirun's arguments) running `np` trains.
+fn launch_command(
+    launcher: &str,
+    np: usize,
+    cwd: &Path,
+    args: &[String],
+    env: &[(&str, &str)],
+) -> Command {
+    let mut c = Command::new(launcher);
     c.args([
         "--allow-run-as-root",
         "--oversubscribe",
@@ -380,5 +391,152 @@ fn a_killed_process_ends_the_job() {
     println!("ended {took:?} after the kill");
     assert!(!out.status.success());
     assert!(text.contains("rank 1"), "{text}");
+    assert_checkpoints_whole(&run);
+}
+
+/// Whether any process of `mpirun` training into `run` is alive.
+fn any_rank_alive(run: &Path) -> bool {
+    (0..2).any(|r| rank_pid(run, r).is_some())
+}
+
+#[test]
+fn a_hung_rank_ends_every_process_within_the_deadline() {
+    let dir = temp_dir("mpi-hang");
+    let text = text_file(&dir);
+    let run = dir.join("run");
+    let a = with(
+        args(
+            Model::Gpt,
+            &text,
+            &run,
+            &[
+                "train.max_steps=100000",
+                "train.checkpoint_every=2",
+                "dist.timeout_s=5",
+            ],
+        ),
+        &["--devices", "1"],
+    );
+    let child = mpirun_command(2, &dir, &a, &[(kiln::trainer::FAULT_VAR, "1:4:hang")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (out, took) = finish_within(child, Duration::from_secs(5 + 15 + 20));
+    let text = String::from_utf8_lossy(&out.stderr);
+    println!("ended after {took:?}: {text}");
+    assert!(!out.status.success());
+    assert!(!any_rank_alive(&run), "a rank outlived the job");
+    // Ranks start at the same time; the hang is at step 4 of a tiny model, and the job ends
+    // within the deadline and 15 s of it.
+    assert!(took < Duration::from_secs(5 + 15 + 5), "took {took:?}");
+    let line = text
+        .lines()
+        .find(|l| l.contains("did not arrive"))
+        .unwrap_or_else(|| panic!("no line names the absent rank: {text}"));
+    assert!(line.contains("rank 1 ("), "{line}");
+    assert!(line.contains("all_reduce #"), "{line}");
+    for rank in 0..2 {
+        assert!(
+            run.join("flight")
+                .join(format!("rank-{rank}.jsonl"))
+                .exists(),
+            "rank {rank} wrote no flight record"
+        );
+    }
+    let report = train_bin(&dir, &["flight", run.to_str().unwrap()]);
+    let report = String::from_utf8_lossy(&report.stdout);
+    assert!(report.contains("behind: rank 1"), "{report}");
+    assert_checkpoints_whole(&run);
+}
+
+/// Starts a long GPT job of two processes (through `launcher`) and waits until it has logged
+/// a few steps.
+fn long_job(dir: &Path, run: &Path, launcher: &str) -> std::process::Child {
+    let text = text_file(dir);
+    let a = with(
+        args(
+            Model::Gpt,
+            &text,
+            run,
+            &[
+                "train.max_steps=100000",
+                "train.checkpoint_every=1000",
+                "train.val_every=3",
+            ],
+        ),
+        &["--devices", "1"],
+    );
+    let child = launch_command(launcher, 2, dir, &a, &[])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while std::fs::read_to_string(run.join("metrics.jsonl"))
+        .map(|m| m.lines().count())
+        .unwrap_or(0)
+        < 6
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the job never got going"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child
+}
+
+#[test]
+fn the_console_shows_steps_under_mpirun_and_a_stop_signal_ends_the_job_with_code_3() {
+    let dir = temp_dir("mpi-signal");
+    let wrapper = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/kiln-mpirun");
+    // (launcher, signal sent to it): SIGUSR2, which mpirun forwards, and SIGTERM to the
+    // wrapper that turns it into SIGUSR2.
+    for (launcher, signal) in [("mpirun", "-USR2"), (wrapper, "-TERM")] {
+        let run = dir.join(format!("run{signal}"));
+        let child = long_job(&dir, &run, launcher);
+        let sent = Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let (out, took) = finish_within(child, Duration::from_secs(30));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        println!("{launcher} {signal}: ended {took:?} after the signal");
+        assert_eq!(
+            out.status.code(),
+            Some(kiln::signal::STOPPED_EXIT_CODE),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!any_rank_alive(&run), "a rank outlived the job");
+        // Plain per-step and validation lines reach mpirun's output.
+        assert!(stdout.contains("step      3 | epoch 0 loss"), "{stdout}");
+        assert!(stdout.lines().any(|l| l.contains(": val loss")), "{stdout}");
+        assert!(stdout.contains("stopped by SIGUSR2"), "{stdout}");
+        assert_checkpoints_whole(&run);
+    }
+}
+
+#[test]
+fn sigterm_to_mpirun_stops_every_rank_with_a_checkpoint_before_the_launcher_kills_them() {
+    let dir = temp_dir("mpi-sigterm");
+    let run = dir.join("run");
+    let child = long_job(&dir, &run, "mpirun");
+    let sent = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let (out, took) = finish_within(child, Duration::from_secs(30));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // OpenMPI 4's mpirun exits 1 after its own SIGTERM whatever the ranks' codes (its
+    // `clean_abort`); the ranks stopped at one step with a checkpoint and left first.
+    println!("ended {took:?} after SIGTERM with {:?}", out.status.code());
+    assert!(!out.status.success());
+    assert!(!any_rank_alive(&run), "a rank outlived the job");
+    println!("{stdout}");
+    // Periodic checkpoints are 1000 steps apart: this one is the stop's.
     assert_checkpoints_whole(&run);
 }

@@ -24,7 +24,7 @@ use clap::{CommandFactory, FromArgMatches};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::cli::{Flags, PlotArgs};
+use crate::cli::{Flags, FlightArgs, PlotArgs};
 use crate::config::{RootConfig, one_line, read_table, with_origin};
 use crate::error::{Error, Result};
 use crate::run::{RunInfo, RunOptions, RunResult, train_workload};
@@ -180,6 +180,8 @@ pub enum AppCommand {
     Devices,
     /// Draw a run's metrics as PNG charts (loss, named metrics, throughput, memory).
     Plot(PlotArgs),
+    /// Say where each rank was from a run's flight records, and which rank is behind.
+    Flight(FlightArgs),
 }
 
 /// A program's parsed command line.
@@ -269,7 +271,7 @@ impl<'a> App<'a> {
             command = command.subcommand(own.clone().display_order(i));
         }
         let first = self.commands.len();
-        for (i, name) in ["devices", "plot"].into_iter().enumerate() {
+        for (i, name) in ["devices", "plot", "flight"].into_iter().enumerate() {
             command = command.mut_subcommand(name, |c| c.display_order(first + i));
         }
         command
@@ -420,6 +422,7 @@ impl<'a> App<'a> {
         match &args.command {
             Some(AppCommand::Devices) => return crate::cli::print_devices(),
             Some(AppCommand::Plot(plot)) => return crate::cli::print_plot(plot),
+            Some(AppCommand::Flight(flight)) => return crate::cli::print_flight(flight),
             None => {}
         }
         crate::cli::run_training(|| {

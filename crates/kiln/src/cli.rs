@@ -2,6 +2,7 @@
 //! (kiln's own `train` among them): flags for the common knobs, `--set` for any config key,
 //! `devices`, `plot`, and how a run is started and reported.
 
+use std::io::Write;
 use std::path::PathBuf;
 
 use crate::config::{Accelerator, PrecisionMode, StrategyKind, apply_override};
@@ -79,6 +80,14 @@ pub struct PlotArgs {
     /// Height of each chart in pixels.
     #[arg(long, default_value_t = 600)]
     pub height: u32,
+}
+
+/// `train flight`: where each rank was, from a run's flight records.
+#[derive(Debug, clap::Args)]
+pub struct FlightArgs {
+    /// The run directory.
+    #[arg(value_name = "RUN_DIR")]
+    pub run: PathBuf,
 }
 
 /// Runs `train plot`: one line per chart, written or skipped.
@@ -340,6 +349,22 @@ pub(crate) fn print_plot(args: &PlotArgs) -> i32 {
     }
 }
 
+/// `flight`: prints where each rank was and which is behind; returns the exit code.
+pub(crate) fn print_flight(args: &FlightArgs) -> i32 {
+    match crate::flight::report(&args.run) {
+        Ok(lines) => {
+            for line in lines {
+                println!("{line}");
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
+}
+
 /// Starts the processes (MPI under a launcher) and the signal handlers, runs `train` (which
 /// returns `None` when it only printed the config) and reports how the run ended; returns the
 /// exit code: 0 done, 2 error, 3 stopped by a signal with a checkpoint.
@@ -354,11 +379,17 @@ pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) ->
     };
     crate::signal::install();
     let mut stopped = false;
+    let launched = _processes.is_some();
     let outcome = train().map(|result| {
         let Some(result) = result else {
             return;
         };
         stopped = result.summary.stopped_by.is_some();
+        if stopped && launched {
+            // A launcher taking the job down stops reading its output: the last lines must not
+            // keep the process from leaving (they are dropped if the pipe is full).
+            unblock_output();
+        }
         if crate::comm::processes().index != 0 {
             return;
         }
@@ -372,7 +403,8 @@ pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) ->
                         .map(|n| n.to_string_lossy().into_owned())
                 })
                 .unwrap_or_else(|| "train".to_string());
-            println!(
+            let _ = writeln!(
+                std::io::stdout(),
                 "stopped by {signal} after step {}: checkpoint written; continue with `{program} \
                  --resume {}`",
                 s.steps,
@@ -393,11 +425,35 @@ pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) ->
         );
     });
     match outcome {
+        Ok(()) if stopped && launched => {
+            // Every rank has stopped at one step and the checkpoint is written: leave now. A
+            // launcher that was itself signalled (mpirun on SIGTERM) is taking the job down,
+            // and MPI's finalize would wait for it until it kills the process.
+            let _ = std::io::stdout().flush();
+            let _ = std::io::stderr().flush();
+            // SAFETY: `_exit` ends the process at once, after the flushes above.
+            unsafe { libc::_exit(crate::signal::STOPPED_EXIT_CODE) }
+        }
         Ok(()) if stopped => crate::signal::STOPPED_EXIT_CODE,
         Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e}");
             2
+        }
+    }
+}
+
+/// Makes writes to stdout and stderr return at once when their pipe is full (the line is
+/// then lost) instead of waiting for a reader.
+fn unblock_output() {
+    for fd in [libc::STDOUT_FILENO, libc::STDERR_FILENO] {
+        // SAFETY: F_GETFL/F_SETFL on the process's own standard descriptors; a failure leaves
+        // the descriptor as it was.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+            }
         }
     }
 }

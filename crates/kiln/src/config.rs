@@ -31,6 +31,8 @@ pub struct RootConfig {
     pub pipeline: PipelineConfig,
     /// Data-parallel settings.
     pub ddp: DdpConfig,
+    /// Deadlines of collectives, the flight recorder, collective checks and stragglers.
+    pub dist: DistConfig,
     /// Monitoring: where metrics go.
     pub monitor: MonitorConfig,
     /// Numeric precision of replicas, master weights and gradient reduction.
@@ -241,6 +243,68 @@ impl Default for DdpConfig {
             bucket_mb: 25.0,
             sync_batchnorm: false,
         }
+    }
+}
+
+/// `[dist]`: how ranks that stop making progress are caught and named.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// Seconds a rank may wait in one collective or transfer before the run ends with a line
+    /// naming the ranks that did not arrive; 0 waits forever. Default 300.
+    pub timeout_s: f64,
+    /// The deadline of the collectives before a rank's first optimizer step is done (start-up,
+    /// the first step's compilation and autotuning). Default 900.
+    pub startup_timeout_s: f64,
+    /// Collectives each rank's flight recorder keeps (written to `flight/rank-K.jsonl` on a
+    /// deadline, a failure or SIGUSR1); 0 keeps none. Default 256.
+    pub flight_entries: usize,
+    /// Compare every collective's kind, group, sequence number, size and dtype across its ranks
+    /// before it runs; a mismatch ends the run with one line naming both. Costs one extra
+    /// collective per collective. Default false.
+    pub check_collectives: bool,
+    /// A rank whose compute time per step exceeds the median rank's by this fraction in three
+    /// logging windows in a row is named on the console (`metrics.jsonl` has `slowest_rank`
+    /// and `rank_skew` at every log line). Default 0.25.
+    pub straggler_margin: f64,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        Self {
+            timeout_s: 300.0,
+            startup_timeout_s: 900.0,
+            flight_entries: 256,
+            check_collectives: false,
+            straggler_margin: 0.25,
+        }
+    }
+}
+
+impl DistConfig {
+    /// Rejects deadlines and margins that cannot work.
+    pub fn check(&self) -> Result<()> {
+        for (key, v) in [
+            ("dist.timeout_s", self.timeout_s),
+            ("dist.startup_timeout_s", self.startup_timeout_s),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return bad(
+                    key,
+                    format!("must be a number of seconds >= 0 (0 waits forever), got {v}"),
+                );
+            }
+        }
+        if !(self.straggler_margin.is_finite() && self.straggler_margin > 0.0) {
+            return bad(
+                "dist.straggler_margin",
+                format!(
+                    "must be a positive fraction (0.25: 25 % slower than the median), got {}",
+                    self.straggler_margin
+                ),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -602,6 +666,7 @@ impl RootConfig {
             check_optim(&format!("groups.{name}."), &group.optim, &group.schedule)?;
         }
         self.ddp.check()?;
+        self.dist.check()?;
         self.precision.check()?;
         if self.ddp.sync_batchnorm && self.recompute.mode == RecomputeMode::Blocks {
             return bad(

@@ -25,6 +25,7 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod exec;
+pub mod flight;
 pub mod metrics;
 pub mod monitor;
 pub mod optim;

@@ -4,7 +4,7 @@
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
@@ -204,25 +204,84 @@ pub struct Summary {
 /// for the devices; otherwise plain log lines carrying the same.
 pub struct Progress {
     bar: Option<ProgressBar>,
+    /// Under a launcher, the thread that prints the plain lines.
+    printer: Option<Printer>,
     total: usize,
     start: usize,
     started: std::time::Instant,
 }
 
+/// A thread that prints lines for the training loop, so that a reader who stops reading (a
+/// launcher taking the job down stops forwarding output) never blocks a step on a full pipe:
+/// lines it cannot take are dropped.
+struct Printer {
+    lines: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<String>>>,
+    done: std::sync::mpsc::Receiver<()>,
+}
+
+impl Printer {
+    fn start() -> Self {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<String>(4096);
+        let (done_tx, done) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("kiln-console".into())
+            .spawn(move || {
+                let mut out = std::io::stdout();
+                for line in rx {
+                    let _ = writeln!(out, "{line}");
+                    let _ = out.flush();
+                }
+                let _ = done_tx.send(());
+            })
+            .expect("spawn the console thread");
+        Self {
+            lines: std::sync::Mutex::new(Some(tx)),
+            done,
+        }
+    }
+
+    fn print(&self, line: String) {
+        let lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = lines.as_ref() {
+            let _ = tx.try_send(line);
+        }
+    }
+
+    /// Lets the queued lines out, waiting for them at most `wait`.
+    fn finish(&self, wait: std::time::Duration) {
+        self.lines.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let _ = self.done.recv_timeout(wait);
+    }
+}
+
 impl Progress {
     /// A display for `total` steps starting at `start`.
     pub fn new(total: usize, start: usize) -> Self {
-        let bar = std::io::stdout().is_terminal().then(|| {
-            let bar = ProgressBar::new(total as u64);
+        // The bar is drawn where the plain lines would go, and only when that is a terminal. A
+        // launcher of several processes (mpirun) gives each a terminal whatever its own output
+        // is, and forwards it as lines: plain lines there.
+        let launched = crate::comm::Processes::from_env().count > 1;
+        let bar = (std::io::stdout().is_terminal() && !launched).then(|| {
+            let bar =
+                ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::stdout());
             bar.set_style(bar_style().expect("the bar template is checked by a test"));
             bar.set_position(start as u64);
             bar
         });
         Self {
             bar,
+            printer: launched.then(Printer::start),
             total,
             start,
             started: std::time::Instant::now(),
+        }
+    }
+
+    /// Prints a plain line (through the printer under a launcher).
+    fn line(&self, line: String) {
+        match &self.printer {
+            Some(p) => p.print(line),
+            None => println!("{line}"),
         }
     }
 
@@ -244,7 +303,7 @@ impl Progress {
                     self.total.saturating_sub(step),
                 );
                 let devices = devices.map_or(String::new(), |d| format!(" | {d}"));
-                println!("step {step:>6} | {message} | eta {eta}{devices}");
+                self.line(format!("step {step:>6} | {message} | eta {eta}{devices}"));
             }
         }
     }
@@ -253,14 +312,23 @@ impl Progress {
     pub fn println(&self, line: &str) {
         match &self.bar {
             Some(bar) => bar.println(line),
-            None => println!("{line}"),
+            None => self.line(line.to_string()),
         }
     }
 
-    /// Removes the bar.
+    /// Removes the bar, or lets the printer's last lines out: waiting at most 2 s for a
+    /// reader, or 0.2 s after a stop signal (a launcher taking the job down may have stopped
+    /// reading).
     pub fn finish(&self) {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
+        }
+        if let Some(p) = &self.printer {
+            let wait = match crate::signal::requested() {
+                Some(_) => std::time::Duration::from_millis(200),
+                None => std::time::Duration::from_secs(2),
+            };
+            p.finish(wait);
         }
     }
 }

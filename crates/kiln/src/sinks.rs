@@ -37,6 +37,8 @@ pub const CSV_COLUMNS: &[&str] = &[
     "pct_compute",
     "pct_sync",
     "pct_optim",
+    "slowest_rank",
+    "rank_skew",
 ];
 
 /// Writes one CSV row per metrics record, under a fixed header.

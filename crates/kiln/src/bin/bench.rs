@@ -6,6 +6,8 @@
 //!
 //! - kiln `single`, one device, batch `N·b`;
 //! - kiln `ddp`, N CPU replicas, batch `b` each;
+//! - kiln `ddp` with nothing watched (`dist.timeout_s = 0`, `dist.flight_entries = 0`): what
+//!   the deadlines and the flight recorder of the default path cost;
 //! - burn-train's `MultiDevice` strategy with `OptimMainDevice` on the same N devices, batch `b`
 //!   per device.
 //!
@@ -155,7 +157,7 @@ fn ddp(args: &[String]) -> Result<(), String> {
         spec: spec.clone(),
         splits: splits.clone(),
     };
-    let kiln_run = |devices: usize, batch: usize| -> Result<f64, String> {
+    let kiln_run = |devices: usize, batch: usize, watched: bool| -> Result<f64, String> {
         let dir = std::env::temp_dir().join(format!("kiln-bench-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut config = RootConfig {
@@ -170,6 +172,10 @@ fn ddp(args: &[String]) -> Result<(), String> {
         };
         config.run.seed = 1;
         config.monitor.sinks = vec![SinkKind::Jsonl];
+        if !watched {
+            config.dist.timeout_s = 0.0;
+            config.dist.flight_entries = 0;
+        }
         let settings = TrainerSettings::from_config(
             &config,
             vec![Device::flex(); devices],
@@ -187,23 +193,28 @@ fn ddp(args: &[String]) -> Result<(), String> {
 
     let mut single = Vec::new();
     let mut multi = Vec::new();
+    let mut bare = Vec::new();
     let mut burn = Vec::new();
     // One warm-up round, then interleaved measured rounds.
     for round in 0..=o.rounds {
-        let s = kiln_run(1, o.batch * o.devices)?;
-        let d = kiln_run(o.devices, o.batch)?;
+        let s = kiln_run(1, o.batch * o.devices, true)?;
+        let d = kiln_run(o.devices, o.batch, true)?;
+        let u = kiln_run(o.devices, o.batch, false)?;
         let b = burn_run();
         if round > 0 {
             single.push(s);
             multi.push(d);
+            bare.push(u);
             burn.push(b);
         }
         println!(
-            "  round {round}{}: single {s:.3}s  kiln ddp {d:.3}s  burn-train multi {b:.3}s",
+            "  round {round}{}: single {s:.3}s  kiln ddp {d:.3}s  unwatched {u:.3}s  \
+             burn-train multi {b:.3}s",
             if round == 0 { " (warm-up)" } else { "" }
         );
     }
     let (s, d, b) = (median(&mut single), median(&mut multi), median(&mut burn));
+    let u = median(&mut bare);
     let per = |t: f64| 1000.0 * t / o.steps as f64;
     let samples = (o.steps * o.batch * o.devices) as f64;
     println!("median wall time per run (per global batch):");
@@ -219,6 +230,12 @@ fn ddp(args: &[String]) -> Result<(), String> {
         per(d)
     );
     println!(
+        "  kiln ddp unwatched, {} x batch {} {u:.3}s ({:.2} ms)",
+        o.devices,
+        o.batch,
+        per(u)
+    );
+    println!(
         "  burn-train MultiDevice, {} x {}   {b:.3}s ({:.2} ms)",
         o.devices,
         o.batch,
@@ -228,6 +245,10 @@ fn ddp(args: &[String]) -> Result<(), String> {
     println!(
         "  ddp / single time per global batch        {:.3}  (goal <= 1.10)",
         d / s
+    );
+    println!(
+        "  ddp / ddp unwatched (deadlines, flight)   {:.3}  (goal <= 1.02)",
+        d / u
     );
     println!(
         "  kiln ddp / burn-train throughput          {:.3}  (goal >= 1.3; {:.0} vs {:.0} samples/s)",

@@ -11,6 +11,7 @@ pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod pack;
+pub mod watch;
 
 pub use local::{LocalComm, local_group};
 
@@ -103,6 +104,15 @@ pub fn world_group(devices: usize) -> Result<Vec<Box<dyn Collective>>> {
         .into_iter()
         .map(|c| Box::new(c) as Box<dyn Collective>)
         .collect())
+}
+
+/// The other processes' watchdogs, once MPI runs ([`watch::Remote`]).
+pub fn remote() -> Option<Box<dyn watch::Remote>> {
+    #[cfg(feature = "mpi")]
+    if mpi::active() {
+        return mpi::control();
+    }
+    None
 }
 
 /// What process 0 decided, on every process: `decide` runs on process 0 alone and its outcome

@@ -79,6 +79,13 @@ pub(super) struct Logger<'a> {
     monitor: Option<&'a SystemMonitor>,
     /// Whether records count the steps skipped for a non-finite gradient.
     count_skips: bool,
+    /// Naming stragglers (not under a pipeline, whose stages differ by design) with this margin.
+    stragglers: Option<f64>,
+    /// The rank that was slowest by the margin in the last windows: in how many in a row, and
+    /// over how many steps.
+    suspect: Option<(usize, usize, usize)>,
+    /// Ranks already named as stragglers.
+    named: Vec<usize>,
     /// Steps skipped for a non-finite gradient so far.
     pub skipped: usize,
     /// The training time per step of every logged window.
@@ -97,6 +104,7 @@ pub(super) struct LoggerParts<'a> {
     pub throughput: Throughput,
     pub monitor: Option<&'a SystemMonitor>,
     pub count_skips: bool,
+    pub stragglers: Option<f64>,
 }
 
 impl<'a> Logger<'a> {
@@ -113,6 +121,9 @@ impl<'a> Logger<'a> {
             throughput: parts.throughput,
             monitor: parts.monitor,
             count_skips: parts.count_skips,
+            stragglers: parts.stragglers,
+            suspect: None,
+            named: Vec::new(),
             skipped: 0,
             step_times: Vec::new(),
             last_loss: None,
@@ -191,6 +202,8 @@ impl<'a> Logger<'a> {
             .map(|(g, l)| (format!("loss_{g}"), *l))
             .collect();
         named.extend(mean_metrics(self.comm, &names, local)?);
+        let (compute, window_steps) = (w.times.compute / w.steps as f64, w.steps);
+        let skew = self.skew(compute, window_steps)?;
         let report = strategy.report()?;
         self.last_loss = Some(loss);
         let w = &self.window;
@@ -226,6 +239,10 @@ impl<'a> Logger<'a> {
             for (g, lr) in self.groups.iter().zip(&self.lrs) {
                 r.insert(format!("lr_{g}"), num(*lr));
             }
+            if let Some((slowest, skew)) = skew {
+                r.insert("slowest_rank".into(), json!(slowest));
+                r.insert("rank_skew".into(), num(skew));
+            }
             put_metrics(&mut r, &named)?;
             for (key, value) in report.fields {
                 r.insert(key, value);
@@ -252,6 +269,53 @@ impl<'a> Logger<'a> {
         }
         self.window = Window::new(phases);
         Ok(())
+    }
+
+    /// The slowest rank by compute time per step in this window of `steps` steps (`compute`,
+    /// this rank's) and its time over the median rank's; a rank slowest by the margin in three
+    /// windows and ten steps in a row is named once.
+    fn skew(&mut self, compute: f64, steps: usize) -> Result<Option<(usize, f64)>> {
+        if self.comm.world_size() == 1 {
+            return Ok(None);
+        }
+        let all = self.comm.all_gather(&[compute as f32])?;
+        let mut sorted: Vec<f64> = all.iter().map(|c| f64::from(*c)).collect();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[(sorted.len() - 1) / 2].max(1e-12);
+        let (slowest, time) =
+            all.iter().enumerate().fold(
+                (0, f32::MIN),
+                |best, (r, c)| if *c > best.1 { (r, *c) } else { best },
+            );
+        let skew = f64::from(time) / median;
+        let Some(margin) = self.stragglers else {
+            return Ok(Some((slowest, skew)));
+        };
+        self.suspect = if skew > 1.0 + margin {
+            match self.suspect {
+                Some((r, n, s)) if r == slowest => Some((r, n + 1, s + steps)),
+                _ => Some((slowest, 1, steps)),
+            }
+        } else {
+            None
+        };
+        if let Some((r, n, s)) = self.suspect
+            && n >= 3
+            && s >= 10
+            && !self.named.contains(&r)
+        {
+            self.named.push(r);
+            let line = format!(
+                "straggler: rank {r}'s compute per step ran {skew:.2}× the median rank's in {n} \
+                 log windows ({s} steps) in a row (dist.straggler_margin = {margin})"
+            );
+            match (&self.progress, self.writer.is_some()) {
+                (Some(p), _) => p.println(&line),
+                (None, true) => eprintln!("warning: {line}"),
+                (None, false) => {}
+            }
+        }
+        Ok(Some((slowest, skew)))
     }
 
     /// The validation record after `state`'s step, and its line.

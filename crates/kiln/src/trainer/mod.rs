@@ -24,6 +24,9 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 use kiln_models::BlockStack;
 
+use std::time::Duration;
+
+use crate::comm::watch::WatchConfig;
 use crate::comm::world_group;
 use crate::config::TrainConfig;
 use crate::data::DistributedSampler;
@@ -179,6 +182,20 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
         &start,
         monitor.as_ref(),
     )
+}
+
+/// How `settings` ask the collectives to be watched.
+pub(super) fn watch_config(settings: &TrainerSettings) -> WatchConfig {
+    let d = &settings.parallel.dist;
+    let seconds = |s: f64| (s > 0.0).then(|| Duration::from_secs_f64(s));
+    WatchConfig {
+        timeout: seconds(d.timeout_s),
+        startup_timeout: seconds(d.startup_timeout_s),
+        entries: d.flight_entries,
+        check: d.check_collectives,
+        flight_dir: Some(settings.output.run_dir.join("flight")),
+        process: settings.parallel.processes.index,
+    }
 }
 
 /// The float values of a module's parameters and buffers, one vector per tensor, for

@@ -7,8 +7,8 @@ use burn::prelude::*;
 
 use crate::comm::Processes;
 use crate::config::{
-    DdpConfig, GroupConfig, MonitorConfig, OptimConfig, PipelineConfig, PrecisionConfig,
-    RecomputeConfig, RootConfig, ScheduleConfig, StrategyKind, TrainConfig,
+    DdpConfig, DistConfig, GroupConfig, MonitorConfig, OptimConfig, PipelineConfig,
+    PrecisionConfig, RecomputeConfig, RootConfig, ScheduleConfig, StrategyKind, TrainConfig,
 };
 use crate::precision::Policy;
 use crate::strategy::Setup;
@@ -32,6 +32,8 @@ pub struct ParallelSettings {
     pub pipeline: PipelineConfig,
     /// The processes of the run (each runs `devices`).
     pub processes: Processes,
+    /// Deadlines, flight records, collective checks and stragglers.
+    pub dist: DistConfig,
 }
 
 /// Where the run's output goes and how it is shown.
@@ -103,6 +105,7 @@ impl TrainerSettings {
                 sync_batchnorm: config.ddp.sync_batchnorm,
                 pipeline: config.pipeline.clone(),
                 processes,
+                dist: config.dist.clone(),
             },
             precision: config.precision.clone(),
             recompute: config.recompute.clone(),

@@ -3,7 +3,8 @@
 //! traits only.
 
 use std::panic::AssertUnwindSafe;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::prelude::*;
@@ -15,7 +16,8 @@ use super::start::Start;
 use super::validate::Validator;
 use super::{TrainerSettings, Workload};
 use crate::checkpoint::{self, LoopState};
-use crate::comm::{Collective, ReduceOp, pack};
+use crate::comm::watch::{Recorder, Watchdog, watched};
+use crate::comm::{Collective, pack};
 use crate::config::{RecomputeMode, name_of};
 use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
@@ -49,6 +51,9 @@ pub(super) fn run_all<W: Workload>(
     start: &Start,
     monitor: Option<&SystemMonitor>,
 ) -> Result<(Summary, W::Model)> {
+    // Every collective of the run is numbered, recorded and watched against its deadline.
+    let (comms, watchdog) = watched(comms, super::watch_config(settings), crate::comm::remote());
+    let watchdog = &watchdog;
     let setup = settings.setup();
     let schedules = schedules(settings, &start.groups, total);
     let results: Vec<Result<Outcome<W::Model>>> = std::thread::scope(|scope| {
@@ -71,6 +76,7 @@ pub(super) fn run_all<W: Workload>(
                     data_world: settings.data_world(),
                     total,
                     comm,
+                    recorder: watchdog.recorder(local),
                     local,
                     device: match settings.recompute.mode {
                         RecomputeMode::Balanced => base.gradient_checkpointing(),
@@ -84,6 +90,7 @@ pub(super) fn run_all<W: Workload>(
                     .expect("spawn a worker thread")
             })
             .collect();
+        wait_or_exit(&handles, watchdog);
         handles
             .into_iter()
             .map(|h| {
@@ -111,6 +118,35 @@ pub(super) fn run_all<W: Workload>(
         return Err(errors.swap_remove(origin));
     }
     lead.ok_or_else(|| Error::Worker("the process's first rank returned no result".into()))
+}
+
+/// Seconds a worker has to return after the run began to fail (a deadline, another rank's
+/// failure) before the process ends without it.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// Waits for every worker thread. A worker that has not returned [`GRACE`] after the run began
+/// to fail is stuck where nothing can reach it (a hung rank): the process then ends with the
+/// run's error line, exit code 2, rather than wait forever.
+fn wait_or_exit<T>(handles: &[std::thread::ScopedJoinHandle<'_, T>], watchdog: &Watchdog) {
+    while !handles.iter().all(|h| h.is_finished()) {
+        if let Some((since, why)) = watchdog.failed()
+            && since > GRACE
+        {
+            let stuck: Vec<String> = handles
+                .iter()
+                .enumerate()
+                .filter(|(_, h)| !h.is_finished())
+                .map(|(local, _)| format!("rank {}", watchdog.recorder(local).rank()))
+                .collect();
+            eprintln!(
+                "error: {why}; {} did not stop within {} s of it, so the process ends",
+                stuck.join(", "),
+                GRACE.as_secs()
+            );
+            std::process::exit(2);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// One learning-rate schedule per optimizer (per parameter group, or one).
@@ -143,6 +179,8 @@ pub(super) struct Worker<'a, W: Workload> {
     data_world: usize,
     total: usize,
     pub comm: Box<dyn Collective + 'a>,
+    /// The rank's flight recorder (its collectives are recorded by `comm`; its steps here).
+    recorder: Arc<Recorder>,
     /// This rank's index among the ranks of its process (its device's index).
     local: usize,
     pub device: Device,
@@ -234,6 +272,11 @@ impl<W: Workload> Worker<'_, W> {
                 log.exclude(t0.elapsed().as_secs_f64());
             }
             if let Some(signal) = signal {
+                // No rank leaves before rank 0's checkpoint is on disk: a launcher takes the job
+                // down when its first process exits.
+                if self.world() > 1 {
+                    self.comm.barrier()?;
+                }
                 stopped_by = Some(crate::signal::name(signal));
                 break;
             }
@@ -283,6 +326,10 @@ impl<W: Workload> Worker<'_, W> {
             });
             let outs = strategy.micro_steps(&mut batches, micros, &objective)?;
             drop(batches);
+            if let Some(Fault::Slow(pause)) = self.fault(state.step + 1, true) {
+                // A straggler: its compute takes longer.
+                std::thread::sleep(pause);
+            }
             // Collectives inside the micro-steps (ZeRO's reduce-scatters and gathers) count as
             // synchronisation, not compute.
             let inside = strategy.take_sync_seconds();
@@ -306,13 +353,33 @@ impl<W: Workload> Worker<'_, W> {
         state.step_in_epoch += 1;
         state.samples += self.sampler.samples_per_step() as u64;
         log.step_done(state.step, self.sampler.samples_per_step());
+        self.recorder.step_done();
         if t.check_replicas && self.world() > 1 {
             strategy.check_replicas(state.step)?;
         }
-        if injected_fault() == Some((self.rank(), state.step)) {
-            panic!("injected failure after step {} ({FAULT_VAR})", state.step);
+        match self.fault(state.step, false) {
+            Some(Fault::Panic) => {
+                panic!("injected failure after step {} ({FAULT_VAR})", state.step)
+            }
+            Some(Fault::Hang) => loop {
+                // The rank stops making progress, as a stuck kernel or a deadlock would.
+                std::thread::sleep(Duration::from_secs(3600));
+            },
+            _ => {}
         }
         Ok(())
+    }
+
+    /// The fault injected into this rank at `step` (a straggler's slowness from that step on,
+    /// when `ongoing`).
+    fn fault(&self, step: usize, ongoing: bool) -> Option<Fault> {
+        let (rank, at, fault) = injected_fault()?;
+        let due = match fault {
+            Fault::Slow(_) if ongoing => step >= at,
+            Fault::Slow(_) => false,
+            _ => !ongoing && step == at,
+        };
+        (rank == self.rank() && due).then_some(fault)
     }
 
     /// The training batch of micro-batch `micro` of the step `state` is at, on this rank's
@@ -390,6 +457,7 @@ impl<W: Workload> Worker<'_, W> {
             ),
             monitor: self.monitor,
             count_skips: s.train.skip_nonfinite > 0,
+            stragglers: (self.setup.stages() == 1).then_some(s.parallel.dist.straggler_margin),
         })
     }
 
@@ -399,11 +467,15 @@ impl<W: Workload> Worker<'_, W> {
         if !self.settings.train.checkpoint_on_signal || last {
             return Ok(None);
         }
-        let mut flag = vec![crate::signal::requested().map_or(0.0, |sig| sig as f32)];
-        if self.world() > 1 {
-            self.comm.all_reduce(&mut flag, ReduceOp::Sum)?;
-        }
-        Ok((flag[0] > 0.0).then(|| crate::signal::requested().unwrap_or(libc::SIGTERM)))
+        // Every rank's signal (0: none); the run stops when one has one and names the first
+        // rank's, the same on every rank.
+        let mine = [crate::signal::requested().map_or(0.0, |sig| sig as f32)];
+        let all = if self.world() > 1 {
+            self.comm.all_gather(&mine)?
+        } else {
+            mine.to_vec()
+        };
+        Ok(all.iter().find(|s| **s > 0.0).map(|s| *s as i32))
     }
 
     /// A step whose gradients were not finite (every rank saw the same flag): within
@@ -545,17 +617,37 @@ fn objective(micros: usize, scale: Option<f32>) -> impl Fn(Tensor<1>) -> Tensor<
     }
 }
 
-/// The environment variable that makes one rank panic after one step, to test how a failure
-/// ends a run (in-process and across processes): `KILN_FAULT_INJECT=rank:step`.
+/// The environment variable that injects a fault into one rank, to test how a run ends (a test
+/// facility, in-process and across processes): `KILN_FAULT_INJECT=rank:step` panics after that
+/// step, `rank:step:hang` stops making progress after it, `rank:step:slow=MS` adds MS
+/// milliseconds of compute to every step from that one on (a straggler).
 pub const FAULT_VAR: &str = "KILN_FAULT_INJECT";
 
-/// The `(rank, step)` of an injected failure, when the variable asks for one.
-fn injected_fault() -> Option<(usize, usize)> {
-    static FAULT: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+/// A fault the variable injects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    Panic,
+    Hang,
+    Slow(Duration),
+}
+
+/// The `(rank, step, fault)` the variable asks for, if it does.
+fn injected_fault() -> Option<(usize, usize, Fault)> {
+    static FAULT: std::sync::OnceLock<Option<(usize, usize, Fault)>> = std::sync::OnceLock::new();
     *FAULT.get_or_init(|| {
         let raw = std::env::var(FAULT_VAR).ok()?;
-        let (rank, step) = raw.split_once(':')?;
-        Some((rank.trim().parse().ok()?, step.trim().parse().ok()?))
+        let mut parts = raw.split(':').map(str::trim);
+        let rank = parts.next()?.parse().ok()?;
+        let step = parts.next()?.parse().ok()?;
+        let fault = match parts.next() {
+            None => Fault::Panic,
+            Some("hang") => Fault::Hang,
+            Some(slow) => {
+                let ms = slow.strip_prefix("slow=")?.parse().ok()?;
+                Fault::Slow(Duration::from_millis(ms))
+            }
+        };
+        Some((rank, step, fault))
     })
 }
 
