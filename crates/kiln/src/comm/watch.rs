@@ -478,6 +478,7 @@ impl Drop for Watchdog {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
+            t.thread().unpark();
             let _ = t.join();
         }
     }
@@ -546,7 +547,8 @@ pub fn watched(
         .spawn(move || {
             while !watching.stop.load(Ordering::SeqCst) {
                 watching.look();
-                std::thread::sleep(Duration::from_millis(100));
+                // Woken early when the watchdog is dropped.
+                std::thread::park_timeout(Duration::from_millis(100));
             }
         })
         .expect("spawn the watchdog thread");

@@ -57,6 +57,8 @@ pub(super) fn run_all<W: Workload>(
     let setup = settings.setup();
     let schedules = schedules(settings, &start.groups, total);
     let results: Vec<Result<Outcome<W::Model>>> = std::thread::scope(|scope| {
+        // Each worker says when it returns, so that the wait below ends at once.
+        let (finished, returns) = std::sync::mpsc::channel::<()>();
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
@@ -84,13 +86,19 @@ pub(super) fn run_all<W: Workload>(
                     },
                     monitor: monitor.filter(|_| rank == 0),
                 };
+                let finished = finished.clone();
                 std::thread::Builder::new()
                     .name(format!("kiln-worker-{rank}"))
-                    .spawn_scoped(scope, move || worker.run_guarded(start))
+                    .spawn_scoped(scope, move || {
+                        let outcome = worker.run_guarded(start);
+                        let _ = finished.send(());
+                        outcome
+                    })
                     .expect("spawn a worker thread")
             })
             .collect();
-        wait_or_exit(&handles, watchdog);
+        drop(finished);
+        wait_or_exit(&handles, &returns, watchdog);
         handles
             .into_iter()
             .map(|h| {
@@ -127,8 +135,13 @@ const GRACE: Duration = Duration::from_secs(5);
 /// Waits for every worker thread. A worker that has not returned [`GRACE`] after the run began
 /// to fail is stuck where nothing can reach it (a hung rank): the process then ends with the
 /// run's error line, exit code 2, rather than wait forever.
-fn wait_or_exit<T>(handles: &[std::thread::ScopedJoinHandle<'_, T>], watchdog: &Watchdog) {
-    while !handles.iter().all(|h| h.is_finished()) {
+fn wait_or_exit<T>(
+    handles: &[std::thread::ScopedJoinHandle<'_, T>],
+    returns: &std::sync::mpsc::Receiver<()>,
+    watchdog: &Watchdog,
+) {
+    let mut returned = 0;
+    while returned < handles.len() {
         if let Some((since, why)) = watchdog.failed()
             && since > GRACE
         {
@@ -145,7 +158,12 @@ fn wait_or_exit<T>(handles: &[std::thread::ScopedJoinHandle<'_, T>], watchdog: &
             );
             std::process::exit(2);
         }
-        std::thread::sleep(Duration::from_millis(50));
+        match returns.recv_timeout(Duration::from_millis(50)) {
+            Ok(()) => returned += 1,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            // Every worker is gone (one that died without a word is reported by its join).
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        }
     }
 }
 
