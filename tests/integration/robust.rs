@@ -408,3 +408,68 @@ fn a_cpu_run_says_nothing_of_nvml_unless_asked() {
     assert!(asked.status.success());
     assert!(String::from_utf8_lossy(&asked.stdout).contains("NVML unavailable"));
 }
+
+#[test]
+fn a_resume_the_checkpoint_cannot_take_names_the_key_and_changes_nothing() {
+    let dir = temp_dir("resume-check");
+    let run = dir.join("run");
+    let run_s = run.to_str().unwrap();
+    let first = train_bin(
+        &dir,
+        &[
+            "--config",
+            "/dev/null",
+            "--run-dir",
+            run_s,
+            "--max-steps",
+            "4",
+            "--set",
+            "data.dataset=\"digits\"",
+            "--set",
+            "model.convnet.channels=[4, 8]",
+            "--set",
+            "train.epochs=0",
+            "--set",
+            "train.checkpoint_every=2",
+            "--set",
+            "monitor.interval_s=0",
+        ],
+    );
+    assert!(first.status.success());
+    let before = std::fs::read(run.join("config.toml")).unwrap();
+    let refused = train_bin(
+        &dir,
+        &[
+            "--resume",
+            run_s,
+            "--max-steps",
+            "6",
+            "--set",
+            "model.convnet.channels=[4, 16]",
+        ],
+    );
+    crate::common::assert_one_line_error(
+        &refused,
+        &["cannot resume", "model.convnet.channels [4, 8] → [4, 16]"],
+    );
+    assert_eq!(std::fs::read(run.join("config.toml")).unwrap(), before);
+    // The run then goes on as it was, and a change it can take is said.
+    let resumed = train_bin(
+        &dir,
+        &[
+            "--resume",
+            run_s,
+            "--max-steps",
+            "6",
+            "--set",
+            "optim.lr=0.002",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&resumed.stdout);
+    assert!(resumed.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("changed from the run's config: optim.lr 0.001 → 0.002"),
+        "{stdout}"
+    );
+    assert_eq!(kiln::checkpoint::latest(&run).unwrap().0, 6);
+}

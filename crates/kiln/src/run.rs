@@ -140,18 +140,23 @@ where
     // What the strategy refuses on this launch's ranks is refused before anything is written.
     let processes = crate::comm::processes();
     Setup::new(config, devices.len() * processes.count).check()?;
-    // Process 0 chooses the run directory and writes the run's files; the others follow it.
+    // A resume is checked against its checkpoint before anything in the run changes.
     let first = processes.index == 0;
+    if let Some(checkpoint) = &options.resume_from {
+        let changed = check_resume(config, &info, workload, checkpoint, &devices[0])?;
+        if options.verbose && first && !changed.is_empty() {
+            println!(
+                "resuming {} with settings changed from the run's config: {}",
+                config.run_dir().display(),
+                changed.join("; ")
+            );
+        }
+    }
+    // Process 0 chooses the run directory and writes the run's files; the others follow it.
     let run_dir = PathBuf::from(crate::comm::agree(|| {
         let run_dir = choose_run_dir(config, options)?;
         std::fs::create_dir_all(&run_dir).map_err(|e| Error::io(&run_dir, e))?;
-        let mut saved = config.clone();
-        saved.run.dir = Some(run_dir.clone());
-        let mut table: toml::Table =
-            toml::from_str(&saved.to_toml()).expect("a config's TOML reads back");
-        for (name, value) in &info.sections {
-            table.insert(name.clone(), value.clone());
-        }
+        let table = saved_table(config, &info, &run_dir);
         let text = toml::to_string_pretty(&table).expect("a table serialises");
         write_atomic(&run_dir.join("config.toml"), text.as_bytes())?;
         save_extra(&run_dir)?;
@@ -176,6 +181,110 @@ where
         dir: run_dir,
         summary,
     })
+}
+
+/// The run's `config.toml` as a table: kiln's sections, the run directory, the workload's own.
+fn saved_table(config: &RootConfig, info: &RunInfo, run_dir: &Path) -> toml::Table {
+    let mut saved = config.clone();
+    saved.run.dir = Some(run_dir.to_path_buf());
+    let mut table: toml::Table =
+        toml::from_str(&saved.to_toml()).expect("a config's TOML reads back");
+    for (name, value) in &info.sections {
+        table.insert(name.clone(), value.clone());
+    }
+    table
+}
+
+/// Every key of `table` with its value, dotted (`model.gpt.n_embd`).
+fn flatten(table: &toml::Table, prefix: &str, out: &mut Vec<(String, String)>) {
+    for (key, value) in table {
+        let path = if prefix.is_empty() {
+            key.clone()
+        } else {
+            format!("{prefix}.{key}")
+        };
+        match value {
+            toml::Value::Table(t) => flatten(t, &path, out),
+            v => out.push((path, v.to_string())),
+        }
+    }
+}
+
+/// The keys whose values differ between the run's saved config and `config`, as
+/// `key old → new` (a key one side lacks reads `unset`).
+fn changed_keys(run_dir: &Path, config: &RootConfig, info: &RunInfo) -> Result<Vec<String>> {
+    let path = run_dir.join("config.toml");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(Vec::new());
+    };
+    let old: toml::Table = toml::from_str(&text).map_err(|e| {
+        Error::config(format!(
+            "{}: invalid TOML: {}",
+            path.display(),
+            crate::config::one_line(&e)
+        ))
+    })?;
+    let (mut before, mut after) = (Vec::new(), Vec::new());
+    flatten(&old, "", &mut before);
+    flatten(&saved_table(config, info, run_dir), "", &mut after);
+    let value = |all: &[(String, String)], key: &str| {
+        all.iter()
+            .find(|(k, _)| k == key)
+            .map_or("unset".to_string(), |(_, v)| v.clone())
+    };
+    let mut keys: Vec<&String> = before.iter().chain(&after).map(|(k, _)| k).collect();
+    keys.sort();
+    keys.dedup();
+    Ok(keys
+        .into_iter()
+        .filter(|k| *k != "run.dir")
+        .map(|k| (k, value(&before, k), value(&after, k)))
+        .filter(|(_, a, b)| a != b)
+        .map(|(k, a, b)| format!("{k} {a} → {b}"))
+        .collect())
+}
+
+/// Checks that the checkpoint a resume starts from loads into the model `config` describes,
+/// before anything in the run directory changes; returns the settings changed from the run's
+/// config. A model the checkpoint does not fit is one error naming the changed keys.
+fn check_resume<W: Workload>(
+    config: &RootConfig,
+    info: &RunInfo,
+    workload: &W,
+    checkpoint: &Path,
+    device: &Device,
+) -> Result<Vec<String>> {
+    let run_dir = config.run_dir();
+    let changed = changed_keys(&run_dir, config, info)?;
+    let model = kiln_models::with_rng(|| workload.init_model(device));
+    if let Err(e) = checkpoint::load_model(checkpoint, model) {
+        // A model's shape comes from its own section: name those keys when they changed.
+        let model_keys: Vec<String> = changed
+            .iter()
+            .filter(|c| c.starts_with("model."))
+            .cloned()
+            .collect();
+        let changed = if model_keys.is_empty() {
+            changed
+        } else {
+            model_keys
+        };
+        let what = if changed.is_empty() {
+            e.to_string()
+        } else {
+            format!(
+                "its model does not take the settings changed from the run's config: {}; \
+                 resume without changing them",
+                changed.join("; ")
+            )
+        };
+        return Err(Error::config(format!(
+            "cannot resume {} from {}: {what}",
+            run_dir.display(),
+            checkpoint.display()
+        )));
+    }
+    Ok(changed)
 }
 
 /// Writes the final weights as burnpack and SafeTensors, each atomically.
