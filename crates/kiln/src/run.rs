@@ -255,6 +255,7 @@ fn check_resume<W: Workload>(
     device: &Device,
 ) -> Result<Vec<String>> {
     let run_dir = config.run_dir();
+    checkpoint::read_state(checkpoint)?;
     let changed = changed_keys(&run_dir, config, info)?;
     let model = kiln_models::with_rng(|| workload.init_model(device));
     if let Err(e) = checkpoint::load_model(checkpoint, model) {
@@ -269,19 +270,15 @@ fn check_resume<W: Workload>(
         } else {
             model_keys
         };
-        let what = if changed.is_empty() {
-            e.to_string()
-        } else {
-            format!(
-                "its model does not take the settings changed from the run's config: {}; \
-                 resume without changing them",
-                changed.join("; ")
-            )
-        };
+        if changed.is_empty() {
+            return Err(e);
+        }
         return Err(Error::config(format!(
-            "cannot resume {} from {}: {what}",
+            "cannot resume {} from {}: its model does not take the settings changed from the \
+             run's config: {}; resume without changing them",
             run_dir.display(),
-            checkpoint.display()
+            checkpoint.display(),
+            changed.join("; ")
         )));
     }
     Ok(changed)
