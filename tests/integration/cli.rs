@@ -244,3 +244,41 @@ fn several_processes_without_the_mpi_feature_are_refused() {
     assert_one_line_error(&out, &["process 0 of 2", "mpi", "--features kiln/mpi"]);
     assert!(!dir.join("runs").exists(), "nothing is written");
 }
+
+#[test]
+fn a_reader_that_goes_away_costs_the_lines_not_the_run() {
+    use std::io::BufRead;
+    let dir = temp_dir("closed-stdout");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args([
+            "--config",
+            "/dev/null",
+            "--run-dir",
+            "run",
+            "--max-steps",
+            "30",
+            "--set",
+            "data.dataset=\"digits\"",
+            "--set",
+            "train.epochs=0",
+            "--set",
+            "train.log_every=1",
+            "--set",
+            "monitor.interval_s=0",
+        ])
+        .current_dir(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read the first line, then close the pipe as `train | head -1` would.
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(dir.join("run").join("summary.json").exists());
+}

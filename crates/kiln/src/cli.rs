@@ -415,7 +415,8 @@ pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) ->
         let acc = s.val_accuracy.map_or(String::new(), |a| {
             format!(", val accuracy {:.2}%", a * 100.0)
         });
-        println!(
+        let _ = writeln!(
+            std::io::stdout(),
             "done: {} steps in {:.1}s ({:.0} samples/s), val loss {}{acc} → {}",
             s.steps,
             s.wall_seconds,

@@ -281,7 +281,10 @@ impl Progress {
     fn line(&self, line: String) {
         match &self.printer {
             Some(p) => p.print(line),
-            None => println!("{line}"),
+            // A reader that went away (`train | head`) costs the lines, not the run.
+            None => {
+                let _ = writeln!(std::io::stdout(), "{line}");
+            }
         }
     }
 
