@@ -16,6 +16,15 @@
 //! [`train_workload`] with a [`RootConfig`].
 #![warn(missing_docs)]
 
+/// `println!` that never panics: a reader that went away (`train | head`) costs the line, not
+/// the run.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 pub mod app;
 pub mod builtin;
 pub mod checkpoint;

@@ -145,7 +145,7 @@ where
     if let Some(checkpoint) = &options.resume_from {
         let changed = check_resume(config, &info, workload, checkpoint, &devices[0])?;
         if options.verbose && first && !changed.is_empty() {
-            println!(
+            say!(
                 "resuming {} with settings changed from the run's config: {}",
                 config.run_dir().display(),
                 changed.join("; ")
@@ -424,9 +424,9 @@ fn print_table<W: Workload>(
     rows.extend(info.rows.iter().cloned());
     let total = total_steps(t, spe);
     rows.push(("steps".into(), format!("{spe} per epoch, {total} in all")));
-    println!("kiln");
+    say!("kiln");
     for (k, v) in rows {
-        println!("  {k:<12} {v}");
+        say!("  {k:<12} {v}");
     }
 }
 

@@ -71,7 +71,7 @@ pub fn load_data(config: &DataConfig) -> Result<ImageSplits> {
     let dir = config.resolved_dir();
     // One process per machine downloads; the others wait for it.
     if config.download && crate::comm::processes().local_index == 0 && !dir.is_dir() {
-        println!("downloading {} into {}", kind.name(), dir.display());
+        say!("downloading {} into {}", kind.name(), dir.display());
         kiln_datasets::download_mnist(&dir, kind)?;
     }
     if config.download {

@@ -16,7 +16,7 @@ use crate::trainer::Workload;
 pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
     let path = config.data.resolved_path();
     if config.data.download && crate::comm::processes().local_index == 0 && !path.exists() {
-        println!("downloading Tiny Shakespeare into {}", path.display());
+        say!("downloading Tiny Shakespeare into {}", path.display());
         kiln_datasets::text::download_text(kiln_datasets::text::TINY_SHAKESPEARE_URL, &path)?;
     }
     if config.data.download {
@@ -209,7 +209,7 @@ pub struct SampleArgs {
 
 /// `train sample`: prints the continuation of a prompt by a trained GPT run.
 pub fn sample(args: SampleArgs) -> Result<()> {
-    println!("{}", generate(&args)?);
+    say!("{}", generate(&args)?);
     Ok(())
 }
 

@@ -170,7 +170,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
     if let Some(notice) = monitor.as_ref().and_then(SystemMonitor::notice)
         && settings.output.progress
     {
-        println!("{notice}");
+        say!("{notice}");
     }
     let comms = world_group(p.devices.len())?;
     worker::run_all(

@@ -95,7 +95,7 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
     if settings.parallel.processes.index == 0 {
         let removed = checkpoint::remove_stale(&settings.output.run_dir)?;
         if !removed.is_empty() {
-            println!(
+            say!(
                 "removed {} temporary checkpoint director{} that a killed writer left: {}",
                 removed.len(),
                 if removed.len() == 1 { "y" } else { "ies" },
