@@ -1,8 +1,9 @@
 //! Helpers shared by the integration tests.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use kiln::builtin::Config;
 use serde_json::Value;
@@ -99,4 +100,44 @@ pub fn max_relative_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
             diff / norm.max(1e-12)
         })
         .fold(0.0, f64::max)
+}
+
+/// Waits for `child` at most `limit`; returns its output and how long it took, or kills it and
+/// fails with what it printed.
+pub fn finish_within(mut child: Child, limit: Duration) -> (Output, Duration) {
+    let started = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return (child.wait_with_output().unwrap(), started.elapsed());
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "the run did not end within {limit:?}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The records of `run`'s metrics.jsonl so far.
+pub fn records_logged(run: &Path) -> usize {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .map(|m| m.lines().count())
+        .unwrap_or(0)
+}
+
+/// Waits until `run`'s metrics.jsonl has `records` lines (at most 60 s).
+pub fn wait_for_records(run: &Path, records: usize) {
+    let started = Instant::now();
+    while records_logged(run) < records {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no steps logged"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }

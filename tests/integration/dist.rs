@@ -5,12 +5,14 @@
 //! `metrics.jsonl` and once on the console.
 
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::common::{metrics, temp_dir, train_bin};
+use crate::common::{
+    finish_within, metrics, records_logged, temp_dir, train_bin, wait_for_records,
+};
 
 /// The arguments of a small digits run of `steps` steps on `devices` into `run`.
 fn digits_args(run: &Path, devices: usize, steps: usize, sets: &[&str]) -> Vec<String> {
@@ -54,43 +56,6 @@ fn spawn(cwd: &Path, args: &[String], env: &[(&str, &str)]) -> Child {
         c.env(k, v);
     }
     c.spawn().expect("start the train binary")
-}
-
-/// Waits for `child` at most `limit`; returns its output and how long it took, or kills it and
-/// fails.
-fn finish_within(mut child: Child, limit: Duration) -> (Output, Duration) {
-    let started = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return (child.wait_with_output().unwrap(), started.elapsed());
-        }
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "the run did not end within {limit:?}: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Waits until `run`'s metrics.jsonl has `records` lines.
-fn wait_for_records(run: &Path, records: usize) {
-    let started = Instant::now();
-    while std::fs::read_to_string(run.join("metrics.jsonl"))
-        .map(|m| m.lines().count())
-        .unwrap_or(0)
-        < records
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "no steps logged"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// The lines of `run`'s flight record of `rank`: the header, then the collectives.
@@ -177,11 +142,7 @@ fn sigusr1_writes_the_flight_records_of_a_live_run_and_it_goes_on() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let logged = std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .count();
-    wait_for_records(&run, logged + 2);
+    wait_for_records(&run, records_logged(&run) + 2);
     signal("-TERM");
     let (out, _) = finish_within(child, Duration::from_secs(30));
     assert_eq!(

@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 use burn::prelude::*;
 use kiln::trainer::parameter_values;
 
-use crate::common::{max_relative_diff, temp_dir, train_bin, train_losses};
+use crate::common::{
+    finish_within, max_relative_diff, records_logged, temp_dir, train_bin, train_losses,
+    wait_for_records,
+};
 use crate::gpt::text_file;
 
 fn mpirun(np: usize, cwd: &Path, args: &[String]) -> Output {
@@ -275,21 +278,6 @@ fn a_checkpoint_moves_between_processes_and_devices() {
     }
 }
 
-/// Waits for `child` at most `limit`; returns its output, or kills it and fails.
-fn finish_within(mut child: std::process::Child, limit: Duration) -> (Output, Duration) {
-    let started = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return (child.wait_with_output().unwrap(), started.elapsed());
-        }
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            panic!("the job did not end within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 fn assert_checkpoints_whole(run: &Path) {
     let (_, newest) = kiln::checkpoint::latest(run).expect("a checkpoint was written");
     let state = kiln::checkpoint::read_state(&newest).unwrap();
@@ -363,10 +351,7 @@ fn a_killed_process_ends_the_job() {
     // Wait until a few steps have run, then kill rank 1 outright.
     let started = Instant::now();
     let victim = loop {
-        let steps = std::fs::read_to_string(run.join("metrics.jsonl"))
-            .map(|m| m.lines().count())
-            .unwrap_or(0);
-        if steps >= 4
+        if records_logged(&run) >= 4
             && let Some(pid) = rank_pid(&run, 1)
         {
             break pid;
@@ -472,18 +457,7 @@ fn long_job(dir: &Path, run: &Path, launcher: &str) -> std::process::Child {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let started = Instant::now();
-    while std::fs::read_to_string(run.join("metrics.jsonl"))
-        .map(|m| m.lines().count())
-        .unwrap_or(0)
-        < 6
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the job never got going"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_records(run, 6);
     child
 }
 

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use crate::comm::watch::describe;
 use crate::error::{Error, Result};
 
 /// One rank's flight record.
@@ -48,21 +49,6 @@ impl Flight {
             }
         }
     }
-}
-
-/// `all_reduce #37 of world (1234 f32)`.
-fn describe(e: &Value) -> String {
-    let peer = e["peer"]
-        .as_u64()
-        .map_or(String::new(), |p| format!(" with rank {p}"));
-    format!(
-        "{} #{} of {}{peer} ({} {})",
-        e["kind"].as_str().unwrap_or("?"),
-        e["seq"],
-        e["group"].as_str().unwrap_or("?"),
-        e["elements"],
-        e["dtype"].as_str().unwrap_or("?")
-    )
 }
 
 fn read(dir: &Path) -> Result<Vec<Flight>> {

@@ -115,14 +115,24 @@ impl Entry {
 
     /// `all_reduce #37 of world (1234 f32)`.
     fn describe(&self) -> String {
-        let peer = self
-            .peer
-            .map_or(String::new(), |p| format!(" with rank {p}"));
-        format!(
-            "{} #{} of {}{peer} ({} {})",
-            self.kind, self.seq, self.group, self.elements, self.dtype
-        )
+        describe(&self.to_json())
     }
+}
+
+/// A recorded collective (an entry of a flight record) in words: `all_reduce #37 of world
+/// (1234 f32)`, `send #3 of world with rank 2 (512 activation)`.
+pub fn describe(e: &Value) -> String {
+    let peer = e["peer"]
+        .as_u64()
+        .map_or(String::new(), |p| format!(" with rank {p}"));
+    format!(
+        "{} #{} of {}{peer} ({} {})",
+        e["kind"].as_str().unwrap_or("?"),
+        e["seq"],
+        e["group"].as_str().unwrap_or("?"),
+        e["elements"],
+        e["dtype"].as_str().unwrap_or("?")
+    )
 }
 
 struct Record {
@@ -496,34 +506,29 @@ pub fn watched(
         .iter()
         .map(|c| Arc::new(Recorder::new(c.rank(), config.entries)))
         .collect();
-    if config.timeout.is_none() && config.entries == 0 && !config.check {
-        let shared = Arc::new(Shared {
-            config,
-            recorders,
-            roots: Mutex::new(Vec::new()),
-            stop: AtomicBool::new(true),
-            remote,
-            failed: OnceLock::new(),
-            dumped: AtomicBool::new(false),
-            signalled: AtomicBool::new(false),
-        });
+    let off = config.timeout.is_none() && config.entries == 0 && !config.check;
+    let (plain, roots): (_, Vec<Arc<dyn Collective>>) = if off {
+        (Some(comms), Vec::new())
+    } else {
+        (None, comms.into_iter().map(Arc::from).collect())
+    };
+    let shared = Arc::new(Shared {
+        config,
+        recorders,
+        roots: Mutex::new(roots.clone()),
+        stop: AtomicBool::new(off),
+        remote,
+        failed: OnceLock::new(),
+        dumped: AtomicBool::new(false),
+        signalled: AtomicBool::new(false),
+    });
+    if let Some(comms) = plain {
         let watchdog = Watchdog {
             shared,
             thread: None,
         };
         return (comms, watchdog);
     }
-    let roots: Vec<Arc<dyn Collective>> = comms.into_iter().map(Arc::from).collect();
-    let shared = Arc::new(Shared {
-        config,
-        recorders,
-        roots: Mutex::new(roots.clone()),
-        stop: AtomicBool::new(false),
-        remote,
-        failed: OnceLock::new(),
-        dumped: AtomicBool::new(false),
-        signalled: AtomicBool::new(false),
-    });
     let groups = roots
         .into_iter()
         .enumerate()
