@@ -209,3 +209,180 @@ fn what_needs_a_block_stack_refuses_a_model_without_one() {
         assert!(e.contains("block"), "{name}: {e}");
     }
 }
+
+/// A recurrent cell of one's own that builds its zero state inside its forward, as an LSTM
+/// does: in the device's default dtype (f32), or, `state_like_input`, in its input's.
+#[derive(Module, Debug)]
+struct Carry {
+    input: Linear,
+    recur: Linear,
+    out: Linear,
+    state_like_input: bool,
+}
+
+impl TrainStep<ImageBatch> for Carry {
+    fn step(&self, batch: ImageBatch) -> StepOutput {
+        let samples = batch.targets.dims()[0];
+        let x = self.input.forward(batch.images.flatten(1, 3));
+        let device = x.device();
+        let mut state = if self.state_like_input {
+            Tensor::zeros([samples, 24], (&device, x.dtype()))
+        } else {
+            Tensor::zeros([samples, 24], &device)
+        };
+        for _ in 0..2 {
+            state = (x.clone() + self.recur.forward(state)).tanh();
+        }
+        let logits = self.out.forward(state).cast(FloatDType::F32);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(logits, batch.targets);
+        StepOutput::new(loss, samples)
+    }
+}
+
+impl BlockStack<ImageBatch> for Carry {}
+
+/// The embedded digits for `Carry`.
+struct CarryDigits {
+    splits: kiln_datasets::ImageSplits,
+    state_like_input: bool,
+}
+
+impl Workload for CarryDigits {
+    type Model = Carry;
+    type Batch = ImageBatch;
+
+    fn init_model(&self, device: &Device) -> Carry {
+        Carry {
+            input: LinearConfig::new(64, 24).init(device),
+            recur: LinearConfig::new(24, 24).init(device),
+            out: LinearConfig::new(24, 10).init(device),
+            state_like_input: self.state_like_input,
+        }
+    }
+    fn train_len(&self) -> usize {
+        self.splits.train.len()
+    }
+    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
+        kiln::data::ImageBatcher::new(device.clone()).batch(&self.splits.train, indices)
+    }
+    fn eval_len(&self) -> usize {
+        self.splits.test.len()
+    }
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
+        let indices: Vec<usize> = range.collect();
+        kiln::data::ImageBatcher::new(device.clone()).batch(&self.splits.test, &indices)
+    }
+    fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
+        ImageBatch {
+            images: batch.images.cast(dtype),
+            ..batch
+        }
+    }
+}
+
+#[test]
+fn a_model_that_creates_tensors_in_its_forward_is_refused_in_one_line_or_trains_in_bf16() {
+    let dir = temp_dir("custom-carry");
+    for mode in ["bf16-mixed", "bf16-true"] {
+        for state_like_input in [false, true] {
+            let run_dir = dir.join(format!("{mode}-{state_like_input}"));
+            let mode_key = format!("precision.mode={mode:?}");
+            let config = small_config(
+                &run_dir,
+                &["hardware.devices=2", "train.max_steps=4", &mode_key],
+            );
+            let workload = CarryDigits {
+                splits: kiln_datasets::digits(),
+                state_like_input,
+            };
+            let info = RunInfo {
+                model: "carry".into(),
+                ..RunInfo::default()
+            };
+            let result = train_workload(
+                &config.kiln,
+                &RunOptions::default(),
+                &workload,
+                info,
+                |_| Ok(()),
+            );
+            if state_like_input {
+                let result = result.unwrap();
+                let losses = train_losses(&result.dir);
+                assert_eq!(losses.len(), 4, "{mode}");
+                assert!(
+                    losses.iter().all(|(_, l)| f64::from_bits(*l).is_finite()),
+                    "{mode}"
+                );
+            } else {
+                let e = result.unwrap_err().to_string();
+                println!("{mode}: {e}");
+                assert!(e.starts_with("config error:"), "{e}");
+                assert!(!e.contains('\n'), "{e}");
+                for part in ["precision.mode", mode, "dtype mismatch", "Tensor::zeros"] {
+                    assert!(e.contains(part), "{part}: {e}");
+                }
+                assert!(
+                    !run_dir.exists(),
+                    "the refused run wrote {}",
+                    run_dir.display()
+                );
+            }
+        }
+    }
+}
+
+/// `TinyDigits` with a schedule of its own: the configured rate over (1 + step).
+struct Harmonic(TinyDigits);
+
+impl Workload for Harmonic {
+    type Model = Tiny;
+    type Batch = ImageBatch;
+
+    fn init_model(&self, device: &Device) -> Tiny {
+        self.0.init_model(device)
+    }
+    fn train_len(&self) -> usize {
+        self.0.train_len()
+    }
+    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
+        self.0.train_batch(indices, device)
+    }
+    fn eval_len(&self) -> usize {
+        self.0.eval_len()
+    }
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
+        self.0.eval_batch(range, device)
+    }
+    fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
+        self.0.cast_batch(batch, dtype)
+    }
+    fn lr(&self, _group: usize, step: usize, scheduled: f64) -> f64 {
+        scheduled / (1 + step) as f64
+    }
+}
+
+#[test]
+fn a_workload_sets_the_rate_as_a_function_of_the_step() {
+    let dir = temp_dir("custom-lr");
+    let config = small_config(&dir.join("run"), &["train.max_steps=4", "optim.lr=0.012"]);
+    let result = train_workload(
+        &config.kiln,
+        &RunOptions::default(),
+        &Harmonic(TinyDigits(kiln_datasets::digits())),
+        RunInfo::default(),
+        |_| Ok(()),
+    )
+    .unwrap();
+    let lrs: Vec<f64> = crate::common::metrics(&result.dir, "train")
+        .iter()
+        .map(|r| r["lr"].as_f64().unwrap())
+        .collect();
+    assert_eq!(lrs.len(), 4);
+    for (step, lr) in lrs.iter().enumerate() {
+        let want = 0.012 / (1 + step) as f64;
+        assert!((lr - want).abs() < 1e-15, "step {step}: {lr} vs {want}");
+    }
+}

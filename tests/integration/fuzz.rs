@@ -223,6 +223,8 @@ fn tokenizer_text_and_loop_state() {
         samples: 256,
         wall_seconds: 1.5,
         scaler: None,
+        early: None,
+        plateaus: Vec::new(),
     };
     let valid = serde_json::to_vec_pretty(&state).unwrap();
     fuzz(

@@ -302,6 +302,8 @@ fn gan_resume_with_two_optimizers_and_two_schedules_is_bit_for_bit() {
         out: None,
         width: 400,
         height: 300,
+        // On a log axis, too: a GAN's metrics are not all positive.
+        log_y: true,
     })
     .unwrap();
     assert!(

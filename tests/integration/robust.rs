@@ -15,10 +15,11 @@ use kiln::run::RunOptions;
 use kiln::trainer::{TrainerSettings, Workload, fit};
 use kiln_models::{Classifier, ImageBatch, ModelSpec};
 
-use crate::common::{metrics, small_config, temp_dir, train_bin, train_losses};
+use crate::common::{metrics, small_config, temp_dir, train_bin, train_losses, wait_for_records};
 use crate::gpt::text_file;
 
-/// The arguments of a GPT run of `steps` steps into `run`, long enough to be interrupted.
+/// The arguments of a GPT run of `steps` steps into `run` (with dropout), long enough to be
+/// interrupted.
 fn gpt_args(text: &Path, run: &Path, steps: usize, devices: usize) -> Vec<String> {
     let mut a = vec![
         "--config".to_string(),
@@ -39,6 +40,8 @@ fn gpt_args(text: &Path, run: &Path, steps: usize, devices: usize) -> Vec<String
         "model.gpt.n_head=2".into(),
         "model.gpt.n_embd=32".into(),
         "model.gpt.block_size=16".into(),
+        // Dropout: the random numbers of every forward resume too.
+        "model.gpt.dropout=0.1".into(),
         "train.epochs=0".into(),
         "train.batch_size=8".into(),
         "train.log_every=1".into(),
@@ -52,7 +55,7 @@ fn gpt_args(text: &Path, run: &Path, steps: usize, devices: usize) -> Vec<String
 }
 
 #[test]
-fn sigterm_stops_with_a_checkpoint_that_resumes_bit_for_bit() {
+fn sigterm_stops_with_a_checkpoint_that_resumes_bit_for_bit_with_dropout() {
     let dir = temp_dir("sigterm");
     let text = text_file(&dir);
     let steps = 400;
@@ -74,18 +77,7 @@ fn sigterm_stops_with_a_checkpoint_that_resumes_bit_for_bit() {
             .spawn()
             .unwrap();
         // Signal once a few steps are logged.
-        let started = Instant::now();
-        while std::fs::read_to_string(run.join("metrics.jsonl"))
-            .map(|m| m.lines().count())
-            .unwrap_or(0)
-            < 3
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "no steps logged"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_for_records(&run, 3);
         let signalled = Instant::now();
         let sent = Command::new("kill")
             .args(["-TERM", &child.id().to_string()])
@@ -452,6 +444,11 @@ fn a_resume_the_checkpoint_cannot_take_names_the_key_and_changes_nothing() {
         &refused,
         &["cannot resume", "model.convnet.channels [4, 8] → [4, 16]"],
     );
+    assert_eq!(std::fs::read(run.join("config.toml")).unwrap(), before);
+    // Another number of samples per step would not continue the data order: refused before
+    // anything is written, too.
+    let refused = train_bin(&dir, &["--resume", run_s, "--batch-size", "7"]);
+    crate::common::assert_one_line_error(&refused, &["samples per step"]);
     assert_eq!(std::fs::read(run.join("config.toml")).unwrap(), before);
     // The run then goes on as it was, and a change it can take is said.
     let resumed = train_bin(

@@ -231,7 +231,7 @@ fn trained_model_loads_for_inference_from_run_dir_and_safetensors() {
 }
 
 #[test]
-fn a_strategy_refuses_the_launch_before_anything_is_written() {
+fn a_refused_launch_or_model_writes_nothing() {
     // The library path (no command line): the strategy's rules see this launch's ranks.
     let dir = temp_dir("refused-launch");
     for (overrides, key) in [
@@ -243,6 +243,9 @@ fn a_strategy_refuses_the_launch_before_anything_is_written() {
             &["strategy.name=\"zero3\"", "ddp.sync_batchnorm=true"][..],
             "ddp.sync_batchnorm",
         ),
+        // A refusal of the model itself (it has no parameter groups) is checked before the
+        // run directory is created, too.
+        (&["groups.head.optim.lr=0.1"][..], "groups.head"),
     ] {
         let run = dir.join(key);
         let config = small_config(&run, overrides);
@@ -251,4 +254,102 @@ fn a_strategy_refuses_the_launch_before_anything_is_written() {
         assert!(e.to_string().contains(key), "{e}");
         assert!(!run.exists(), "{} was written", run.display());
     }
+}
+
+#[test]
+fn early_stopping_ends_every_rank_at_the_expected_step_with_a_checkpoint() {
+    let dir = temp_dir("early-stopping");
+    // Nothing improves by 100 after the first validation (step 2): the validations at steps
+    // 4 and 6 are the patience of 2, so the run stops after step 6 of 20.
+    let run = dir.join("run");
+    let config = small_config(
+        &run,
+        &[
+            "hardware.devices=2",
+            "train.max_steps=20",
+            "train.val_every=2",
+            "train.early_stopping.patience=2",
+            "train.early_stopping.min_delta=100.0",
+        ],
+    );
+    let result = train(&config, &RunOptions::default()).unwrap();
+    let s = &result.summary;
+    assert_eq!(s.steps, 6);
+    let reason = s.stopped_early.as_deref().unwrap();
+    assert!(reason.starts_with("val_loss has not improved"), "{reason}");
+    assert!(s.stopped_by.is_none());
+    assert_eq!(kiln::checkpoint::latest(&run).unwrap().0, 6);
+    let vals: Vec<u64> = metrics(&run, "val")
+        .iter()
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(vals, [2, 4, 6]);
+
+    // A metric the run does not log is one line naming the key.
+    let config = small_config(
+        &dir.join("unknown"),
+        &[
+            "train.val_every=2",
+            "train.early_stopping.metric=\"val_r2\"",
+        ],
+    );
+    let e = train(&config, &RunOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("train.early_stopping.metric") && e.contains("val_r2"),
+        "{e}"
+    );
+}
+
+#[test]
+fn reduce_on_plateau_lowers_the_rate_at_the_expected_steps_and_resumes() {
+    let dir = temp_dir("plateau");
+    let o = [
+        "train.max_steps=10",
+        "train.val_every=2",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=10",
+        "optim.lr=0.01",
+        "schedule.kind=\"plateau\"",
+        "schedule.gamma=0.5",
+        "schedule.min_lr_ratio=0.2",
+        "schedule.plateau.patience=1",
+        "schedule.plateau.min_delta=100.0",
+    ];
+    let full = dir.join("full");
+    train(&small_config(&full, &o), &RunOptions::default()).unwrap();
+    let lrs: Vec<(u64, f64)> = metrics(&full, "train")
+        .iter()
+        .map(|r| (r["step"].as_u64().unwrap(), r["lr"].as_f64().unwrap()))
+        .collect();
+    // Validation at step 2 sets the best; those at 4, 6 and 8 each halve the rate of the
+    // steps after them, down to the floor of 0.2 × 0.01.
+    let expected = [
+        0.01, 0.01, 0.01, 0.01, 0.005, 0.005, 0.0025, 0.0025, 0.002, 0.002,
+    ];
+    assert_eq!(lrs.len(), expected.len());
+    for ((step, lr), want) in lrs.iter().zip(expected) {
+        assert!(
+            (lr - want).abs() < 1e-12,
+            "step {step}: lr {lr}, expected {want}"
+        );
+    }
+
+    // Resumed from step 6 (two reductions made), the run goes on with the same rates and
+    // losses, bit for bit.
+    let cut = dir.join("cut");
+    cut_copy(&full, &cut, 6);
+    let (run_dir, ckpt) = kiln::run::resolve_resume(&cut).unwrap();
+    let options = RunOptions {
+        resume_from: Some(ckpt),
+        ..RunOptions::default()
+    };
+    train(&small_config(&run_dir, &o), &options).unwrap();
+    assert_eq!(train_losses(&cut), train_losses(&full));
+    let resumed: Vec<f64> = metrics(&cut, "train")
+        .iter()
+        .map(|r| r["lr"].as_f64().unwrap())
+        .collect();
+    assert_eq!(resumed, lrs.iter().map(|(_, lr)| *lr).collect::<Vec<_>>());
 }

@@ -58,6 +58,13 @@ pub struct LoopState {
     /// The loss scaler's state (`16-mixed`), absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scaler: Option<crate::precision::LossScaler>,
+    /// Early stopping's watch of its metric (`train.early_stopping`), absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early: Option<crate::trainer::Plateau>,
+    /// Each parameter group's reduce-on-plateau watch (one for a model with one optimizer;
+    /// a schedule of another kind keeps an unused one); empty when no schedule watches.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub plateaus: Vec<crate::trainer::Plateau>,
 }
 
 /// The directory of the checkpoint taken after `step` steps.

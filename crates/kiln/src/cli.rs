@@ -80,6 +80,9 @@ pub struct PlotArgs {
     /// Height of each chart in pixels.
     #[arg(long, default_value_t = 600)]
     pub height: u32,
+    /// Draw the loss and metrics charts on a logarithmic y axis.
+    #[arg(long)]
+    pub log_y: bool,
 }
 
 /// `train flight`: where each rank was, from a run's flight records.
@@ -93,7 +96,7 @@ pub struct FlightArgs {
 /// Runs `train plot`: one line per chart, written or skipped.
 pub fn plot(args: &PlotArgs) -> Result<Vec<String>> {
     let out = args.out.clone().unwrap_or_else(|| args.run.join("plots"));
-    let outcomes = crate::plot::plot_run(&args.run, &out, args.width, args.height)?;
+    let outcomes = crate::plot::plot_run(&args.run, &out, args.width, args.height, args.log_y)?;
     Ok(outcomes
         .into_iter()
         .map(|o| match o {
@@ -403,8 +406,7 @@ pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) ->
                         .map(|n| n.to_string_lossy().into_owned())
                 })
                 .unwrap_or_else(|| "train".to_string());
-            let _ = writeln!(
-                std::io::stdout(),
+            say!(
                 "stopped by {signal} after step {}: checkpoint written; continue with `{program} \
                  --resume {}`",
                 s.steps,
@@ -412,11 +414,16 @@ pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) ->
             );
             return;
         }
+        if let Some(reason) = &s.stopped_early {
+            say!(
+                "stopped early after step {}: {reason}; checkpoint written",
+                s.steps
+            );
+        }
         let acc = s.val_accuracy.map_or(String::new(), |a| {
             format!(", val accuracy {:.2}%", a * 100.0)
         });
-        let _ = writeln!(
-            std::io::stdout(),
+        say!(
             "done: {} steps in {:.1}s ({:.0} samples/s), val loss {}{acc} → {}",
             s.steps,
             s.wall_seconds,

@@ -369,6 +369,9 @@ pub struct TrainConfig {
     /// checkpoint. Default: unset.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub best_metric: Option<String>,
+    /// Stop when a validation metric has not improved for `patience` validations in a row,
+    /// with a checkpoint (`[train.early_stopping]`). Default: unset.
+    pub early_stopping: Option<MetricWatch>,
     /// Assert after every step that all replicas hold identical parameters (slow; for tests;
     /// `zero3` keeps no replicas, so there it checks nothing).
     /// Default false.
@@ -390,6 +393,7 @@ impl Default for TrainConfig {
             skip_nonfinite: 0,
             checkpoint_on_signal: true,
             best_metric: None,
+            early_stopping: None,
             check_replicas: false,
         }
     }
@@ -467,6 +471,13 @@ pub enum ScheduleKind {
     Cosine,
     /// Linear decay to `min_lr_ratio × lr` at the last step.
     Linear,
+    /// Step decay: the rate times `gamma` every `step_size` steps (not below
+    /// `min_lr_ratio × lr`).
+    Step,
+    /// Reduce on plateau: the rate times `gamma` each time the validation metric of
+    /// `schedule.plateau` has not improved for `patience` validations in a row (not below
+    /// `min_lr_ratio × lr`).
+    Plateau,
 }
 
 /// `[schedule]`: learning-rate schedule.
@@ -477,8 +488,93 @@ pub struct ScheduleConfig {
     pub kind: ScheduleKind,
     /// Steps of linear warmup from 0 to the peak rate. Default 0.
     pub warmup_steps: usize,
-    /// Final rate as a fraction of the peak (cosine and linear). Default 0.1.
+    /// Final rate as a fraction of the peak (cosine and linear), and the floor of step decay
+    /// and reduce-on-plateau. Default 0.1.
     pub min_lr_ratio: f64,
+    /// Steps between two decays of `step`. Default 1000.
+    pub step_size: usize,
+    /// The factor of each decay (`step`, `plateau`). Default 0.1.
+    pub gamma: f64,
+    /// The validation metric `plateau` watches.
+    pub plateau: MetricWatch,
+}
+
+/// A validation metric a run watches (`train.early_stopping`, `schedule.plateau`): its name,
+/// which way is better, and what counts as an improvement.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricWatch {
+    /// `val_loss`, `val_accuracy` or `val_NAME` for a metric the model's step names.
+    /// Default `val_loss`.
+    pub metric: String,
+    /// `min` (lower is better), `max`, or `auto`: `max` for accuracy, `min` otherwise.
+    /// Default `auto`.
+    pub mode: MetricMode,
+    /// Validations in a row without an improvement before acting. Default 3.
+    pub patience: usize,
+    /// How much a value must beat the best by to count as an improvement. Default 0.
+    pub min_delta: f64,
+}
+
+impl Default for MetricWatch {
+    fn default() -> Self {
+        Self {
+            metric: "val_loss".into(),
+            mode: MetricMode::Auto,
+            patience: 3,
+            min_delta: 0.0,
+        }
+    }
+}
+
+impl MetricWatch {
+    /// Whether a higher value is better.
+    pub fn maximize(&self) -> bool {
+        match self.mode {
+            MetricMode::Max => true,
+            MetricMode::Min => false,
+            MetricMode::Auto => self.metric.ends_with("accuracy"),
+        }
+    }
+
+    /// Rejects a watch that cannot work; `key` is where it is configured.
+    pub fn check(&self, key: &str) -> Result<()> {
+        if !self.metric.starts_with("val_") || self.metric.len() == 4 {
+            return bad(
+                &format!("{key}.metric"),
+                format!(
+                    "expected a validation metric (\"val_loss\", \"val_accuracy\" or \
+                     \"val_NAME\"), got {:?}",
+                    self.metric
+                ),
+            );
+        }
+        if self.patience == 0 {
+            return bad(
+                &format!("{key}.patience"),
+                "must be at least 1, got 0".into(),
+            );
+        }
+        if !(self.min_delta.is_finite() && self.min_delta >= 0.0) {
+            return bad(
+                &format!("{key}.min_delta"),
+                format!("must be a number >= 0, got {}", self.min_delta),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Which way a watched metric improves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MetricMode {
+    /// `max` for a name ending in `accuracy`, `min` otherwise.
+    Auto,
+    /// Lower is better.
+    Min,
+    /// Higher is better.
+    Max,
 }
 
 impl Default for ScheduleConfig {
@@ -487,6 +583,9 @@ impl Default for ScheduleConfig {
             kind: ScheduleKind::Constant,
             warmup_steps: 0,
             min_lr_ratio: 0.1,
+            step_size: 1000,
+            gamma: 0.1,
+            plateau: MetricWatch::default(),
         }
     }
 }
@@ -793,6 +892,9 @@ impl TrainConfig {
                 format!("expected \"val_loss\" or \"val_accuracy\", got {m:?}"),
             );
         }
+        if let Some(w) = &self.early_stopping {
+            w.check("train.early_stopping")?;
+        }
         if let Some(c) = self.grad_clip
             && !(c.is_finite() && c > 0.0)
         {
@@ -1003,6 +1105,22 @@ fn check_optim(prefix: &str, optim: &OptimConfig, schedule: &ScheduleConfig) -> 
             "schedule.min_lr_ratio",
             format!("must be in [0, 1], got {}", schedule.min_lr_ratio),
         );
+    }
+    if matches!(schedule.kind, ScheduleKind::Step | ScheduleKind::Plateau)
+        && !(schedule.gamma > 0.0 && schedule.gamma < 1.0)
+    {
+        return bad(
+            "schedule.gamma",
+            format!("must be in (0, 1), got {}", schedule.gamma),
+        );
+    }
+    if schedule.kind == ScheduleKind::Step && schedule.step_size == 0 {
+        return bad("schedule.step_size", "must be at least 1, got 0".into());
+    }
+    if schedule.kind == ScheduleKind::Plateau {
+        schedule
+            .plateau
+            .check(&format!("{prefix}schedule.plateau"))?;
     }
     Ok(())
 }

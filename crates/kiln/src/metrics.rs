@@ -169,6 +169,9 @@ pub struct Summary {
     /// The signal that stopped the run early (after a checkpoint), if one did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped_by: Option<String>,
+    /// Why early stopping ended the run before its last step (after a checkpoint), if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped_early: Option<String>,
     /// Parallel strategy.
     pub strategy: String,
     /// Numeric precision.
@@ -281,10 +284,7 @@ impl Progress {
     fn line(&self, line: String) {
         match &self.printer {
             Some(p) => p.print(line),
-            // A reader that went away (`train | head`) costs the lines, not the run.
-            None => {
-                let _ = writeln!(std::io::stdout(), "{line}");
-            }
+            None => say!("{line}"),
         }
     }
 

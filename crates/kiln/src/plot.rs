@@ -32,8 +32,15 @@ pub enum Outcome {
 }
 
 /// Draws the charts of the run in `run_dir` into `out_dir` (created if missing), each
-/// `width` × `height` pixels.
-pub fn plot_run(run_dir: &Path, out_dir: &Path, width: u32, height: u32) -> Result<Vec<Outcome>> {
+/// `width` × `height` pixels; `log_y` draws the loss and metrics charts' values on a
+/// logarithmic axis (values that are not positive are left out and counted in the legend).
+pub fn plot_run(
+    run_dir: &Path,
+    out_dir: &Path,
+    width: u32,
+    height: u32,
+    log_y: bool,
+) -> Result<Vec<Outcome>> {
     for (flag, v) in [("--width", width), ("--height", height)] {
         if !SIZE_RANGE.contains(&v) {
             return Err(Error::config(format!(
@@ -75,6 +82,11 @@ pub fn plot_run(run_dir: &Path, out_dir: &Path, width: u32, height: u32) -> Resu
     for chart in charts {
         match chart {
             Ok(chart) => {
+                let chart = if log_y && matches!(chart.name, "loss" | "metrics") {
+                    chart.log_y()
+                } else {
+                    chart
+                };
                 let path = out_dir.join(format!("{}.png", chart.name));
                 draw(&chart, &path, width, height)?;
                 outcomes.push(Outcome::Written(path));
@@ -118,6 +130,32 @@ struct Chart {
     series: Vec<Series>,
     /// Force the y axis to start at zero.
     from_zero: bool,
+    /// The points' y values are log10 of the values (the axis is labelled with the values).
+    log_y: bool,
+}
+
+impl Chart {
+    /// The chart on a logarithmic y axis: each point's y as its log10; a point whose value is
+    /// not positive cannot be drawn there and is left out, its series' label says how many.
+    fn log_y(mut self) -> Self {
+        for s in &mut self.series {
+            let before = s.points.len();
+            s.points = s
+                .points
+                .iter()
+                .filter(|p| p.1 > 0.0)
+                .map(|&(x, y)| (x, y.log10()))
+                .collect();
+            let left_out = before - s.points.len();
+            if left_out > 0 {
+                s.label += &format!(" ({left_out} values ≤ 0 not drawn)");
+            }
+        }
+        self.y_label += " (log scale)";
+        self.from_zero = false;
+        self.log_y = true;
+        self
+    }
 }
 
 type Built = std::result::Result<Chart, Outcome>;
@@ -158,6 +196,7 @@ fn loss_chart(records: &[Value]) -> Built {
         y_label: "loss".into(),
         series: s,
         from_zero: false,
+        log_y: false,
     })
 }
 
@@ -201,6 +240,7 @@ fn metrics_chart(records: &[Value]) -> Built {
         y_label: "value".into(),
         series: s,
         from_zero: false,
+        log_y: false,
     })
 }
 
@@ -231,6 +271,7 @@ fn throughput_chart(records: &[Value]) -> Built {
             series("smoothed", smooth),
         ],
         from_zero: true,
+        log_y: false,
     })
 }
 
@@ -291,6 +332,7 @@ fn system_chart(
         y_label: y_label.into(),
         series: s,
         from_zero: true,
+        log_y: false,
     })
 }
 
@@ -403,7 +445,7 @@ fn paint<DB: DrawingBackend>(
         .x_labels(8)
         .y_labels(8)
         .x_label_formatter(&|v| tick(*v))
-        .y_label_formatter(&|v| tick(*v))
+        .y_label_formatter(&|v| tick(if chart.log_y { 10f64.powf(*v) } else { *v }))
         .draw()?;
     let stroke = px(2.5).max(1) as u32;
     // Faint series first, so that the others are drawn over them.
@@ -626,6 +668,22 @@ mod tests {
         let (lo, hi) = range([10.0, 20.0].into_iter(), true);
         assert_eq!(lo, 0.0);
         assert!(hi > 20.0);
+    }
+
+    #[test]
+    fn a_log_axis_draws_positive_values_and_says_what_it_left_out() {
+        let records = vec![
+            json!({"step": 1, "split": "train", "loss": 100.0}),
+            json!({"step": 2, "split": "train", "loss": 0.01}),
+            json!({"step": 3, "split": "train", "loss": 0.0}),
+            json!({"step": 3, "split": "val", "loss": 1.0}),
+        ];
+        let chart = loss_chart(&records).unwrap().log_y();
+        assert!(chart.log_y);
+        assert_eq!(chart.series[0].points, [(1.0, 2.0), (2.0, -2.0)]);
+        assert_eq!(chart.series[0].label, "train (1 values ≤ 0 not drawn)");
+        assert_eq!(chart.series[1].points, [(3.0, 0.0)]);
+        assert_eq!(chart.y_label, "loss (log scale)");
     }
 
     #[test]

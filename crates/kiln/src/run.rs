@@ -137,13 +137,20 @@ where
         }
     }
 
-    // What the strategy refuses on this launch's ranks is refused before anything is written.
+    // What the strategy refuses on this launch's ranks, and of this model, is refused before
+    // anything is written: a refused run leaves no directory behind.
     let processes = crate::comm::processes();
     Setup::new(config, devices.len() * processes.count).check()?;
+    let mut settings =
+        TrainerSettings::from_config(config, devices.clone(), accelerator, config.run_dir());
+    settings.drop_last = info.drop_last;
+    settings.output.resume_from = options.resume_from.clone();
+    crate::trainer::check(workload, &settings)?;
     // A resume is checked against its checkpoint before anything in the run changes.
     let first = processes.index == 0;
     if let Some(checkpoint) = &options.resume_from {
-        let changed = check_resume(config, &info, workload, checkpoint, &devices[0])?;
+        let samples = crate::trainer::sampler(workload.train_len(), &settings)?.samples_per_step();
+        let changed = check_resume(config, &info, workload, checkpoint, samples, &devices[0])?;
         if options.verbose && first && !changed.is_empty() {
             say!(
                 "resuming {} with settings changed from the run's config: {}",
@@ -163,9 +170,7 @@ where
         Ok(run_dir.display().to_string())
     })?);
 
-    let mut settings = TrainerSettings::from_config(config, devices, accelerator, run_dir.clone());
-    settings.drop_last = info.drop_last;
-    settings.output.resume_from = options.resume_from.clone();
+    settings.output.run_dir = run_dir.clone();
     settings.output.progress = options.verbose && first;
     if options.verbose && first {
         print_table(config, workload, &settings, &run_dir, &info);
@@ -244,18 +249,20 @@ fn changed_keys(run_dir: &Path, config: &RootConfig, info: &RunInfo) -> Result<V
         .collect())
 }
 
-/// Checks that the checkpoint a resume starts from loads into the model `config` describes,
-/// before anything in the run directory changes; returns the settings changed from the run's
-/// config. A model the checkpoint does not fit is one error naming the changed keys.
+/// Checks that the checkpoint a resume starts from loads into the model `config` describes
+/// and took `samples_per_step` as this run will, before anything in the run directory
+/// changes; returns the settings changed from the run's config. A model the checkpoint does not fit is one error naming the changed keys.
 fn check_resume<W: Workload>(
     config: &RootConfig,
     info: &RunInfo,
     workload: &W,
     checkpoint: &Path,
+    samples_per_step: usize,
     device: &Device,
 ) -> Result<Vec<String>> {
     let run_dir = config.run_dir();
-    checkpoint::read_state(checkpoint)?;
+    let state = checkpoint::read_state(checkpoint)?;
+    crate::trainer::same_samples_per_step(checkpoint, &state, samples_per_step)?;
     let changed = changed_keys(&run_dir, config, info)?;
     let model = kiln_models::with_rng(|| workload.init_model(device));
     if let Err(e) = checkpoint::load_model(checkpoint, model) {

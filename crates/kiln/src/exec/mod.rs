@@ -19,6 +19,7 @@
 //! A pipeline stage needs the same step (backward of a segment from its saved input and an
 //! upstream gradient), which is why it is kept separate.
 
+pub mod draws;
 pub mod syncbn;
 
 use std::ops::Range;
@@ -172,13 +173,13 @@ where
                 "a parameter group's loss runs whole; the block walk takes one loss".into(),
             ));
         }
-        let out = model.group_step(group, batch);
+        let out = draws::forward(|| model.group_step(group, batch));
         let grads = GradientsParams::from_grads(objective(out.loss.clone()).backward(), &model);
         hooks.grads(&model, Part::All, grads)?;
         return Ok((detached(out), model));
     }
     if !walk {
-        let out = model.step(batch);
+        let out = draws::forward(|| model.step(batch));
         let grads = GradientsParams::from_grads(objective(out.loss.clone()).backward(), &model);
         hooks.grads(&model, Part::All, grads)?;
         return Ok((detached(out), model));
@@ -287,12 +288,12 @@ where
                 // A copy whose parameters need no gradient: its forward records no graph. It
                 // shares the model's tensors and buffers, so nothing is copied.
                 let input = x.detach();
-                x = model.clone().no_grad().block(i, input.clone());
+                x = draws::forward(|| model.clone().no_grad().block(i, input.clone()));
                 Saved::Recomputed(Box::new(input))
             }
             None => {
                 let input = x.detach().require_grad();
-                let output = model.block(i, input.clone());
+                let output = draws::forward(|| model.block(i, input.clone()));
                 x = output.clone().detach();
                 Saved::Kept(Box::new((input, output)))
             }
@@ -336,7 +337,7 @@ where
                     collect_floats(&model, false)
                 });
                 let input = input.require_grad();
-                let output = model.block(i, input.clone());
+                let output = draws::forward(|| model.block(i, input.clone()));
                 if let Some(values) = buffers {
                     sync_running_state(&model);
                     // Running states are shared between clones: restoring them on a clone
@@ -373,7 +374,7 @@ where
     M: BlockStack<B> + Module,
 {
     let top = x.detach().require_grad();
-    let out = BlockStack::head(model, top.clone(), batch);
+    let out = draws::forward(|| BlockStack::head(model, top.clone(), batch));
     let graph = objective(out.loss.clone()).backward();
     let upstream = top
         .grad(&graph)
@@ -393,9 +394,9 @@ pub fn stem_forward<B, M: BlockStack<B> + Module>(
     recompute: bool,
 ) -> (Activation, Option<Activation>) {
     if recompute {
-        (model.clone().no_grad().stem(batch), None)
+        (draws::forward(|| model.clone().no_grad().stem(batch)), None)
     } else {
-        let stem = model.stem(batch);
+        let stem = draws::forward(|| model.stem(batch));
         (stem.clone().detach(), Some(stem))
     }
 }
@@ -408,7 +409,7 @@ pub fn stem_backward<B, M: BlockStack<B> + Module>(
     graph: Option<Activation>,
     upstream: Activation,
 ) -> Option<GradientsParams> {
-    let stem = graph.unwrap_or_else(|| model.stem(batch));
+    let stem = graph.unwrap_or_else(|| draws::forward(|| model.stem(batch)));
     stem.is_tracked()
         .then(|| GradientsParams::from_grads(segment_backward(stem, upstream), model))
 }

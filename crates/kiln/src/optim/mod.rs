@@ -88,8 +88,9 @@ pub fn scaled_lr(config: &OptimConfig, world: usize, accumulate: usize) -> f64 {
     }
 }
 
-/// Learning rate as a pure function of the step, so that it needs no saved state beyond the
-/// step counter.
+/// Learning rate as a pure function of the step (and, for reduce-on-plateau, of the number
+/// of reductions so far, which the loop state saves), so that a resumed run needs nothing
+/// else to continue it.
 #[derive(Debug, Clone)]
 pub struct Schedule {
     peak: f64,
@@ -109,6 +110,12 @@ impl Schedule {
 
     /// The rate of optimizer step `step` (0-based).
     pub fn lr(&self, step: usize) -> f64 {
+        self.lr_after(step, 0)
+    }
+
+    /// The rate of optimizer step `step` (0-based) after a reduce-on-plateau schedule has
+    /// reduced it `reductions` times (other kinds ignore them).
+    pub fn lr_after(&self, step: usize, reductions: u32) -> f64 {
         let warmup = self.config.warmup_steps;
         if step < warmup {
             return self.peak * (step + 1) as f64 / warmup as f64;
@@ -116,13 +123,21 @@ impl Schedule {
         let min = self.peak * self.config.min_lr_ratio;
         let span = self.total_steps.saturating_sub(warmup).max(1);
         let t = ((step - warmup) as f64 / span as f64).min(1.0);
+        let decayed = |times: f64| (self.peak * self.config.gamma.powf(times)).max(min);
         match self.config.kind {
             ScheduleKind::Constant => self.peak,
             ScheduleKind::Linear => self.peak + (min - self.peak) * t,
             ScheduleKind::Cosine => {
                 min + 0.5 * (self.peak - min) * (1.0 + (std::f64::consts::PI * t).cos())
             }
+            ScheduleKind::Step => decayed(((step - warmup) / self.config.step_size) as f64),
+            ScheduleKind::Plateau => decayed(f64::from(reductions)),
         }
+    }
+
+    /// The validation metric this schedule watches (reduce-on-plateau), if any.
+    pub fn plateau(&self) -> Option<&crate::config::MetricWatch> {
+        (self.config.kind == ScheduleKind::Plateau).then_some(&self.config.plateau)
     }
 }
 
@@ -131,11 +146,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn step_decay_and_plateau_reductions_stop_at_the_floor() {
+        let step = ScheduleConfig {
+            kind: ScheduleKind::Step,
+            warmup_steps: 2,
+            step_size: 10,
+            gamma: 0.5,
+            min_lr_ratio: 0.2,
+            ..ScheduleConfig::default()
+        };
+        let s = Schedule::new(1.0, &step, 100);
+        assert_eq!(s.lr(1), 1.0);
+        assert_eq!(s.lr(11), 1.0);
+        assert_eq!(s.lr(12), 0.5);
+        assert_eq!(s.lr(22), 0.25);
+        assert_eq!(s.lr(32), 0.2, "the floor");
+        let plateau = ScheduleConfig {
+            kind: ScheduleKind::Plateau,
+            ..step
+        };
+        let p = Schedule::new(2.0, &plateau, 100);
+        assert_eq!(p.lr_after(50, 0), 2.0);
+        assert_eq!(p.lr_after(50, 1), 1.0);
+        assert_eq!(p.lr_after(50, 9), 0.4);
+        assert!(p.plateau().is_some() && s.plateau().is_none());
+    }
+
+    #[test]
     fn schedules_warm_up_and_decay_to_the_floor() {
         let cfg = ScheduleConfig {
             kind: ScheduleKind::Cosine,
             warmup_steps: 10,
             min_lr_ratio: 0.1,
+            ..ScheduleConfig::default()
         };
         let s = Schedule::new(1.0, &cfg, 110);
         assert!((s.lr(0) - 0.1).abs() < 1e-12);
@@ -149,6 +192,7 @@ mod tests {
                 kind: ScheduleKind::Linear,
                 warmup_steps: 0,
                 min_lr_ratio: 0.0,
+                ..ScheduleConfig::default()
             },
             100,
         );

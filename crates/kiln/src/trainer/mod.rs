@@ -12,6 +12,7 @@
 mod checkpointer;
 mod checks;
 mod log;
+mod plateau;
 mod settings;
 mod start;
 mod validate;
@@ -34,7 +35,9 @@ use crate::error::{Error, Result};
 use crate::metrics::Summary;
 use crate::monitor::{MonitorSetup, SystemMonitor};
 
+pub use plateau::Plateau;
 pub use settings::{OutputSettings, ParallelSettings, TrainerSettings};
+pub(crate) use start::same_samples_per_step;
 pub use worker::{FAULT_VAR, median};
 
 /// A model and its data, as the trainer sees them; nothing here knows about devices beyond
@@ -76,6 +79,15 @@ pub trait Workload: Sync {
     ) -> Option<Vec<usize>> {
         let _ = (micro_step, rank, world, batch);
         None
+    }
+    /// The learning rate of optimizer step `step` (0-based) for parameter group `group` (0
+    /// for a model with one optimizer), given `scheduled`, the rate `[schedule]` gives it: a
+    /// schedule of the workload's own, as any function of the step. It must depend on its
+    /// arguments only, so that a resumed run steps with the same rates. Defaults to
+    /// `scheduled`.
+    fn lr(&self, group: usize, step: usize, scheduled: f64) -> f64 {
+        let _ = (group, step);
+        scheduled
     }
     /// Tokens in one sample, for workloads that count throughput in tokens.
     fn tokens_per_sample(&self) -> Option<usize> {
@@ -139,17 +151,9 @@ pub fn sampler(train_len: usize, settings: &TrainerSettings) -> Result<Distribut
 /// Trains `workload` as `settings` say and returns the summary and the final model.
 pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Summary, W::Model)> {
     let setup = settings.setup();
-    setup.check()?;
-    let sampler = sampler(workload.train_len(), settings)?;
+    let sampler = preflight(workload, settings, &setup)?;
     let total = total_steps(&settings.train, sampler.steps_per_epoch());
     let p = &settings.parallel;
-    for (i, device) in p.devices.iter().enumerate() {
-        let label = match device.identity() {
-            Some(who) => format!("{i} ({})", who.name),
-            None => format!("{i} ({})", p.accelerator),
-        };
-        setup.policy.check_device(device, &label)?;
-    }
     let run_dir = &settings.output.run_dir;
     let first_process = p.processes.index == 0;
     if first_process {
@@ -182,6 +186,37 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
         &start,
         monitor.as_ref(),
     )
+}
+
+/// What [`fit`] refuses of `settings` and of `workload`'s model, checked without writing
+/// anything: a launcher calls it before it creates the run directory, so that a refused run
+/// leaves nothing behind.
+pub fn check<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<()> {
+    let setup = settings.setup();
+    preflight(workload, settings, &setup)?;
+    let device = settings.parallel.devices[0].clone().autodiff();
+    let model = kiln_models::with_rng(|| workload.init_model(&device));
+    checks::check_model::<W::Batch, _>(&model, settings, &setup)?;
+    start::probe(workload, settings, &setup).map(|_| ())
+}
+
+/// The refusals that need no model: the strategy's, the sampler's and the devices'.
+fn preflight<W: Workload>(
+    workload: &W,
+    settings: &TrainerSettings,
+    setup: &crate::strategy::Setup,
+) -> Result<DistributedSampler> {
+    setup.check()?;
+    let sampler = sampler(workload.train_len(), settings)?;
+    let p = &settings.parallel;
+    for (i, device) in p.devices.iter().enumerate() {
+        let label = match device.identity() {
+            Some(who) => format!("{i} ({})", who.name),
+            None => format!("{i} ({})", p.accelerator),
+        };
+        setup.policy.check_device(device, &label)?;
+    }
+    Ok(sampler)
 }
 
 /// How `settings` ask the collectives to be watched.

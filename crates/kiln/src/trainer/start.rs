@@ -30,6 +30,8 @@ pub(crate) struct Start {
     /// The model's parameter groups, in the order a step trains them (none for a model with
     /// one optimizer).
     pub groups: Vec<String>,
+    /// The model draws random numbers in a training forward (dropout).
+    pub draws: bool,
 }
 
 /// Builds the initial model, checks it against the settings and the strategy, and reads the
@@ -59,18 +61,22 @@ pub(super) fn prepare<W: Workload>(
         samples: 0,
         wall_seconds: 0.0,
         scaler: setup.policy.scaler(),
+        early: None,
+        plateaus: Vec::new(),
     };
     checks::check_model::<W::Batch, _>(&initial, settings, setup)?;
     let groups = kiln_models::TrainStep::<W::Batch>::param_groups(&initial)
         .into_iter()
         .map(|g| g.name)
         .collect();
+    let draws = probe(workload, settings, setup)?;
     let Some(dir) = &settings.output.resume_from else {
         return Ok(Start {
             weights: initial.into_record(),
             state,
             optim: None,
             groups,
+            draws,
         });
     };
     let (model, state, optim) = resume::<W::Batch, _>(dir, initial, state, settings)?;
@@ -79,7 +85,81 @@ pub(super) fn prepare<W: Workload>(
         state,
         optim: Some(optim),
         groups,
+        draws,
     })
+}
+
+/// One training forward of a fresh model (a forward in training mode moves BatchNorm's running
+/// statistics, so not the initial one) on the first two samples, in the precision the ranks
+/// compute in: whether the model draws random numbers in it (dropout), or the one-line error
+/// of a forward that cannot run in that precision (a tensor the model creates in the device's
+/// f32 meeting bf16 weights). It runs on a thread of its own, whose panic is reported here.
+pub(super) fn probe<W: Workload>(
+    workload: &W,
+    settings: &TrainerSettings,
+    setup: &Setup,
+) -> Result<bool> {
+    use kiln_models::TrainStep;
+    let device = settings.parallel.devices[0].clone().autodiff();
+    let policy = &setup.policy;
+    let run = || {
+        let model = kiln_models::with_rng(|| workload.init_model(&device));
+        let model = policy.master_model(model);
+        let model = policy.compute_copy(&model).unwrap_or(model);
+        let indices: Vec<usize> = (0..workload.train_len().min(2)).collect();
+        let groups = TrainStep::<W::Batch>::param_groups(&model).len();
+        let batch = |b| policy.cast_batch(b, |b, dtype| workload.cast_batch(b, dtype));
+        crate::exec::draws::model_draws(&device, &mut || {
+            if groups == 0 {
+                let _ = model.step(batch(workload.train_batch(&indices, &device)));
+            }
+            for g in 0..groups {
+                let b = batch(workload.train_batch_at(&indices, 0, &device));
+                let _ = model.group_step(g, b);
+            }
+        })
+    };
+    let outcome = std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            // Named as a worker: its panic is reported as one line, not by the default hook.
+            .name("kiln-worker-probe".into())
+            .spawn_scoped(scope, run)
+            .expect("spawn the probe thread")
+            .join()
+    });
+    outcome.map_err(|payload| {
+        let message = super::worker::panic_message(&payload);
+        let message = message.split_whitespace().collect::<Vec<_>>().join(" ");
+        if policy.compute != burn::tensor::FloatDType::F32 && message.contains("dtype") {
+            Error::config(format!(
+                "key `precision.mode`: {:?} runs the model in {:?}, but its forward mixed \
+                 dtypes ({message}): a float tensor the model creates on the device \
+                 (Tensor::zeros, ones, full, random, from_data) comes out in the device's F32; \
+                 create it in the dtype of the tensor it meets, e.g. \
+                 `Tensor::zeros(shape, (&device, x.dtype()))`, or use precision \"32\"",
+                policy.name(),
+                policy.compute,
+            ))
+        } else {
+            Error::Worker(format!(
+                "the model's first forward failed (on samples 0 and 1): {message}"
+            ))
+        }
+    })
+}
+
+/// Refuses to continue the checkpoint in `dir`, whose loop state is `saved`, with another
+/// number of samples per step than it took: the data order would not continue.
+pub(crate) fn same_samples_per_step(dir: &Path, saved: &LoopState, fresh: usize) -> Result<()> {
+    if saved.samples_per_step == fresh {
+        return Ok(());
+    }
+    Err(Error::checkpoint(format!(
+        "{}: checkpoint took {} samples per step, this run takes {fresh} (batch × devices × \
+         accumulation must match to continue the same data order)",
+        dir.display(),
+        saved.samples_per_step,
+    )))
 }
 
 /// The checkpoint in `dir` applied to a fresh start: its model, its position (with this run's
@@ -108,15 +188,7 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
         }
     }
     let mut state = checkpoint::read_state(dir)?;
-    if state.samples_per_step != fresh.samples_per_step {
-        return Err(Error::checkpoint(format!(
-            "{}: checkpoint took {} samples per step, this run takes {} (batch × devices × \
-             accumulation must match to continue the same data order)",
-            dir.display(),
-            state.samples_per_step,
-            fresh.samples_per_step
-        )));
-    }
+    same_samples_per_step(dir, &state, fresh.samples_per_step)?;
     let model = checkpoint::load_model(dir, model)?;
     // Fail before the workers start if an optimizer state does not fit the model.
     let groups = model.param_groups();

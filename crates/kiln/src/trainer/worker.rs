@@ -11,7 +11,8 @@ use burn::prelude::*;
 use kiln_models::StepOutput;
 
 use super::checkpointer::Checkpointer;
-use super::log::{Logger, LoggerParts, Times};
+use super::log::{Logger, LoggerParts, Scores, Times};
+use super::plateau::{self, Plateau};
 use super::start::Start;
 use super::validate::Validator;
 use super::{TrainerSettings, Workload};
@@ -21,6 +22,7 @@ use crate::comm::{Collective, pack};
 use crate::config::{RecomputeMode, name_of};
 use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
+use crate::exec::draws;
 use crate::metrics::{MetricsWriter, Progress, Summary};
 use crate::monitor::{SystemMonitor, Throughput, peak_tflops, process_memory_mib};
 use crate::optim::{Schedule, scaled_lr};
@@ -85,6 +87,7 @@ pub(super) fn run_all<W: Workload>(
                         _ => base,
                     },
                     monitor: monitor.filter(|_| rank == 0),
+                    draws: start.draws,
                 };
                 let finished = finished.clone();
                 std::thread::Builder::new()
@@ -204,6 +207,9 @@ pub(super) struct Worker<'a, W: Workload> {
     pub device: Device,
     /// The system monitor, on rank 0.
     monitor: Option<&'a SystemMonitor>,
+    /// The model draws random numbers in its forward: each forward is seeded from (seed, rank,
+    /// step) ([`crate::exec::draws`]).
+    draws: bool,
 }
 
 impl<W: Workload> Worker<'_, W> {
@@ -258,7 +264,7 @@ impl<W: Workload> Worker<'_, W> {
         let saver = Checkpointer::new(&self.settings.train, self.settings.output.run_dir.clone());
         let start_rss_mib = process_memory_mib("VmRSS");
         let (wall, started) = (state.wall_seconds, Instant::now());
-        let mut stopped_by = None;
+        let (mut stopped_by, mut stopped_early) = (None, None);
         while state.step < self.total {
             self.train_step(&mut state, &mut order, strategy, &mut log)?;
             let last = state.step == self.total;
@@ -269,15 +275,18 @@ impl<W: Workload> Worker<'_, W> {
             let save = saver.due(state.step, last, signal.is_some());
             let epoch_end = state.step_in_epoch == self.sampler.steps_per_epoch();
             let t = &self.settings.train;
+            let mut early = None;
             if val.due(&state, t, epoch_end, last, save && saver.scored()) {
                 let t0 = Instant::now();
                 let (scores, metrics) = self.validate(&strategy.full_model()?)?;
                 val.record(state.step, scores);
                 log.validation(&state, scores, &metrics)?;
+                early = self.watch(&mut state, scores, &metrics)?;
                 // Validation time does not count against training throughput.
                 log.exclude(t0.elapsed().as_secs_f64());
             }
-            if save {
+            // Early stopping ends the run with a checkpoint.
+            if save || (early.is_some() && !last) {
                 let t0 = Instant::now();
                 state.wall_seconds = wall + started.elapsed().as_secs_f64();
                 saver.save(strategy, &state, &val, self.comm.as_ref())?;
@@ -298,6 +307,12 @@ impl<W: Workload> Worker<'_, W> {
                 stopped_by = Some(crate::signal::name(signal));
                 break;
             }
+            if let Some(reason) = early
+                && !last
+            {
+                stopped_early = Some(reason);
+                break;
+            }
         }
         let ran = Ran {
             val,
@@ -305,8 +320,53 @@ impl<W: Workload> Worker<'_, W> {
             started,
             start_rss_mib,
             stopped_by,
+            stopped_early,
         };
         self.finish(strategy, state, log, ran)
+    }
+
+    /// Feeds a validation to the run's watches: a reduce-on-plateau schedule that acts lowers
+    /// its group's rate from the next step on; early stopping that acts returns why the run
+    /// stops. Every rank sees the same values, so every rank decides the same.
+    fn watch(
+        &self,
+        state: &mut LoopState,
+        scores: Scores,
+        named: &[(String, f64)],
+    ) -> Result<Option<String>> {
+        let step = state.step;
+        for (g, schedule) in self.schedules.iter().enumerate() {
+            let Some(w) = schedule.plateau() else {
+                continue;
+            };
+            let key = match self.groups.get(g) {
+                Some(name) => format!("groups.{name}.schedule.plateau"),
+                None => "schedule.plateau".to_string(),
+            };
+            let value = plateau::value(w, &key, scores, named)?;
+            if state.plateaus.len() < self.schedules.len() {
+                state
+                    .plateaus
+                    .resize(self.schedules.len(), Plateau::default());
+            }
+            let watch = &mut state.plateaus[g];
+            if watch.observe(w, value, step) && self.settings.output.progress {
+                let lr = schedule.lr_after(step, watch.acted);
+                say!(
+                    "step {step}: {}; the learning rate{} is now {lr:.3e}",
+                    watch.reason(w),
+                    self.groups
+                        .get(g)
+                        .map_or(String::new(), |n| format!(" of group {n}"))
+                );
+            }
+        }
+        let Some(w) = &self.settings.train.early_stopping else {
+            return Ok(None);
+        };
+        let value = plateau::value(w, "train.early_stopping", scores, named)?;
+        let early = state.early.get_or_insert_default();
+        Ok(early.observe(w, value, step).then(|| early.reason(w)))
     }
 
     /// One optimizer step: each parameter group's micro-steps and update in turn (one group
@@ -324,7 +384,16 @@ impl<W: Workload> Worker<'_, W> {
             state.step_in_epoch = 0;
             *order = self.sampler.epoch_order(state.epoch);
         }
-        let lrs: Vec<f64> = self.schedules.iter().map(|s| s.lr(state.step)).collect();
+        let lrs: Vec<f64> = self
+            .schedules
+            .iter()
+            .enumerate()
+            .map(|(g, s)| {
+                let reductions = state.plateaus.get(g).map_or(0, |p| p.acted);
+                self.workload
+                    .lr(g, state.step, s.lr_after(state.step, reductions))
+            })
+            .collect();
         state.lr = lrs[0];
         let micros = self.micros;
         let objective = objective(micros, state.scaler.as_ref().map(|s| s.scale as f32));
@@ -342,7 +411,13 @@ impl<W: Workload> Worker<'_, W> {
                 data += t0.elapsed().as_secs_f64();
                 batch
             });
-            let outs = strategy.micro_steps(&mut batches, micros, &objective)?;
+            if self.draws {
+                let seed = self.settings.seed;
+                draws::begin(seed, self.rank(), state.step, phase, &self.device);
+            }
+            let outs = strategy.micro_steps(&mut batches, micros, &objective);
+            draws::end();
+            let outs = outs?;
             drop(batches);
             if let Some(Fault::Slow(pause)) = self.fault(state.step + 1, true) {
                 // A straggler: its compute takes longer.
@@ -600,6 +675,7 @@ impl<W: Workload> Worker<'_, W> {
                 .collect(),
             processes: s.parallel.processes.count,
             stopped_by: ran.stopped_by,
+            stopped_early: ran.stopped_early,
         };
         // The exported model is f32 whatever the training precision.
         let model = self.policy.export(model);
@@ -617,6 +693,8 @@ struct Ran {
     started: Instant,
     start_rss_mib: Option<f64>,
     stopped_by: Option<String>,
+    /// Why early stopping ended the run, if it did.
+    stopped_early: Option<String>,
 }
 
 /// What a micro-batch's backward differentiates: its mean loss divided by the micro-batches of
@@ -683,7 +761,7 @@ pub fn median(values: &mut [f64]) -> Option<f64> {
     })
 }
 
-fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
+pub(super) fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {

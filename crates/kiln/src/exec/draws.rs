@@ -1,0 +1,132 @@
+//! The random numbers a model draws in its forward pass (dropout), made a function of
+//! (seed, rank, step, forward) so that a run resumes bit for bit and in-process devices do not
+//! race for them.
+//!
+//! A backend keeps one random state per process (Flex's and cubecl's alike), not one per
+//! device: the ranks of one process would take turns on it in whatever order their threads
+//! run, and nothing saves it in a checkpoint. So each forward of a model that draws seeds that
+//! state from its own key, under kiln-models' random-number lock, and runs while holding it:
+//! the forwards of a process's ranks then run one at a time (their backwards still run side by
+//! side). Whether a model draws at all is measured once at start ([`model_draws`]); a model
+//! that does not pays nothing.
+//!
+//! A forward that holds the lock cannot wait for another rank of its process, so a layout whose
+//! forward runs collectives (ZeRO-3's gathers, synchronised BatchNorm, the pipeline's sends)
+//! with several devices in one process keeps the backend's shared state: its draws are not
+//! reproducible, which the start-up notice says.
+
+use std::cell::RefCell;
+
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use kiln_datasets::rng::SplitMix64;
+
+/// The key of the forwards of one rank's optimizer step, how many have run, and the device
+/// whose backend they seed.
+struct Stream {
+    key: u64,
+    next: u64,
+    device: Device,
+}
+
+thread_local! {
+    static STREAM: RefCell<Option<Stream>> = const { RefCell::new(None) };
+}
+
+fn mix(parts: &[u64]) -> u64 {
+    parts.iter().fold(0x6b69_6c6e_u64, |acc, &p| {
+        SplitMix64::new(acc ^ p).next_u64()
+    })
+}
+
+/// From here on, each forward on this thread ([`forward`]) draws on `device` from its own
+/// seed: a function of `seed`, `rank`, optimizer step `step`, parameter group `phase` and the
+/// forward's number since this call.
+pub fn begin(seed: u64, rank: usize, step: usize, phase: usize, device: &Device) {
+    let key = mix(&[seed, rank as u64, step as u64, phase as u64]);
+    STREAM.set(Some(Stream {
+        key,
+        next: 0,
+        device: device.clone(),
+    }));
+}
+
+/// Forwards on this thread draw from the backend's shared state again.
+pub fn end() {
+    STREAM.set(None);
+}
+
+/// Runs `f`, one forward of a model (or of a part of it): seeded from the thread's stream and
+/// holding the process's random-number lock when a stream is set ([`begin`]), as it is
+/// otherwise. `f` must not wait for another rank.
+pub fn forward<R>(f: impl FnOnce() -> R) -> R {
+    let seeded = STREAM.with_borrow_mut(|stream| {
+        stream.as_mut().map(|s| {
+            s.next += 1;
+            (mix(&[s.key, s.next - 1]), s.device.clone())
+        })
+    });
+    let Some((seed, device)) = seeded else {
+        return f();
+    };
+    kiln_models::with_rng(|| {
+        device.seed(seed);
+        f()
+    })
+}
+
+/// Whether `forwards` draws random numbers on `device`: the backend's state after it differs
+/// from the state the same seed gives without it. Each closure runs one forward.
+pub fn model_draws(device: &Device, forwards: &mut dyn FnMut()) -> bool {
+    const PROBE: u64 = 0x6b69_6c6e_7072_6f62;
+    let sample = || {
+        Tensor::<1>::random([4], Distribution::Default, device)
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .unwrap_or_default()
+    };
+    kiln_models::with_rng(|| {
+        device.seed(PROBE);
+        let untouched = sample();
+        device.seed(PROBE);
+        forwards();
+        sample() != untouched
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forward_draws_from_its_key_and_nothing_else() {
+        let device = Device::flex();
+        let draw = || {
+            forward(|| {
+                Tensor::<1>::random([3], Distribution::Default, &device)
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .unwrap()
+            })
+        };
+        begin(7, 1, 5, 0, &device);
+        let (first, second) = (draw(), draw());
+        assert_ne!(first, second, "two forwards of a step draw differently");
+        // Other draws in between (another rank's) change nothing.
+        let _ = Tensor::<1>::random([9], Distribution::Default, &device).into_data();
+        begin(7, 1, 5, 0, &device);
+        assert_eq!(draw(), first);
+        assert_eq!(draw(), second);
+        begin(7, 0, 5, 0, &device);
+        assert_ne!(draw(), first, "another rank draws differently");
+        end();
+        assert!(model_draws(&device, &mut || {
+            let _ = Tensor::<1>::random([2], Distribution::Default, &device).into_data();
+        }));
+        assert!(!model_draws(&device, &mut || {
+            let _ = Tensor::<1>::zeros([2], &device).into_data();
+        }));
+    }
+}
