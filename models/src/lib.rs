@@ -10,6 +10,7 @@ pub mod blocks;
 pub mod convnet;
 pub mod gpt;
 pub mod load;
+pub mod metric;
 pub mod mlp;
 
 pub use blocks::{Activation, BlockStack};
@@ -19,6 +20,7 @@ pub use load::{
     Classifier, LoadError, ModelKind, ModelSection, ModelSpec, load_classifier, load_gpt_run,
     load_run, read_spec, save_safetensors,
 };
+pub use metric::{Combine, SetMetric};
 pub use mlp::{Mlp, MlpConfig};
 
 use burn::prelude::*;
@@ -90,6 +92,10 @@ pub struct StepOutput {
     /// `[1]`: the trainer averages them over micro-batches and ranks and logs them beside the
     /// loss, in training and in validation.
     pub metrics: Vec<(String, Tensor<1>)>,
+    /// Metrics over the whole validation set (R², AUC): this batch's parts, which the trainer
+    /// combines over every batch and rank before it computes them. Validation only; a
+    /// training step's are ignored.
+    pub set_metrics: Vec<SetMetric>,
 }
 
 impl StepOutput {
@@ -100,6 +106,7 @@ impl StepOutput {
             correct: None,
             samples,
             metrics: Vec::new(),
+            set_metrics: Vec::new(),
         }
     }
 
@@ -112,6 +119,13 @@ impl StepOutput {
     /// This output with one more named scalar (a mean over the batch, shape `[1]`).
     pub fn with_metric(mut self, name: impl Into<String>, value: Tensor<1>) -> Self {
         self.metrics.push((name.into(), value));
+        self
+    }
+
+    /// This output with the batch's part of a metric over the whole validation set
+    /// ([`SetMetric::r2`], [`SetMetric::auc`], or one's own).
+    pub fn with_set_metric(mut self, metric: SetMetric) -> Self {
+        self.set_metrics.push(metric);
         self
     }
 }

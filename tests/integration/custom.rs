@@ -386,3 +386,149 @@ fn a_workload_sets_the_rate_as_a_function_of_the_step() {
         assert!((lr - want).abs() < 1e-15, "step {step}: {lr} vs {want}");
     }
 }
+
+/// A regression of one's own: the digit's value from its pixels, scored over the whole
+/// validation set by R² and by the AUC of "is it 5 or more".
+#[derive(Module, Debug)]
+struct Regression {
+    linear: Linear,
+}
+
+impl Regression {
+    fn predict(&self, images: Tensor<4>) -> Tensor<1> {
+        let x: Tensor<2> = images.flatten(1, 3);
+        self.linear.forward(x).cast(FloatDType::F32).flatten(0, 1)
+    }
+}
+
+impl TrainStep<ImageBatch> for Regression {
+    fn step(&self, batch: ImageBatch) -> StepOutput {
+        let samples = batch.targets.dims()[0];
+        let predictions = self.predict(batch.images);
+        let targets = batch.targets.float().div_scalar(9.0);
+        let loss = (predictions.clone() - targets.clone())
+            .powi_scalar(2)
+            .mean();
+        let high = targets.clone().greater_equal_elem(5.0 / 9.0).float();
+        StepOutput::new(loss, samples)
+            .with_set_metric(kiln::SetMetric::r2("r2", predictions.clone(), targets))
+            .with_set_metric(kiln::SetMetric::auc("auc", predictions, high))
+    }
+}
+
+impl BlockStack<ImageBatch> for Regression {}
+
+struct RegressionDigits(TinyDigits);
+
+impl Workload for RegressionDigits {
+    type Model = Regression;
+    type Batch = ImageBatch;
+
+    fn init_model(&self, device: &Device) -> Regression {
+        Regression {
+            linear: LinearConfig::new(64, 1).init(device),
+        }
+    }
+    fn train_len(&self) -> usize {
+        self.0.train_len()
+    }
+    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
+        self.0.train_batch(indices, device)
+    }
+    fn eval_len(&self) -> usize {
+        self.0.eval_len()
+    }
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
+        self.0.eval_batch(range, device)
+    }
+    fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
+        self.0.cast_batch(batch, dtype)
+    }
+}
+
+#[test]
+fn whole_set_metrics_equal_a_direct_computation_on_one_and_three_devices() {
+    let dir = temp_dir("custom-set-metrics");
+    let splits = kiln_datasets::digits();
+    let device = Device::flex();
+    for (devices, batch) in [(1, 24), (3, 8)] {
+        let config = small_config(
+            &dir.join(format!("run-{devices}")),
+            &[
+                &format!("hardware.devices={devices}"),
+                &format!("train.batch_size={batch}"),
+                "train.max_steps=60",
+                "optim.lr=0.02",
+            ],
+        );
+        let workload = RegressionDigits(TinyDigits(kiln_datasets::digits()));
+        let result = train_workload(
+            &config.kiln,
+            &RunOptions::default(),
+            &workload,
+            RunInfo::default(),
+            |_| Ok(()),
+        )
+        .unwrap();
+        let last = crate::common::metrics(&result.dir, "val").pop().unwrap();
+        let (r2, auc) = (last["r2"].as_f64().unwrap(), last["auc"].as_f64().unwrap());
+
+        // The same over every validation sample at once, in f64.
+        let model = workload
+            .init_model(&device)
+            .try_load_file(result.dir.join("model.bpk"))
+            .unwrap();
+        let indices: Vec<usize> = (0..splits.test.len()).collect();
+        let b = kiln::data::ImageBatcher::new(device.clone()).batch(&splits.test, &indices);
+        let p: Vec<f64> = model
+            .predict(b.images)
+            .into_data()
+            .convert::<f64>()
+            .try_into_vec()
+            .unwrap();
+        let y: Vec<f64> = b
+            .targets
+            .into_data()
+            .convert::<f64>()
+            .try_into_vec::<f64>()
+            .unwrap()
+            .into_iter()
+            .map(|t| t / 9.0)
+            .collect();
+        let mean = y.iter().sum::<f64>() / y.len() as f64;
+        let sse: f64 = y.iter().zip(&p).map(|(y, p)| (y - p).powi(2)).sum();
+        let sst: f64 = y.iter().map(|y| (y - mean).powi(2)).sum();
+        let direct_r2 = 1.0 - sse / sst;
+        let (mut ordered, mut pairs) = (0.0, 0.0);
+        for (pi, yi) in p.iter().zip(&y) {
+            for (pj, yj) in p.iter().zip(&y) {
+                if *yi >= 5.0 / 9.0 && *yj < 5.0 / 9.0 {
+                    pairs += 1.0;
+                    ordered += if pi > pj {
+                        1.0
+                    } else if pi == pj {
+                        0.5
+                    } else {
+                        0.0
+                    };
+                }
+            }
+        }
+        let direct_auc = ordered / pairs;
+        println!(
+            "{devices} devices: r2 {r2} (direct {direct_r2}), auc {auc} (direct {direct_auc})"
+        );
+        assert!(
+            (r2 - direct_r2).abs() < 1e-5,
+            "{devices}: r2 {r2} vs {direct_r2}"
+        );
+        assert!(
+            (auc - direct_auc).abs() < 1e-6,
+            "{devices}: auc {auc} vs {direct_auc}"
+        );
+        assert!(
+            direct_r2 > 0.0 && direct_auc > 0.5,
+            "the model learnt something"
+        );
+    }
+}

@@ -51,6 +51,8 @@ pub use app::{App, UserConfig};
 pub use config::RootConfig;
 pub use error::{Error, Result};
 // What a model of one's own implements, and how it is trained.
-pub use kiln_models::{Activation, BlockStack, ParamGroup, StepOutput, TrainStep, param_ids};
+pub use kiln_models::{
+    Activation, BlockStack, Combine, ParamGroup, SetMetric, StepOutput, TrainStep, param_ids,
+};
 pub use run::{RunInfo, RunOptions, RunResult, train_workload};
 pub use trainer::Workload;

@@ -220,6 +220,8 @@ pub(crate) fn detached(out: StepOutput) -> StepOutput {
             .into_iter()
             .map(|(name, v)| (name, v.detach().cast(burn::tensor::FloatDType::F32)))
             .collect(),
+        // Whole-set metrics are validation's; a training step's hold nothing.
+        set_metrics: Vec::new(),
         ..out
     }
 }
