@@ -532,3 +532,118 @@ fn whole_set_metrics_equal_a_direct_computation_on_one_and_three_devices() {
         );
     }
 }
+
+/// An event as a callback saw it: kind, step, the names of the values, the model's weights.
+type Seen = (kiln::EventKind, usize, Vec<String>, Vec<Vec<f32>>);
+
+/// `TinyDigits` with callbacks that write down what they see (and fail at step `fail_at`).
+struct Watching {
+    inner: TinyDigits,
+    seen: std::sync::Mutex<Vec<Seen>>,
+    fail_at: Option<usize>,
+}
+
+impl Workload for Watching {
+    type Model = Tiny;
+    type Batch = ImageBatch;
+
+    fn init_model(&self, device: &Device) -> Tiny {
+        self.inner.init_model(device)
+    }
+    fn train_len(&self) -> usize {
+        self.inner.train_len()
+    }
+    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
+        self.inner.train_batch(indices, device)
+    }
+    fn eval_len(&self) -> usize {
+        self.inner.eval_len()
+    }
+    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
+        self.inner.eval_batch(range, device)
+    }
+    fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
+        self.inner.cast_batch(batch, dtype)
+    }
+    fn events(&self) -> &[kiln::EventKind] {
+        &[
+            kiln::EventKind::Logged,
+            kiln::EventKind::Validated,
+            kiln::EventKind::EpochEnd,
+        ]
+    }
+    fn on_event(&self, event: &kiln::Event<'_>, model: &Tiny) -> kiln::Result<()> {
+        if self.fail_at == Some(event.step) {
+            return Err(kiln::Error::Training(format!(
+                "my callback refuses step {}",
+                event.step
+            )));
+        }
+        let names = event.metrics.iter().map(|(n, _)| n.clone()).collect();
+        let weights = kiln::trainer::parameter_values(model);
+        self.seen
+            .lock()
+            .unwrap()
+            .push((event.kind, event.step, names, weights));
+        Ok(())
+    }
+}
+
+#[test]
+fn callbacks_see_logged_steps_validations_and_epoch_ends_with_the_model() {
+    use kiln::EventKind::{EpochEnd, Logged, Validated};
+    let dir = temp_dir("custom-callbacks");
+    // 1437 samples, 2 × 128 per step: 6 steps an epoch (the last wraps around).
+    let o = [
+        "hardware.devices=2",
+        "train.batch_size=128",
+        "train.max_steps=7",
+        "train.log_every=2",
+        "train.val_every=4",
+        "train.epochs=0",
+    ];
+    let workload = Watching {
+        inner: TinyDigits(kiln_datasets::digits()),
+        seen: Default::default(),
+        fail_at: None,
+    };
+    let result = train_workload(
+        &small_config(&dir.join("run"), &o).kiln,
+        &RunOptions::default(),
+        &workload,
+        RunInfo::default(),
+        |_| Ok(()),
+    )
+    .unwrap();
+    let seen = workload.seen.into_inner().unwrap();
+    let steps = |kind| -> Vec<usize> { seen.iter().filter(|e| e.0 == kind).map(|e| e.1).collect() };
+    assert_eq!(steps(Logged), [2, 4, 6, 7]);
+    assert_eq!(steps(Validated), [4, 6, 7]);
+    assert_eq!(steps(EpochEnd), [6]);
+    let names = |kind| seen.iter().find(|e| e.0 == kind).unwrap().2.clone();
+    assert_eq!(names(Logged), ["loss", "lr", "samples_per_sec"]);
+    assert_eq!(names(Validated), ["loss", "accuracy"]);
+    // The model a callback sees is the run's: after the last step, the exported weights.
+    let last = &seen.last().unwrap().3;
+    let exported = Tiny::new(&Device::flex())
+        .try_load_file(result.dir.join("model.bpk"))
+        .unwrap();
+    assert_eq!(last, &kiln::trainer::parameter_values(&exported));
+
+    // A callback's error ends the run on every rank, naming it.
+    let failing = Watching {
+        inner: TinyDigits(kiln_datasets::digits()),
+        seen: Default::default(),
+        fail_at: Some(4),
+    };
+    let e = train_workload(
+        &small_config(&dir.join("failing"), &o).kiln,
+        &RunOptions::default(),
+        &failing,
+        RunInfo::default(),
+        |_| Ok(()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("my callback refuses step 4"), "{e}");
+}

@@ -55,4 +55,4 @@ pub use kiln_models::{
     Activation, BlockStack, Combine, ParamGroup, SetMetric, StepOutput, TrainStep, param_ids,
 };
 pub use run::{RunInfo, RunOptions, RunResult, train_workload};
-pub use trainer::Workload;
+pub use trainer::{Event, EventKind, Workload};

@@ -170,12 +170,12 @@ impl<'a> Logger<'a> {
     }
 
     /// The training record of the window that ends at `state`'s step, with what `strategy`
-    /// adds; every rank calls it.
+    /// adds; every rank calls it. Returns the values a callback sees.
     pub fn log<M, B>(
         &mut self,
         state: &LoopState,
         strategy: &mut dyn Strategy<M, B>,
-    ) -> Result<()> {
+    ) -> Result<Vec<(String, f64)>> {
         let phases = self.lrs.len();
         let w = &mut self.window;
         let elapsed = w.started.elapsed().as_secs_f64() - w.excluded;
@@ -268,7 +268,13 @@ impl<'a> Logger<'a> {
             );
         }
         self.window = Window::new(phases);
-        Ok(())
+        let mut logged = vec![
+            ("loss".to_string(), loss),
+            ("lr".to_string(), lr),
+            ("samples_per_sec".to_string(), rate),
+        ];
+        logged.extend(named);
+        Ok(logged)
     }
 
     /// The slowest rank by compute time per step in this window of `steps` steps (`compute`,

@@ -103,6 +103,17 @@ pub trait Workload: Sync {
     fn snapshot_every(&self) -> Option<usize> {
         None
     }
+    /// The events [`Workload::on_event`] is called for; none, the default.
+    fn events(&self) -> &[EventKind] {
+        &[]
+    }
+    /// A callback: called on rank 0 at each event of [`Workload::events`] with what was just
+    /// logged and the whole model (its weights in f32, in evaluation mode). An error ends the
+    /// run like any rank's failure.
+    fn on_event(&self, event: &Event<'_>, model: &Self::Model) -> Result<()> {
+        let _ = (event, model);
+        Ok(())
+    }
     /// Writes what the workload shows of the model at `step` (a grid of generated images,
     /// reconstructions) into `run_dir`; called on rank 0 with the whole model, its weights in
     /// f32.
@@ -110,6 +121,34 @@ pub trait Workload: Sync {
         let _ = (step, model, run_dir);
         Ok(())
     }
+}
+
+/// When a workload's callback runs ([`Workload::on_event`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    /// After a step whose training metrics were logged (every `train.log_every` steps and
+    /// the last).
+    Logged,
+    /// After a validation.
+    Validated,
+    /// After the last step of an epoch (and its validation).
+    EpochEnd,
+}
+
+/// What a workload's callback sees.
+#[derive(Debug, Clone, Copy)]
+pub struct Event<'a> {
+    /// Which event.
+    pub kind: EventKind,
+    /// Optimizer steps taken.
+    pub step: usize,
+    /// The epoch of the step.
+    pub epoch: usize,
+    /// The values just logged, means over the ranks: after a logged step `loss`, `lr`,
+    /// `samples_per_sec` and the step's named metrics; after a validation `loss`, `accuracy`
+    /// (for a model that counts correct predictions) and its named and whole-set metrics;
+    /// nothing at an epoch's end.
+    pub metrics: &'a [(String, f64)],
 }
 
 /// How many optimizer steps a run of this length takes.

@@ -15,7 +15,7 @@ use super::log::{Logger, LoggerParts, Scores, Times};
 use super::plateau::{self, Plateau};
 use super::start::Start;
 use super::validate::Validator;
-use super::{TrainerSettings, Workload};
+use super::{EventKind, TrainerSettings, Workload};
 use crate::checkpoint::{self, LoopState};
 use crate::comm::watch::{Recorder, Watchdog, watched};
 use crate::comm::{Collective, pack};
@@ -269,7 +269,8 @@ impl<W: Workload> Worker<'_, W> {
             self.train_step(&mut state, &mut order, strategy, &mut log)?;
             let last = state.step == self.total;
             if log.due(state.step, last) {
-                log.log(&state, strategy)?;
+                let logged = log.log(&state, strategy)?;
+                self.notify(EventKind::Logged, &state, &logged, strategy)?;
             }
             let signal = self.agreed_signal(last)?;
             let save = saver.due(state.step, last, signal.is_some());
@@ -282,8 +283,15 @@ impl<W: Workload> Worker<'_, W> {
                 val.record(state.step, scores);
                 log.validation(&state, scores, &metrics)?;
                 early = self.watch(&mut state, scores, &metrics)?;
+                let mut values = vec![("loss".to_string(), scores.0)];
+                values.extend(scores.1.map(|a| ("accuracy".to_string(), a)));
+                values.extend(metrics);
+                self.notify(EventKind::Validated, &state, &values, strategy)?;
                 // Validation time does not count against training throughput.
                 log.exclude(t0.elapsed().as_secs_f64());
+            }
+            if epoch_end {
+                self.notify(EventKind::EpochEnd, &state, &[], strategy)?;
             }
             // Early stopping ends the run with a checkpoint.
             if save || (early.is_some() && !last) {
@@ -323,6 +331,32 @@ impl<W: Workload> Worker<'_, W> {
             stopped_early,
         };
         self.finish(strategy, state, log, ran)
+    }
+
+    /// Runs the workload's callback for `kind` if it asked for it: every rank builds the
+    /// whole model (ZeRO-3 and a pipeline gather it), rank 0 calls it.
+    fn notify(
+        &self,
+        kind: EventKind,
+        state: &LoopState,
+        metrics: &[(String, f64)],
+        strategy: &mut dyn Strategy<W::Model, W::Batch>,
+    ) -> Result<()> {
+        if !self.workload.events().contains(&kind) {
+            return Ok(());
+        }
+        let model = strategy.full_model()?;
+        if self.rank() != 0 {
+            return Ok(());
+        }
+        let event = super::Event {
+            kind,
+            step: state.step,
+            epoch: state.epoch,
+            metrics,
+        };
+        let model = self.policy.export(model).valid();
+        self.workload.on_event(&event, &model)
     }
 
     /// Feeds a validation to the run's watches: a reduce-on-plateau schedule that acts lowers
