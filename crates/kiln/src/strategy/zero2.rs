@@ -4,16 +4,18 @@
 //! walk ([`crate::exec`]), keeping each block's activations unless `recompute` says otherwise:
 //! each part's gradients (the head's, each block's, the stem's) are reduce-scattered as soon as
 //! its backward is done and then dropped. A rank holds at most its gradient shard plus one
-//! unit's whole gradient. With accumulation the reduce-scatter runs on every micro-step (the
+//! unit's whole gradient. A model that describes no blocks is refused: its whole gradient
+//! would exist at once beside the shard (`zero1` shards its optimizer state). With
+//! accumulation the reduce-scatter runs on every micro-step (the
 //! rank keeps no whole gradient to accumulate into), as DeepSpeed's stage 2 does.
 
 use burn::module::Module;
 
 use super::core::{Core, Norm};
 use super::replica::{Held, Reduction, Replica, step_shard};
-use super::{Estimate, Rules, Setup, replicated_estimate};
+use super::{Estimate, ModelFacts, Rules, Setup, replicated_estimate};
 use crate::config::OptimConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::params::FlatLayout;
 use crate::precision::LossScaler;
 
@@ -21,6 +23,20 @@ use crate::precision::LossScaler;
 pub struct Zero2;
 
 impl Rules for Zero2 {
+    fn check_model(&self, model: &ModelFacts, _setup: &Setup) -> Result<()> {
+        if model.blocks == 0 {
+            return Err(Error::config(
+                "key `strategy.name`: \"zero2\" reduce-scatters each block's gradients as its \
+                 backward ends, so that a rank holds one block's whole gradient besides its \
+                 shard; this model describes no blocks (its BlockStack's num_blocks is 0), so \
+                 its whole gradient would exist at once next to the shard, more than ddp holds; \
+                 describe its blocks, or use strategy \"zero1\" (optimizer state sharded, \
+                 gradients as ddp)",
+            ));
+        }
+        Ok(())
+    }
+
     fn describe(&self, setup: &Setup) -> String {
         format!(
             "zero2 (gradients and optimizer state sharded over {}; each block's gradients \

@@ -56,7 +56,7 @@ impl Rules for Zero3 {
             return Err(Error::config(
                 "key `strategy.name`: \"zero3\" gathers the model block by block, but this \
                  model describes no blocks (its BlockStack's num_blocks is 0); describe the \
-                 blocks, or use strategy \"zero2\"",
+                 blocks, or use strategy \"zero1\"",
             ));
         }
         // `recompute.mode = "blocks"` refuses a model with dropout in its own words, first.
