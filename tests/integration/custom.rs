@@ -546,6 +546,7 @@ struct Watching {
     inner: TinyDigits,
     seen: std::sync::Mutex<Vec<Seen>>,
     fail_at: Option<usize>,
+    drop_last: bool,
 }
 
 impl Workload for Watching {
@@ -569,6 +570,12 @@ impl Workload for Watching {
     }
     fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
         self.inner.cast_batch(batch, dtype)
+    }
+    fn drop_last(&self) -> bool {
+        self.drop_last
+    }
+    fn describe(&self) -> Vec<(String, String)> {
+        vec![("data".into(), "the embedded digits, watched".into())]
     }
     fn events(&self) -> &[kiln::EventKind] {
         &[
@@ -611,6 +618,7 @@ fn callbacks_see_logged_steps_validations_and_epoch_ends_with_the_model() {
         inner: TinyDigits(kiln_datasets::digits()),
         seen: Default::default(),
         fail_at: None,
+        drop_last: false,
     };
     let result = train_workload(
         &small_config(&dir.join("run"), &o).kiln,
@@ -640,6 +648,7 @@ fn callbacks_see_logged_steps_validations_and_epoch_ends_with_the_model() {
         inner: TinyDigits(kiln_datasets::digits()),
         seen: Default::default(),
         fail_at: Some(4),
+        drop_last: false,
     };
     let e = train_workload(
         &small_config(&dir.join("failing"), &o).kiln,
@@ -651,4 +660,27 @@ fn callbacks_see_logged_steps_validations_and_epoch_ends_with_the_model() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("my callback refuses step 4"), "{e}");
+
+    // A workload that drops the last incomplete batch has 5 steps an epoch.
+    let dropping = Watching {
+        inner: TinyDigits(kiln_datasets::digits()),
+        seen: Default::default(),
+        fail_at: None,
+        drop_last: true,
+    };
+    train_workload(
+        &small_config(&dir.join("drop-last"), &o).kiln,
+        &RunOptions::default(),
+        &dropping,
+        RunInfo::default(),
+        |_| Ok(()),
+    )
+    .unwrap();
+    let seen = dropping.seen.into_inner().unwrap();
+    let ends: Vec<usize> = seen
+        .iter()
+        .filter(|e| e.0 == EpochEnd)
+        .map(|e| e.1)
+        .collect();
+    assert_eq!(ends, [5]);
 }

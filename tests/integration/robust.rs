@@ -465,7 +465,8 @@ fn a_resume_the_checkpoint_cannot_take_names_the_key_and_changes_nothing() {
     let stdout = String::from_utf8_lossy(&resumed.stdout);
     assert!(resumed.status.success(), "{stdout}");
     assert!(
-        stdout.contains("changed from the run's config: optim.lr 0.001 → 0.002"),
+        stdout.contains("from step 4 (")
+            && stdout.contains("changed from the run's config: optim.lr 0.001 → 0.002"),
         "{stdout}"
     );
     assert_eq!(kiln::checkpoint::latest(&run).unwrap().0, 6);

@@ -143,19 +143,28 @@ where
     Setup::new(config, devices.len() * processes.count).check()?;
     let mut settings =
         TrainerSettings::from_config(config, devices.clone(), accelerator, config.run_dir());
-    settings.drop_last = info.drop_last;
+    settings.drop_last = info.drop_last || workload.drop_last();
     settings.output.resume_from = options.resume_from.clone();
     crate::trainer::check(workload, &settings)?;
     // A resume is checked against its checkpoint before anything in the run changes.
     let first = processes.index == 0;
     if let Some(checkpoint) = &options.resume_from {
         let samples = crate::trainer::sampler(workload.train_len(), &settings)?.samples_per_step();
-        let changed = check_resume(config, &info, workload, checkpoint, samples, &devices[0])?;
-        if options.verbose && first && !changed.is_empty() {
+        let (step, changed) =
+            check_resume(config, &info, workload, checkpoint, samples, &devices[0])?;
+        if options.verbose && first {
+            let changes = if changed.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; settings changed from the run's config: {}",
+                    changed.join("; ")
+                )
+            };
             say!(
-                "resuming {} with settings changed from the run's config: {}",
+                "resuming {} from step {step} ({}){changes}",
                 config.run_dir().display(),
-                changed.join("; ")
+                checkpoint.display()
             );
         }
     }
@@ -251,7 +260,7 @@ fn changed_keys(run_dir: &Path, config: &RootConfig, info: &RunInfo) -> Result<V
 
 /// Checks that the checkpoint a resume starts from loads into the model `config` describes
 /// and took `samples_per_step` as this run will, before anything in the run directory
-/// changes; returns the settings changed from the run's config. A model the checkpoint does not fit is one error naming the changed keys.
+/// changes; returns the checkpoint's step and the settings changed from the run's config. A model the checkpoint does not fit is one error naming the changed keys.
 fn check_resume<W: Workload>(
     config: &RootConfig,
     info: &RunInfo,
@@ -259,7 +268,7 @@ fn check_resume<W: Workload>(
     checkpoint: &Path,
     samples_per_step: usize,
     device: &Device,
-) -> Result<Vec<String>> {
+) -> Result<(usize, Vec<String>)> {
     let run_dir = config.run_dir();
     let state = checkpoint::read_state(checkpoint)?;
     crate::trainer::same_samples_per_step(checkpoint, &state, samples_per_step)?;
@@ -288,7 +297,7 @@ fn check_resume<W: Workload>(
             changed.join("; ")
         )));
     }
-    Ok(changed)
+    Ok((state.step, changed))
 }
 
 /// Writes the final weights as burnpack and SafeTensors, each atomically.
@@ -429,6 +438,7 @@ fn print_table<W: Workload>(
         format!("{}, {} parameters", info.model, probe.num_params()),
     ));
     rows.extend(info.rows.iter().cloned());
+    rows.extend(w.describe());
     let total = total_steps(t, spe);
     rows.push(("steps".into(), format!("{spe} per epoch, {total} in all")));
     say!("kiln");

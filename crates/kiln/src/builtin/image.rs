@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use burn::prelude::*;
-use kiln_datasets::{IdxKind, ImageDataset, ImageSplits};
+use kiln_datasets::{IdxKind, ImageSplits};
 use kiln_models::{Classifier, ImageBatch, ModelSpec};
 
 use super::{Config, DataConfig, DatasetKind, launch};
@@ -23,6 +23,22 @@ pub struct ImageWorkload {
 impl Workload for ImageWorkload {
     type Model = Classifier;
     type Batch = ImageBatch;
+
+    fn describe(&self) -> Vec<(String, String)> {
+        let (splits, train) = (&self.splits, &self.splits.train);
+        vec![(
+            "data".to_string(),
+            format!(
+                "{}: {} train / {} test, {}x{}, {} classes",
+                splits.name,
+                train.len(),
+                splits.test.len(),
+                train.height,
+                train.width,
+                train.num_classes
+            ),
+        )]
+    }
 
     fn init_model(&self, device: &Device) -> Classifier {
         self.spec
@@ -88,22 +104,10 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
         input: Some(input_spec(&splits.train)),
     };
     spec.validate().map_err(Error::config)?;
-    let train: &ImageDataset = &splits.train;
-    let rows = vec![(
-        "data",
-        format!(
-            "{}: {} train / {} test, {}x{}, {} classes",
-            splits.name,
-            train.len(),
-            splits.test.len(),
-            train.height,
-            train.width,
-            train.num_classes
-        ),
-    )];
     let workload = ImageWorkload {
         spec: spec.clone(),
         splits,
     };
-    launch(config, options, &workload, &spec, rows, |_| Ok(()))
+    // The data row comes from the workload itself (`Workload::describe`).
+    launch(config, options, &workload, &spec, Vec::new(), |_| Ok(()))
 }

@@ -103,6 +103,16 @@ pub trait Workload: Sync {
     fn snapshot_every(&self) -> Option<usize> {
         None
     }
+    /// Rows of the start-up table that describe the workload (`("data", "…")`), after
+    /// kiln's own; none by default.
+    fn describe(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+    /// Drop the last incomplete global batch of an epoch instead of wrapping around to the
+    /// epoch's first samples (a program's own `data.drop_last`); `false` by default.
+    fn drop_last(&self) -> bool {
+        false
+    }
     /// The events [`Workload::on_event`] is called for; none, the default.
     fn events(&self) -> &[EventKind] {
         &[]
