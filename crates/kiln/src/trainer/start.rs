@@ -103,7 +103,10 @@ pub(super) fn probe<W: Workload>(
     let device = settings.parallel.devices[0].clone().autodiff();
     let policy = &setup.policy;
     let run = || {
-        let model = kiln_models::with_rng(|| workload.init_model(&device));
+        // Materialised first: Burn draws a parameter's initial values lazily, at its first
+        // use, which would read as the forward drawing random numbers.
+        let model =
+            kiln_models::with_rng(|| kiln_models::materialized(workload.init_model(&device)));
         let model = policy.master_model(model);
         let model = policy.compute_copy(&model).unwrap_or(model);
         let indices: Vec<usize> = (0..workload.train_len().min(2)).collect();
