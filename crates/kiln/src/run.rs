@@ -273,7 +273,7 @@ fn check_resume<W: Workload>(
     let state = checkpoint::read_state(checkpoint)?;
     crate::trainer::same_samples_per_step(checkpoint, &state, samples_per_step)?;
     let changed = changed_keys(&run_dir, config, info)?;
-    let model = kiln_models::with_rng(|| workload.init_model(device));
+    let model = kiln_models::with_rng(|| kiln_models::materialized(workload.init_model(device)));
     if let Err(e) = checkpoint::load_model(checkpoint, model) {
         // A model's shape comes from its own section: name those keys when they changed.
         let model_keys: Vec<String> = changed
@@ -398,7 +398,9 @@ fn print_table<W: Workload>(
         s.drop_last,
     );
     let spe = sampler.steps_per_epoch();
-    let probe = kiln_models::with_rng(|| w.init_model(&Device::flex().autodiff()));
+    let probe = kiln_models::with_rng(|| {
+        kiln_models::materialized(w.init_model(&Device::flex().autodiff()))
+    });
     let facts = ModelFacts::of::<W::Batch, _>(&probe);
     let devices = config.hardware.devices.indices();
     let processes = s.parallel.processes.count;

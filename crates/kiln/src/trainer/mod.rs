@@ -244,7 +244,9 @@ pub fn check<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<()
     let setup = settings.setup();
     preflight(workload, settings, &setup)?;
     let device = settings.parallel.devices[0].clone().autodiff();
-    let model = kiln_models::with_rng(|| workload.init_model(&device));
+    // Materialised under the lock: a parameter Burn initialises lazily, later, outside it,
+    // would draw from the process-wide random state while another run seeds its own model.
+    let model = kiln_models::with_rng(|| kiln_models::materialized(workload.init_model(&device)));
     checks::check_model::<W::Batch, _>(&model, settings, &setup)?;
     start::probe(workload, settings, &setup).map(|_| ())
 }
