@@ -406,29 +406,29 @@ fn a_resume_the_checkpoint_cannot_take_names_the_key_and_changes_nothing() {
     let dir = temp_dir("resume-check");
     let run = dir.join("run");
     let run_s = run.to_str().unwrap();
-    let first = train_bin(
-        &dir,
-        &[
-            "--config",
-            "/dev/null",
-            "--run-dir",
-            run_s,
-            "--max-steps",
-            "4",
-            "--set",
-            "data.dataset=\"digits\"",
-            "--set",
-            "model.convnet.channels=[4, 8]",
-            "--set",
-            "train.epochs=0",
-            "--set",
-            "train.checkpoint_every=2",
-            "--set",
-            "monitor.interval_s=0",
-        ],
-    );
+    let first_args = vec![
+        "--config",
+        "/dev/null",
+        "--run-dir",
+        run_s,
+        "--max-steps",
+        "4",
+        "--set",
+        "data.dataset=\"digits\"",
+        "--set",
+        "model.convnet.channels=[4, 8]",
+        "--set",
+        "train.epochs=0",
+        "--set",
+        "train.checkpoint_every=2",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "monitor.interval_s=0",
+    ];
+    let first = train_bin(&dir, &first_args);
     assert!(first.status.success());
-    let before = std::fs::read(run.join("config.toml")).unwrap();
+    let before = files(&run);
     let refused = train_bin(
         &dir,
         &[
@@ -444,20 +444,35 @@ fn a_resume_the_checkpoint_cannot_take_names_the_key_and_changes_nothing() {
         &refused,
         &["cannot resume", "model.convnet.channels [4, 8] → [4, 16]"],
     );
-    assert_eq!(std::fs::read(run.join("config.toml")).unwrap(), before);
+    assert!(
+        files(&run) == before,
+        "a refused resume changed the run directory"
+    );
     // Another number of samples per step would not continue the data order: refused before
     // anything is written, too.
     let refused = train_bin(&dir, &["--resume", run_s, "--batch-size", "7"]);
     crate::common::assert_one_line_error(&refused, &["samples per step"]);
-    assert_eq!(std::fs::read(run.join("config.toml")).unwrap(), before);
-    // The run then goes on as it was, and a change it can take is said.
+    assert!(
+        files(&run) == before,
+        "a refused resume changed the run directory"
+    );
+    // The run then goes on as it was, bit for bit with a run never interrupted.
+    let plain = train_bin(&dir, &["--resume", run_s, "--max-steps", "6"]);
+    assert!(plain.status.success());
+    let whole = dir.join("whole");
+    let mut args = first_args.clone();
+    args[3] = whole.to_str().unwrap();
+    args[5] = "6";
+    assert!(train_bin(&dir, &args).status.success());
+    assert_eq!(train_losses(&run), train_losses(&whole));
+    // A change it can take is said.
     let resumed = train_bin(
         &dir,
         &[
             "--resume",
             run_s,
             "--max-steps",
-            "6",
+            "8",
             "--set",
             "optim.lr=0.002",
         ],
@@ -465,9 +480,26 @@ fn a_resume_the_checkpoint_cannot_take_names_the_key_and_changes_nothing() {
     let stdout = String::from_utf8_lossy(&resumed.stdout);
     assert!(resumed.status.success(), "{stdout}");
     assert!(
-        stdout.contains("from step 4 (")
+        stdout.contains("from step 6 (")
             && stdout.contains("changed from the run's config: optim.lr 0.001 → 0.002"),
         "{stdout}"
     );
-    assert_eq!(kiln::checkpoint::latest(&run).unwrap().0, 6);
+    assert_eq!(kiln::checkpoint::latest(&run).unwrap().0, 8);
+}
+
+/// Every file under `dir` with its bytes.
+fn files(dir: &Path) -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
+    let mut all = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                todo.push(path);
+            } else {
+                all.insert(path.clone(), std::fs::read(&path).unwrap());
+            }
+        }
+    }
+    all
 }
