@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::metrics::Summary;
 use crate::optim::scaled_lr;
 use crate::strategy::{ModelFacts, Setup};
-use crate::trainer::{TrainerSettings, Workload, fit, total_steps};
+use crate::trainer::{TrainerSettings, Workload, fit_checked, total_steps};
 
 /// The devices of the configured accelerator, and the accelerator's name.
 pub fn resolve_devices(hw: &HardwareConfig) -> Result<(Vec<Device>, String)> {
@@ -145,11 +145,11 @@ where
         TrainerSettings::from_config(config, devices.clone(), accelerator, config.run_dir());
     settings.drop_last = info.drop_last || workload.drop_last();
     settings.output.resume_from = options.resume_from.clone();
-    crate::trainer::check(workload, &settings)?;
+    let checked = crate::trainer::check(workload, &settings)?;
     // A resume is checked against its checkpoint before anything in the run changes.
     let first = processes.index == 0;
     if let Some(checkpoint) = &options.resume_from {
-        let samples = crate::trainer::sampler(workload.train_len(), &settings)?.samples_per_step();
+        let samples = checked.samples_per_step();
         let (step, changed) =
             check_resume(config, &info, workload, checkpoint, samples, &devices[0])?;
         if options.verbose && first {
@@ -185,7 +185,7 @@ where
         print_table(config, workload, &settings, &run_dir, &info);
     }
 
-    let (summary, model) = fit(workload, &settings)?;
+    let (summary, model) = fit_checked(workload, &settings, checked)?;
     if first {
         export_model(&run_dir, &model)?;
         let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");

@@ -197,10 +197,22 @@ pub fn sampler(train_len: usize, settings: &TrainerSettings) -> Result<Distribut
     Ok(sampler)
 }
 
-/// Trains `workload` as `settings` say and returns the summary and the final model.
+/// Trains `workload` as `settings` say and returns the summary and the final model: [`check`],
+/// then [`fit_checked`].
 pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Summary, W::Model)> {
+    let checked = check(workload, settings)?;
+    fit_checked(workload, settings, checked)
+}
+
+/// [`fit`] for a launcher that has run [`check`] on these settings already (before it created
+/// the run directory): the refusals and the start-up probe do not run twice.
+pub fn fit_checked<W: Workload>(
+    workload: &W,
+    settings: &TrainerSettings,
+    checked: Checked,
+) -> Result<(Summary, W::Model)> {
     let setup = settings.setup();
-    let sampler = preflight(workload, settings, &setup)?;
+    let sampler = checked.sampler;
     let total = total_steps(&settings.train, sampler.steps_per_epoch());
     let p = &settings.parallel;
     let run_dir = &settings.output.run_dir;
@@ -208,7 +220,7 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
     if first_process {
         std::fs::create_dir_all(run_dir).map_err(|e| Error::io(run_dir, e))?;
     }
-    let start = start::prepare(workload, settings, &setup, &sampler)?;
+    let start = start::prepare(workload, settings, &setup, &sampler, checked.draws)?;
 
     // Rank 0 drains the system monitor into the sinks; dropping it stops the thread, on
     // failure too.
@@ -237,26 +249,26 @@ pub fn fit<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<(Sum
     )
 }
 
-/// What [`fit`] refuses of `settings` and of `workload`'s model, checked without writing
-/// anything: a launcher calls it before it creates the run directory, so that a refused run
-/// leaves nothing behind.
-pub fn check<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<()> {
-    let setup = settings.setup();
-    preflight(workload, settings, &setup)?;
-    let device = settings.parallel.devices[0].clone().autodiff();
-    // Materialised under the lock: a parameter Burn initialises lazily, later, outside it,
-    // would draw from the process-wide random state while another run seeds its own model.
-    let model = kiln_models::with_rng(|| kiln_models::materialized(workload.init_model(&device)));
-    checks::check_model::<W::Batch, _>(&model, settings, &setup)?;
-    start::probe(workload, settings, &setup).map(|_| ())
+/// A run that passed [`check`]: its sampler, and whether its model draws random numbers in
+/// a training forward.
+pub struct Checked {
+    sampler: DistributedSampler,
+    draws: bool,
 }
 
-/// The refusals that need no model: the strategy's, the sampler's and the devices'.
-fn preflight<W: Workload>(
-    workload: &W,
-    settings: &TrainerSettings,
-    setup: &crate::strategy::Setup,
-) -> Result<DistributedSampler> {
+impl Checked {
+    /// Samples per optimizer step over all data-parallel ranks.
+    pub fn samples_per_step(&self) -> usize {
+        self.sampler.samples_per_step()
+    }
+}
+
+/// What [`fit`] refuses of `settings` and of `workload`'s model — the strategy's, the
+/// sampler's, the devices', the model's and the start-up probe's refusals — checked without
+/// writing anything: a launcher calls it before it creates the run directory, so that a
+/// refused run leaves nothing behind, and hands the result to [`fit_checked`].
+pub fn check<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<Checked> {
+    let setup = settings.setup();
     setup.check()?;
     let sampler = sampler(workload.train_len(), settings)?;
     let p = &settings.parallel;
@@ -267,7 +279,13 @@ fn preflight<W: Workload>(
         };
         setup.policy.check_device(device, &label)?;
     }
-    Ok(sampler)
+    let device = p.devices[0].clone().autodiff();
+    // Materialised under the lock: a parameter Burn initialises lazily, later, outside it,
+    // would draw from the process-wide random state while another run seeds its own model.
+    let model = kiln_models::with_rng(|| kiln_models::materialized(workload.init_model(&device)));
+    checks::check_model::<W::Batch, _>(&model, settings, &setup)?;
+    let draws = start::probe(workload, settings, &setup)?;
+    Ok(Checked { sampler, draws })
 }
 
 /// How `settings` ask the collectives to be watched.

@@ -6,7 +6,7 @@ use std::path::Path;
 use burn::module::Module;
 use burn::store::ModuleRecord;
 
-use super::{TrainerSettings, Workload, checks};
+use super::{TrainerSettings, Workload};
 use crate::checkpoint::{self, LoopState};
 use crate::config::name_of;
 use crate::data::DistributedSampler;
@@ -34,13 +34,15 @@ pub(crate) struct Start {
     pub draws: bool,
 }
 
-/// Builds the initial model, checks it against the settings and the strategy, and reads the
-/// checkpoint to resume from, if any.
+/// Builds the initial model and reads the checkpoint to resume from, if any (the settings
+/// and the model were checked by [`super::check`], which also found whether the model
+/// `draws`).
 pub(super) fn prepare<W: Workload>(
     workload: &W,
     settings: &TrainerSettings,
     setup: &Setup,
     sampler: &DistributedSampler,
+    draws: bool,
 ) -> Result<Start> {
     // Rank 0's initial weights (or the checkpoint's) are what every rank starts from.
     let main_device = settings.parallel.devices[0].clone().autodiff();
@@ -64,12 +66,10 @@ pub(super) fn prepare<W: Workload>(
         early: None,
         plateaus: Vec::new(),
     };
-    checks::check_model::<W::Batch, _>(&initial, settings, setup)?;
     let groups = kiln_models::TrainStep::<W::Batch>::param_groups(&initial)
         .into_iter()
         .map(|g| g.name)
         .collect();
-    let draws = probe(workload, settings, setup)?;
     let Some(dir) = &settings.output.resume_from else {
         return Ok(Start {
             weights: initial.into_record(),
