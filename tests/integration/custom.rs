@@ -88,6 +88,28 @@ impl Workload for TinyDigits {
     }
 }
 
+/// The data methods of a workload on the embedded digits, delegated to its `TinyDigits` in
+/// field `$field`.
+macro_rules! digits_data {
+    ($field:tt) => {
+        fn train_len(&self) -> usize {
+            self.$field.train_len()
+        }
+        fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
+            self.$field.train_batch(indices, device)
+        }
+        fn eval_len(&self) -> usize {
+            self.$field.eval_len()
+        }
+        fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
+            self.$field.eval_batch(range, device)
+        }
+        fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
+            self.$field.cast_batch(batch, dtype)
+        }
+    };
+}
+
 fn run(config: &kiln::builtin::Config, resume: Option<&Path>) -> kiln::Result<kiln::RunResult> {
     let options = RunOptions {
         resume_from: resume.map(Path::to_path_buf),
@@ -250,7 +272,7 @@ impl BlockStack<ImageBatch> for Carry {}
 
 /// The embedded digits for `Carry`.
 struct CarryDigits {
-    splits: kiln_datasets::ImageSplits,
+    digits: TinyDigits,
     state_like_input: bool,
 }
 
@@ -266,25 +288,7 @@ impl Workload for CarryDigits {
             state_like_input: self.state_like_input,
         }
     }
-    fn train_len(&self) -> usize {
-        self.splits.train.len()
-    }
-    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
-        kiln::data::ImageBatcher::new(device.clone()).batch(&self.splits.train, indices)
-    }
-    fn eval_len(&self) -> usize {
-        self.splits.test.len()
-    }
-    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
-        let indices: Vec<usize> = range.collect();
-        kiln::data::ImageBatcher::new(device.clone()).batch(&self.splits.test, &indices)
-    }
-    fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
-        ImageBatch {
-            images: batch.images.cast(dtype),
-            ..batch
-        }
-    }
+    digits_data!(digits);
 }
 
 #[test]
@@ -299,7 +303,7 @@ fn a_model_that_creates_tensors_in_its_forward_is_refused_in_one_line_or_trains_
                 &["hardware.devices=2", "train.max_steps=4", &mode_key],
             );
             let workload = CarryDigits {
-                splits: kiln_datasets::digits(),
+                digits: TinyDigits(kiln_datasets::digits()),
                 state_like_input,
             };
             let info = RunInfo {
@@ -349,21 +353,7 @@ impl Workload for Harmonic {
     fn init_model(&self, device: &Device) -> Tiny {
         self.0.init_model(device)
     }
-    fn train_len(&self) -> usize {
-        self.0.train_len()
-    }
-    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
-        self.0.train_batch(indices, device)
-    }
-    fn eval_len(&self) -> usize {
-        self.0.eval_len()
-    }
-    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
-        self.0.eval_batch(range, device)
-    }
-    fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
-        self.0.cast_batch(batch, dtype)
-    }
+    digits_data!(0);
     fn lr(&self, _group: usize, step: usize, scheduled: f64) -> f64 {
         scheduled / (1 + step) as f64
     }
@@ -434,21 +424,7 @@ impl Workload for RegressionDigits {
             linear: LinearConfig::new(64, 1).init(device),
         }
     }
-    fn train_len(&self) -> usize {
-        self.0.train_len()
-    }
-    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
-        self.0.train_batch(indices, device)
-    }
-    fn eval_len(&self) -> usize {
-        self.0.eval_len()
-    }
-    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
-        self.0.eval_batch(range, device)
-    }
-    fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
-        self.0.cast_batch(batch, dtype)
-    }
+    digits_data!(0);
 }
 
 #[test]
@@ -556,21 +532,7 @@ impl Workload for Watching {
     fn init_model(&self, device: &Device) -> Tiny {
         self.inner.init_model(device)
     }
-    fn train_len(&self) -> usize {
-        self.inner.train_len()
-    }
-    fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
-        self.inner.train_batch(indices, device)
-    }
-    fn eval_len(&self) -> usize {
-        self.inner.eval_len()
-    }
-    fn eval_batch(&self, range: Range<usize>, device: &Device) -> ImageBatch {
-        self.inner.eval_batch(range, device)
-    }
-    fn cast_batch(&self, batch: ImageBatch, dtype: FloatDType) -> ImageBatch {
-        self.inner.cast_batch(batch, dtype)
-    }
+    digits_data!(inner);
     fn drop_last(&self) -> bool {
         self.drop_last
     }
