@@ -124,6 +124,13 @@ pub enum DatasetError {
         /// The size of the vocabulary that lacks it.
         vocab_size: usize,
     },
+    /// A file or folder of a user's dataset (an image folder, a CSV table) cannot be used.
+    Bad {
+        /// The file or folder at fault.
+        path: PathBuf,
+        /// What is wrong with it, and what was expected.
+        reason: String,
+    },
     /// A saved tokenizer is malformed or inconsistent.
     BadTokenizer {
         /// The file it was read from, or `None` when parsed from a string.
@@ -134,6 +141,14 @@ pub enum DatasetError {
 }
 
 impl DatasetError {
+    /// `path` cannot be used, for `reason`.
+    pub fn bad(path: &Path, reason: impl Into<String>) -> Self {
+        DatasetError::Bad {
+            path: path.to_path_buf(),
+            reason: reason.into(),
+        }
+    }
+
     /// Wraps an I/O error with the path and the action that failed.
     pub(crate) fn io(path: &Path, action: &'static str, source: io::Error) -> Self {
         DatasetError::Io {
@@ -154,7 +169,8 @@ impl DatasetError {
             | DatasetError::Truncated { path, .. }
             | DatasetError::TrailingBytes { path, .. }
             | DatasetError::BadHeader { path, .. }
-            | DatasetError::BadLabel { path, .. } => Some(path),
+            | DatasetError::BadLabel { path, .. }
+            | DatasetError::Bad { path, .. } => Some(path),
             DatasetError::Mismatch { first, .. } => Some(first),
             DatasetError::BadText { path, .. } | DatasetError::BadTokenizer { path, .. } => {
                 path.as_deref()
@@ -180,6 +196,7 @@ fn guess_content(magic: u32) -> Option<&'static str> {
 impl fmt::Display for DatasetError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            DatasetError::Bad { path, reason } => write!(f, "{}: {reason}", path.display()),
             DatasetError::MissingDir { dir, fetch_target } => write!(
                 f,
                 "data directory {} does not exist (run `cargo xtask fetch-data {fetch_target}` or set data.dir)",

@@ -10,9 +10,12 @@
 mod digits;
 mod download;
 mod error;
+pub mod folder;
 mod idx;
 pub mod rng;
+pub mod table;
 pub mod text;
+pub mod tokens;
 
 use std::fmt;
 

@@ -124,7 +124,7 @@ fn a_discriminator_step_leaves_the_generator_and_its_adamw_state_bit_identical()
     let step = |s: &mut Box<dyn Strategy<Gan, GanBatch> + '_>, group: usize, n: usize| {
         s.select_group(group).unwrap();
         s.begin_step().unwrap();
-        s.micro_steps(&mut std::iter::once(batch(n)), 1, &|l| l)
+        s.micro_steps(&mut std::iter::once(Ok(batch(n))), 1, &|l| l)
             .unwrap();
         assert!(s.optimizer_step(1e-3, None, None).unwrap());
     };

@@ -3,6 +3,7 @@
 mod cli;
 mod common;
 mod custom;
+mod data;
 mod ddp;
 mod dist;
 mod fuzz;

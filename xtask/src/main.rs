@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+mod bench_data;
 mod bench_mpi;
 mod bench_pipeline;
 mod bench_policies;
@@ -43,6 +44,10 @@ commands:
                                         GPT step time in one process vs two under mpirun, and
                                         kiln's MPI all-reduce bandwidth vs MPI_Allreduce
                                         (needs OpenMPI and libclang; builds the mpi feature)
+  bench data [--steps N] [--rounds N] [--workers 1,2] [--size PX] [--input PX] [--train N]
+                                        samples/s and the step's data share (pct_data) of the
+                                        ConvNet on Fashion-MNIST as upscaled JPEGs, data.workers
+                                        = 0 against each count (needs fetch-data fashion-mnist)
   bench monitor [--steps N] [--rounds R] [--devices N] [--config FILE]
                                         throughput with monitoring on and off, alternating
                                         runs of `train` (default 60 steps, 5 rounds, 2 devices,
@@ -79,6 +84,7 @@ enum Task {
     Bench { args: Vec<String> },
     BenchPolicies(bench_policies::Options),
     BenchZero(bench_zero::Options),
+    BenchData(bench_data::Options),
     BenchPipeline(bench_pipeline::Options),
     BenchMpi(bench_mpi::Options),
     BenchMonitor(MonitorBench),
@@ -182,6 +188,7 @@ fn main() -> ExitCode {
         Task::Bench { args } => workspace_root().and_then(|root| bench(&root, &args)),
         Task::BenchPolicies(o) => workspace_root().and_then(|root| bench_policies::run(&root, &o)),
         Task::BenchZero(o) => workspace_root().and_then(|root| bench_zero::run(&root, &o)),
+        Task::BenchData(o) => workspace_root().and_then(|root| bench_data::run(&root, &o)),
         Task::BenchPipeline(o) => workspace_root().and_then(|root| bench_pipeline::run(&root, &o)),
         Task::BenchMpi(o) => workspace_root().and_then(|root| bench_mpi::run(&root, &o)),
         Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
@@ -210,10 +217,13 @@ fn parse_args(args: &[String]) -> Result<Task> {
         }),
         ["bench", "policies", rest @ ..] => bench_policies::parse(rest).map(Task::BenchPolicies),
         ["bench", "zero", rest @ ..] => bench_zero::parse(rest).map(Task::BenchZero),
+        ["bench", "data", rest @ ..] => bench_data::parse(rest).map(Task::BenchData),
         ["bench", "pipeline", rest @ ..] => bench_pipeline::parse(rest).map(Task::BenchPipeline),
         ["bench", "mpi", rest @ ..] => bench_mpi::parse(rest).map(Task::BenchMpi),
         ["bench", "monitor", rest @ ..] => MonitorBench::parse(rest).map(Task::BenchMonitor),
-        ["bench", ..] => Err("bench needs a benchmark: ddp, monitor or policies".into()),
+        ["bench", ..] => Err(
+            "bench needs a benchmark: ddp, data, monitor, mpi, pipeline, policies or zero".into(),
+        ),
         ["plot", rest @ ..] if !rest.is_empty() => Ok(Task::Plot {
             args: std::iter::once("plot")
                 .chain(rest.iter().copied())

@@ -25,7 +25,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::cli::{Flags, FlightArgs, PlotArgs};
-use crate::config::{RootConfig, one_line, read_table, with_origin};
+use crate::config::{LoaderConfig, RootConfig, one_line, read_table, with_origin};
 use crate::error::{Error, Result};
 use crate::run::{RunInfo, RunOptions, RunResult, train_workload};
 use crate::strategy::Setup;
@@ -63,12 +63,36 @@ where
                 .unwrap_or_else(|| toml::Value::Table(toml::Table::new()))
         };
         let model = take("model");
-        let data = take("data");
+        let mut data = take("data");
+        // `data.workers` and `data.prefetch` are kiln's: every program's loader has them.
+        let mut loader = toml::Table::new();
+        if let toml::Value::Table(t) = &mut data {
+            for key in LoaderConfig::KEYS {
+                if let Some(v) = t.remove(key) {
+                    loader.insert(key.to_string(), v);
+                }
+            }
+        }
+        let loader: LoaderConfig = section(toml::Value::Table(loader), "data", origin)?;
+        let mut kiln = RootConfig::from_table(table, origin)?;
+        loader.check().map_err(|e| with_origin(e, origin))?;
+        kiln.loader = loader;
         Ok(Self {
             model: section(model, "model", origin)?,
             data: section(data, "data", origin)?,
-            kiln: RootConfig::from_table(table, origin)?,
+            kiln,
         })
+    }
+
+    /// The program's `[data]` with kiln's keys in it (`workers`, `prefetch`).
+    fn data_value(&self) -> toml::Value {
+        let mut data = to_value(&self.data);
+        if let (toml::Value::Table(t), toml::Value::Table(own)) =
+            (&mut data, to_value(&self.kiln.loader))
+        {
+            t.extend(own);
+        }
+        data
     }
 
     /// The program's sections as TOML values: what a run directory's `config.toml` keeps
@@ -76,7 +100,7 @@ where
     pub fn sections(&self) -> Vec<(String, toml::Value)> {
         vec![
             ("model".to_string(), to_value(&self.model)),
-            ("data".to_string(), to_value(&self.data)),
+            ("data".to_string(), self.data_value()),
         ]
     }
 
@@ -84,13 +108,13 @@ where
     /// kiln's other sections, each in its fields' order.
     pub fn to_toml(&self) -> String {
         #[derive(Serialize)]
-        struct Own<'a, M, D> {
-            data: &'a D,
+        struct Own<'a, M> {
+            data: toml::Value,
             model: &'a M,
         }
         let kiln = self.kiln.to_toml();
         let own = toml::to_string_pretty(&Own {
-            data: &self.data,
+            data: self.data_value(),
             model: &self.model,
         })
         .expect("a program's sections serialise");

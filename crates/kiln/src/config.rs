@@ -45,6 +45,57 @@ pub struct RootConfig {
     /// they are.
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub groups: std::collections::BTreeMap<String, GroupConfig>,
+    /// `data.workers` and `data.prefetch`: kiln's two keys of a program's `[data]` (read and
+    /// written there by [`UserConfig`](crate::UserConfig)).
+    #[serde(skip)]
+    pub loader: LoaderConfig,
+}
+
+/// `data.workers`, `data.prefetch`: who builds the training batches, and how far ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoaderConfig {
+    /// Loader threads per rank that build the coming batches (reading, decoding, augmenting);
+    /// 0 builds each batch on the rank's own thread when the step needs it. The batches are
+    /// the same bits whatever the count. Default 0.
+    pub workers: usize,
+    /// With workers, how many optimizer steps of batches are built ahead of the rank (the
+    /// memory bound: `prefetch` × micro-batches per step). Default 2.
+    pub prefetch: usize,
+}
+
+impl Default for LoaderConfig {
+    fn default() -> Self {
+        Self {
+            workers: 0,
+            prefetch: 2,
+        }
+    }
+}
+
+impl LoaderConfig {
+    /// The keys of `[data]` that are kiln's.
+    pub const KEYS: [&'static str; 2] = ["workers", "prefetch"];
+
+    /// Rejects values that parse but cannot work, naming the key.
+    pub fn check(&self) -> Result<()> {
+        if self.prefetch == 0 {
+            return bad(
+                "data.prefetch",
+                "must be at least 1 (steps of batches built ahead by the loader workers)".into(),
+            );
+        }
+        if self.workers > 256 {
+            return bad(
+                "data.workers",
+                format!(
+                    "{} loader threads per rank is more than kiln allows (256)",
+                    self.workers
+                ),
+            );
+        }
+        Ok(())
+    }
 }
 
 /// `[groups.<name>]`: one parameter group's optimizer and schedule.
@@ -780,6 +831,7 @@ impl RootConfig {
         self.monitor.check()?;
         self.hardware.check()?;
         self.pipeline.check(self.strategy.name)?;
+        self.loader.check()?;
         self.run.check()
     }
 

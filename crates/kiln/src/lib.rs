@@ -49,6 +49,7 @@ pub mod trainer;
 
 pub use app::{App, UserConfig};
 pub use config::RootConfig;
+pub use data::{BurnData, BurnWorkload, sample_rng};
 pub use error::{Error, Result};
 // What a model of one's own implements, and how it is trained.
 pub use kiln_models::{

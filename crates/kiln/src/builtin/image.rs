@@ -76,10 +76,11 @@ impl Workload for ImageWorkload {
 pub fn load_data(config: &DataConfig) -> Result<ImageSplits> {
     let kind = match config.dataset {
         DatasetKind::Digits => return Ok(kiln_datasets::digits()),
-        DatasetKind::Text => {
-            return Err(Error::config(
-                "key `data.dataset`: \"text\" is not an image dataset".to_string(),
-            ));
+        DatasetKind::Text | DatasetKind::ImageFolder | DatasetKind::Csv => {
+            return Err(Error::config(format!(
+                "key `data.dataset`: {:?} is not a dataset held in memory",
+                crate::config::name_of(&config.dataset)
+            )));
         }
         DatasetKind::Mnist => IdxKind::Mnist,
         DatasetKind::FashionMnist => IdxKind::FashionMnist,

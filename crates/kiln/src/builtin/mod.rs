@@ -12,7 +12,9 @@
 //!     .main_with(kiln::builtin::check, kiln::builtin::train)
 //! ```
 
+pub mod folder;
 pub mod image;
+pub mod table;
 pub mod text;
 
 use std::path::{Path, PathBuf};
@@ -50,6 +52,12 @@ pub enum DatasetKind {
     FashionMnist,
     /// A UTF-8 text file in `data.path`, tokenised by character (for `model.kind = "gpt"`).
     Text,
+    /// PNG/JPEG images in `data.dir`: `train/` and `test/` (or `val/`), one sub-folder per
+    /// class (torchvision's ImageFolder layout), decoded as batches need them.
+    ImageFolder,
+    /// A CSV table in `data.path` (numeric columns; `data.target` the class), for
+    /// `model.kind = "mlp"`.
+    Csv,
 }
 
 /// `[data]`: dataset choice and location.
@@ -74,6 +82,25 @@ pub struct DataConfig {
     pub train_fraction: f64,
     /// Number of fixed validation windows the `text` dataset is scored on. Default 240.
     pub eval_windows: usize,
+    /// `image-folder`: the `[height, width]` images are resized to. Default: the first
+    /// training image's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_size: Option<[usize; 2]>,
+    /// `image-folder`: 1 (grey) or 3 (RGB). Default: the first training image's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub channels: Option<usize>,
+    /// `image-folder`: random crop (within a zero border of 1/8 of each side) and left–right
+    /// flip of every training image, drawn from (seed, step, sample). Default false.
+    pub augment: bool,
+    /// `csv`: the target column (classes numbered from 0). Default `label`.
+    pub target: String,
+    /// `csv`: the feature columns. Default: every column but the target.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
+    /// `csv`: a table of evaluation rows (the same columns). Default: the rows left after
+    /// `train_fraction` of a seeded shuffle.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_path: Option<PathBuf>,
 }
 
 impl Default for DataConfig {
@@ -86,6 +113,12 @@ impl Default for DataConfig {
             path: None,
             train_fraction: 0.9,
             eval_windows: 240,
+            image_size: None,
+            channels: None,
+            augment: false,
+            target: "label".to_string(),
+            features: Vec::new(),
+            eval_path: None,
         }
     }
 }
@@ -98,6 +131,8 @@ impl DataConfig {
             DatasetKind::Mnist => PathBuf::from("data/mnist"),
             DatasetKind::FashionMnist => PathBuf::from("data/fashion-mnist"),
             DatasetKind::Text => PathBuf::from("data/text"),
+            DatasetKind::ImageFolder => PathBuf::from("data/image-folder"),
+            DatasetKind::Csv => PathBuf::from("data"),
         })
     }
 
@@ -123,6 +158,21 @@ impl DataConfig {
                 "key `data.eval_windows`: must be at least 1, got 0",
             ));
         }
+        if let Some(c) = self.channels
+            && c != 1
+            && c != 3
+        {
+            return Err(Error::config(format!(
+                "key `data.channels`: must be 1 (grey) or 3 (RGB), got {c}"
+            )));
+        }
+        if let Some([h, w]) = self.image_size
+            && (h == 0 || w == 0)
+        {
+            return Err(Error::config(format!(
+                "key `data.image_size`: must be [height, width] in pixels, both positive, got                  [{h}, {w}]"
+            )));
+        }
         Ok(())
     }
 }
@@ -138,6 +188,13 @@ pub fn check(config: &Config) -> Result<()> {
             "key `data.dataset`: {:?} does not fit model.kind = {:?} (gpt trains on \"text\", \
              image models on image datasets)",
             name_of(&config.data.dataset),
+            name_of(&config.model.kind)
+        )));
+    }
+    if config.data.dataset == DatasetKind::Csv && config.model.kind != ModelKind::Mlp {
+        return Err(Error::config(format!(
+            "key `model.kind`: the csv dataset trains the \"mlp\", not {:?} (a table's rows \
+             have no image to convolve)",
             name_of(&config.model.kind)
         )));
     }
@@ -157,6 +214,10 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
 pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
     match config.model.kind {
         ModelKind::Gpt => text::train(config, options),
+        _ if config.data.dataset == DatasetKind::Csv => table::train(config, options),
+        ModelKind::Convnet | ModelKind::Mlp if config.data.dataset == DatasetKind::ImageFolder => {
+            folder::train(config, options)
+        }
         ModelKind::Convnet | ModelKind::Mlp => image::train(config, options),
     }
 }

@@ -97,14 +97,20 @@ pub trait Strategy<M, B> {
     /// Forward and backward of the `count` micro-batches of one optimizer step, each taken
     /// from `batches` when the strategy needs it (a pipeline stage that neither embeds nor
     /// scores takes none). `objective` turns a micro-batch's mean loss into what is
-    /// differentiated. Returns the outputs (detached, the loss in f32) of the micro-batches
-    /// this rank scored.
+    /// differentiated. A batch that could not be built (an error item: a file that does not
+    /// decode) ends the step with its error. Returns the outputs (detached, the loss in f32)
+    /// of the micro-batches this rank scored.
     fn micro_steps(
         &mut self,
-        batches: &mut dyn Iterator<Item = B>,
+        batches: &mut dyn Iterator<Item = Result<B>>,
         count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
     ) -> Result<Vec<StepOutput>>;
+    /// Whether [`Strategy::micro_steps`] takes batches on this rank (a pipeline's middle
+    /// stages take none): the loop's loader builds batches ahead only for ranks that take them.
+    fn takes_batches(&self) -> bool {
+        true
+    }
     /// Reduces what is left to reduce, unscales and checks the gradients (with a scaler),
     /// clips them to `clip` and steps the optimizer at `lr`. Returns whether it stepped (a
     /// scaler skips steps whose gradients overflowed, on every rank alike).
@@ -386,13 +392,13 @@ pub fn rules(kind: StrategyKind) -> &'static dyn Rules {
 /// Runs `count` micro-batches from `batches` one at a time through `step`, collecting their
 /// outputs with the losses in f32.
 pub(crate) fn one_by_one<B>(
-    batches: &mut dyn Iterator<Item = B>,
+    batches: &mut dyn Iterator<Item = Result<B>>,
     count: usize,
     mut step: impl FnMut(B) -> Result<StepOutput>,
 ) -> Result<Vec<StepOutput>> {
     let mut outs = Vec::with_capacity(count);
     for batch in batches.take(count) {
-        outs.push(scored(step(batch)?));
+        outs.push(scored(step(batch?)?));
     }
     Ok(outs)
 }

@@ -199,7 +199,7 @@ impl<B, M: BlockStack<B> + Module, R: Reduction> Strategy<M, B> for Replicated<'
 
     fn micro_steps(
         &mut self,
-        batches: &mut dyn Iterator<Item = B>,
+        batches: &mut dyn Iterator<Item = Result<B>>,
         count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
     ) -> Result<Vec<StepOutput>> {

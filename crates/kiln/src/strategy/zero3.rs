@@ -302,7 +302,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
 
     fn micro_steps(
         &mut self,
-        batches: &mut dyn Iterator<Item = B>,
+        batches: &mut dyn Iterator<Item = Result<B>>,
         count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
     ) -> Result<Vec<StepOutput>> {

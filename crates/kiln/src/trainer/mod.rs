@@ -38,6 +38,7 @@ use crate::monitor::{MonitorSetup, SystemMonitor};
 pub use plateau::Plateau;
 pub use settings::{OutputSettings, ParallelSettings, TrainerSettings};
 pub(crate) use start::same_samples_per_step;
+pub(crate) use worker::panic_message;
 pub use worker::{FAULT_VAR, median};
 
 /// A model and its data, as the trainer sees them; nothing here knows about devices beyond
@@ -45,8 +46,9 @@ pub use worker::{FAULT_VAR, median};
 pub trait Workload: Sync {
     /// The model type: its forward pass as a stem, blocks and a head (see [`BlockStack`]).
     type Model: Module + BlockStack<Self::Batch> + 'static;
-    /// One batch, already on a device.
-    type Batch;
+    /// One batch, already on a device (loader threads build it and hand it to the rank,
+    /// hence `Send`; Burn's tensors are).
+    type Batch: Send;
     /// A freshly initialised model on `device` (weights are then replaced by rank 0's).
     fn init_model(&self, device: &Device) -> Self::Model;
     /// Number of training samples.
@@ -61,10 +63,29 @@ pub trait Workload: Sync {
         let _ = step;
         self.train_batch(indices, device)
     }
+    /// The training batch of `indices` for step `step`, for data that can fail to load (a
+    /// file that does not decode): its error ends the run, naming the file, like any rank's
+    /// failure. This is what the trainer calls, on the rank's thread or on a loader thread
+    /// (`data.workers`); it must be a function of its arguments (and of
+    /// [`sample_rng`](crate::data::sample_rng)), so that any number of workers gives the same
+    /// bits. Defaults to [`Workload::train_batch_at`].
+    fn try_train_batch(
+        &self,
+        indices: &[usize],
+        step: usize,
+        device: &Device,
+    ) -> Result<Self::Batch> {
+        Ok(self.train_batch_at(indices, step, device))
+    }
     /// Number of evaluation samples.
     fn eval_len(&self) -> usize;
     /// The evaluation batch of samples `range` on `device`.
     fn eval_batch(&self, range: Range<usize>, device: &Device) -> Self::Batch;
+    /// The evaluation batch of `range`, for data that can fail to load. Defaults to
+    /// [`Workload::eval_batch`].
+    fn try_eval_batch(&self, range: Range<usize>, device: &Device) -> Result<Self::Batch> {
+        Ok(self.eval_batch(range, device))
+    }
     /// `batch` with its float inputs in `dtype` (the compute dtype of a lower precision).
     fn cast_batch(&self, batch: Self::Batch, dtype: FloatDType) -> Self::Batch;
     /// The samples rank `rank` of `world` trains on at global micro-step `micro_step`

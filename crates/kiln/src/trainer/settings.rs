@@ -7,7 +7,7 @@ use burn::prelude::*;
 
 use crate::comm::Processes;
 use crate::config::{
-    DdpConfig, DistConfig, GroupConfig, MonitorConfig, OptimConfig, PipelineConfig,
+    DdpConfig, DistConfig, GroupConfig, LoaderConfig, MonitorConfig, OptimConfig, PipelineConfig,
     PrecisionConfig, RecomputeConfig, RootConfig, ScheduleConfig, StrategyKind, TrainConfig,
 };
 use crate::precision::Policy;
@@ -73,6 +73,9 @@ pub struct TrainerSettings {
     pub output: OutputSettings,
     /// The optimizer and schedule of each parameter group (models with several optimizers).
     pub groups: std::collections::BTreeMap<String, GroupConfig>,
+    /// Loader threads per rank and how far ahead they build (`data.workers`,
+    /// `data.prefetch`).
+    pub loader: LoaderConfig,
 }
 
 impl TrainerSettings {
@@ -116,6 +119,7 @@ impl TrainerSettings {
                 progress: false,
             },
             groups: config.groups.clone(),
+            loader: config.loader,
         }
     }
 

@@ -111,16 +111,25 @@ pub(super) fn probe<W: Workload>(
         let model = policy.compute_copy(&model).unwrap_or(model);
         let indices: Vec<usize> = (0..workload.train_len().min(2)).collect();
         let groups = TrainStep::<W::Batch>::param_groups(&model).len();
-        let batch = |b| policy.cast_batch(b, |b, dtype| workload.cast_batch(b, dtype));
-        crate::exec::draws::model_draws(&device, &mut || {
+        // The batches are built first (a file that does not load is the data's error, not
+        // the model's), as the loop builds them.
+        let mut batches = (0..groups.max(1))
+            .map(|_| {
+                crate::data::building(settings.seed, 0, || {
+                    workload.try_train_batch(&indices, 0, &device)
+                })
+                .map(|b| policy.cast_batch(b, |b, dtype| workload.cast_batch(b, dtype)))
+            })
+            .collect::<Result<Vec<_>>>()?
+            .into_iter();
+        Ok(crate::exec::draws::model_draws(&device, &mut || {
             if groups == 0 {
-                let _ = model.step(batch(workload.train_batch(&indices, &device)));
+                let _ = model.step(batches.next().expect("one batch"));
             }
             for g in 0..groups {
-                let b = batch(workload.train_batch_at(&indices, 0, &device));
-                let _ = model.group_step(g, b);
+                let _ = model.group_step(g, batches.next().expect("one batch per group"));
             }
-        })
+        }))
     };
     let outcome = std::thread::scope(|scope| {
         std::thread::Builder::new()
@@ -132,6 +141,13 @@ pub(super) fn probe<W: Workload>(
     });
     outcome.map_err(|payload| {
         let message = super::worker::panic_message(&payload);
+        probe_failure(policy, message)
+    })?
+}
+
+/// A probe's panic as the run's one-line error.
+fn probe_failure(policy: &crate::precision::Policy, message: String) -> Error {
+    {
         let message = message.split_whitespace().collect::<Vec<_>>().join(" ");
         if policy.compute != burn::tensor::FloatDType::F32 && message.contains("dtype") {
             Error::config(format!(
@@ -148,7 +164,7 @@ pub(super) fn probe<W: Workload>(
                 "the model's first forward failed (on samples 0 and 1): {message}"
             ))
         }
-    })
+    }
 }
 
 /// Refuses to continue the checkpoint in `dir`, whose loop state is `saved`, with another

@@ -76,7 +76,7 @@ impl<W: Workload> Worker<'_, W> {
         let mut start = range.start;
         while start < range.end {
             let end = (start + bs).min(range.end);
-            let batch = self.workload.eval_batch(start..end, &eval_device);
+            let batch = self.workload.try_eval_batch(start..end, &eval_device)?;
             let batch = policy.cast_batch(batch, |b, d| self.workload.cast_batch(b, d));
             let out = model.step(batch);
             let weighted = out

@@ -20,7 +20,7 @@ use crate::checkpoint::{self, LoopState};
 use crate::comm::watch::{Recorder, Watchdog, watched};
 use crate::comm::{Collective, pack};
 use crate::config::{RecomputeMode, name_of};
-use crate::data::DistributedSampler;
+use crate::data::{DistributedSampler, Feed, Plan};
 use crate::error::{Error, Result};
 use crate::exec::draws;
 use crate::metrics::{MetricsWriter, Progress, Summary};
@@ -257,8 +257,47 @@ impl<W: Workload> Worker<'_, W> {
     fn run(&self, start: &Start) -> Result<Outcome<W::Model>> {
         let mut strategy = self.strategy(start)?;
         let strategy = strategy.as_mut();
-        let mut state = start.state.clone();
-        let mut order = self.sampler.epoch_order(state.epoch);
+        let state = start.state.clone();
+        let plan = Plan::new(
+            self.sampler.clone(),
+            &state,
+            self.micros,
+            self.groups.len(),
+            self.data_rank,
+            self.data_world,
+            self.settings.train.batch_size,
+            self.settings.seed,
+        );
+        // Loader threads live as long as the loop; dropping the feed stops them.
+        std::thread::scope(|scope| {
+            let loader = self.settings.loader;
+            let workers = if strategy.takes_batches() {
+                loader.workers
+            } else {
+                0
+            };
+            let device = self.device.clone();
+            let rank = self.rank();
+            let mut feed = Feed::start(
+                scope,
+                self.workload,
+                plan,
+                device,
+                workers,
+                loader.prefetch,
+                rank,
+            );
+            self.steps(strategy, state, &mut feed)
+        })
+    }
+
+    /// The steps of the run from `state` on, each followed by the components that are due.
+    fn steps(
+        &self,
+        strategy: &mut dyn Strategy<W::Model, W::Batch>,
+        mut state: LoopState,
+        feed: &mut Feed<'_, W>,
+    ) -> Result<Outcome<W::Model>> {
         let mut log = self.logger(state.step);
         let mut val = Validator::default();
         let saver = Checkpointer::new(&self.settings.train, self.settings.output.run_dir.clone());
@@ -266,7 +305,7 @@ impl<W: Workload> Worker<'_, W> {
         let (wall, started) = (state.wall_seconds, Instant::now());
         let (mut stopped_by, mut stopped_early) = (None, None);
         while state.step < self.total {
-            self.train_step(&mut state, &mut order, strategy, &mut log)?;
+            self.train_step(&mut state, feed, strategy, &mut log)?;
             let last = state.step == self.total;
             if log.due(state.step, last) {
                 let logged = log.log(&state, strategy)?;
@@ -408,7 +447,7 @@ impl<W: Workload> Worker<'_, W> {
     fn train_step(
         &self,
         state: &mut LoopState,
-        order: &mut Vec<usize>,
+        feed: &mut Feed<'_, W>,
         strategy: &mut dyn Strategy<W::Model, W::Batch>,
         log: &mut Logger,
     ) -> Result<()> {
@@ -416,7 +455,6 @@ impl<W: Workload> Worker<'_, W> {
         if state.step_in_epoch == self.sampler.steps_per_epoch() {
             state.epoch += 1;
             state.step_in_epoch = 0;
-            *order = self.sampler.epoch_order(state.epoch);
         }
         let lrs: Vec<f64> = self
             .schedules
@@ -437,11 +475,16 @@ impl<W: Workload> Worker<'_, W> {
                 strategy.select_group(phase)?;
             }
             strategy.begin_step()?;
-            // The strategy takes each micro-batch when it needs it; building them is data time.
+            // The strategy takes each micro-batch when it needs it; building it, or waiting
+            // for the loader threads to, is data time.
             let mut data = 0.0;
+            let step = state.step;
             let mut batches = (0..micros).map(|micro| {
                 let t0 = Instant::now();
-                let batch = self.batch(state, order, micro);
+                let batch = feed.take(step, phase, micro).map(|b| {
+                    self.policy
+                        .cast_batch(b, |b, dtype| self.workload.cast_batch(b, dtype))
+                });
                 data += t0.elapsed().as_secs_f64();
                 batch
             });
@@ -507,26 +550,6 @@ impl<W: Workload> Worker<'_, W> {
             _ => !ongoing && step == at,
         };
         (rank == self.rank() && due).then_some(fault)
-    }
-
-    /// The training batch of micro-batch `micro` of the step `state` is at, on this rank's
-    /// device, in the compute dtype.
-    fn batch(&self, state: &LoopState, order: &[usize], micro: usize) -> W::Batch {
-        let (data_rank, data_world) = (self.data_rank, self.data_world);
-        let micro_step = state.step * self.micros + micro;
-        let batch_size = self.settings.train.batch_size;
-        let indices = self
-            .workload
-            .sample(micro_step, data_rank, data_world, batch_size)
-            .unwrap_or_else(|| {
-                self.sampler
-                    .indices(order, state.step_in_epoch, micro, data_rank)
-            });
-        let batch = self
-            .workload
-            .train_batch_at(&indices, state.step, &self.device);
-        self.policy
-            .cast_batch(batch, |b, dtype| self.workload.cast_batch(b, dtype))
     }
 
     /// This rank's strategy around its own module with rank 0's weights (in the master
@@ -795,7 +818,7 @@ pub fn median(values: &mut [f64]) -> Option<f64> {
     })
 }
 
-pub(super) fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
+pub(crate) fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {

@@ -287,7 +287,7 @@ impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
     /// Returns the losses this stage computed (on the last stage).
     fn flush(
         &mut self,
-        batches: &mut dyn Iterator<Item = B>,
+        batches: &mut dyn Iterator<Item = Result<B>>,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
     ) -> Result<Vec<StepOutput>> {
         let (first, last) = (self.first(), self.last());
@@ -319,11 +319,15 @@ impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
         for op in ops {
             match op {
                 Op::Forward(m) => {
-                    let batch = (first || last).then(|| {
-                        batches
-                            .next()
-                            .expect("the loop hands every micro-batch of the step")
-                    });
+                    let batch = match (first || last).then(|| batches.next()) {
+                        Some(Some(batch)) => Some(batch?),
+                        Some(None) => {
+                            return Err(Error::Worker(
+                                "the loop handed fewer micro-batches than the schedule runs".into(),
+                            ));
+                        }
+                        None => None,
+                    };
                     let (x, start) = if first {
                         let start = now();
                         let batch = batch.as_ref().expect("the first stage takes the batch");
@@ -450,9 +454,13 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
         Ok(())
     }
 
+    fn takes_batches(&self) -> bool {
+        self.first() || self.last()
+    }
+
     fn micro_steps(
         &mut self,
-        batches: &mut dyn Iterator<Item = B>,
+        batches: &mut dyn Iterator<Item = Result<B>>,
         count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
     ) -> Result<Vec<StepOutput>> {

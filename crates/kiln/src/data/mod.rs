@@ -1,14 +1,55 @@
-//! Data order and batches: the distributed sampler and the image batcher.
+//! Data order and batches: the distributed sampler, the loader that builds a rank's batches
+//! (on its thread or ahead of it, `loader.rs`), the random numbers of a sample's augmentation
+//! ([`sample_rng`]), Burn's `Dataset`/`Batcher` as kiln data ([`BurnData`]), and the image
+//! batcher.
 //!
 //! The sampler makes the data order independent of the device count: every epoch is one global
 //! shuffle from `(seed, epoch)`, cut into global micro-batches of `world × batch` samples, and
 //! rank `r` takes the `r`-th slice of each. The samples of global step `s` on N devices with
 //! batch `b` are therefore exactly those of step `s` on one device with batch `N·b`.
 
+mod from_burn;
+mod loader;
+
+use std::cell::Cell;
+
 use burn::prelude::*;
 use kiln_datasets::ImageDataset;
-use kiln_datasets::rng::{SplitMix64, permutation};
+pub use kiln_datasets::rng::SplitMix64;
+use kiln_datasets::rng::permutation;
 use kiln_models::{ImageBatch, InputSpec};
+
+pub use from_burn::{BurnData, BurnWorkload};
+pub(crate) use loader::{Feed, Plan};
+
+thread_local! {
+    /// The run's seed and the optimizer step of the training batch this thread is building.
+    static BUILDING: Cell<Option<(u64, usize)>> = const { Cell::new(None) };
+}
+
+/// Runs `f` (a workload's training batch) with [`sample_rng`] keyed to `seed` and `step`.
+pub(crate) fn building<T>(seed: u64, step: usize, f: impl FnOnce() -> T) -> T {
+    let before = BUILDING.replace(Some((seed, step)));
+    let out = f();
+    BUILDING.set(before);
+    out
+}
+
+/// The random numbers of sample `index`'s augmentation (a random crop, a flip, noise) in the
+/// training batch being built: a function of the run's seed, the optimizer step and the
+/// sample, so that a batch is the same bits whichever thread builds it (`data.workers`), on
+/// any number of devices, and after a resume. Call it from [`Workload::train_batch_at`]
+/// (or a Burn `Dataset`/`Batcher` trained through [`BurnData`](crate::BurnData)) rather than
+/// a thread-local or the backend's random numbers, which depend on who draws first. Outside a
+/// batch build it is keyed to seed 0, step 0.
+///
+/// [`Workload::train_batch_at`]: crate::Workload::train_batch_at
+pub fn sample_rng(index: usize) -> SplitMix64 {
+    let (seed, step) = BUILDING.get().unwrap_or((0, 0));
+    let mut mix = SplitMix64::new(seed ^ 0xa6d3_e9f1_4b27_c085);
+    let a = mix.next_u64() ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    SplitMix64::new(SplitMix64::new(a).next_u64() ^ index as u64)
+}
 
 /// Where a replica's samples come from at every step of every epoch.
 #[derive(Debug, Clone)]

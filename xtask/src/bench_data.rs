@@ -1,0 +1,235 @@
+//! `cargo xtask bench data`: the built-in ConvNet on a decode-heavy image folder (Fashion-MNIST
+//! written as JPEGs, upscaled, and read back at the model's input size with random crops and
+//! flips), with `data.workers` = 0 and the counts asked for: samples/s and the share of the
+//! step the rank waited for data (`pct_data`). Within a round the worker counts alternate;
+//! medians over rounds are compared with `workers = 0`, side by side.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::bench_policies::built_train;
+use crate::{Result, TempDir, json_number, median};
+
+/// What to measure.
+pub struct Options {
+    steps: usize,
+    rounds: usize,
+    workers: Vec<usize>,
+    /// Side of the JPEGs written.
+    size: usize,
+    /// Side the model reads them at.
+    input: usize,
+    train: usize,
+    batch: usize,
+    sets: Vec<String>,
+}
+
+pub fn parse(rest: &[&str]) -> Result<Options> {
+    let mut o = Options {
+        steps: 30,
+        rounds: 2,
+        workers: vec![1, 2],
+        size: 192,
+        input: 64,
+        train: 4000,
+        batch: 32,
+        sets: Vec::new(),
+    };
+    let mut it = rest.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .ok_or_else(|| format!("{flag} needs a value"))
+                .map(|v| v.to_string())
+        };
+        let number = |raw: &str| {
+            raw.parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| format!("{flag} {raw:?}: expected a positive integer"))
+        };
+        match *flag {
+            "--steps" => o.steps = number(&value()?)?,
+            "--rounds" => o.rounds = number(&value()?)?,
+            "--size" => o.size = number(&value()?)?,
+            "--input" => o.input = number(&value()?)?,
+            "--train" => o.train = number(&value()?)?,
+            "--batch" => o.batch = number(&value()?)?,
+            "--workers" => {
+                o.workers = value()?
+                    .split(',')
+                    .map(|w| number(w.trim()))
+                    .collect::<Result<_>>()?;
+            }
+            "--set" => o.sets.push(value()?),
+            other => {
+                return Err(format!(
+                    "bench data: unknown argument {other:?} (expected --steps N, --rounds N, \
+                     --workers N[,N...], --size PX, --input PX, --train N, --batch N, --set \
+                     KEY=VALUE)"
+                ));
+            }
+        }
+    }
+    Ok(o)
+}
+
+/// One run's figures: medians over its logged steps after the first.
+#[derive(Clone, Copy)]
+struct Figures {
+    samples_per_sec: f64,
+    pct_data: f64,
+    step_ms: f64,
+}
+
+/// The JPEG folder of the benchmark, written once into the target directory.
+fn jpeg_folder(root: &Path, o: &Options) -> Result<PathBuf> {
+    let idx = root.join("data/fashion-mnist");
+    if !idx.is_dir() {
+        return Err(format!(
+            "{} is missing: run `cargo xtask fetch-data fashion-mnist` first",
+            idx.display()
+        ));
+    }
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    let out = target
+        .join("bench-data")
+        .join(format!("fashion-jpeg-{}px-{}", o.size, o.train));
+    if out.join("test").is_dir() {
+        return Ok(out);
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let tmp = out.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&tmp);
+    let status = Command::new(&cargo)
+        .args(["run", "--release", "-q", "-p", "kiln-datasets", "--bin"])
+        .args(["kiln-image-folder", "--", "--idx"])
+        .arg(&idx)
+        .arg("--out")
+        .arg(&tmp)
+        .args(["--size", &o.size.to_string(), "--jpeg", "90"])
+        .args(["--train", &o.train.to_string(), "--test", "500"])
+        .current_dir(root)
+        .status()
+        .map_err(|e| format!("cannot run kiln-image-folder: {e}"))?;
+    if !status.success() {
+        return Err(format!("writing the JPEG folder failed ({status})"));
+    }
+    std::fs::rename(&tmp, &out).map_err(|e| format!("{}: cannot rename: {e}", tmp.display()))?;
+    Ok(out)
+}
+
+pub fn run(root: &Path, o: &Options) -> Result<()> {
+    let train = built_train(root)?;
+    let folder = jpeg_folder(root, o)?;
+    let temp = TempDir::new("bench-data")?;
+    let mut counts = vec![0];
+    counts.extend(o.workers.iter().copied().filter(|&w| w > 0));
+    let shown_sets: String = o.sets.iter().map(|s| format!(" --set {s}")).collect();
+    println!(
+        "bench data: ConvNet on {} ({} JPEGs of {}×{} px, read at {}×{} with random crop and \
+         flip), batch {}, {} steps, {} rounds, workers {:?}{shown_sets}",
+        folder.display(),
+        o.train,
+        o.size,
+        o.size,
+        o.input,
+        o.input,
+        o.batch,
+        o.steps,
+        o.rounds,
+        counts
+    );
+    let mut results: Vec<Vec<Figures>> = vec![Vec::new(); counts.len()];
+    for round in 0..o.rounds {
+        for (i, workers) in counts.iter().enumerate() {
+            let dir = temp.path().join(format!("w{workers}-r{round}"));
+            let out = Command::new(&train)
+                .args(["--max-steps", &o.steps.to_string()])
+                .args(["--batch-size", &o.batch.to_string()])
+                .args(["--devices", "1"])
+                .arg("--run-dir")
+                .arg(&dir)
+                .args(["--set", "data.dataset=\"image-folder\""])
+                .args([
+                    "--set",
+                    &format!("data.dir={:?}", folder.display().to_string()),
+                ])
+                .args(["--set", &format!("data.image_size=[{0}, {0}]", o.input)])
+                .args(["--set", "data.augment=true"])
+                .args(["--set", &format!("data.workers={workers}")])
+                .args(["--set", "model.convnet.channels=[8, 16]"])
+                .args(["--set", "train.log_every=5"])
+                .args(o.sets.iter().flat_map(|s| ["--set", s.as_str()]))
+                .current_dir(root)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .output()
+                .map_err(|e| format!("cannot run train: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "workers = {workers}: train failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+            let f = read_figures(&dir.join("metrics.jsonl"))?;
+            println!(
+                "  round {round} workers={workers} {:>7.1} samples/s  {:>7.1} ms/step  data \
+                 {:>5.1}%",
+                f.samples_per_sec, f.step_ms, f.pct_data
+            );
+            results[i].push(f);
+        }
+    }
+    println!();
+    println!("| data.workers | samples/s | ms/step | pct_data | throughput ÷ workers = 0 |");
+    println!("|---|---|---|---|---|");
+    let med =
+        |i: usize, f: fn(&Figures) -> f64| median(&results[i].iter().map(f).collect::<Vec<_>>());
+    let base = med(0, |f| f.samples_per_sec);
+    for (i, workers) in counts.iter().enumerate() {
+        let rate = med(i, |f| f.samples_per_sec);
+        println!(
+            "| {workers} | {rate:.1} | {:.1} | {:.1} % | {:.2} |",
+            med(i, |f| f.step_ms),
+            med(i, |f| f.pct_data),
+            rate / base
+        );
+    }
+    Ok(())
+}
+
+/// Medians over the run's training records after the first (which holds the start-up).
+fn read_figures(path: &Path) -> Result<Figures> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    let records: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("\"split\":\"train\""))
+        .skip(1)
+        .collect();
+    let values = |key: &str| -> Result<Vec<f64>> {
+        records
+            .iter()
+            .map(|r| {
+                json_number(r, key).ok_or_else(|| format!("{}: no {key} in {r}", path.display()))
+            })
+            .collect()
+    };
+    if records.is_empty() {
+        return Err(format!("{}: too few training records", path.display()));
+    }
+    let steps: Vec<f64> = values("time_data")?
+        .iter()
+        .zip(values("time_compute")?)
+        .zip(values("time_sync")?)
+        .zip(values("time_optim")?)
+        .map(|(((d, c), s), o)| (d + c + s + o) * 1e3)
+        .collect();
+    Ok(Figures {
+        samples_per_sec: median(&values("samples_per_sec")?),
+        pct_data: median(&values("pct_data")?),
+        step_ms: median(&steps),
+    })
+}
