@@ -307,6 +307,12 @@ fn draw_starts(rng: &mut SplitMix64, span: u64, count: usize) -> Vec<usize> {
 }
 
 /// The number of characters that go to the training part when `len` are split at `fraction`.
+/// The training part of `len` tokens split at `fraction`: the first this many, as
+/// [`TextData`] splits a text.
+pub fn train_part(len: usize, fraction: f64) -> usize {
+    train_len(len, fraction)
+}
+
 fn train_len(len: usize, fraction: f64) -> usize {
     // Rounding rather than truncating keeps a product like 0.29 * 100 = 28.999... from losing
     // a character to floating-point error.

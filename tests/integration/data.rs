@@ -439,3 +439,69 @@ fn a_csv_table_trains_the_mlp_and_a_bad_cell_is_one_line() {
     let out = train_bin(&cwd, &["--set", "data.dataset=\"csv\"", "--set", &path]);
     assert_one_line_error(&out, &["model.kind", "mlp"]);
 }
+
+/// Fashion-MNIST written as 70,000 PNGs (28×28, one folder per class) trains the built-in
+/// ConvNet through `data.dataset = "image-folder"` with a loader worker to at least 85 % test
+/// accuracy in one epoch. It needs `cargo xtask fetch-data fashion-mnist` (Debian's
+/// dataset-fashion-mnist) and about a minute and a half; CI runs it with `--ignored`.
+#[test]
+#[ignore = "needs data/fashion-mnist (cargo xtask fetch-data fashion-mnist); CI runs it"]
+fn fashion_mnist_as_an_image_folder_reaches_85_percent() {
+    let idx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/fashion-mnist");
+    assert!(
+        idx.is_dir(),
+        "{} is missing: run `cargo xtask fetch-data fashion-mnist`",
+        idx.display()
+    );
+    let splits = kiln_datasets::IdxKind::FashionMnist.load(&idx).unwrap();
+    let root = temp_dir("fashion-folder").join("fashion");
+    let written = kiln_datasets::folder::write_folder(
+        &splits,
+        &root,
+        None,
+        kiln_datasets::folder::Format::Png,
+        usize::MAX,
+        usize::MAX,
+    )
+    .unwrap();
+    assert_eq!(written, 70_000);
+    let dir = format!("data.dir={:?}", root.display().to_string());
+    let o = [
+        "data.dataset=\"image-folder\"",
+        &dir,
+        "data.workers=1",
+        "model.convnet.channels=[16, 32]",
+        "train.batch_size=64",
+        "train.max_steps=100000",
+        "train.epochs=1",
+        "train.log_every=100",
+    ];
+    let run = temp_dir("fashion-run");
+    let result = train(&small_config(&run, &o), &RunOptions::default()).unwrap();
+    let accuracy = result.summary.val_accuracy.unwrap();
+    assert!(accuracy >= 0.85, "test accuracy {accuracy}");
+    assert_eq!(result.summary.steps, 938);
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
+fn text_read_from_disk_trains_as_text_held_in_memory() {
+    let dir = temp_dir("text-disk");
+    let text = crate::gpt::text_file(&dir);
+    let run = |name: &str, extra: &[&str]| {
+        let config = crate::gpt::gpt_config(&dir.join(name), &text, extra);
+        let result = train(&config, &RunOptions::default()).unwrap();
+        (train_losses(&result.dir), result.summary.val_loss)
+    };
+    let memory = run("memory", &[]);
+    let disk = run("disk", &["data.on_disk=true", "data.workers=2"]);
+    assert_eq!(disk, memory);
+    let cache = kiln::builtin::text::token_file(&text);
+    assert!(cache.is_file(), "no token file at {}", cache.display());
+    // A second run reuses the token file; one cut short is written again.
+    let bytes = std::fs::read(&cache).unwrap();
+    assert_eq!(run("again", &["data.on_disk=true"]), memory);
+    std::fs::write(&cache, &bytes[..bytes.len() - 1]).unwrap();
+    assert_eq!(run("cut", &["data.on_disk=true"]), memory);
+    assert_eq!(std::fs::read(&cache).unwrap(), bytes);
+}

@@ -29,9 +29,9 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
         steps: 30,
         rounds: 2,
         workers: vec![1, 2],
-        size: 192,
+        size: 640,
         input: 64,
-        train: 4000,
+        train: 1500,
         batch: 32,
         sets: Vec::new(),
     };

@@ -92,6 +92,11 @@ pub struct DataConfig {
     /// `image-folder`: random crop (within a zero border of 1/8 of each side) and left–right
     /// flip of every training image, drawn from (seed, step, sample). Default false.
     pub augment: bool,
+    /// `text`: read the training and validation windows from a token file written beside the
+    /// text (`<path>.kiln-tokens`, 16-bit ids, reused while the text is unchanged) instead of
+    /// holding the text in memory: a corpus larger than memory trains. The same tokens and
+    /// windows either way. Default false.
+    pub on_disk: bool,
     /// `csv`: the target column (classes numbered from 0). Default `label`.
     pub target: String,
     /// `csv`: the feature columns. Default: every column but the target.
@@ -116,6 +121,7 @@ impl Default for DataConfig {
             image_size: None,
             channels: None,
             augment: false,
+            on_disk: false,
             target: "label".to_string(),
             features: Vec::new(),
             eval_path: None,

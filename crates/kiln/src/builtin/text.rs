@@ -1,10 +1,12 @@
 //! Character-level language modelling: a GPT on random windows of a text, and `train sample`.
 
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use burn::prelude::*;
 use kiln_datasets::text::TextData;
+use kiln_datasets::tokens::TokenFile;
 use kiln_models::{Gpt, GptConfig, ModelSpec, TokenBatch};
 
 use super::{Config, launch};
@@ -29,9 +31,46 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
             path.display()
         )));
     }
-    let data = TextData::from_file(&path, config.data.train_fraction)?;
+    let (tokenizer, train, val, name) = if config.data.on_disk {
+        let cache = token_file(&path);
+        // One process per machine writes the token file; the others wait for it.
+        let file = if crate::comm::processes().local_index == 0 {
+            let file = TokenFile::prepare(&path, &cache);
+            crate::comm::process_barrier();
+            file?
+        } else {
+            crate::comm::process_barrier();
+            TokenFile::prepare(&path, &cache)?
+        };
+        let tokenizer = file.tokenizer().clone();
+        let cut = kiln_datasets::text::train_part(file.len(), config.data.train_fraction);
+        let file = Arc::new(file);
+        let name = format!("{} (read from {})", stem(&path), cache.display());
+        (
+            tokenizer,
+            Tokens::Disk {
+                file: file.clone(),
+                start: 0,
+                len: cut,
+            },
+            Tokens::Disk {
+                start: cut,
+                len: file.len() - cut,
+                file,
+            },
+            name,
+        )
+    } else {
+        let data = TextData::from_file(&path, config.data.train_fraction)?;
+        (
+            data.tokenizer,
+            Tokens::Memory(data.train),
+            Tokens::Memory(data.val),
+            data.name,
+        )
+    };
     let mut gpt = config.model.gpt.clone();
-    let vocab = data.tokenizer.vocab_size();
+    let vocab = tokenizer.vocab_size();
     if gpt.vocab_size == 0 {
         gpt.vocab_size = vocab;
     } else if gpt.vocab_size < vocab {
@@ -42,10 +81,7 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
         )));
     }
     let block = gpt.block_size;
-    for (part, len) in [
-        ("training", data.train.len()),
-        ("validation", data.val.len()),
-    ] {
+    for (part, len) in [("training", train.len()), ("validation", val.len())] {
         if len <= block + 1 {
             return Err(Error::data(format!(
                 "{}: the {part} part holds {len} characters, fewer than one window of \
@@ -63,10 +99,9 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
         (
             "data",
             format!(
-                "{}: {} train / {} val characters, vocabulary {vocab}",
-                data.name,
-                data.train.len(),
-                data.val.len()
+                "{name}: {} train / {} val characters, vocabulary {vocab}",
+                train.len(),
+                val.len()
             ),
         ),
         (
@@ -74,15 +109,11 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
             format!("{:.3e} per token (6N + 12LHQT)", gpt.flops_per_token()),
         ),
     ];
-    let eval = kiln_datasets::text::eval_starts(
-        data.val.len(),
-        block,
-        EVAL_SEED,
-        config.data.eval_windows,
-    );
-    let tokenizer = data.tokenizer.clone();
+    let eval =
+        kiln_datasets::text::eval_starts(val.len(), block, EVAL_SEED, config.data.eval_windows);
     let workload = TextWorkload {
-        data,
+        train,
+        val,
         config: gpt,
         seed: config.kiln.run.seed,
         eval,
@@ -99,10 +130,69 @@ const EVAL_SEED: u64 = 0x0e7a_1000;
 /// File of the tokenizer inside a text run's directory.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
+/// The token file of the text at `path`: beside it, `<path>.kiln-tokens`.
+pub fn token_file(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".kiln-tokens");
+    PathBuf::from(name)
+}
+
+fn stem(path: &Path) -> String {
+    path.file_stem().map_or_else(
+        || path.display().to_string(),
+        |s| s.to_string_lossy().into_owned(),
+    )
+}
+
+/// Where a part of a text's tokens is read from.
+pub enum Tokens {
+    /// Held in memory.
+    Memory(Vec<u32>),
+    /// Read from a token file window by window: its tokens `start .. start + len`.
+    Disk {
+        /// The token file.
+        file: Arc<TokenFile>,
+        /// The part's first token in the file.
+        start: usize,
+        /// The part's tokens.
+        len: usize,
+    },
+}
+
+impl Tokens {
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Memory(t) => t.len(),
+            Tokens::Disk { len, .. } => *len,
+        }
+    }
+
+    /// Whether the part holds no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends tokens `at .. at + n` of the part to `out`.
+    fn extend(&self, at: usize, n: usize, out: &mut Vec<u32>) -> Result<()> {
+        match self {
+            Tokens::Memory(t) => out.extend_from_slice(&t[at..at + n]),
+            Tokens::Disk { file, start, .. } => {
+                let from = out.len();
+                out.resize(from + n, 0);
+                file.read(start + at, &mut out[from..])?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Character-level language modelling: a [`Gpt`] on random windows of a text.
 pub struct TextWorkload {
-    /// The tokenised text.
-    pub data: TextData,
+    /// The training part of the tokenised text.
+    pub train: Tokens,
+    /// The validation part, which follows it.
+    pub val: Tokens,
     /// The model (vocabulary size resolved).
     pub config: GptConfig,
     /// Seed of the window sampling.
@@ -112,19 +202,22 @@ pub struct TextWorkload {
 }
 
 impl TextWorkload {
-    fn windows(&self, tokens: &[u32], starts: &[usize], device: &Device) -> TokenBatch {
+    fn windows(&self, tokens: &Tokens, starts: &[usize], device: &Device) -> Result<TokenBatch> {
         let t = self.config.block_size;
+        let mut window = Vec::with_capacity(t + 1);
         let mut inputs = Vec::with_capacity(starts.len() * t);
         let mut targets = Vec::with_capacity(starts.len() * t);
         for &s in starts {
-            inputs.extend(tokens[s..s + t].iter().map(|&x| i64::from(x)));
-            targets.extend(tokens[s + 1..s + t + 1].iter().map(|&x| i64::from(x)));
+            window.clear();
+            tokens.extend(s, t + 1, &mut window)?;
+            inputs.extend(window[..t].iter().map(|&x| i64::from(x)));
+            targets.extend(window[1..].iter().map(|&x| i64::from(x)));
         }
         let n = starts.len();
-        TokenBatch {
+        Ok(TokenBatch {
             inputs: Tensor::from_data(TensorData::new(inputs, [n, t]), device),
             targets: Tensor::from_data(TensorData::new(targets, [n, t]), device),
-        }
+        })
     }
 }
 
@@ -138,19 +231,38 @@ impl Workload for TextWorkload {
 
     /// One "epoch" is as many windows as the training text has blocks.
     fn train_len(&self) -> usize {
-        (self.data.train.len() / self.config.block_size).max(1)
+        (self.train.len() / self.config.block_size).max(1)
     }
 
+    /// kiln calls [`Workload::try_train_batch`]; this form panics on a token file that
+    /// cannot be read.
     fn train_batch(&self, starts: &[usize], device: &Device) -> TokenBatch {
-        self.windows(&self.data.train, starts, device)
+        self.windows(&self.train, starts, device)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn try_train_batch(
+        &self,
+        starts: &[usize],
+        _step: usize,
+        device: &Device,
+    ) -> Result<TokenBatch> {
+        self.windows(&self.train, starts, device)
     }
 
     fn eval_len(&self) -> usize {
         self.eval.len()
     }
 
+    /// kiln calls [`Workload::try_eval_batch`]; this form panics on a token file that
+    /// cannot be read.
     fn eval_batch(&self, range: Range<usize>, device: &Device) -> TokenBatch {
-        self.windows(&self.data.val, &self.eval[range], device)
+        self.try_eval_batch(range, device)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn try_eval_batch(&self, range: Range<usize>, device: &Device) -> Result<TokenBatch> {
+        self.windows(&self.val, &self.eval[range], device)
     }
 
     /// Token ids are integers: nothing to cast.
@@ -166,7 +278,7 @@ impl Workload for TextWorkload {
         batch: usize,
     ) -> Option<Vec<usize>> {
         let all = kiln_datasets::text::window_starts(
-            self.data.train.len(),
+            self.train.len(),
             self.config.block_size,
             self.seed,
             micro_step as u64,
