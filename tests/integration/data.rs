@@ -505,3 +505,42 @@ fn text_read_from_disk_trains_as_text_held_in_memory() {
     assert_eq!(run("cut", &["data.on_disk=true"]), memory);
     assert_eq!(std::fs::read(&cache).unwrap(), bytes);
 }
+
+#[test]
+fn a_stuck_or_failing_loader_thread_ends_the_run_with_one_line() {
+    let dir = temp_dir("loader-faults");
+    for (fault, needles) in [
+        (
+            "0:5:loader-panic",
+            vec![
+                "rank 0's data loader failed building step 5 (a panic)",
+                "injected loader failure",
+            ],
+        ),
+        (
+            "0:5:loader-hang",
+            vec![
+                "waited 2 s (dist.timeout_s)",
+                "batch of step 5",
+                "data loader",
+            ],
+        ),
+    ] {
+        let run = dir.join(fault.replace(':', "-"));
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+            .args(["--max-steps", "40", "--batch-size", "16", "--run-dir"])
+            .arg(&run)
+            .args(["--set", "data.workers=2", "--set", "dist.timeout_s=2"])
+            .env(kiln::trainer::FAULT_VAR, fault)
+            // RUST_BACKTRACE asks for the whole panic report besides the one line.
+            .env_remove("RUST_BACKTRACE")
+            .current_dir(&dir)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (out, took) = crate::common::finish_within(child, std::time::Duration::from_secs(30));
+        assert!(took.as_secs() < 15, "{fault}: took {took:?}");
+        assert_one_line_error(&out, &needles);
+    }
+}

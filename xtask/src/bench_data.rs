@@ -80,6 +80,8 @@ struct Figures {
     samples_per_sec: f64,
     pct_data: f64,
     step_ms: f64,
+    data_ms: f64,
+    compute_ms: f64,
 }
 
 /// The JPEG folder of the benchmark, written once into the target directory.
@@ -175,24 +177,29 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             }
             let f = read_figures(&dir.join("metrics.jsonl"))?;
             println!(
-                "  round {round} workers={workers} {:>7.1} samples/s  {:>7.1} ms/step  data \
-                 {:>5.1}%",
-                f.samples_per_sec, f.step_ms, f.pct_data
+                "  round {round} workers={workers} {:>7.1} samples/s  {:>7.1} ms/step (data \
+                 {:>5.1} ms, compute {:>5.1} ms)  data {:>5.1}%",
+                f.samples_per_sec, f.step_ms, f.data_ms, f.compute_ms, f.pct_data
             );
             results[i].push(f);
         }
     }
     println!();
-    println!("| data.workers | samples/s | ms/step | pct_data | throughput ÷ workers = 0 |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| data.workers | samples/s | ms/step | waiting for data, ms | compute, ms | pct_data | \
+         throughput ÷ workers = 0 |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     let med =
         |i: usize, f: fn(&Figures) -> f64| median(&results[i].iter().map(f).collect::<Vec<_>>());
     let base = med(0, |f| f.samples_per_sec);
     for (i, workers) in counts.iter().enumerate() {
         let rate = med(i, |f| f.samples_per_sec);
         println!(
-            "| {workers} | {rate:.1} | {:.1} | {:.1} % | {:.2} |",
+            "| {workers} | {rate:.1} | {:.1} | {:.1} | {:.1} | {:.1} % | {:.2} |",
             med(i, |f| f.step_ms),
+            med(i, |f| f.data_ms),
+            med(i, |f| f.compute_ms),
             med(i, |f| f.pct_data),
             rate / base
         );
@@ -227,9 +234,16 @@ fn read_figures(path: &Path) -> Result<Figures> {
         .zip(values("time_optim")?)
         .map(|(((d, c), s), o)| (d + c + s + o) * 1e3)
         .collect();
+    let ms = |key: &str| -> Result<f64> {
+        Ok(median(
+            &values(key)?.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
+        ))
+    };
     Ok(Figures {
         samples_per_sec: median(&values("samples_per_sec")?),
         pct_data: median(&values("pct_data")?),
         step_ms: median(&steps),
+        data_ms: ms("time_data")?,
+        compute_ms: ms("time_compute")?,
     })
 }

@@ -79,7 +79,13 @@ where
         kiln.loader = loader;
         Ok(Self {
             model: section(model, "model", origin)?,
-            data: section(data, "data", origin)?,
+            data: section(data, "data", origin).map_err(|e| match e {
+                // The program's fields are listed; kiln's two are keys of `[data]` as well.
+                Error::Config(m) if m.contains("unknown field") => {
+                    Error::Config(format!("{m} (and kiln's `workers`, `prefetch`)"))
+                }
+                e => e,
+            })?,
             kiln,
         })
     }

@@ -12,6 +12,7 @@
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use burn::prelude::*;
 
@@ -35,6 +36,8 @@ pub(crate) struct Plan {
     pub data_world: usize,
     pub batch_size: usize,
     pub seed: u64,
+    /// The run's last step: nothing is built beyond it.
+    pub total: usize,
 }
 
 /// Where a job sits in the run.
@@ -58,6 +61,7 @@ impl Plan {
         data_world: usize,
         batch_size: usize,
         seed: u64,
+        total: usize,
     ) -> Self {
         Self {
             sampler,
@@ -70,7 +74,13 @@ impl Plan {
             data_world,
             batch_size,
             seed,
+            total,
         }
+    }
+
+    /// Jobs from the start to the end of the run.
+    fn jobs(&self) -> usize {
+        self.total.saturating_sub(self.step) * self.jobs_per_step()
     }
 
     /// Jobs per optimizer step.
@@ -164,6 +174,9 @@ pub(crate) struct Feed<'a, W: Workload> {
     /// The last epoch order the rank's own builds used.
     order: Option<(usize, Vec<usize>)>,
     ahead: Option<Arc<Shared<W::Batch>>>,
+    /// How long the rank waits for one batch of the loader threads (`dist.timeout_s`).
+    deadline: Option<Duration>,
+    rank: usize,
 }
 
 impl<'a, W: Workload> Feed<'a, W> {
@@ -175,11 +188,15 @@ impl<'a, W: Workload> Feed<'a, W> {
             device,
             order: None,
             ahead: None,
+            deadline: None,
+            rank: 0,
         }
     }
 
     /// A feed whose batches `workers` loader threads (spawned in `scope`, named after `rank`)
-    /// build up to `prefetch` steps ahead; with no workers, [`Feed::inline`].
+    /// build up to `prefetch` steps ahead, the rank waiting at most `deadline` for one; with
+    /// no workers, [`Feed::inline`].
+    #[allow(clippy::too_many_arguments)]
     pub fn start<'scope>(
         scope: &'scope std::thread::Scope<'scope, '_>,
         workload: &'a W,
@@ -188,11 +205,14 @@ impl<'a, W: Workload> Feed<'a, W> {
         workers: usize,
         prefetch: usize,
         rank: usize,
+        deadline: Option<Duration>,
     ) -> Self
     where
         'a: 'scope,
     {
         let mut feed = Self::inline(workload, plan, device);
+        feed.rank = rank;
+        feed.deadline = deadline;
         if workers == 0 {
             return feed;
         }
@@ -232,6 +252,7 @@ impl<'a, W: Workload> Feed<'a, W> {
         if q.claimed < job {
             q.claimed = job;
         }
+        let since = Instant::now();
         loop {
             if let Some(batch) = q.done.remove(&job) {
                 q.taken = job + 1;
@@ -239,7 +260,26 @@ impl<'a, W: Workload> Feed<'a, W> {
                 shared.room.notify_all();
                 return batch;
             }
-            q = shared.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+            let Some(deadline) = self.deadline else {
+                q = shared.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+                continue;
+            };
+            let left = deadline.saturating_sub(since.elapsed());
+            if left.is_zero() {
+                return Err(Error::Worker(format!(
+                    "rank {} waited {:.0} s (dist.timeout_s) for the batch of step {} from its \
+                     data loader threads: one is stuck building it (in the workload's batch \
+                     code)",
+                    self.rank,
+                    deadline.as_secs_f64(),
+                    step + 1
+                )));
+            }
+            q = shared
+                .ready
+                .wait_timeout(q, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 }
@@ -267,7 +307,7 @@ fn load<W: Workload>(
     loop {
         let job = {
             let mut q = shared.lock();
-            while !q.stop && q.claimed >= q.taken + shared.capacity {
+            while !q.stop && (q.claimed >= q.taken + shared.capacity || q.claimed >= plan.jobs()) {
                 q = shared.room.wait(q).unwrap_or_else(|e| e.into_inner());
             }
             if q.stop {
@@ -276,16 +316,25 @@ fn load<W: Workload>(
             q.claimed += 1;
             q.claimed - 1
         };
-        let built = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            plan.build(workload, job, device, &mut order)
-        }))
-        .unwrap_or_else(|payload| {
-            Err(Error::Worker(format!(
-                "rank {rank}'s data loader panicked building step {}: {}",
-                plan.at(job).step + 1,
-                crate::trainer::panic_message(&payload)
-            )))
-        });
+        let built =
+            std::panic::catch_unwind(AssertUnwindSafe(|| {
+                match crate::trainer::loader_fault(rank, plan.at(job).step + 1) {
+                    Some(true) => loop {
+                        std::thread::sleep(Duration::from_secs(3600));
+                    },
+                    Some(false) => {
+                        panic!("injected loader failure ({})", crate::trainer::FAULT_VAR)
+                    }
+                    None => plan.build(workload, job, device, &mut order),
+                }
+            }))
+            .unwrap_or_else(|payload| {
+                Err(Error::Worker(format!(
+                    "rank {rank}'s data loader failed building step {} (a panic): {}",
+                    plan.at(job).step + 1,
+                    crate::trainer::panic_message(&payload)
+                )))
+            });
         let mut q = shared.lock();
         if job >= q.taken {
             q.done.insert(job, built);
@@ -317,7 +366,7 @@ mod tests {
 
     fn plan(len: usize, state: LoopState, micros: usize, phases: usize) -> Plan {
         let sampler = DistributedSampler::new(len, 3, 2, 4, micros, false);
-        Plan::new(sampler, &state, micros, phases, 1, 2, 4, 3)
+        Plan::new(sampler, &state, micros, phases, 1, 2, 4, 3, 100)
     }
 
     #[test]

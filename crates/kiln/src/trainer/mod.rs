@@ -38,8 +38,8 @@ use crate::monitor::{MonitorSetup, SystemMonitor};
 pub use plateau::Plateau;
 pub use settings::{OutputSettings, ParallelSettings, TrainerSettings};
 pub(crate) use start::same_samples_per_step;
-pub(crate) use worker::panic_message;
 pub use worker::{FAULT_VAR, median};
+pub(crate) use worker::{loader_fault, panic_message};
 
 /// A model and its data, as the trainer sees them; nothing here knows about devices beyond
 /// the one it is handed.

@@ -267,6 +267,7 @@ impl<W: Workload> Worker<'_, W> {
             self.data_world,
             self.settings.train.batch_size,
             self.settings.seed,
+            self.total,
         );
         // Loader threads live as long as the loop; dropping the feed stops them.
         std::thread::scope(|scope| {
@@ -278,6 +279,8 @@ impl<W: Workload> Worker<'_, W> {
             };
             let device = self.device.clone();
             let rank = self.rank();
+            let d = &self.settings.parallel.dist;
+            let deadline = (d.timeout_s > 0.0).then(|| Duration::from_secs_f64(d.timeout_s));
             let mut feed = Feed::start(
                 scope,
                 self.workload,
@@ -286,8 +289,18 @@ impl<W: Workload> Worker<'_, W> {
                 workers,
                 loader.prefetch,
                 rank,
+                deadline,
             );
-            self.steps(strategy, state, &mut feed)
+            let outcome = self.steps(strategy, state, &mut feed);
+            if let Err(e) = &outcome
+                && !is_abort_echo(e)
+            {
+                // Said before the scope waits for the loader threads: one stuck in the
+                // workload's code is then ended with the process (`wait_or_exit`).
+                self.comm
+                    .abort(&format!("{ABORTED}rank {rank} failed: {e}"));
+            }
+            outcome
         })
     }
 
@@ -773,7 +786,9 @@ fn objective(micros: usize, scale: Option<f32>) -> impl Fn(Tensor<1>) -> Tensor<
 /// The environment variable that injects a fault into one rank, to test how a run ends (a test
 /// facility, in-process and across processes): `KILN_FAULT_INJECT=rank:step` panics after that
 /// step, `rank:step:hang` stops making progress after it, `rank:step:slow=MS` adds MS
-/// milliseconds of compute to every step from that one on (a straggler).
+/// milliseconds of compute to every step from that one on (a straggler), and
+/// `rank:step:loader-hang` / `rank:step:loader-panic` make a loader thread of the rank
+/// (`data.workers` > 0) hang or panic building that step's batch.
 pub const FAULT_VAR: &str = "KILN_FAULT_INJECT";
 
 /// A fault the variable injects.
@@ -782,6 +797,20 @@ enum Fault {
     Panic,
     Hang,
     Slow(Duration),
+    /// A loader thread of the rank stops making progress building the step's batch.
+    LoaderHang,
+    /// A loader thread of the rank panics building the step's batch.
+    LoaderPanic,
+}
+
+/// The fault injected into `rank`'s loader threads as they build the batches of step `step`
+/// (1-based): `true` hangs, `false` panics.
+pub(crate) fn loader_fault(rank: usize, step: usize) -> Option<bool> {
+    match injected_fault()? {
+        (r, at, Fault::LoaderHang) if r == rank && at == step => Some(true),
+        (r, at, Fault::LoaderPanic) if r == rank && at == step => Some(false),
+        _ => None,
+    }
 }
 
 /// The `(rank, step, fault)` the variable asks for, if it does.
@@ -795,6 +824,8 @@ fn injected_fault() -> Option<(usize, usize, Fault)> {
         let fault = match parts.next() {
             None => Fault::Panic,
             Some("hang") => Fault::Hang,
+            Some("loader-hang") => Fault::LoaderHang,
+            Some("loader-panic") => Fault::LoaderPanic,
             Some(slow) => {
                 let ms = slow.strip_prefix("slow=")?.parse().ok()?;
                 Fault::Slow(Duration::from_millis(ms))
