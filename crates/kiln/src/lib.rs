@@ -27,6 +27,7 @@ macro_rules! say {
 
 pub mod app;
 pub mod builtin;
+pub mod burn_data;
 pub mod checkpoint;
 pub mod cli;
 pub mod comm;
@@ -48,8 +49,9 @@ pub mod strategy;
 pub mod trainer;
 
 pub use app::{App, UserConfig};
+pub use burn_data::{BurnData, BurnWorkload};
 pub use config::RootConfig;
-pub use data::{BurnData, BurnWorkload, sample_rng};
+pub use data::sample_rng;
 pub use error::{Error, Result};
 // What a model of one's own implements, and how it is trained.
 pub use kiln_models::{

@@ -11,6 +11,7 @@
 
 mod checkpointer;
 mod checks;
+mod loader;
 mod log;
 mod plateau;
 mod settings;

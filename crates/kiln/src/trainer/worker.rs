@@ -11,6 +11,7 @@ use burn::prelude::*;
 use kiln_models::StepOutput;
 
 use super::checkpointer::Checkpointer;
+use super::loader::{Feed, Plan};
 use super::log::{Logger, LoggerParts, Scores, Times};
 use super::plateau::{self, Plateau};
 use super::start::Start;
@@ -20,7 +21,7 @@ use crate::checkpoint::{self, LoopState};
 use crate::comm::watch::{Recorder, Watchdog, watched};
 use crate::comm::{Collective, pack};
 use crate::config::{RecomputeMode, name_of};
-use crate::data::{DistributedSampler, Feed, Plan};
+use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
 use crate::exec::draws;
 use crate::metrics::{MetricsWriter, Progress, Summary};

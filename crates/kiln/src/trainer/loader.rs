@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use burn::prelude::*;
 
-use super::{DistributedSampler, building};
+use super::Workload;
 use crate::checkpoint::LoopState;
+use crate::data::{DistributedSampler, building};
 use crate::error::{Error, Result};
-use crate::trainer::Workload;
 
 /// Which samples every job of one rank's run takes.
 #[derive(Debug, Clone)]
@@ -109,7 +109,7 @@ impl Plan {
     }
 
     /// Builds job `job` on `device`: its samples, then the workload's batch of them, with
-    /// [`sample_rng`](super::sample_rng) keyed to this run's seed and the job's step. `order`
+    /// [`sample_rng`](crate::data::sample_rng) keyed to this run's seed and the job's step. `order`
     /// caches the last epoch's order.
     fn build<W: Workload>(
         &self,

@@ -1,15 +1,12 @@
-//! Data order and batches: the distributed sampler, the loader that builds a rank's batches
-//! (on its thread or ahead of it, `loader.rs`), the random numbers of a sample's augmentation
-//! ([`sample_rng`]), Burn's `Dataset`/`Batcher` as kiln data ([`BurnData`]), and the image
-//! batcher.
+//! Data order and batches: the distributed sampler, the random numbers of a sample's
+//! augmentation ([`sample_rng`]), and the image batcher. The loop's loader (a rank's batches,
+//! built on its thread or ahead of it) is `trainer/loader.rs`; Burn's `Dataset`/`Batcher` as
+//! a workload is [`crate::burn_data`].
 //!
 //! The sampler makes the data order independent of the device count: every epoch is one global
 //! shuffle from `(seed, epoch)`, cut into global micro-batches of `world × batch` samples, and
 //! rank `r` takes the `r`-th slice of each. The samples of global step `s` on N devices with
 //! batch `b` are therefore exactly those of step `s` on one device with batch `N·b`.
-
-mod from_burn;
-mod loader;
 
 use std::cell::Cell;
 
@@ -18,9 +15,6 @@ use kiln_datasets::ImageDataset;
 pub use kiln_datasets::rng::SplitMix64;
 use kiln_datasets::rng::permutation;
 use kiln_models::{ImageBatch, InputSpec};
-
-pub use from_burn::{BurnData, BurnWorkload};
-pub(crate) use loader::{Feed, Plan};
 
 thread_local! {
     /// The run's seed and the optimizer step of the training batch this thread is building.

@@ -12,7 +12,7 @@
 //! kiln::train_workload(&config, &options, &workload, info, |_| Ok(()))?;
 //! ```
 //! A batch must be a function of its items for the loader workers (`data.workers`) to give
-//! the same bits: augmentation draws from [`sample_rng`](super::sample_rng) (in
+//! the same bits: augmentation draws from [`sample_rng`](crate::sample_rng) (in
 //! `Dataset::get`, keyed by the index), not from `rand::rng()`.
 
 use std::ops::Range;
