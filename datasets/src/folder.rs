@@ -38,28 +38,13 @@ impl ImageFolder {
     /// file in it a sample. A missing folder, a folder without class folders, or a class
     /// folder without images is an error naming it.
     pub fn open(dir: &Path) -> Result<Self, DatasetError> {
-        let classes = class_folders(dir)?;
-        if classes.is_empty() {
-            return Err(DatasetError::bad(
-                dir,
-                "holds no class folders (expected one sub-folder per class, each with its \
-                 .png/.jpg images)",
-            ));
-        }
-        Self::with_classes(dir, &classes)
+        Self::with_classes(dir, &class_folders(dir)?)
     }
 
     /// Lists `dir` with the classes of another split (`train/`'s): its class folders must
     /// be among them, and are numbered as there; a class may be missing from `dir`.
     pub fn open_as(dir: &Path, classes: &[String]) -> Result<Self, DatasetError> {
         let own = class_folders(dir)?;
-        if own.is_empty() {
-            return Err(DatasetError::bad(
-                dir,
-                "holds no class folders (expected one sub-folder per class, each with its \
-                 .png/.jpg images)",
-            ));
-        }
         if let Some(unknown) = own.iter().find(|c| !classes.contains(c)) {
             return Err(DatasetError::bad(
                 &dir.join(unknown),
@@ -305,7 +290,7 @@ fn read_dir(dir: &Path) -> Result<Vec<PathBuf>, DatasetError> {
         .collect()
 }
 
-/// The class folders of `dir`, sorted by name (hidden folders passed over).
+/// The class folders of `dir`, sorted by name (hidden folders passed over); none is an error.
 fn class_folders(dir: &Path) -> Result<Vec<String>, DatasetError> {
     let mut classes: Vec<String> = read_dir(dir)?
         .into_iter()
@@ -313,6 +298,13 @@ fn class_folders(dir: &Path) -> Result<Vec<String>, DatasetError> {
         .filter_map(|p| p.file_name().and_then(|n| n.to_str()).map(str::to_string))
         .filter(|n| !n.starts_with('.'))
         .collect();
+    if classes.is_empty() {
+        return Err(DatasetError::bad(
+            dir,
+            "holds no class folders (expected one sub-folder per class, each with its \
+             .png/.jpg images)",
+        ));
+    }
     classes.sort();
     Ok(classes)
 }

@@ -11,52 +11,24 @@ use kiln::builtin::train;
 use kiln::run::RunOptions;
 use kiln::trainer::parameter_values;
 use kiln::{BurnData, BurnWorkload, RunInfo, train_workload};
-use kiln_datasets::ImageSplits;
 use kiln_models::{ImageBatch, InputSpec, ModelSection, ModelSpec, load_run};
 
 use crate::common::{
     assert_one_line_error, max_relative_diff, small_config, temp_dir, train_bin, train_losses,
 };
 
-/// Writes `splits` as an image folder under `root` (`train/`, `test/`, one folder per
-/// class, greyscale PNGs), the first `train` and `test` images of each split.
-pub fn write_image_folder(root: &Path, splits: &ImageSplits, train: usize, test: usize) {
-    for (name, set, n) in [
-        ("train", &splits.train, train),
-        ("test", &splits.test, test),
-    ] {
-        for i in 0..n.min(set.len()) {
-            let dir = root.join(name).join(format!("class-{}", set.label(i)));
-            std::fs::create_dir_all(&dir).unwrap();
-            let scale = 255.0 / f32::from(set.max_value);
-            let pixels: Vec<u8> = set
-                .image(i)
-                .iter()
-                .map(|&p| (f32::from(p) * scale).round() as u8)
-                .collect();
-            write_png(
-                &dir.join(format!("{i:05}.png")),
-                set.width,
-                set.height,
-                &pixels,
-            );
-        }
-    }
-}
-
-fn write_png(path: &Path, width: usize, height: usize, pixels: &[u8]) {
-    let file = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
-    let mut encoder = png::Encoder::new(file, width as u32, height as u32);
-    encoder.set_color(png::ColorType::Grayscale);
-    encoder.set_depth(png::BitDepth::Eight);
-    let mut writer = encoder.write_header().unwrap();
-    writer.write_image_data(pixels).unwrap();
-}
-
 /// The embedded digits as an image folder: 400 training and 100 test images.
 fn digits_folder(name: &str) -> PathBuf {
     let root = temp_dir(name).join("digits");
-    write_image_folder(&root, &kiln_datasets::digits(), 400, 100);
+    kiln_datasets::folder::write_folder(
+        &kiln_datasets::digits(),
+        &root,
+        None,
+        kiln_datasets::folder::Format::Png,
+        400,
+        100,
+    )
+    .unwrap();
     root
 }
 
@@ -169,7 +141,7 @@ fn an_image_folder_trains_the_convnet_and_its_faults_are_one_line() {
 
     // A truncated image, met by a loader thread in the middle of an epoch, ends the run with
     // one line naming it.
-    let bad = root.join("train/class-3");
+    let bad = root.join("train/3");
     let victim = std::fs::read_dir(&bad)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -543,4 +515,119 @@ fn a_stuck_or_failing_loader_thread_ends_the_run_with_one_line() {
         assert!(took.as_secs() < 15, "{fault}: took {took:?}");
         assert_one_line_error(&out, &needles);
     }
+}
+
+/// A regression of one's own on a CSV table: one linear layer, mean squared error.
+#[derive(burn::module::Module, Debug)]
+struct Line {
+    linear: burn::nn::Linear,
+}
+
+/// Rows of a table as a batch.
+#[derive(Debug, Clone)]
+struct Rows {
+    x: Tensor<2>,
+    y: Tensor<2>,
+}
+
+impl kiln::TrainStep<Rows> for Line {
+    fn step(&self, batch: Rows) -> kiln::StepOutput {
+        let samples = batch.y.dims()[0];
+        let error = self.linear.forward(batch.x) - batch.y;
+        let loss = (error.clone() * error).mean().reshape([1]);
+        kiln::StepOutput::new(loss, samples)
+    }
+}
+
+impl kiln::BlockStack<Rows> for Line {}
+
+struct Regression {
+    train: kiln_datasets::table::Table,
+    eval: kiln_datasets::table::Table,
+}
+
+impl Regression {
+    fn rows(table: &kiln_datasets::table::Table, rows: &[usize], device: &Device) -> Rows {
+        let x: Vec<f32> = rows.iter().flat_map(|&r| table.row(r)).copied().collect();
+        let y: Vec<f32> = rows.iter().map(|&r| table.targets[r]).collect();
+        let n = rows.len();
+        Rows {
+            x: Tensor::from_data(TensorData::new(x, [n, table.width()]), device),
+            y: Tensor::from_data(TensorData::new(y, [n, 1]), device),
+        }
+    }
+}
+
+impl kiln::Workload for Regression {
+    type Model = Line;
+    type Batch = Rows;
+
+    fn init_model(&self, device: &Device) -> Line {
+        Line {
+            linear: burn::nn::LinearConfig::new(self.train.width(), 1).init(device),
+        }
+    }
+    fn train_len(&self) -> usize {
+        self.train.len()
+    }
+    fn train_batch(&self, indices: &[usize], device: &Device) -> Rows {
+        Self::rows(&self.train, indices, device)
+    }
+    fn eval_len(&self) -> usize {
+        self.eval.len()
+    }
+    fn eval_batch(&self, range: std::ops::Range<usize>, device: &Device) -> Rows {
+        Self::rows(&self.eval, &range.collect::<Vec<_>>(), device)
+    }
+    fn cast_batch(&self, batch: Rows, dtype: burn::tensor::FloatDType) -> Rows {
+        Rows {
+            x: batch.x.cast(dtype),
+            ..batch
+        }
+    }
+}
+
+#[test]
+fn a_regression_of_ones_own_trains_on_a_csv_table() {
+    let dir = temp_dir("regression");
+    // y = 2a − b + 0.5c + 1, exactly; a, b, c in [−1, 1].
+    let mut rng = kiln_datasets::rng::SplitMix64::new(5);
+    let mut text = "a,b,c,y\n".to_string();
+    for _ in 0..600 {
+        let [a, b, c] = [0; 3].map(|_| rng.next_f32() * 2.0 - 1.0);
+        text += &format!("{a},{b},{c},{}\n", 2.0 * a - b + 0.5 * c + 1.0);
+    }
+    let path = dir.join("line.csv");
+    std::fs::write(&path, text).unwrap();
+    let table = kiln_datasets::table::Table::read_csv(&path, "y", &[]).unwrap();
+    assert_eq!(table.features, ["a", "b", "c"]);
+    let workload = Regression {
+        train: table.subset(&(0..500).collect::<Vec<_>>()),
+        eval: table.subset(&(500..600).collect::<Vec<_>>()),
+    };
+    let config = small_config(
+        &dir.join("run"),
+        &[
+            "train.max_steps=300",
+            "train.epochs=20",
+            "optim.lr=0.05",
+            "hardware.devices=2",
+            "data.workers=1",
+        ],
+    );
+    let info = RunInfo {
+        model: "line".into(),
+        ..RunInfo::default()
+    };
+    let result = train_workload(
+        &config.kiln,
+        &RunOptions::default(),
+        &workload,
+        info,
+        |_| Ok(()),
+    )
+    .unwrap();
+    let val = result.summary.val_loss.unwrap();
+    assert!(val < 1e-3, "validation mean squared error {val}");
+    assert_eq!(result.summary.devices, 2);
 }
