@@ -59,7 +59,11 @@ fn parity_tensors(
         o.extend(extra.iter().map(|s| s.to_string()));
         o
     };
-    let single = base(&[&format!("train.batch_size={}", b * devices * accumulate)]);
+    // `single` itself: one replica, not the device's per-core sub-replicas (which are ddp).
+    let single = base(&[
+        &format!("train.batch_size={}", b * devices * accumulate),
+        "hardware.cpu_split=\"off\"",
+    ]);
     let ddp = base(&[
         &format!("train.batch_size={b}"),
         &format!("hardware.devices={devices}"),

@@ -2,6 +2,7 @@
 
 mod cli;
 mod common;
+mod cores;
 mod custom;
 mod data;
 mod ddp;

@@ -110,6 +110,8 @@ fn check_parity(model: Model, stage_counts: &[usize]) {
             &[
                 "train.batch_size=4".into(),
                 format!("train.accumulate={micro}"),
+                // One replica, as the pipeline's schedule is compared with one device's.
+                "hardware.cpu_split=\"off\"".into(),
             ],
         );
         for &k in stage_counts {

@@ -106,7 +106,13 @@ fn parity(name: &str, workload: Workload, n: usize, variant: &[&str]) -> (Vec<f6
     };
     // The same global batch on one device, in the same micro-steps (the text workload draws
     // each micro-step's windows from the micro-step's index).
-    let single = run("single", vec![format!("train.batch_size={}", b * n)]);
+    let single = run(
+        "single",
+        vec![
+            format!("train.batch_size={}", b * n),
+            "hardware.cpu_split=\"off\"".into(),
+        ],
+    );
     let many: Vec<Vec<Vec<f32>>> = STRATEGIES
         .iter()
         .map(|s| {
@@ -305,6 +311,11 @@ fn resume_as(cut: &Path, strategy: &str, devices: usize) {
             format!("hardware.devices={devices}"),
             format!("strategy.name={strategy:?}"),
             format!("train.batch_size={}", 8 / devices),
+            // `single` as itself, not the CPU device's per-core sub-replicas.
+            format!(
+                "hardware.cpu_split={:?}",
+                if strategy == "single" { "off" } else { "auto" }
+            ),
         ],
     )
     .unwrap();

@@ -768,6 +768,34 @@ pub struct HardwareConfig {
     pub accelerator: Accelerator,
     /// How many devices (an integer) or which ones (a list of indices). Default 1.
     pub devices: DeviceList,
+    /// On the CPU accelerator, how a device uses its cores: `auto` runs its batch as per-core
+    /// sub-replicas (each a one-thread replica with its share of the batch, gradients
+    /// averaged as one device — the schedule data parallelism uses across devices); `off`
+    /// runs one replica whose kernels spread over the cores. Default `auto`.
+    pub cpu_split: CpuSplit,
+    /// On the CPU accelerator, the cores the devices share. Default: every core the machine
+    /// offers the process.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_cores: Option<usize>,
+}
+
+impl HardwareConfig {
+    /// The cores CPU devices share: `cpu_cores`, or every core the process may use.
+    pub fn cores(&self) -> usize {
+        self.cpu_cores.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        })
+    }
+}
+
+/// `hardware.cpu_split`: how a CPU device uses its cores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CpuSplit {
+    /// Per-core sub-replicas where they fit (see [`HardwareConfig::cpu_split`]).
+    Auto,
+    /// One replica per device.
+    Off,
 }
 
 impl Default for HardwareConfig {
@@ -775,6 +803,8 @@ impl Default for HardwareConfig {
         Self {
             accelerator: Accelerator::Auto,
             devices: DeviceList::Count(1),
+            cpu_split: CpuSplit::Auto,
+            cpu_cores: None,
         }
     }
 }
@@ -1058,6 +1088,12 @@ impl HardwareConfig {
             return bad(
                 "hardware.devices",
                 format!("lists a device twice: {devices:?}"),
+            );
+        }
+        if self.cpu_cores == Some(0) {
+            return bad(
+                "hardware.cpu_cores",
+                "must be at least 1 (or left unset for every core), got 0".into(),
             );
         }
         Ok(())

@@ -32,6 +32,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod comm;
 pub mod config;
+pub mod cores;
 pub mod data;
 pub mod error;
 pub mod exec;

@@ -162,8 +162,12 @@ pub struct Summary {
     pub wall_seconds: f64,
     /// Training samples per second over the whole run.
     pub samples_per_sec: f64,
-    /// Number of ranks (devices over every process).
+    /// Number of devices over every process (a CPU device's per-core sub-replicas count as
+    /// the one device they are).
     pub devices: usize,
+    /// Ranks each device ran as: its per-core sub-replicas on the CPU (`hardware.cpu_split`),
+    /// 1 otherwise.
+    pub sub_replicas: usize,
     /// Number of processes (1 without a launcher).
     pub processes: usize,
     /// The signal that stopped the run early (after a checkpoint), if one did.

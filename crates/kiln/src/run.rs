@@ -11,6 +11,7 @@ use kiln_models::save_safetensors;
 
 use crate::checkpoint::{self, write_atomic};
 use crate::config::{Accelerator, HardwareConfig, RootConfig, name_of};
+use crate::cores::CoreSplit;
 use crate::error::{Error, Result};
 use crate::metrics::Summary;
 use crate::optim::scaled_lr;
@@ -141,8 +142,15 @@ where
     // anything is written: a refused run leaves no directory behind.
     let processes = crate::comm::processes();
     Setup::new(config, devices.len() * processes.count).check()?;
+    let cpu = accelerator.starts_with("cpu");
     let mut settings =
         TrainerSettings::from_config(config, devices.clone(), accelerator, config.run_dir());
+    // A CPU device runs as per-core sub-replicas where they fit the strategy and the model.
+    let facts = ModelFacts::of::<W::Batch, _>(&kiln_models::with_rng(|| {
+        kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
+    }));
+    let split = CoreSplit::plan(config, devices.len(), cpu, processes.count, &facts);
+    split.apply(&mut settings, &facts);
     settings.drop_last = info.drop_last || workload.drop_last();
     settings.output.resume_from = options.resume_from.clone();
     let checked = crate::trainer::check(workload, &settings)?;
@@ -415,7 +423,7 @@ fn print_table<W: Workload>(
                     devices.len(),
                 )
             } else {
-                format!("{world} {devices:?}")
+                format!("{} {devices:?}", world / s.parallel.sub_replicas.max(1))
             },
         ),
         ("strategy".into(), setup.describe()),
@@ -431,9 +439,24 @@ fn print_table<W: Workload>(
         ),
         (
             "batch".into(),
-            setup.batch_line(t.batch_size, t.accumulate, sampler.samples_per_step()),
+            if s.parallel.sub_replicas > 1 {
+                // Said as the user's devices take it: the sub-replicas share a device's batch.
+                let per_device = t.batch_size * s.parallel.sub_replicas;
+                let devices = world / s.parallel.sub_replicas;
+                format!(
+                    "{per_device} per device × {devices} device{} × {} accumulation = {} per step",
+                    if devices == 1 { "" } else { "s" },
+                    t.accumulate,
+                    sampler.samples_per_step()
+                )
+            } else {
+                setup.batch_line(t.batch_size, t.accumulate, sampler.samples_per_step())
+            },
         ),
     ];
+    if let Some(words) = &s.parallel.cores {
+        rows.push(("cpu cores".into(), words.clone()));
+    }
     rows.extend(lr_rows(s, &facts.groups));
     rows.push((
         "model".into(),

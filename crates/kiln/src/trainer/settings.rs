@@ -34,6 +34,13 @@ pub struct ParallelSettings {
     pub processes: Processes,
     /// Deadlines, flight records, collective checks and stragglers.
     pub dist: DistConfig,
+    /// Ranks each of the user's devices runs as (CPU per-core sub-replicas,
+    /// [`crate::cores`]); 1 otherwise.
+    pub sub_replicas: usize,
+    /// What the start-up table says of how CPU devices use their cores.
+    pub cores: Option<String>,
+    /// The cores CPU ranks share (`hardware.cpu_cores`, or the machine's).
+    pub cpu_cores: usize,
 }
 
 /// Where the run's output goes and how it is shown.
@@ -109,6 +116,9 @@ impl TrainerSettings {
                 pipeline: config.pipeline.clone(),
                 processes,
                 dist: config.dist.clone(),
+                sub_replicas: 1,
+                cores: None,
+                cpu_cores: config.hardware.cores(),
             },
             precision: config.precision.clone(),
             recompute: config.recompute.clone(),
@@ -171,6 +181,13 @@ impl TrainerSettings {
     /// consecutive).
     pub fn data_rank(&self, rank: usize) -> usize {
         rank / self.stages()
+    }
+
+    /// The data-parallel degree the user asked for: [`TrainerSettings::data_world`] with a
+    /// device's per-core sub-replicas counted as the one device they are (learning-rate
+    /// scaling and the summary count devices, not cores).
+    pub fn device_data_world(&self) -> usize {
+        self.data_world() / self.parallel.sub_replicas.max(1)
     }
 
     /// Micro-batches per optimizer step: the accumulation, times a pipeline's micro-batches.

@@ -178,7 +178,11 @@ fn schedules(settings: &TrainerSettings, groups: &[String], total: usize) -> Vec
         .map(|g| {
             let name = groups.get(g).map_or("", String::as_str);
             let optim = settings.group_optim(name);
-            let peak = scaled_lr(optim, settings.data_world(), settings.micro_batches());
+            let peak = scaled_lr(
+                optim,
+                settings.device_data_world(),
+                settings.micro_batches(),
+            );
             Schedule::new(peak, settings.group_schedule(name), total)
         })
         .collect()
@@ -227,7 +231,7 @@ impl<W: Workload> Worker<'_, W> {
     fn run_guarded(self, start: &Start) -> Result<Outcome<W::Model>> {
         let rank = self.rank();
         let pool = (self.settings.parallel.split_cpu_threads && self.world() > 1).then(|| {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let cores = self.settings.parallel.cpu_cores;
             rayon::ThreadPoolBuilder::new()
                 .num_threads((cores / self.world()).max(1))
                 .thread_name(move |i| format!("kiln-worker-{rank}-pool-{i}"))
@@ -728,7 +732,8 @@ impl<W: Workload> Worker<'_, W> {
             val_accuracy: last_val.and_then(|v| v.1),
             wall_seconds: wall,
             samples_per_sec: state.samples as f64 / wall.max(1e-9),
-            devices: self.world(),
+            devices: self.world() / s.parallel.sub_replicas.max(1),
+            sub_replicas: s.parallel.sub_replicas.max(1),
             strategy: self.setup.name(),
             precision: self.policy.name(),
             accelerator: s.parallel.accelerator.clone(),

@@ -1,0 +1,133 @@
+//! How a CPU device uses its cores.
+//!
+//! Flex's kernels spread one replica's work over the cores, and lose much of their efficiency
+//! as the batch grows on a small cache; one-thread replicas with a share of the batch each
+//! (what data parallelism does across devices) train the same samples faster. With
+//! `hardware.cpu_split = "auto"`, the launcher runs each CPU device as per-core sub-replicas:
+//! `K` ranks of `batch / K` samples, one core each, their gradients averaged as one device
+//! averages its batch — the `ddp` step over `devices × K` ranks. The sampler gives the `K`
+//! sub-replicas exactly the samples the device would take, a model with BatchNorm normalises
+//! with the statistics of the device's whole batch (synchronised BatchNorm), and checkpoints
+//! do not record the split, so any checkpoint resumes with any core count.
+
+use burn::prelude::*;
+
+use crate::config::{CpuSplit, RecomputeMode, RootConfig, StrategyKind, name_of};
+use crate::strategy::ModelFacts;
+use crate::trainer::TrainerSettings;
+
+/// Sub-replicas per device, and what the start-up table says of the choice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CoreSplit {
+    /// Ranks each device runs as (1: no split).
+    pub per_device: usize,
+    /// The start-up table's words; `None` off the CPU.
+    pub words: Option<String>,
+}
+
+impl CoreSplit {
+    fn off(why: String) -> Self {
+        Self {
+            per_device: 1,
+            words: Some(format!("one replica per device ({why})")),
+        }
+    }
+
+    /// The split of a run of `config` on `devices` devices of this process (`cpu`: on the CPU
+    /// accelerator) out of `processes`, for a model with `facts`, on
+    /// `hardware.cpu_cores` cores.
+    pub fn plan(
+        config: &RootConfig,
+        devices: usize,
+        cpu: bool,
+        processes: usize,
+        facts: &ModelFacts,
+    ) -> Self {
+        let cores = config.hardware.cores();
+        if !cpu {
+            return Self {
+                per_device: 1,
+                words: None,
+            };
+        }
+        let per_device = (cores / devices).max(1);
+        if config.hardware.cpu_split == CpuSplit::Off {
+            return Self::off(format!(
+                "hardware.cpu_split = \"off\"; its kernels share {per_device} core(s)"
+            ));
+        }
+        if processes > 1 {
+            return Self::off("several processes share the machine's cores".into());
+        }
+        let strategy = config.strategy.name.resolve(devices);
+        if !matches!(strategy, StrategyKind::Single | StrategyKind::Ddp) {
+            return Self::off(format!(
+                "{} shards or stages the model over devices",
+                name_of(&strategy)
+            ));
+        }
+        if per_device < 2 {
+            return Self::off(format!("{per_device} core per device"));
+        }
+        if facts.buffers {
+            // BatchNorm's batch statistics are kept to the device's whole batch by
+            // synchronising them over the sub-replicas, which walks the model's blocks.
+            let why = if facts.blocks == 0 {
+                Some("it describes no blocks")
+            } else if config.recompute.mode == RecomputeMode::Blocks {
+                Some("recompute.mode = \"blocks\"")
+            } else if !facts.groups.is_empty() {
+                Some("it steps several parameter groups")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Self::off(format!(
+                    "the model's BatchNorm would see per-core statistics and synchronising \
+                     them is not possible here: {why}"
+                ));
+            }
+        }
+        let batch = config.train.batch_size;
+        let Some(k) = (2..=per_device).rev().find(|k| batch.is_multiple_of(*k)) else {
+            return Self::off(format!(
+                "batch {batch} does not split evenly over {per_device} cores"
+            ));
+        };
+        Self {
+            per_device: k,
+            words: Some(format!(
+                "{k} per-core sub-replicas of {} samples per device, gradients averaged as one \
+                 device{} (hardware.cpu_split = \"off\" runs one replica)",
+                batch / k,
+                if facts.buffers {
+                    ", BatchNorm statistics over the device's batch"
+                } else {
+                    ""
+                }
+            )),
+        }
+    }
+
+    /// `settings` (built for the user's devices) with every device run as this split's
+    /// sub-replicas: `per_device` ranks each, the batch shared among them, the `ddp` step,
+    /// and synchronised BatchNorm for a model with BatchNorm.
+    pub fn apply(&self, settings: &mut TrainerSettings, facts: &ModelFacts) {
+        let p = &mut settings.parallel;
+        p.cores = self.words.clone();
+        if self.per_device < 2 {
+            return;
+        }
+        let k = self.per_device;
+        p.devices = p
+            .devices
+            .iter()
+            .flat_map(|d| std::iter::repeat_n(d.clone(), k))
+            .collect::<Vec<Device>>();
+        p.sub_replicas = k;
+        p.strategy = StrategyKind::Ddp;
+        p.split_cpu_threads = true;
+        p.sync_batchnorm |= facts.buffers;
+        settings.train.batch_size /= k;
+    }
+}
