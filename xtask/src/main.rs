@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+mod bench_cpu;
 mod bench_data;
 mod bench_mpi;
 mod bench_pipeline;
@@ -44,6 +45,10 @@ commands:
                                         GPT step time in one process vs two under mpirun, and
                                         kiln's MPI all-reduce bandwidth vs MPI_Allreduce
                                         (needs OpenMPI and libclang; builds the mpi feature)
+  bench cpu [--steps N] [--rounds N] [--reference PYTHON]
+                                        one CPU device: ms/step and samples/s of the GPT (batch
+                                        24) and the MNIST ConvNet with hardware.cpu_split auto
+                                        and off, and the GPT in PyTorch with --reference
   bench data [--steps N] [--rounds N] [--workers 1,2] [--size PX] [--input PX] [--train N]
                                         samples/s and the step's data share (pct_data) of the
                                         ConvNet on Fashion-MNIST as upscaled JPEGs, data.workers
@@ -85,6 +90,7 @@ enum Task {
     BenchPolicies(bench_policies::Options),
     BenchZero(bench_zero::Options),
     BenchData(bench_data::Options),
+    BenchCpu(bench_cpu::Options),
     BenchPipeline(bench_pipeline::Options),
     BenchMpi(bench_mpi::Options),
     BenchMonitor(MonitorBench),
@@ -189,6 +195,7 @@ fn main() -> ExitCode {
         Task::BenchPolicies(o) => workspace_root().and_then(|root| bench_policies::run(&root, &o)),
         Task::BenchZero(o) => workspace_root().and_then(|root| bench_zero::run(&root, &o)),
         Task::BenchData(o) => workspace_root().and_then(|root| bench_data::run(&root, &o)),
+        Task::BenchCpu(o) => workspace_root().and_then(|root| bench_cpu::run(&root, &o)),
         Task::BenchPipeline(o) => workspace_root().and_then(|root| bench_pipeline::run(&root, &o)),
         Task::BenchMpi(o) => workspace_root().and_then(|root| bench_mpi::run(&root, &o)),
         Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
@@ -218,11 +225,13 @@ fn parse_args(args: &[String]) -> Result<Task> {
         ["bench", "policies", rest @ ..] => bench_policies::parse(rest).map(Task::BenchPolicies),
         ["bench", "zero", rest @ ..] => bench_zero::parse(rest).map(Task::BenchZero),
         ["bench", "data", rest @ ..] => bench_data::parse(rest).map(Task::BenchData),
+        ["bench", "cpu", rest @ ..] => bench_cpu::parse(rest).map(Task::BenchCpu),
         ["bench", "pipeline", rest @ ..] => bench_pipeline::parse(rest).map(Task::BenchPipeline),
         ["bench", "mpi", rest @ ..] => bench_mpi::parse(rest).map(Task::BenchMpi),
         ["bench", "monitor", rest @ ..] => MonitorBench::parse(rest).map(Task::BenchMonitor),
         ["bench", ..] => Err(
-            "bench needs a benchmark: ddp, data, monitor, mpi, pipeline, policies or zero".into(),
+            "bench needs a benchmark: cpu, ddp, data, monitor, mpi, pipeline, policies or zero"
+                .into(),
         ),
         ["plot", rest @ ..] if !rest.is_empty() => Ok(Task::Plot {
             args: std::iter::once("plot")

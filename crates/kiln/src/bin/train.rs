@@ -1,5 +1,8 @@
 //! `train`: kiln's command line, a program on [`kiln::App`] around the built-in workloads.
 
+#[global_allocator]
+static ALLOCATOR: kiln::Allocator = kiln::Allocator;
+
 fn main() {
     kiln::App::new("train", env!("CARGO_PKG_DESCRIPTION"))
         .version(env!("CARGO_PKG_VERSION"))
