@@ -21,6 +21,8 @@ use crate::trainer::TrainerSettings;
 pub struct CoreSplit {
     /// Ranks each device runs as (1: no split).
     pub per_device: usize,
+    /// The strategy the sub-replicas run under (the strategy's rules say).
+    strategy: Option<StrategyKind>,
     /// The start-up table's words; `None` off the CPU.
     pub words: Option<String>,
 }
@@ -29,6 +31,7 @@ impl CoreSplit {
     fn off(why: String) -> Self {
         Self {
             per_device: 1,
+            strategy: None,
             words: Some(format!("one replica per device ({why})")),
         }
     }
@@ -47,6 +50,7 @@ impl CoreSplit {
         if !cpu {
             return Self {
                 per_device: 1,
+                strategy: None,
                 words: None,
             };
         }
@@ -59,13 +63,13 @@ impl CoreSplit {
         if processes > 1 {
             return Self::off("several processes share the machine's cores".into());
         }
-        let strategy = config.strategy.name.resolve(devices);
-        if !matches!(strategy, StrategyKind::Single | StrategyKind::Ddp) {
+        let asked = config.strategy.name.resolve(devices);
+        let Some(strategy) = crate::strategy::rules(asked).core_split() else {
             return Self::off(format!(
                 "{} shards or stages the model over devices",
-                name_of(&strategy)
+                name_of(&asked)
             ));
-        }
+        };
         if per_device < 2 {
             return Self::off(format!("{per_device} core per device"));
         }
@@ -96,6 +100,7 @@ impl CoreSplit {
         };
         Self {
             per_device: k,
+            strategy: Some(strategy),
             words: Some(format!(
                 "{k} per-core sub-replicas of {} samples per device, gradients averaged as one \
                  device{} (hardware.cpu_split = \"off\" runs one replica)",
@@ -110,22 +115,24 @@ impl CoreSplit {
     }
 
     /// `settings` (built for the user's devices) with every device run as this split's
-    /// sub-replicas: `per_device` ranks each, the batch shared among them, the `ddp` step,
-    /// and synchronised BatchNorm for a model with BatchNorm.
+    /// sub-replicas: `per_device` ranks each, the batch shared among them, the strategy the
+    /// asked one's rules name for them, and synchronised BatchNorm for a model with BatchNorm.
     pub fn apply(&self, settings: &mut TrainerSettings, facts: &ModelFacts) {
         let p = &mut settings.parallel;
         p.cores = self.words.clone();
         if self.per_device < 2 {
             return;
         }
-        let k = self.per_device;
+        let (k, Some(strategy)) = (self.per_device, self.strategy) else {
+            return;
+        };
         p.devices = p
             .devices
             .iter()
             .flat_map(|d| std::iter::repeat_n(d.clone(), k))
             .collect::<Vec<Device>>();
         p.sub_replicas = k;
-        p.strategy = StrategyKind::Ddp;
+        p.strategy = strategy;
         p.split_cpu_threads = true;
         p.sync_batchnorm |= facts.buffers;
         settings.train.batch_size /= k;

@@ -426,7 +426,19 @@ fn print_table<W: Workload>(
                 format!("{} {devices:?}", world / s.parallel.sub_replicas.max(1))
             },
         ),
-        ("strategy".into(), setup.describe()),
+        (
+            "strategy".into(),
+            match s.parallel.sub_replicas {
+                k if k > 1 && world == k => {
+                    format!("single (one device as {k} per-core sub-replicas: the ddp step)")
+                }
+                k if k > 1 => format!(
+                    "ddp ({} devices × {k} per-core sub-replicas, gradients all-reduced)",
+                    world / k
+                ),
+                _ => setup.describe(),
+            },
+        ),
         ("world size".into(), world.to_string()),
         ("memory".into(), memory_line(s, &setup, &facts)),
         (

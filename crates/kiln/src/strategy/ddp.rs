@@ -18,6 +18,11 @@ use crate::precision::LossScaler;
 pub struct Ddp;
 
 impl Rules for Ddp {
+    /// Per-core sub-replicas of a CPU device take the `ddp` step among themselves.
+    fn core_split(&self) -> Option<crate::config::StrategyKind> {
+        Some(crate::config::StrategyKind::Ddp)
+    }
+
     fn one_optimizer(&self) -> bool {
         false
     }

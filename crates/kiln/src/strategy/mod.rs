@@ -320,6 +320,12 @@ impl ModelFacts {
 /// Fabric's strategy classes own the same: their checks, their description). Each strategy
 /// file has one type implementing it; [`rules`] finds it.
 pub trait Rules: Sync {
+    /// The strategy a device of this strategy runs its per-core sub-replicas under (a CPU
+    /// device's `hardware.cpu_split`, [`crate::cores`]); `None`, the default, for a strategy
+    /// that shards or stages over devices and keeps one replica per device.
+    fn core_split(&self) -> Option<StrategyKind> {
+        None
+    }
     /// Refuses settings the strategy cannot run, whatever the model; one line naming the key.
     fn check(&self, setup: &Setup) -> Result<()> {
         let _ = setup;

@@ -16,6 +16,11 @@ use crate::precision::LossScaler;
 pub struct Single;
 
 impl Rules for Single {
+    /// Per-core sub-replicas of a CPU device take the `ddp` step among themselves.
+    fn core_split(&self) -> Option<crate::config::StrategyKind> {
+        Some(crate::config::StrategyKind::Ddp)
+    }
+
     fn check(&self, setup: &Setup) -> Result<()> {
         if setup.world > 1 {
             return Err(Error::config(format!(
