@@ -143,8 +143,23 @@ fn the_start_up_table_says_how_a_device_uses_its_cores() {
             vec!["--batch-size", "32", "--devices", "2"],
             "1 core per device",
         ),
+        // `--devices N` shares the cores among the devices.
+        (
+            vec![
+                "--batch-size",
+                "32",
+                "--devices",
+                "2",
+                "--set",
+                "hardware.cpu_cores=4",
+            ],
+            "2 per-core sub-replicas of 16 samples per device",
+        ),
     ] {
-        let mut args = vec!["--max-steps", "2", "--set", "hardware.cpu_cores=2"];
+        let mut args = vec!["--max-steps", "2"];
+        if !extra.contains(&"hardware.cpu_cores=4") {
+            args.extend(["--set", "hardware.cpu_cores=2"]);
+        }
         args.extend(extra);
         let out = train_bin(&dir, &args);
         let stdout = String::from_utf8_lossy(&out.stdout);
