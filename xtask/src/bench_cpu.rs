@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, json_number, median};
+use crate::{Result, TempDir, json_number, median, positive, run_train_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -30,12 +30,7 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
                 .ok_or_else(|| format!("{flag} needs a value"))
                 .map(|v| v.to_string())
         };
-        let number = |raw: &str| {
-            raw.parse::<usize>()
-                .ok()
-                .filter(|n| *n > 0)
-                .ok_or_else(|| format!("{flag} {raw:?}: expected a positive integer"))
-        };
+        let number = |raw: &str| positive(flag, raw);
         match *flag {
             "--steps" => o.steps = number(&value()?)?,
             "--rounds" => o.rounds = number(&value()?)?,
@@ -109,30 +104,25 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         for (i, r) in RECIPES.iter().enumerate() {
             for (j, schedule) in SCHEDULES.iter().enumerate() {
                 let dir = temp.path().join(format!("{i}-{schedule}-{round}"));
-                let out = Command::new(&train)
-                    .args(r.args)
-                    .args(["--max-steps", &o.steps.to_string(), "--devices", "1"])
-                    .arg("--run-dir")
-                    .arg(&dir)
-                    .args(["--set", &format!("hardware.cpu_split={schedule:?}")])
-                    .args([
+                let mut args: Vec<String> = r.args.iter().map(|a| a.to_string()).collect();
+                args.extend(
+                    [
+                        "--max-steps",
+                        &o.steps.to_string(),
+                        "--devices",
+                        "1",
+                        "--run-dir",
+                        &dir.display().to_string(),
+                        "--set",
+                        &format!("hardware.cpu_split={schedule:?}"),
                         "--set",
                         "train.log_every=10",
                         "--set",
                         "monitor.interval_s=0",
-                    ])
-                    .current_dir(root)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
-                    .output()
-                    .map_err(|e| format!("cannot run train: {e}"))?;
-                if !out.status.success() {
-                    return Err(format!(
-                        "{} ({schedule}): train failed: {}",
-                        r.name,
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    ));
-                }
+                    ]
+                    .map(String::from),
+                );
+                run_train_quietly(&train, root, &args, &format!("{} ({schedule})", r.name))?;
                 let path = dir.join("summary.json");
                 let summary = std::fs::read_to_string(&path)
                     .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;

@@ -5,10 +5,10 @@
 //! medians over rounds are compared with `workers = 0`, side by side.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, json_number, median};
+use crate::{Result, TempDir, json_number, median, positive, run_train_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -42,12 +42,7 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
                 .ok_or_else(|| format!("{flag} needs a value"))
                 .map(|v| v.to_string())
         };
-        let number = |raw: &str| {
-            raw.parse::<usize>()
-                .ok()
-                .filter(|n| *n > 0)
-                .ok_or_else(|| format!("{flag} {raw:?}: expected a positive integer"))
-        };
+        let number = |raw: &str| positive(flag, raw);
         match *flag {
             "--steps" => o.steps = number(&value()?)?,
             "--rounds" => o.rounds = number(&value()?)?,
@@ -147,34 +142,33 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     for round in 0..o.rounds {
         for (i, workers) in counts.iter().enumerate() {
             let dir = temp.path().join(format!("w{workers}-r{round}"));
-            let out = Command::new(&train)
-                .args(["--max-steps", &o.steps.to_string()])
-                .args(["--batch-size", &o.batch.to_string()])
-                .args(["--devices", "1"])
-                .arg("--run-dir")
-                .arg(&dir)
-                .args(["--set", "data.dataset=\"image-folder\""])
-                .args([
-                    "--set",
-                    &format!("data.dir={:?}", folder.display().to_string()),
-                ])
-                .args(["--set", &format!("data.image_size=[{0}, {0}]", o.input)])
-                .args(["--set", "data.augment=true"])
-                .args(["--set", &format!("data.workers={workers}")])
-                .args(["--set", "model.convnet.channels=[8, 16]"])
-                .args(["--set", "train.log_every=5"])
-                .args(o.sets.iter().flat_map(|s| ["--set", s.as_str()]))
-                .current_dir(root)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .output()
-                .map_err(|e| format!("cannot run train: {e}"))?;
-            if !out.status.success() {
-                return Err(format!(
-                    "workers = {workers}: train failed: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ));
+            let mut args: Vec<String> = [
+                "--max-steps",
+                &o.steps.to_string(),
+                "--batch-size",
+                &o.batch.to_string(),
+                "--devices",
+                "1",
+                "--run-dir",
+                &dir.display().to_string(),
+            ]
+            .map(String::from)
+            .to_vec();
+            for set in [
+                "data.dataset=\"image-folder\"".to_string(),
+                format!("data.dir={:?}", folder.display().to_string()),
+                format!("data.image_size=[{0}, {0}]", o.input),
+                "data.augment=true".to_string(),
+                format!("data.workers={workers}"),
+                "model.convnet.channels=[8, 16]".to_string(),
+                "train.log_every=5".to_string(),
+            ]
+            .into_iter()
+            .chain(o.sets.iter().cloned())
+            {
+                args.extend(["--set".to_string(), set]);
             }
+            run_train_quietly(&train, root, &args, &format!("workers = {workers}"))?;
             let f = read_figures(&dir.join("metrics.jsonl"))?;
             println!(
                 "  round {round} workers={workers} {:>7.1} samples/s  {:>7.1} ms/step (data \

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, json_number, median};
+use crate::{Result, TempDir, json_number, median, positive};
 
 /// What to measure.
 pub struct Options {
@@ -54,13 +54,6 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
         }
     }
     Ok(o)
-}
-
-fn positive(flag: &str, raw: &str) -> Result<usize> {
-    raw.parse::<usize>()
-        .ok()
-        .filter(|n| *n > 0)
-        .ok_or_else(|| format!("{flag} {raw:?}: expected a positive integer"))
 }
 
 const STRATEGIES: [&str; 4] = ["ddp", "zero1", "zero2", "zero3"];

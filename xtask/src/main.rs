@@ -728,6 +728,33 @@ fn json_number(text: &str, key: &str) -> Option<f64> {
     rest[..end].parse().ok()
 }
 
+/// `raw` as a positive integer, or the error naming `flag`.
+fn positive(flag: &str, raw: &str) -> Result<usize> {
+    raw.parse::<usize>()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("{flag} {raw:?}: expected a positive integer"))
+}
+
+/// Runs the `train` binary with `args` in `root`, its progress discarded; a failure is an
+/// error naming `what`, with `train`'s own message.
+fn run_train_quietly(train: &Path, root: &Path, args: &[String], what: &str) -> Result<()> {
+    let out = Command::new(train)
+        .args(args)
+        .current_dir(root)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| format!("cannot run train: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{what}: train failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
 fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
