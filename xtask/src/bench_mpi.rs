@@ -43,22 +43,26 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
     Ok(o)
 }
 
-pub fn run(root: &Path, o: &Options) -> Result<()> {
+/// Builds `train` (and, with `example`, the `allreduce` example) with the `mpi` feature and
+/// returns the binary's path.
+pub fn built_mpi_train(root: &Path, example: bool) -> Result<std::path::PathBuf> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut args = vec![
+        "build",
+        "--release",
+        "-q",
+        "-p",
+        "kiln",
+        "--features",
+        "mpi",
+        "--bin",
+        "train",
+    ];
+    if example {
+        args.extend(["--example", "allreduce"]);
+    }
     let status = Command::new(&cargo)
-        .args([
-            "build",
-            "--release",
-            "-q",
-            "-p",
-            "kiln",
-            "--features",
-            "mpi",
-            "--bin",
-            "train",
-            "--example",
-            "allreduce",
-        ])
+        .args(&args)
         .current_dir(root)
         .status()
         .map_err(|e| format!("cannot build kiln with the mpi feature: {e}"))?;
@@ -70,8 +74,16 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     }
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| root.join("target"), std::path::PathBuf::from);
-    let train = target.join("release").join("train");
-    let example = target.join("release").join("examples").join("allreduce");
+    Ok(target.join("release").join("train"))
+}
+
+pub fn run(root: &Path, o: &Options) -> Result<()> {
+    let train = built_mpi_train(root, true)?;
+    let example = train
+        .parent()
+        .expect("the binary's folder")
+        .join("examples")
+        .join("allreduce");
     let mpirun = |np: usize| {
         let mut c = Command::new("mpirun");
         c.args([

@@ -12,6 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 mod bench_cpu;
 mod bench_data;
+mod bench_links;
 mod bench_mpi;
 mod bench_pipeline;
 mod bench_policies;
@@ -53,6 +54,11 @@ commands:
                                         samples/s and the step's data share (pct_data) of the
                                         ConvNet on Fashion-MNIST as upscaled JPEGs, data.workers
                                         = 0 against each count (needs fetch-data fashion-mnist)
+  bench links [--steps N] [--rates unshaped,10gbit,1gbit] [--strategies ddp,zero2,zero3]
+                                        the GPT across two network namespaces joined by a veth
+                                        link (scripts/two-hosts, one rank each) at each link
+                                        rate, per strategy, against one process with 2 devices:
+                                        step time, sync share, bytes on the link (root, OpenMPI)
   bench monitor [--steps N] [--rounds R] [--devices N] [--config FILE]
                                         throughput with monitoring on and off, alternating
                                         runs of `train` (default 60 steps, 5 rounds, 2 devices,
@@ -91,6 +97,7 @@ enum Task {
     BenchZero(bench_zero::Options),
     BenchData(bench_data::Options),
     BenchCpu(bench_cpu::Options),
+    BenchLinks(bench_links::Options),
     BenchPipeline(bench_pipeline::Options),
     BenchMpi(bench_mpi::Options),
     BenchMonitor(MonitorBench),
@@ -196,6 +203,7 @@ fn main() -> ExitCode {
         Task::BenchZero(o) => workspace_root().and_then(|root| bench_zero::run(&root, &o)),
         Task::BenchData(o) => workspace_root().and_then(|root| bench_data::run(&root, &o)),
         Task::BenchCpu(o) => workspace_root().and_then(|root| bench_cpu::run(&root, &o)),
+        Task::BenchLinks(o) => workspace_root().and_then(|root| bench_links::run(&root, &o)),
         Task::BenchPipeline(o) => workspace_root().and_then(|root| bench_pipeline::run(&root, &o)),
         Task::BenchMpi(o) => workspace_root().and_then(|root| bench_mpi::run(&root, &o)),
         Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
@@ -226,11 +234,13 @@ fn parse_args(args: &[String]) -> Result<Task> {
         ["bench", "zero", rest @ ..] => bench_zero::parse(rest).map(Task::BenchZero),
         ["bench", "data", rest @ ..] => bench_data::parse(rest).map(Task::BenchData),
         ["bench", "cpu", rest @ ..] => bench_cpu::parse(rest).map(Task::BenchCpu),
+        ["bench", "links", rest @ ..] => bench_links::parse(rest).map(Task::BenchLinks),
         ["bench", "pipeline", rest @ ..] => bench_pipeline::parse(rest).map(Task::BenchPipeline),
         ["bench", "mpi", rest @ ..] => bench_mpi::parse(rest).map(Task::BenchMpi),
         ["bench", "monitor", rest @ ..] => MonitorBench::parse(rest).map(Task::BenchMonitor),
         ["bench", ..] => Err(
-            "bench needs a benchmark: cpu, ddp, data, monitor, mpi, pipeline, policies or zero"
+            "bench needs a benchmark: cpu, ddp, data, links, monitor, mpi, pipeline, policies or \
+             zero"
                 .into(),
         ),
         ["plot", rest @ ..] if !rest.is_empty() => Ok(Task::Plot {

@@ -1,0 +1,240 @@
+//! `cargo xtask bench links`: the GPT recipe across two machines on one box — two network
+//! namespaces joined by a veth link (`scripts/two-hosts`), one `mpirun` rank in each, one
+//! device per rank — at each link rate asked for (unshaped, or shaped with a token bucket), per
+//! strategy, against the same strategy in one process with two devices: step time, the share
+//! of the step spent in synchronisation (`pct_sync`), and the bytes the link carried per step.
+//! Needs root, iproute2 and OpenMPI; builds kiln with the `mpi` feature.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use crate::{Result, TempDir, json_number, median, positive, run_train_quietly};
+
+/// What to measure.
+pub struct Options {
+    steps: usize,
+    rates: Vec<String>,
+    strategies: Vec<String>,
+    config: String,
+    sets: Vec<String>,
+}
+
+pub fn parse(rest: &[&str]) -> Result<Options> {
+    let mut o = Options {
+        steps: 20,
+        rates: vec!["unshaped".into(), "10gbit".into(), "1gbit".into()],
+        strategies: vec!["ddp".into(), "zero2".into(), "zero3".into()],
+        config: "configs/gpt-text.toml".into(),
+        sets: Vec::new(),
+    };
+    let mut it = rest.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .ok_or_else(|| format!("{flag} needs a value"))
+                .map(|v| v.to_string())
+        };
+        let list = |raw: String| raw.split(',').map(|s| s.trim().to_string()).collect();
+        match *flag {
+            "--steps" => o.steps = positive(flag, &value()?)?,
+            "--rates" => o.rates = list(value()?),
+            "--strategies" => o.strategies = list(value()?),
+            "--config" => o.config = value()?,
+            "--set" => o.sets.push(value()?),
+            other => {
+                return Err(format!(
+                    "bench links: unknown argument {other:?} (expected --steps N, --rates \
+                     unshaped,10gbit,1gbit, --strategies ddp,zero2,zero3, --config FILE, --set \
+                     KEY=VALUE)"
+                ));
+            }
+        }
+    }
+    Ok(o)
+}
+
+/// One run's figures.
+#[derive(Clone, Copy)]
+struct Figures {
+    step_ms: f64,
+    pct_sync: f64,
+    /// Bytes both ends of the link sent, per step (start-up included); none in one process.
+    mb_per_step: Option<f64>,
+}
+
+/// Takes the two-host test bed down when dropped (also on an error).
+struct TestBed<'a> {
+    script: &'a Path,
+}
+
+impl TestBed<'_> {
+    fn run(&self, args: &[&str]) -> Result<std::process::Output> {
+        Command::new(self.script)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", self.script.display()))
+    }
+
+    /// Bytes the link's two ends have sent so far.
+    fn sent(&self) -> Result<u64> {
+        let mut total = 0;
+        for (ns, dev) in [("kiln-a", "kiln-va"), ("kiln-b", "kiln-vb")] {
+            let out = Command::new("ip")
+                .args(["netns", "exec", ns, "cat"])
+                .arg(format!("/sys/class/net/{dev}/statistics/tx_bytes"))
+                .output()
+                .map_err(|e| format!("cannot read {dev}'s counters: {e}"))?;
+            total += String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .parse::<u64>()
+                .map_err(|_| format!("{dev}: no tx_bytes counter"))?;
+        }
+        Ok(total)
+    }
+}
+
+impl Drop for TestBed<'_> {
+    fn drop(&mut self) {
+        let _ = self.run(&["down"]);
+    }
+}
+
+pub fn run(root: &Path, o: &Options) -> Result<()> {
+    let uid = Command::new("id")
+        .arg("-u")
+        .output()
+        .map_err(|e| format!("cannot run id: {e}"))?;
+    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        return Err("bench links makes network namespaces: run it as root".into());
+    }
+    let train = crate::bench_mpi::built_mpi_train(root, false)?;
+    let script = root.join("scripts/two-hosts");
+    let temp = TempDir::new("bench-links")?;
+    println!(
+        "bench links: {} for {} steps, one device per rank; links {:?}; strategies {:?}",
+        o.config, o.steps, o.rates, o.strategies
+    );
+    let args = |strategy: &str, dir: &Path, devices: &str| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "--config",
+            &o.config,
+            "--max-steps",
+            &o.steps.to_string(),
+            "--devices",
+            devices,
+            "--strategy",
+            strategy,
+            "--run-dir",
+            &dir.display().to_string(),
+            "--set",
+            "train.log_every=5",
+            "--set",
+            "monitor.interval_s=0",
+        ]
+        .map(String::from)
+        .to_vec();
+        for s in &o.sets {
+            a.extend(["--set".to_string(), s.clone()]);
+        }
+        a
+    };
+    // rows[link][strategy]; link 0 is one process with two devices.
+    let mut rows: Vec<(String, Vec<Figures>)> = Vec::new();
+    let mut local = Vec::new();
+    for strategy in &o.strategies {
+        let dir = temp.path().join(format!("local-{strategy}"));
+        run_train_quietly(&train, root, &args(strategy, &dir, "2"), strategy)?;
+        let f = figures(&dir, None)?;
+        println!(
+            "  in-process, 2 devices   {strategy:<6} {:>7.1} ms/step  sync {:>4.1}%",
+            f.step_ms, f.pct_sync
+        );
+        local.push(f);
+    }
+    rows.push(("in-process, 2 devices".into(), local));
+    for rate in &o.rates {
+        let bed = TestBed { script: &script };
+        let _ = bed.run(&["down"]);
+        let mut up = vec!["up"];
+        if rate != "unshaped" {
+            up.push(rate);
+        }
+        let out = bed.run(&up)?;
+        if !out.status.success() {
+            return Err(format!(
+                "two-hosts up {rate}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let mut figs = Vec::new();
+        for strategy in &o.strategies {
+            let dir = temp.path().join(format!("{rate}-{strategy}"));
+            let before = bed.sent()?;
+            let mut a = vec!["mpirun".to_string(), train.display().to_string()];
+            a.extend(args(strategy, &dir, "1"));
+            let a: Vec<&str> = a.iter().map(String::as_str).collect();
+            let out = bed.run(&a)?;
+            if !out.status.success() {
+                return Err(format!(
+                    "{strategy} over a {rate} link: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+            let bytes = bed.sent()? - before;
+            let f = figures(&dir, Some(bytes as f64 / 1e6 / o.steps as f64))?;
+            println!(
+                "  two hosts, {rate:<12} {strategy:<6} {:>7.1} ms/step  sync {:>4.1}%  {:>6.2} MB \
+                 on the link per step",
+                f.step_ms,
+                f.pct_sync,
+                f.mb_per_step.unwrap_or(0.0)
+            );
+            figs.push(f);
+        }
+        rows.push((format!("two hosts, {rate}"), figs));
+    }
+    println!();
+    println!(
+        "| link | strategy | ms/step | ÷ in-process | time in sync | MB on the link per step \
+         (start-up included) |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (link, figs) in &rows {
+        for (i, (strategy, f)) in o.strategies.iter().zip(figs).enumerate() {
+            println!(
+                "| {link} | {strategy} | {:.1} | {:.2} | {:.1} % | {} |",
+                f.step_ms,
+                f.step_ms / rows[0].1[i].step_ms,
+                f.pct_sync,
+                f.mb_per_step.map_or("–".to_string(), |m| format!("{m:.2}"))
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A run's median step time (`summary.json`) and median sync share (its training records
+/// after the first).
+fn figures(dir: &Path, mb_per_step: Option<f64>) -> Result<Figures> {
+    let summary_path = dir.join("summary.json");
+    let summary = std::fs::read_to_string(&summary_path)
+        .map_err(|e| format!("{}: cannot read: {e}", summary_path.display()))?;
+    let step = json_number(&summary, "step_seconds")
+        .ok_or_else(|| format!("{}: no step_seconds", summary_path.display()))?;
+    let metrics_path = dir.join("metrics.jsonl");
+    let metrics = std::fs::read_to_string(&metrics_path)
+        .map_err(|e| format!("{}: cannot read: {e}", metrics_path.display()))?;
+    let sync: Vec<f64> = metrics
+        .lines()
+        .filter(|l| l.contains("\"split\":\"train\""))
+        .skip(1)
+        .filter_map(|l| json_number(l, "pct_sync"))
+        .collect();
+    Ok(Figures {
+        step_ms: step * 1e3,
+        pct_sync: median(&sync),
+        mb_per_step,
+    })
+}
