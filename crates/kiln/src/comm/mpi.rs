@@ -271,13 +271,21 @@ impl Collective for Hier {
         self.local.all_reduce(data, ReduceOp::Sum)?;
         if let Some(comm) = self.spanning() {
             if self.lead() {
-                // MPI reduces from one buffer into another; the copy goes to a buffer kept
-                // between calls, so that large buckets do not fault in fresh pages each time.
-                let mut mine = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-                mine.clear();
-                mine.extend_from_slice(data);
+                // MPI reduces from one buffer into another: into a buffer kept between calls
+                // (large buckets do not fault in fresh pages each time), then back in one pass
+                // that also takes the mean when no other rank of this process needs the sum.
+                let mut sums = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+                sums.resize(data.len(), 0.0);
                 comm.0
-                    .all_reduce_into(&mine[..], data, SystemOperation::sum());
+                    .all_reduce_into(&data[..], &mut sums[..], SystemOperation::sum());
+                if op == ReduceOp::Mean && self.local.world_size() == 1 {
+                    let n = self.world as f32;
+                    for (d, s) in data.iter_mut().zip(sums.iter()) {
+                        *d = *s / n;
+                    }
+                    return Ok(());
+                }
+                data.copy_from_slice(&sums);
             }
             self.share_leads(data)?;
         }
