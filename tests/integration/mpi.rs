@@ -191,6 +191,47 @@ fn processes_match_one_process_with_as_many_devices_and_rerun_to_the_bit() {
 }
 
 #[test]
+fn bf16_gradients_cross_processes_as_bf16_and_give_one_process_s_bits() {
+    // With one device per process the lead sends bf16 (half the bytes); MPI adds the two
+    // processes' values in f32 and rounds once: exactly the one-process reduction.
+    let dir = temp_dir("mpi-bf16");
+    let text = text_file(&dir);
+    let extra = [
+        "train.max_steps=5",
+        "precision.reduce_dtype=\"bf16\"",
+        "strategy.name=\"ddp\"",
+    ];
+    let many = dir.join("mpi");
+    mpirun(
+        2,
+        &dir,
+        &with(args(Model::Gpt, &text, &many, &extra), &["--devices", "1"]),
+    );
+    let one = dir.join("one");
+    one_process(
+        &dir,
+        &with(args(Model::Gpt, &text, &one, &extra), &["--devices", "2"]),
+    );
+    assert_eq!(train_losses(&many), train_losses(&one));
+    assert_eq!(params(Model::Gpt, &many), params(Model::Gpt, &one));
+    // And bf16 gradients are not f32's: the setting reached the reduction.
+    let f32 = dir.join("f32");
+    one_process(
+        &dir,
+        &with(
+            args(
+                Model::Gpt,
+                &text,
+                &f32,
+                &["train.max_steps=5", "strategy.name=\"ddp\""],
+            ),
+            &["--devices", "2"],
+        ),
+    );
+    assert_ne!(params(Model::Gpt, &f32), params(Model::Gpt, &one));
+}
+
+#[test]
 fn a_pipeline_spans_processes() {
     let dir = temp_dir("mpi-pipeline");
     let text = text_file(&dir);

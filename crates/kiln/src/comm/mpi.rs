@@ -246,6 +246,39 @@ impl Hier {
     }
 }
 
+/// The sum of bf16 values (as their 16-bit patterns) for MPI: each pair added in f32, rounded
+/// to bf16. Built once per process.
+fn bf16_sum() -> &'static mpi::collective::UnsafeUserOperation {
+    unsafe extern "C" fn sum(
+        invec: *mut std::ffi::c_void,
+        inoutvec: *mut std::ffi::c_void,
+        len: *mut std::ffi::c_int,
+        _datatype: *mut mpi::ffi::MPI_Datatype,
+    ) {
+        // SAFETY: MPI hands `len` values of the operation's datatype (u16) in each buffer.
+        let (a, b) = unsafe {
+            let n = *len as usize;
+            (
+                std::slice::from_raw_parts(invec as *const u16, n),
+                std::slice::from_raw_parts_mut(inoutvec as *mut u16, n),
+            )
+        };
+        for (x, y) in a.iter().zip(b.iter_mut()) {
+            let s = burn::tensor::bf16::from_bits(*x).to_f32()
+                + burn::tensor::bf16::from_bits(*y).to_f32();
+            *y = burn::tensor::bf16::from_f32(s).to_bits();
+        }
+    }
+    struct Op(mpi::collective::UnsafeUserOperation);
+    // SAFETY: an MPI operation handle is a process-wide constant once created.
+    unsafe impl Send for Op {}
+    unsafe impl Sync for Op {}
+    static OP: OnceLock<Op> = OnceLock::new();
+    // SAFETY: `sum` reads and writes only the `len` u16 values MPI hands it.
+    &OP.get_or_init(|| Op(unsafe { mpi::collective::UnsafeUserOperation::commutative(sum) }))
+        .0
+}
+
 /// A length carried exactly through f32 values (two 24-bit halves).
 fn split_len(n: usize) -> [f32; 2] {
     [(n >> 24) as f32, (n & 0xff_ffff) as f32]
@@ -299,6 +332,28 @@ impl Collective for Hier {
     }
 
     fn all_reduce_bf16(&self, data: &mut [burn::tensor::bf16], op: ReduceOp) -> Result<()> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        if let Some(comm) = self.spanning()
+            && self.local.world_size() == 1
+        {
+            // One rank per process: bf16 crosses the wire, half the bytes of f32. MPI's
+            // reduction adds pairs in f32 and rounds each sum to bf16; with two processes that
+            // is the exact sum rounded once, as in-process.
+            let bits: Vec<u16> = data.iter().map(|x| x.to_bits()).collect();
+            let mut sums = vec![0u16; bits.len()];
+            comm.0.all_reduce_into(&bits[..], &mut sums[..], bf16_sum());
+            let n = self.world as f32;
+            for (d, s) in data.iter_mut().zip(sums) {
+                let s = burn::tensor::bf16::from_bits(s);
+                *d = match op {
+                    ReduceOp::Mean => burn::tensor::bf16::from_f32(s.to_f32() / n),
+                    _ => s,
+                };
+            }
+            return Ok(());
+        }
         // The sums are exact in f32 and rounded once, as in-process.
         let mut wide: Vec<f32> = data.iter().map(|x| x.to_f32()).collect();
         self.all_reduce(&mut wide, op)?;
