@@ -227,7 +227,9 @@ impl<W: Workload> Worker<'_, W> {
     }
 
     /// Runs the worker, turning an error or a panic into an abort of the whole group so that
-    /// no other rank waits forever.
+    /// no other rank waits forever. The rank's loader threads live in a scope around it: the
+    /// abort is said before the scope waits for them, so that one stuck in the workload's code
+    /// is ended with the process (`wait_or_exit`) rather than holding the rank.
     fn run_guarded(self, start: &Start) -> Result<Outcome<W::Model>> {
         let rank = self.rank();
         let pool = (self.settings.parallel.split_cpu_threads && self.world() > 1).then(|| {
@@ -238,28 +240,36 @@ impl<W: Workload> Worker<'_, W> {
                 .build()
                 .expect("build a rayon pool")
         });
-        let body = AssertUnwindSafe(|| match &pool {
-            Some(pool) => pool.install(|| self.run(start)),
-            None => self.run(start),
-        });
-        let outcome = match std::panic::catch_unwind(body) {
-            Ok(result) => result,
-            Err(payload) => Err(Error::Worker(format!(
-                "rank {rank} panicked: {}",
-                panic_message(&payload)
-            ))),
-        };
-        if let Err(e) = &outcome
-            && !is_abort_echo(e)
-        {
-            self.comm
-                .abort(&format!("{ABORTED}rank {rank} failed: {e}"));
-        }
-        outcome
+        std::thread::scope(|scope| {
+            let body = AssertUnwindSafe(|| match &pool {
+                Some(pool) => pool.install(|| self.run(start, scope)),
+                None => self.run(start, scope),
+            });
+            let outcome = match std::panic::catch_unwind(body) {
+                Ok(result) => result,
+                Err(payload) => Err(Error::Worker(format!(
+                    "rank {rank} panicked: {}",
+                    panic_message(&payload)
+                ))),
+            };
+            if let Err(e) = &outcome
+                && !is_abort_echo(e)
+            {
+                self.comm
+                    .abort(&format!("{ABORTED}rank {rank} failed: {e}"));
+            }
+            outcome
+        })
     }
 
-    /// The loop: a step, then each component that is due after it.
-    fn run(&self, start: &Start) -> Result<Outcome<W::Model>> {
+    /// The loop: a step, then each component that is due after it; the rank's batches come
+    /// from loader threads spawned in `scope` (none with `data.workers = 0`), which stop when
+    /// the loop ends.
+    fn run<'scope>(
+        &'scope self,
+        start: &Start,
+        scope: &'scope std::thread::Scope<'scope, '_>,
+    ) -> Result<Outcome<W::Model>> {
         let mut strategy = self.strategy(start)?;
         let strategy = strategy.as_mut();
         let state = start.state.clone();
@@ -274,39 +284,25 @@ impl<W: Workload> Worker<'_, W> {
             self.settings.seed,
             self.total,
         );
-        // Loader threads live as long as the loop; dropping the feed stops them.
-        std::thread::scope(|scope| {
-            let loader = self.settings.loader;
-            let workers = if strategy.takes_batches() {
-                loader.workers
-            } else {
-                0
-            };
-            let device = self.device.clone();
-            let rank = self.rank();
-            let d = &self.settings.parallel.dist;
-            let deadline = (d.timeout_s > 0.0).then(|| Duration::from_secs_f64(d.timeout_s));
-            let mut feed = Feed::start(
-                scope,
-                self.workload,
-                plan,
-                device,
-                workers,
-                loader.prefetch,
-                rank,
-                deadline,
-            );
-            let outcome = self.steps(strategy, state, &mut feed);
-            if let Err(e) = &outcome
-                && !is_abort_echo(e)
-            {
-                // Said before the scope waits for the loader threads: one stuck in the
-                // workload's code is then ended with the process (`wait_or_exit`).
-                self.comm
-                    .abort(&format!("{ABORTED}rank {rank} failed: {e}"));
-            }
-            outcome
-        })
+        let loader = self.settings.loader;
+        let workers = if strategy.takes_batches() {
+            loader.workers
+        } else {
+            0
+        };
+        let d = &self.settings.parallel.dist;
+        let deadline = (d.timeout_s > 0.0).then(|| Duration::from_secs_f64(d.timeout_s));
+        let mut feed = Feed::start(
+            scope,
+            self.workload,
+            plan,
+            self.device.clone(),
+            workers,
+            loader.prefetch,
+            self.rank(),
+            deadline,
+        );
+        self.steps(strategy, state, &mut feed)
     }
 
     /// The steps of the run from `state` on, each followed by the components that are due.
