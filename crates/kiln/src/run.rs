@@ -145,10 +145,14 @@ where
     let cpu = accelerator.starts_with("cpu");
     let mut settings =
         TrainerSettings::from_config(config, devices.clone(), accelerator, config.run_dir());
-    // A CPU device runs as per-core sub-replicas where they fit the strategy and the model.
-    let facts = ModelFacts::of::<W::Batch, _>(&kiln_models::with_rng(|| {
+    // What the launcher needs to know of the model (the core split, the start-up table).
+    let probe = kiln_models::with_rng(|| {
         kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
-    }));
+    });
+    let facts = ModelFacts::of::<W::Batch, _>(&probe);
+    let params = probe.num_params();
+    drop(probe);
+    // A CPU device runs as per-core sub-replicas where they fit the strategy and the model.
     let split = CoreSplit::plan(config, devices.len(), cpu, processes.count, &facts);
     split.apply(&mut settings, &facts);
     settings.drop_last = info.drop_last || workload.drop_last();
@@ -190,7 +194,7 @@ where
     settings.output.run_dir = run_dir.clone();
     settings.output.progress = options.verbose && first;
     if options.verbose && first {
-        print_table(config, workload, &settings, &run_dir, &info);
+        print_table(config, workload, &settings, &run_dir, &info, &facts, params);
     }
 
     let (summary, model) = fit_checked(workload, &settings, checked)?;
@@ -394,6 +398,8 @@ fn print_table<W: Workload>(
     s: &TrainerSettings,
     run_dir: &Path,
     info: &RunInfo,
+    facts: &ModelFacts,
+    params: usize,
 ) {
     let (world, t, setup) = (s.world(), &s.train, s.setup());
     let (replicas, micros) = (s.data_world(), s.micro_batches());
@@ -406,10 +412,6 @@ fn print_table<W: Workload>(
         s.drop_last,
     );
     let spe = sampler.steps_per_epoch();
-    let probe = kiln_models::with_rng(|| {
-        kiln_models::materialized(w.init_model(&Device::flex().autodiff()))
-    });
-    let facts = ModelFacts::of::<W::Batch, _>(&probe);
     let devices = config.hardware.devices.indices();
     let processes = s.parallel.processes.count;
     let mut rows = vec![
@@ -440,7 +442,7 @@ fn print_table<W: Workload>(
             },
         ),
         ("world size".into(), world.to_string()),
-        ("memory".into(), memory_line(s, &setup, &facts)),
+        ("memory".into(), memory_line(s, &setup, facts)),
         (
             "precision".into(),
             format!(
@@ -472,7 +474,7 @@ fn print_table<W: Workload>(
     rows.extend(lr_rows(s, &facts.groups));
     rows.push((
         "model".into(),
-        format!("{}, {} parameters", info.model, probe.num_params()),
+        format!("{}, {params} parameters", info.model),
     ));
     rows.extend(info.rows.iter().cloned());
     rows.extend(w.describe());
