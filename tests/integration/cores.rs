@@ -10,7 +10,7 @@ use kiln_models::load_run;
 
 use crate::common::{max_relative_diff, small_config, temp_dir, train_bin, train_losses};
 use crate::gpt::{gpt_config, text_file};
-use crate::training::cut_copy;
+use crate::training::resume_cut;
 
 const PARITY: f64 = 1e-5;
 
@@ -90,23 +90,8 @@ fn sub_replicas_resume_bit_for_bit_and_any_checkpoint_resumes_without_them() {
     let full = train(&small_config(&dir.join("full"), &o), &RunOptions::default()).unwrap();
     assert_eq!(full.summary.sub_replicas, 2);
     for (name, split) in [("same", "auto"), ("off", "off")] {
-        let cut = dir.join(name);
-        cut_copy(&full.dir, &cut, 4);
-        let (run_dir, ckpt) = kiln::run::resolve_resume(&cut).unwrap();
-        let mut config = kiln::builtin::load(
-            Some(&run_dir.join("config.toml")),
-            &[format!("hardware.cpu_split={split:?}")],
-        )
-        .unwrap();
-        config.kiln.run.dir = Some(run_dir);
-        let resumed = train(
-            &config,
-            &RunOptions {
-                resume_from: Some(ckpt),
-                ..RunOptions::default()
-            },
-        )
-        .unwrap();
+        let split_set = [format!("hardware.cpu_split={split:?}")];
+        let resumed = resume_cut(&full.dir, &dir.join(name), 4, &split_set);
         let (a, b) = (train_losses(&resumed.dir), train_losses(&full.dir));
         assert_eq!(a.len(), b.len());
         if split == "auto" {

@@ -94,23 +94,8 @@ fn loader_workers_give_the_same_bits_and_resume_mid_epoch() {
 
         // Resume mid-epoch (step 11 of 25) with 3 workers: the same bits as the whole run.
         let cut = dir.join(format!("d{devices}-cut"));
-        crate::training::cut_copy(&runs[0].0, &cut, 11);
-        let (run_dir, ckpt) = kiln::run::resolve_resume(&cut).unwrap();
-        assert!(ckpt.ends_with("step-00000011"), "{}", ckpt.display());
-        let mut config = kiln::builtin::load(
-            Some(&run_dir.join("config.toml")),
-            &["data.workers=3".to_string()],
-        )
-        .unwrap();
-        config.kiln.run.dir = Some(run_dir);
-        let resumed = train(
-            &config,
-            &RunOptions {
-                resume_from: Some(ckpt),
-                ..RunOptions::default()
-            },
-        )
-        .unwrap();
+        let resumed =
+            crate::training::resume_cut(&runs[0].0, &cut, 11, &["data.workers=3".to_string()]);
         assert_eq!(&train_losses(&resumed.dir), losses);
         let model = load_run(&resumed.dir, &Device::flex()).unwrap();
         assert_eq!(&parameter_values(&model), params);

@@ -116,20 +116,7 @@ fn resume_continues_bit_for_bit() {
     let full_losses = train_losses(&full.dir);
 
     // Simulate a run that stopped after step 4: copy it and remove everything later.
-    let cut = dir.join("cut");
-    cut_copy(&full.dir, &cut, 4);
-    let (run_dir, ckpt) = kiln::run::resolve_resume(&cut).unwrap();
-    assert!(ckpt.ends_with("step-00000004"), "{}", ckpt.display());
-    let mut config = kiln::builtin::load(Some(&run_dir.join("config.toml")), &[]).unwrap();
-    config.kiln.run.dir = Some(run_dir);
-    let resumed = train(
-        &config,
-        &RunOptions {
-            resume_from: Some(ckpt),
-            ..RunOptions::default()
-        },
-    )
-    .unwrap();
+    let resumed = resume_cut(&full.dir, &dir.join("cut"), 4, &[]);
     assert_eq!(train_losses(&resumed.dir), full_losses);
     assert_eq!(resumed.summary.steps, 12);
 
@@ -165,6 +152,34 @@ fn resume_continues_bit_for_bit() {
 
 /// A copy of run `from` at `to` as if it had stopped after step `last`: later checkpoints are
 /// gone.
+/// Copies the run in `full` to `cut` keeping the checkpoints up to step `step` (as if it had
+/// stopped there), and resumes it from its newest checkpoint, which must be step `step`, with
+/// the run's own `config.toml` and `overrides`.
+pub(crate) fn resume_cut(
+    full: &std::path::Path,
+    cut: &std::path::Path,
+    step: usize,
+    overrides: &[String],
+) -> kiln::RunResult {
+    cut_copy(full, cut, step);
+    let (run_dir, ckpt) = kiln::run::resolve_resume(cut).unwrap();
+    assert!(
+        ckpt.ends_with(format!("step-{step:08}")),
+        "{}",
+        ckpt.display()
+    );
+    let mut config = kiln::builtin::load(Some(&run_dir.join("config.toml")), overrides).unwrap();
+    config.kiln.run.dir = Some(run_dir);
+    train(
+        &config,
+        &RunOptions {
+            resume_from: Some(ckpt),
+            ..RunOptions::default()
+        },
+    )
+    .unwrap()
+}
+
 pub(crate) fn cut_copy(from: &std::path::Path, to: &std::path::Path, last: usize) {
     copy_dir(from, to);
     for (step, path) in kiln::checkpoint::list(to) {
