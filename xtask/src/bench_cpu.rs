@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, json_number, median, positive, run_train_quietly};
+use crate::{Result, TempDir, json_number, median, positive, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -122,7 +122,10 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                     ]
                     .map(String::from),
                 );
-                run_train_quietly(&train, root, &args, &format!("{} ({schedule})", r.name))?;
+                run_quietly(
+                    Command::new(&train).args(&args).current_dir(root),
+                    &format!("{} ({schedule})", r.name),
+                )?;
                 let path = dir.join("summary.json");
                 let summary = std::fs::read_to_string(&path)
                     .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, json_number, median, positive, run_train_quietly};
+use crate::{Result, TempDir, json_number, median, positive, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -168,7 +168,10 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             {
                 args.extend(["--set".to_string(), set]);
             }
-            run_train_quietly(&train, root, &args, &format!("workers = {workers}"))?;
+            run_quietly(
+                Command::new(&train).args(&args).current_dir(root),
+                &format!("workers = {workers}"),
+            )?;
             let f = read_figures(&dir.join("metrics.jsonl"))?;
             println!(
                 "  round {round} workers={workers} {:>7.1} samples/s  {:>7.1} ms/step (data \

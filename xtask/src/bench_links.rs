@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::{Result, TempDir, json_number, median, positive, run_train_quietly};
+use crate::{Result, TempDir, json_number, median, positive, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -145,7 +145,12 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     let mut local = Vec::new();
     for strategy in &o.strategies {
         let dir = temp.path().join(format!("local-{strategy}"));
-        run_train_quietly(&train, root, &args(strategy, &dir, "2"), strategy)?;
+        run_quietly(
+            Command::new(&train)
+                .args(args(strategy, &dir, "2"))
+                .current_dir(root),
+            strategy,
+        )?;
         let f = figures(&dir, None)?;
         println!(
             "  in-process, 2 devices   {strategy:<6} {:>7.1} ms/step  sync {:>4.1}%",

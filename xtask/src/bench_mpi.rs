@@ -4,9 +4,9 @@
 //! (`openmpi-bin`, `libopenmpi-dev`) and `libclang-dev`; builds kiln with the `mpi` feature.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use crate::{Result, TempDir, json_number, median};
+use crate::{Result, TempDir, json_number, median, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -115,28 +115,21 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 c.arg(&train).args(["--devices", "1"]);
                 c
             };
-            let out = command
-                .args(["--config", &o.config])
-                .args(["--max-steps", &o.steps.to_string()])
-                .arg("--run-dir")
-                .arg(&dir)
-                .args([
-                    "--set",
-                    "train.log_every=5",
-                    "--set",
-                    "monitor.interval_s=0",
-                ])
-                .current_dir(root)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .output()
-                .map_err(|e| format!("cannot run train: {e}"))?;
-            if !out.status.success() {
-                return Err(format!(
-                    "{label}: train failed: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ));
-            }
+            run_quietly(
+                command
+                    .args(["--config", &o.config])
+                    .args(["--max-steps", &o.steps.to_string()])
+                    .arg("--run-dir")
+                    .arg(&dir)
+                    .args([
+                        "--set",
+                        "train.log_every=5",
+                        "--set",
+                        "monitor.interval_s=0",
+                    ])
+                    .current_dir(root),
+                label,
+            )?;
             let summary = std::fs::read_to_string(dir.join("summary.json"))
                 .map_err(|e| format!("{label}: no summary: {e}"))?;
             let step = json_number(&summary, "step_seconds")

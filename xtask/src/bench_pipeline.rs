@@ -4,10 +4,10 @@
 //! a round the variants alternate, and medians over rounds are compared side by side.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, json_number, median, positive};
+use crate::{Result, TempDir, json_number, median, positive, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -112,25 +112,18 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         for (mi, &micro) in o.micro.iter().enumerate() {
             for (vi, (label, flags)) in variants(micro).iter().enumerate() {
                 let dir = temp.path().join(format!("m{micro}-{label}-r{round}"));
-                let out = Command::new(&train)
-                    .args(["--config", &o.config])
-                    .args(["--max-steps", &o.steps.to_string()])
-                    .arg("--run-dir")
-                    .arg(&dir)
-                    .args(["--set", "train.log_every=2"])
-                    .args(o.sets.iter().flat_map(|s| ["--set", s.as_str()]))
-                    .args(flags)
-                    .current_dir(root)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
-                    .output()
-                    .map_err(|e| format!("cannot run train: {e}"))?;
-                if !out.status.success() {
-                    return Err(format!(
-                        "{label} with {micro} micro-batches: train failed: {}",
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    ));
-                }
+                run_quietly(
+                    Command::new(&train)
+                        .args(["--config", &o.config])
+                        .args(["--max-steps", &o.steps.to_string()])
+                        .arg("--run-dir")
+                        .arg(&dir)
+                        .args(["--set", "train.log_every=2"])
+                        .args(o.sets.iter().flat_map(|s| ["--set", s.as_str()]))
+                        .args(flags)
+                        .current_dir(root),
+                    &format!("{label} with {micro} micro-batches"),
+                )?;
                 let f = read_figures(&dir)?;
                 println!(
                     "  round {round} M={micro} {label:<6} {:>8.1} ms/step  bubble {}  \

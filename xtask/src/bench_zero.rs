@@ -4,10 +4,10 @@
 //! the same device count, side by side.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, json_number, median, positive};
+use crate::{Result, TempDir, json_number, median, positive, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -82,26 +82,19 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         for (d, devices) in o.devices.iter().enumerate() {
             for (i, strategy) in STRATEGIES.iter().enumerate() {
                 let dir = temp.path().join(format!("n{devices}-{strategy}-r{round}"));
-                let out = Command::new(&train)
-                    .args(["--config", &o.config])
-                    .args(["--max-steps", &o.steps.to_string()])
-                    .args(["--devices", &devices.to_string()])
-                    .args(["--strategy", strategy])
-                    .arg("--run-dir")
-                    .arg(&dir)
-                    .args(["--set", "train.log_every=5"])
-                    .args(o.sets.iter().flat_map(|s| ["--set", s.as_str()]))
-                    .current_dir(root)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
-                    .output()
-                    .map_err(|e| format!("cannot run train: {e}"))?;
-                if !out.status.success() {
-                    return Err(format!(
-                        "{strategy} on {devices} devices: train failed: {}",
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    ));
-                }
+                run_quietly(
+                    Command::new(&train)
+                        .args(["--config", &o.config])
+                        .args(["--max-steps", &o.steps.to_string()])
+                        .args(["--devices", &devices.to_string()])
+                        .args(["--strategy", strategy])
+                        .arg("--run-dir")
+                        .arg(&dir)
+                        .args(["--set", "train.log_every=5"])
+                        .args(o.sets.iter().flat_map(|s| ["--set", s.as_str()]))
+                        .current_dir(root),
+                    &format!("{strategy} on {devices} devices"),
+                )?;
                 let f = read_figures(&dir.join("summary.json"))?;
                 println!(
                     "  round {round} N={devices} {strategy:<6} {:>8.1} ms/step  params {:>6.2} \

@@ -746,12 +746,10 @@ fn positive(flag: &str, raw: &str) -> Result<usize> {
         .ok_or_else(|| format!("{flag} {raw:?}: expected a positive integer"))
 }
 
-/// Runs the `train` binary with `args` in `root`, its progress discarded; a failure is an
-/// error naming `what`, with `train`'s own message.
-fn run_train_quietly(train: &Path, root: &Path, args: &[String], what: &str) -> Result<()> {
-    let out = Command::new(train)
-        .args(args)
-        .current_dir(root)
+/// Runs `command` (a `train`, or an `mpirun` of it) with its progress discarded; a failure is
+/// an error naming `what`, with `train`'s own message.
+fn run_quietly(command: &mut Command, what: &str) -> Result<()> {
+    let out = command
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .output()
