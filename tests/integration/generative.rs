@@ -111,6 +111,7 @@ fn a_discriminator_step_leaves_the_generator_and_its_adamw_state_bit_identical()
         optim: config.kiln.optim.clone(),
         bucket_elements: 1 << 20,
         pipeline: PipelineConfig::default(),
+        diloco: Default::default(),
         group_optims: config
             .kiln
             .groups

@@ -29,6 +29,8 @@ pub struct RootConfig {
     pub strategy: StrategyConfig,
     /// Pipeline parallelism (with `strategy.name = "pipeline"`).
     pub pipeline: PipelineConfig,
+    /// DiLoCo's outer loop (with `strategy.name = "diloco"`).
+    pub diloco: DilocoConfig,
     /// Data-parallel settings.
     pub ddp: DdpConfig,
     /// Deadlines of collectives, the flight recorder, collective checks and stragglers.
@@ -294,6 +296,60 @@ impl Default for DdpConfig {
             bucket_mb: 25.0,
             sync_batchnorm: false,
         }
+    }
+}
+
+/// `[diloco]`: the outer loop of `strategy.name = "diloco"` (Douillard et al., 2023, "DiLoCo:
+/// Distributed Low-Communication Training of Language Models").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DilocoConfig {
+    /// Optimizer steps each island takes on its own between two outer steps (H). Default 20.
+    pub inner_steps: usize,
+    /// The outer optimizer's learning rate (Nesterov SGD on the averaged pseudo-gradient, the
+    /// parameters at the last outer step minus the parameters now). Default 0.7.
+    pub outer_lr: f64,
+    /// The outer optimizer's (Nesterov) momentum; 0 for none. Default 0.9.
+    pub outer_momentum: f64,
+    /// Islands: groups of consecutive ranks that train as `ddp` among themselves and meet the
+    /// other islands only at outer steps. 0 = one per process (the ranks of one machine are
+    /// one island). Must divide the number of ranks. Default 0.
+    pub islands: usize,
+}
+
+impl Default for DilocoConfig {
+    fn default() -> Self {
+        Self {
+            inner_steps: 20,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
+            islands: 0,
+        }
+    }
+}
+
+impl DilocoConfig {
+    /// Rejects outer-loop values that cannot work.
+    pub fn check(&self) -> Result<()> {
+        if self.inner_steps == 0 {
+            return bad(
+                "diloco.inner_steps",
+                "must be at least 1 (optimizer steps between outer steps)".into(),
+            );
+        }
+        if !(self.outer_lr.is_finite() && self.outer_lr > 0.0) {
+            return bad(
+                "diloco.outer_lr",
+                format!("must be a positive number, got {}", self.outer_lr),
+            );
+        }
+        if !(0.0..1.0).contains(&self.outer_momentum) {
+            return bad(
+                "diloco.outer_momentum",
+                format!("must be in [0, 1), got {}", self.outer_momentum),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -677,6 +733,10 @@ pub enum StrategyKind {
     /// Pipeline parallelism: the model's blocks cut into `pipeline.stages` stages, one device
     /// each, fed micro-batches; several pipelines are data-parallel replicas.
     Pipeline,
+    /// DiLoCo: the ranks of each island (by default, each process) train as `ddp` every step;
+    /// the islands average their progress every `diloco.inner_steps` steps through an outer
+    /// Nesterov SGD step.
+    Diloco,
 }
 
 /// The order in which a pipeline stage runs its micro-batches.
@@ -735,8 +795,8 @@ impl StrategyKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct StrategyConfig {
-    /// `auto` (`single` for one device, `ddp` for more), `single`, `ddp`, `zero1`, `zero2` or
-    /// `zero3`. Default `auto`.
+    /// `auto` (`single` for one device, `ddp` for more), `single`, `ddp`, `zero1`, `zero2`,
+    /// `zero3`, `pipeline` or `diloco`. Default `auto`.
     pub name: StrategyKind,
 }
 
@@ -846,6 +906,7 @@ impl RootConfig {
             check_optim(&format!("groups.{name}."), &group.optim, &group.schedule)?;
         }
         self.ddp.check()?;
+        self.diloco.check()?;
         self.dist.check()?;
         self.precision.check()?;
         if self.ddp.sync_batchnorm && self.recompute.mode == RecomputeMode::Blocks {

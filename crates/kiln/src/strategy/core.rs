@@ -19,9 +19,28 @@ use crate::optim::{FlatOptimizer, OptimState};
 use crate::params::{FlatLayout, collect_floats, has_buffers, replace_floats, sync_running_state};
 use crate::precision::{LossScaler, Policy};
 
+/// The group a rank's core reduces in: the one its strategy was built with, or one the
+/// strategy split off and owns (a DiLoCo island).
+#[derive(Clone)]
+pub(crate) enum Group<'a> {
+    Borrowed(&'a dyn Collective),
+    Owned(std::sync::Arc<dyn Collective>),
+}
+
+impl<'a> std::ops::Deref for Group<'a> {
+    type Target = dyn Collective + 'a;
+
+    fn deref(&self) -> &Self::Target {
+        match self {
+            Group::Borrowed(c) => *c,
+            Group::Owned(c) => &**c,
+        }
+    }
+}
+
 /// A rank's shared equipment; see the module documentation.
 pub(crate) struct Core<'a> {
-    pub comm: &'a dyn Collective,
+    pub comm: Group<'a>,
     /// The rank's device with autodiff.
     pub device: Device,
     /// The same device without autodiff, where flat buffers and optimizer state live.
@@ -45,14 +64,20 @@ impl<'a> Core<'a> {
     /// The equipment for a rank of `ctx.comm` that steps its shard of `layout` (a layout of
     /// one shard: the whole of it).
     pub fn new(ctx: Context<'a>, layout: FlatLayout) -> Self {
+        let comm = Group::Borrowed(ctx.comm);
+        Self::in_group(ctx, comm, layout)
+    }
+
+    /// [`Core::new`] for a rank of `comm` rather than of `ctx.comm`.
+    pub fn in_group(ctx: Context<'a>, comm: Group<'a>, layout: FlatLayout) -> Self {
         let shards = layout.shards;
         let master = ctx.policy.master;
-        let rank = if shards > 1 { ctx.comm.rank() } else { 0 };
+        let rank = if shards > 1 { comm.rank() } else { 0 };
         let inner = ctx.device.clone().without_autodiff();
         let optimizer =
             FlatOptimizer::new(&ctx.optim, &layout.shard_decay_mask(rank), master, &inner);
         Self {
-            comm: ctx.comm,
+            comm,
             device: ctx.device,
             inner,
             layout,
@@ -80,7 +105,7 @@ impl<'a> Core<'a> {
     pub fn plan(&self, recompute: Recompute) -> Plan<'_> {
         Plan {
             recompute,
-            sync_bn: (self.sync_batchnorm && self.world() > 1).then_some(self.comm),
+            sync_bn: (self.sync_batchnorm && self.world() > 1).then_some(&*self.comm),
             device: &self.device,
             group: None,
         }
@@ -89,7 +114,8 @@ impl<'a> Core<'a> {
     /// Runs `f` (a collective) and counts its time as synchronisation.
     pub fn timed<T>(&mut self, f: impl FnOnce(&dyn Collective) -> Result<T>) -> Result<T> {
         let started = Instant::now();
-        let out = f(self.comm);
+        let comm = self.comm.clone();
+        let out = f(&*comm);
         self.sync_seconds += started.elapsed().as_secs_f64();
         out
     }
@@ -131,8 +157,8 @@ impl<'a> Core<'a> {
     /// The mean over ranks of the flat gradients `units` (each a unit's padded flat space),
     /// one bucket at a time; returns them concatenated on the host.
     pub fn all_reduce_units(&mut self, units: Vec<Tensor<1>>) -> Result<Vec<f32>> {
-        let comm = self.comm;
-        self.reduce_in(comm, units, ReduceOp::Mean)
+        let comm = self.comm.clone();
+        self.reduce_in(&*comm, units, ReduceOp::Mean)
     }
 
     /// [`Self::all_reduce_units`] over `group`, with `op`.

@@ -31,6 +31,7 @@
 
 mod core;
 pub mod ddp;
+pub mod diloco;
 pub mod groups;
 pub mod pipeline;
 mod replica;
@@ -46,8 +47,8 @@ use serde::Serialize;
 
 use crate::comm::Collective;
 use crate::config::{
-    DdpConfig, OptimConfig, OptimizerKind, PipelineConfig, RecomputeConfig, RecomputeMode,
-    RootConfig, StrategyKind, name_of,
+    DdpConfig, DilocoConfig, OptimConfig, OptimizerKind, PipelineConfig, RecomputeConfig,
+    RecomputeMode, RootConfig, StrategyKind, name_of,
 };
 use crate::error::{Error, Result};
 use crate::exec::Recompute;
@@ -197,6 +198,8 @@ pub struct Setup {
     pub ddp: DdpConfig,
     /// The pipeline's stages, micro-batches and schedule.
     pub pipeline: PipelineConfig,
+    /// DiLoCo's outer loop.
+    pub diloco: DilocoConfig,
 }
 
 impl Setup {
@@ -209,6 +212,7 @@ impl Setup {
             recompute: config.recompute.clone(),
             ddp: config.ddp.clone(),
             pipeline: config.pipeline.clone(),
+            diloco: config.diloco.clone(),
         }
     }
 
@@ -381,6 +385,12 @@ pub trait Rules: Sync {
         let _ = setup;
         1
     }
+    /// The name of the state the strategy keeps in checkpoints beside the model's optimizer
+    /// states (`optimizer.<name>.bpk`, read on resume when present and handed to
+    /// [`Strategy::load_optimizer_states`] under that name); `None`, the default, for none.
+    fn own_state(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// The rules of strategy `kind` (`auto` as `single`: resolve it first by the world).
@@ -392,6 +402,7 @@ pub fn rules(kind: StrategyKind) -> &'static dyn Rules {
         StrategyKind::Zero2 => &zero2::Zero2,
         StrategyKind::Zero3 => &zero3::Zero3,
         StrategyKind::Pipeline => &pipeline::Pipeline,
+        StrategyKind::Diloco => &diloco::Diloco,
     }
 }
 
@@ -435,6 +446,8 @@ pub struct Context<'a> {
     pub bucket_elements: usize,
     /// Stages, micro-batches and schedule (the `pipeline` strategy's own section).
     pub pipeline: PipelineConfig,
+    /// The outer loop (the `diloco` strategy's own section).
+    pub diloco: DilocoConfig,
     /// The optimizer.
     pub optim: OptimConfig,
     /// The optimizer of each parameter group of a model with several (by group name; a group
@@ -460,6 +473,7 @@ impl<'a> Context<'a> {
             sync_batchnorm: setup.ddp.sync_batchnorm,
             bucket_elements: (setup.ddp.bucket_mb * 1024.0 * 1024.0 / 4.0).max(1.0) as usize,
             pipeline: setup.pipeline.clone(),
+            diloco: setup.diloco.clone(),
             optim,
             group_optims,
         }
@@ -526,6 +540,10 @@ where
             Box::new(zero3::Sharded::new(model, core)?)
         }
         StrategyKind::Pipeline => Box::new(pipeline::Stage::new(model, &blocks, ctx)?),
+        StrategyKind::Diloco => {
+            let whole = layout(1);
+            Box::new(diloco::Islands::new(model, whole, ctx)?)
+        }
     })
 }
 

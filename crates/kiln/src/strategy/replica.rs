@@ -82,8 +82,8 @@ impl<M: Module> Replica<M> {
     /// Fails if the replicas of `core`'s group differ in their trained parameters.
     pub fn check(&self, core: &mut Core, step: usize) -> Result<()> {
         let values = collect_floats(&self.model, true);
-        let comm = core.comm;
-        core.check_replicas(comm, values, step)
+        let comm = core.comm.clone();
+        core.check_replicas(&*comm, values, step)
     }
 }
 
@@ -139,6 +139,11 @@ impl<'a, M: Module, R: Reduction> Replicated<'a, M, R> {
             reduction,
         }
     }
+
+    /// The rank's equipment and its replica (for a strategy built around this one).
+    pub fn parts(&mut self) -> (&mut Core<'a>, &mut Replica<M>) {
+        (&mut self.core, &mut self.replica)
+    }
 }
 
 /// One micro-batch on `replica`: its gradients added to `acc`, on the rank (no communication).
@@ -172,10 +177,10 @@ fn scatter<B, M: BlockStack<B> + Module>(
     let recompute = core.recompute;
     let sync_bn = core.plan(recompute).sync_bn.is_some();
     let device = core.device.clone();
-    let comm = core.comm;
+    let comm = core.comm.clone();
     let plan = exec::Plan {
         recompute,
-        sync_bn: sync_bn.then_some(comm),
+        sync_bn: sync_bn.then_some(&*comm),
         device: &device,
         group: None,
     };

@@ -30,6 +30,8 @@ pub struct ParallelSettings {
     pub split_cpu_threads: bool,
     /// Stages and micro-batches (with the `pipeline` strategy).
     pub pipeline: PipelineConfig,
+    /// The outer loop (with the `diloco` strategy).
+    pub diloco: crate::config::DilocoConfig,
     /// The processes of the run (each runs `devices`).
     pub processes: Processes,
     /// Deadlines, flight records, collective checks and stragglers.
@@ -114,6 +116,7 @@ impl TrainerSettings {
                 bucket_mb: config.ddp.bucket_mb,
                 sync_batchnorm: config.ddp.sync_batchnorm,
                 pipeline: config.pipeline.clone(),
+                diloco: config.diloco.clone(),
                 processes,
                 dist: config.dist.clone(),
                 sub_replicas: 1,
@@ -163,6 +166,7 @@ impl TrainerSettings {
                 sync_batchnorm: p.sync_batchnorm,
             },
             pipeline: p.pipeline.clone(),
+            diloco: p.diloco.clone(),
         }
     }
 

@@ -243,6 +243,20 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
         }
         states.push((group, loaded));
     }
+    // A strategy's own state (DiLoCo's outer loop), when this checkpoint has one; a
+    // checkpoint of another strategy starts it fresh.
+    if let Some(own) = settings.setup().rules().own_state()
+        && dir.join(checkpoint::optim_file(own)).is_file()
+    {
+        let loaded = checkpoint::load_group_optimizer(dir, own)?;
+        let layout = FlatLayout::new(&model, &block_ids(&model), 1);
+        let file = dir.join(checkpoint::optim_file(own));
+        loaded.leaves(&layout).map_err(|e| match e {
+            Error::Checkpoint(m) => Error::checkpoint(format!("{}: {m}", file.display())),
+            other => other,
+        })?;
+        states.push((own.to_string(), loaded));
+    }
     state.seed = fresh.seed;
     state.world_size = fresh.world_size;
     // A checkpoint of a run without a scaler continues with a fresh one, and a run that no

@@ -531,9 +531,8 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
                     values.extend(std::iter::repeat_n(0.0, v.len()));
                 }
             }
-            let comm = self.core.comm;
             self.core
-                .timed(|_| comm.all_reduce(&mut values, ReduceOp::Sum))?;
+                .timed(|comm| comm.all_reduce(&mut values, ReduceOp::Sum))?;
             if self.replicas > 1 {
                 let inv = self.replicas as f32;
                 for x in &mut values {
@@ -648,10 +647,9 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
                 (e.end - t.last_start) as f32,
             ]);
         }
-        let comm = self.core.comm;
         let all = self
             .core
-            .timed(|_| crate::comm::pack::gather_ragged(comm, &mine))?;
+            .timed(|comm| crate::comm::pack::gather_ragged(comm, &mine))?;
         let mut report = Report::default();
         if self.core.rank() != 0 {
             return Ok(report);
