@@ -232,6 +232,50 @@ fn bf16_gradients_cross_processes_as_bf16_and_give_one_process_s_bits() {
 }
 
 #[test]
+fn diloco_islands_are_processes_with_one_process_s_bits_and_resume_in_one_process() {
+    // Two processes of two devices: each process an island (ddp inside, the outer average
+    // over MPI), against one process of four devices in two islands.
+    let dir = temp_dir("mpi-diloco");
+    let text = text_file(&dir);
+    let extra = [
+        "train.max_steps=8",
+        "strategy.name=\"diloco\"",
+        "diloco.inner_steps=3",
+        "train.checkpoint_every=4",
+        "train.keep_checkpoints=5",
+    ];
+    let many = dir.join("mpi");
+    mpirun(
+        2,
+        &dir,
+        &with(args(Model::Gpt, &text, &many, &extra), &["--devices", "2"]),
+    );
+    let one = dir.join("one");
+    let islands = [&extra[..], &["diloco.islands=2"]].concat();
+    one_process(
+        &dir,
+        &with(args(Model::Gpt, &text, &one, &islands), &["--devices", "4"]),
+    );
+    // Sums over 2 + 2 ranks in another order than over 4 (as ddp's test above).
+    let d = max_relative_diff(&params(Model::Gpt, &many), &params(Model::Gpt, &one));
+    println!("diloco, 2 processes × 2 devices vs 1 × 4 in two islands: {d:.3e}");
+    assert!(d <= 1e-6, "{d:e}");
+    // The processes' checkpoint at step 4 (between outer steps) resumes in one process.
+    let cut = dir.join("cut");
+    crate::training::cut_copy(&many, &cut, 4);
+    let resume = vec![
+        "--resume".to_string(),
+        cut.display().to_string(),
+        "--set".into(),
+        "diloco.islands=2".into(),
+    ];
+    one_process(&dir, &with(resume, &["--devices", "4"]));
+    let d = max_relative_diff(&params(Model::Gpt, &cut), &params(Model::Gpt, &many));
+    println!("resumed in one process vs the processes' run: {d:.3e}");
+    assert!(d <= 1e-6, "{d:e}");
+}
+
+#[test]
 fn a_pipeline_spans_processes() {
     let dir = temp_dir("mpi-pipeline");
     let text = text_file(&dir);
