@@ -338,3 +338,58 @@ fn a_failing_worker_stops_every_rank_with_its_message() {
         );
     }
 }
+
+#[test]
+fn reducing_beside_the_backward_gives_the_same_bits_as_after_it() {
+    // `dist.overlap` hands each block's gradients to a communication thread during the last
+    // micro-batch's backward; the reductions are the same, in the same buckets.
+    let dir = temp_dir("ddp-overlap");
+    let text = crate::gpt::text_file(&dir);
+    let cases: [(&str, &[&str]); 5] = [
+        ("ddp", &["strategy.name=\"ddp\""]),
+        (
+            "ddp-accumulate",
+            &["strategy.name=\"ddp\"", "train.accumulate=2"],
+        ),
+        (
+            "ddp-bf16-recompute",
+            &[
+                "strategy.name=\"ddp\"",
+                "precision.reduce_dtype=\"bf16\"",
+                "recompute.mode=\"blocks\"",
+            ],
+        ),
+        ("zero1", &["strategy.name=\"zero1\"", "train.accumulate=2"]),
+        (
+            "diloco",
+            &["strategy.name=\"diloco\"", "diloco.inner_steps=2"],
+        ),
+    ];
+    for (name, extra) in cases {
+        let run = |overlap: bool| {
+            let run_dir = dir.join(format!("{name}-{overlap}"));
+            let mut o = vec![
+                "hardware.devices=3",
+                "train.max_steps=4",
+                "train.log_every=1",
+                "train.grad_clip=1.0",
+                // Small buckets: every unit is reduced in several.
+                "ddp.bucket_mb=0.01",
+            ];
+            let overlap = format!("dist.overlap={overlap}");
+            o.push(&overlap);
+            o.extend(extra);
+            let config = crate::gpt::gpt_config(&run_dir, &text, &o);
+            train(&config, &RunOptions::default()).unwrap();
+            let params = parameter_values(
+                &kiln_models::load_gpt_run(&run_dir, &Device::flex())
+                    .unwrap()
+                    .0,
+            );
+            (train_losses(&run_dir), params)
+        };
+        let (on, off) = (run(true), run(false));
+        assert_eq!(on.0, off.0, "{name}: losses");
+        assert!(on.1 == off.1, "{name}: parameters differ");
+    }
+}

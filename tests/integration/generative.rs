@@ -112,6 +112,7 @@ fn a_discriminator_step_leaves_the_generator_and_its_adamw_state_bit_identical()
         bucket_elements: 1 << 20,
         pipeline: PipelineConfig::default(),
         diloco: Default::default(),
+        overlap: false,
         group_optims: config
             .kiln
             .groups

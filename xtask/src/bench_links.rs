@@ -1,7 +1,8 @@
 //! `cargo xtask bench links`: the GPT recipe across two machines on one box — two network
 //! namespaces joined by a veth link (`scripts/two-hosts`), one `mpirun` rank in each, one
 //! device per rank — at each link rate asked for (unshaped, or shaped with a token bucket), per
-//! strategy, against the same strategy in one process with two devices: step time, the share
+//! strategy (`diloco` in one process as two islands of one device, as across the hosts),
+//! against the same strategy in one process with two devices: step time, the share
 //! of the step spent in synchronisation (`pct_sync`), and the bytes the link carried per step.
 //! Needs root, iproute2 and OpenMPI; builds kiln with the `mpi` feature.
 
@@ -23,7 +24,12 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
     let mut o = Options {
         steps: 20,
         rates: vec!["unshaped".into(), "10gbit".into(), "1gbit".into()],
-        strategies: vec!["ddp".into(), "zero2".into(), "zero3".into()],
+        strategies: vec![
+            "ddp".into(),
+            "zero2".into(),
+            "zero3".into(),
+            "diloco".into(),
+        ],
         config: "configs/gpt-text.toml".into(),
         sets: Vec::new(),
     };
@@ -44,8 +50,8 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
             other => {
                 return Err(format!(
                     "bench links: unknown argument {other:?} (expected --steps N, --rates \
-                     unshaped,10gbit,1gbit, --strategies ddp,zero2,zero3, --config FILE, --set \
-                     KEY=VALUE)"
+                     unshaped,10gbit,1gbit, --strategies ddp,zero2,zero3,diloco, --config FILE, \
+                     --set KEY=VALUE)"
                 ));
             }
         }
@@ -135,6 +141,10 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         ]
         .map(String::from)
         .to_vec();
+        if strategy == "diloco" && devices == "2" {
+            // The same two islands as across the two hosts (one per process there).
+            a.extend(["--set".to_string(), "diloco.islands=2".to_string()]);
+        }
         for s in &o.sets {
             a.extend(["--set".to_string(), s.clone()]);
         }

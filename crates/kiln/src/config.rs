@@ -357,6 +357,12 @@ impl DilocoConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DistConfig {
+    /// Reduce gradients beside the backward: `ddp` and `zero1` hand each block's gradients
+    /// of a step's last micro-batch to a communication thread as soon as the block's backward
+    /// is done and go on with the blocks below (models with blocks; not with synchronised
+    /// BatchNorm, whose backward has its own collectives). The same reductions in the same
+    /// order: the same bits either way. Default true.
+    pub overlap: bool,
     /// Seconds a rank may wait in one collective or transfer before the run ends with a line
     /// naming the ranks that did not arrive; 0 waits forever. Default 300.
     pub timeout_s: f64,
@@ -379,6 +385,7 @@ pub struct DistConfig {
 impl Default for DistConfig {
     fn default() -> Self {
         Self {
+            overlap: true,
             timeout_s: 300.0,
             startup_timeout_s: 900.0,
             flight_entries: 256,

@@ -28,7 +28,6 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
 use kiln_models::Activation;
-use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
@@ -184,7 +183,6 @@ pub fn world_group(devices: usize) -> Result<Vec<Box<dyn Collective>>> {
                 mpi: Some(state.world.clone()),
                 splits: AtomicU64::new(0),
                 senders: Mutex::new(HashMap::new()),
-                scratch: Mutex::new(Vec::new()),
             }) as Box<dyn Collective>
         })
         .collect())
@@ -210,8 +208,6 @@ struct Hier {
     splits: AtomicU64,
     /// A sending thread per destination in another process.
     senders: Mutex<HashMap<usize, Sender<Message>>>,
-    /// The lead's send buffer of reductions.
-    scratch: Mutex<Vec<f32>>,
 }
 
 /// An activation on its way to another process: its shape and dtype, and its values.
@@ -279,6 +275,29 @@ fn bf16_sum() -> &'static mpi::collective::UnsafeUserOperation {
         .0
 }
 
+unsafe extern "C" {
+    /// `MPI_IN_PLACE` of the MPI kiln was built against (`in_place.c`).
+    fn kiln_mpi_in_place() -> *mut std::ffi::c_void;
+}
+
+/// `MPI_Allreduce(MPI_IN_PLACE, data, …, MPI_SUM)` over `comm` (rsmpi has no in-place form).
+fn sum_in_place(comm: &Comm, data: &mut [f32]) {
+    use mpi::raw::AsRaw;
+    let count = std::ffi::c_int::try_from(data.len()).expect("a bucket fits MPI's count");
+    // SAFETY: `data` is `count` f32 values, valid for reading and writing during the call;
+    // MPI_IN_PLACE says the send buffer is the receive buffer.
+    unsafe {
+        mpi::ffi::MPI_Allreduce(
+            kiln_mpi_in_place(),
+            data.as_mut_ptr().cast(),
+            count,
+            mpi::ffi::RSMPI_FLOAT,
+            mpi::ffi::RSMPI_SUM,
+            comm.0.as_raw(),
+        );
+    }
+}
+
 /// A length carried exactly through f32 values (two 24-bit halves).
 fn split_len(n: usize) -> [f32; 2] {
     [(n >> 24) as f32, (n & 0xff_ffff) as f32]
@@ -304,21 +323,8 @@ impl Collective for Hier {
         self.local.all_reduce(data, ReduceOp::Sum)?;
         if let Some(comm) = self.spanning() {
             if self.lead() {
-                // MPI reduces from one buffer into another: into a buffer kept between calls
-                // (large buckets do not fault in fresh pages each time), then back in one pass
-                // that also takes the mean when no other rank of this process needs the sum.
-                let mut sums = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-                sums.resize(data.len(), 0.0);
-                comm.0
-                    .all_reduce_into(&data[..], &mut sums[..], SystemOperation::sum());
-                if op == ReduceOp::Mean && self.local.world_size() == 1 {
-                    let n = self.world as f32;
-                    for (d, s) in data.iter_mut().zip(sums.iter()) {
-                        *d = *s / n;
-                    }
-                    return Ok(());
-                }
-                data.copy_from_slice(&sums);
+                // MPI reduces in place (no second buffer to fault in or copy back).
+                sum_in_place(comm, data);
             }
             self.share_leads(data)?;
         }
@@ -599,7 +605,6 @@ impl Collective for Hier {
             mpi,
             splits: AtomicU64::new(0),
             senders: Mutex::new(HashMap::new()),
-            scratch: Mutex::new(Vec::new()),
         }))
     }
 

@@ -54,6 +54,8 @@ pub(crate) struct Core<'a> {
     pub recompute: Recompute,
     pub sync_batchnorm: bool,
     pub bucket_elements: usize,
+    /// Reduce gradients beside the backward where the strategy can (`dist.overlap`).
+    pub overlap: bool,
     pub memory: Memory,
     /// Whether the last optimizer step was refused for a non-finite gradient (no scaler).
     pub nonfinite: bool,
@@ -87,6 +89,7 @@ impl<'a> Core<'a> {
             recompute: ctx.recompute,
             sync_batchnorm: ctx.sync_batchnorm,
             bucket_elements: ctx.bucket_elements.max(1),
+            overlap: ctx.overlap,
             memory: Memory::default(),
             nonfinite: false,
             sync_seconds: 0.0,
@@ -120,6 +123,12 @@ impl<'a> Core<'a> {
         out
     }
 
+    /// Counts `seconds` of waiting for a collective that ran elsewhere (a communication
+    /// thread) as synchronisation.
+    pub fn add_sync_seconds(&mut self, seconds: f64) {
+        self.sync_seconds += seconds;
+    }
+
     pub fn take_sync_seconds(&mut self) -> f64 {
         std::mem::take(&mut self.sync_seconds)
     }
@@ -135,7 +144,7 @@ impl<'a> Core<'a> {
 
     /// The host values of a flat tensor as they travel in a reduction: f32, or rounded to
     /// bf16 (read back at half the bytes) and widened again.
-    fn travelling(&self, flat: Tensor<1>) -> Result<Vec<f32>> {
+    pub fn travelling(&self, flat: Tensor<1>) -> Result<Vec<f32>> {
         let readback = |e| Error::Worker(format!("gradient readback: {e:?}"));
         Ok(match self.policy.reduce_dtype() {
             ReduceDtype::F32 => flat
@@ -169,35 +178,10 @@ impl<'a> Core<'a> {
         op: ReduceOp,
     ) -> Result<Vec<f32>> {
         let mut out = Vec::new();
+        let (dtype, bucket) = (self.policy.reduce_dtype(), self.bucket_elements);
         for t in units {
             let host = self.travelling(t)?;
-            match self.policy.reduce_dtype() {
-                ReduceDtype::F32 => {
-                    let mut host = host;
-                    let bucket = self.bucket_elements;
-                    self.timed(|_| {
-                        for chunk in host.chunks_mut(bucket) {
-                            group.all_reduce(chunk, op)?;
-                        }
-                        Ok(())
-                    })?;
-                    out.extend(host);
-                }
-                ReduceDtype::Bf16 => {
-                    let mut half: Vec<burn::tensor::bf16> = host
-                        .iter()
-                        .map(|x| burn::tensor::bf16::from_f32(*x))
-                        .collect();
-                    let bucket = self.bucket_elements;
-                    self.timed(|_| {
-                        for chunk in half.chunks_mut(bucket) {
-                            group.all_reduce_bf16(chunk, op)?;
-                        }
-                        Ok(())
-                    })?;
-                    out.extend(half.into_iter().map(|x| x.to_f32()));
-                }
-            }
+            out.extend(self.timed(|_| reduce_host(group, host, op, dtype, bucket))?);
         }
         Ok(out)
     }
@@ -467,5 +451,35 @@ pub(crate) fn cat_or_empty(parts: Vec<Tensor<1>>, dtype: FloatDType, device: &De
         Tensor::<1>::zeros([0], device).cast(dtype)
     } else {
         Tensor::cat(parts, 0)
+    }
+}
+
+/// `host` (a unit's gradients as they travel: f32, or bf16 values widened) reduced over `group`
+/// with `op`, bucket by bucket, in `dtype` on the wire.
+pub(crate) fn reduce_host(
+    group: &dyn Collective,
+    mut host: Vec<f32>,
+    op: ReduceOp,
+    dtype: ReduceDtype,
+    bucket: usize,
+) -> Result<Vec<f32>> {
+    match dtype {
+        ReduceDtype::F32 => {
+            for chunk in host.chunks_mut(bucket) {
+                group.all_reduce(chunk, op)?;
+            }
+            Ok(host)
+        }
+        ReduceDtype::Bf16 => {
+            let mut half: Vec<burn::tensor::bf16> = host
+                .iter()
+                .map(|x| burn::tensor::bf16::from_f32(*x))
+                .collect();
+            drop(host);
+            for chunk in half.chunks_mut(bucket) {
+                group.all_reduce_bf16(chunk, op)?;
+            }
+            Ok(half.into_iter().map(|x| x.to_f32()).collect())
+        }
     }
 }

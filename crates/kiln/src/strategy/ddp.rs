@@ -7,7 +7,7 @@ use burn::module::Module;
 use burn::prelude::*;
 
 use super::core::Core;
-use super::replica::{Held, Reduction, Replica, averaged, local, step_whole};
+use super::replica::{Held, Reduction, Replica, averaged, step_whole};
 use super::{Estimate, Rules, Setup, replicated_estimate};
 use crate::config::OptimConfig;
 use crate::error::Result;
@@ -43,6 +43,10 @@ impl Rules for Ddp {
 }
 
 impl Reduction for Ddp {
+    fn all_reduces(&self) -> bool {
+        true
+    }
+
     fn step<M: Module>(
         &self,
         core: &mut Core,
@@ -52,7 +56,7 @@ impl Reduction for Ddp {
         scaler: Option<&mut LossScaler>,
         clip: Option<f64>,
     ) -> Result<bool> {
-        let host = averaged(core, replica, local(held))?;
+        let host = averaged(core, replica, held)?;
         let n = host.len();
         let grads = Tensor::<1>::from_data(TensorData::new(host, [n]), &core.inner);
         let stepped = step_whole(core, replica, grads, lr, scaler, clip)?;

@@ -200,6 +200,8 @@ pub struct Setup {
     pub pipeline: PipelineConfig,
     /// DiLoCo's outer loop.
     pub diloco: DilocoConfig,
+    /// Reduce gradients beside the backward (`dist.overlap`).
+    pub overlap: bool,
 }
 
 impl Setup {
@@ -213,6 +215,7 @@ impl Setup {
             ddp: config.ddp.clone(),
             pipeline: config.pipeline.clone(),
             diloco: config.diloco.clone(),
+            overlap: config.dist.overlap,
         }
     }
 
@@ -448,6 +451,8 @@ pub struct Context<'a> {
     pub pipeline: PipelineConfig,
     /// The outer loop (the `diloco` strategy's own section).
     pub diloco: DilocoConfig,
+    /// Reduce gradients beside the backward (`dist.overlap`).
+    pub overlap: bool,
     /// The optimizer.
     pub optim: OptimConfig,
     /// The optimizer of each parameter group of a model with several (by group name; a group
@@ -474,6 +479,7 @@ impl<'a> Context<'a> {
             bucket_elements: (setup.ddp.bucket_mb * 1024.0 * 1024.0 / 4.0).max(1.0) as usize,
             pipeline: setup.pipeline.clone(),
             diloco: setup.diloco.clone(),
+            overlap: setup.overlap,
             optim,
             group_optims,
         }

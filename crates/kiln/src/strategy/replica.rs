@@ -12,8 +12,11 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 use kiln_models::{BlockStack, StepOutput};
 
-use super::core::{Core, Norm};
+use std::time::Instant;
+
+use super::core::{Core, Norm, reduce_host};
 use super::{Strategy, answered_by_core, one_by_one};
+use crate::comm::ReduceOp;
 use crate::error::Result;
 use crate::exec::{self, Accumulate, Hooks, Part};
 use crate::params::{collect_floats, host_f32};
@@ -94,6 +97,9 @@ pub(crate) enum Held<M: Module> {
     /// The rank's shard of the averaged gradient, each part reduce-scattered into it as its
     /// backward ends.
     Shard(Vec<f32>),
+    /// The averaged gradient (every unit padded, on the host), reduced beside the last
+    /// micro-batch's backward.
+    Reduced(Vec<f32>),
 }
 
 /// What a replicated strategy does with its gradients: the one thing in which `single`, `ddp`,
@@ -102,6 +108,11 @@ pub(crate) trait Reduction {
     /// Whether the micro-steps reduce-scatter each part's gradients into a shard (no whole
     /// gradient is kept) rather than adding them up on the rank.
     fn scatters(&self) -> bool {
+        false
+    }
+    /// Whether the optimizer step all-reduces the whole gradient, which the last micro-batch
+    /// can then reduce beside its backward (`dist.overlap`).
+    fn all_reduces(&self) -> bool {
         false
     }
     /// Whether the ranks hold replicas that must agree bit for bit.
@@ -198,6 +209,8 @@ impl<B, M: BlockStack<B> + Module, R: Reduction> Strategy<M, B> for Replicated<'
         self.replica.begin(&mut self.core);
         if self.reduction.scatters() {
             self.held = Held::Shard(open_shard(&mut self.core));
+        } else if !matches!(self.held, Held::Local(_)) {
+            self.held = Held::Local(Accumulate::default());
         }
         Ok(())
     }
@@ -209,9 +222,20 @@ impl<B, M: BlockStack<B> + Module, R: Reduction> Strategy<M, B> for Replicated<'
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
     ) -> Result<Vec<StepOutput>> {
         let (core, replica) = (&mut self.core, &self.replica);
-        one_by_one(batches, count, |batch| match &mut self.held {
-            Held::Local(acc) => accumulate(core, replica, acc, batch, objective, None),
-            Held::Shard(shard) => scatter(core, replica, shard, batch, objective),
+        let overlap = self.reduction.all_reduces() && overlaps(core, &replica.model);
+        let mut micro = 0;
+        one_by_one(batches, count, |batch| {
+            micro += 1;
+            match &mut self.held {
+                Held::Local(acc) if overlap && micro == count => {
+                    let (out, reduced) = overlapped(core, replica, acc, batch, objective)?;
+                    self.held = Held::Reduced(reduced);
+                    Ok(out)
+                }
+                Held::Local(acc) => accumulate(core, replica, acc, batch, objective, None),
+                Held::Shard(shard) => scatter(core, replica, shard, batch, objective),
+                Held::Reduced(_) => unreachable!("a step's gradients are reduced once"),
+            }
         })
     }
 
@@ -251,18 +275,152 @@ impl<B, M: BlockStack<B> + Module, R: Reduction> Strategy<M, B> for Replicated<'
 pub(crate) fn local<M: Module>(held: &mut Held<M>) -> GradientsParams {
     match held {
         Held::Local(acc) => acc.take(),
-        Held::Shard(_) => unreachable!("a strategy that adds up locally holds an accumulator"),
+        Held::Shard(_) | Held::Reduced(_) => {
+            unreachable!("a strategy that adds up locally holds an accumulator")
+        }
     }
 }
 
-/// The averaged flat gradients of the accumulated micro-steps, on the host (every unit padded).
+/// The averaged flat gradients of the step's micro-batches, on the host (every unit padded):
+/// reduced now, or already beside the last backward.
 pub(crate) fn averaged<M: Module>(
     core: &mut Core,
     replica: &Replica<M>,
-    grads: GradientsParams,
+    held: &mut Held<M>,
 ) -> Result<Vec<f32>> {
-    let units = replica.unit_grads(core, grads);
+    if let Held::Reduced(reduced) = held {
+        return Ok(std::mem::take(reduced));
+    }
+    let units = replica.unit_grads(core, local(held));
     core.all_reduce_units(units)
+}
+
+/// Whether a step of `core` on `model` reduces beside its backward: `dist.overlap`, several
+/// ranks, and blocks to walk without collectives of their own (synchronised BatchNorm).
+fn overlaps<B, M: BlockStack<B> + Module>(core: &Core, model: &M) -> bool {
+    core.overlap
+        && core.world() > 1
+        && model.num_blocks() > 0
+        && core.plan(core.recompute).sync_bn.is_none()
+}
+
+/// The last micro-batch of a step as the block walk, each unit's gradients (with what the
+/// earlier micro-batches added up in `acc`) handed to a communication thread as soon as they
+/// are whole: a block's at the end of its backward, the rest (stem and head) last. The thread
+/// reduces the units as [`Core::all_reduce_units`] does, bucket by bucket, so the result is
+/// the same bits; the rank computes the blocks below meanwhile. Returns the output and the
+/// averaged gradient (every unit padded).
+fn overlapped<B, M: BlockStack<B> + Module>(
+    core: &mut Core,
+    replica: &Replica<M>,
+    acc: &mut Accumulate<M>,
+    batch: B,
+    objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
+) -> Result<(StepOutput, Vec<f32>)> {
+    let mut earlier = acc.take();
+    let group = core.comm.clone();
+    let (dtype, bucket) = (core.policy.reduce_dtype(), core.bucket_elements);
+    let units = core.layout.units.len();
+    let device = core.device.clone();
+    let recompute = core.recompute;
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, Vec<f32>)>();
+        let group = &group;
+        let thread = scope.spawn(move || -> Result<Vec<Option<Vec<f32>>>> {
+            let mut done: Vec<Option<Vec<f32>>> = vec![None; units];
+            for (u, host) in rx {
+                done[u] = Some(reduce_host(&**group, host, ReduceOp::Mean, dtype, bucket)?);
+            }
+            Ok(done)
+        });
+        let plan = exec::Plan {
+            recompute,
+            sync_bn: None,
+            device: &device,
+            group: None,
+        };
+        let mut hooks = Overlap {
+            core: &mut *core,
+            earlier: &mut earlier,
+            rest: Accumulate::default(),
+            tx: Some(tx),
+        };
+        let ran = exec::run(replica.current(), batch, &plan, &mut hooks, objective);
+        // Closing the channel ends the thread after the units it was given (all of them, or
+        // those before an error).
+        hooks.tx = None;
+        let started = Instant::now();
+        let done = thread
+            .join()
+            .map_err(|_| crate::error::Error::Worker("the communication thread panicked".into()));
+        core.add_sync_seconds(started.elapsed().as_secs_f64());
+        let (out, _) = ran?;
+        let done = done??;
+        let mut reduced = Vec::with_capacity(core.layout.total());
+        for (u, unit) in done.into_iter().enumerate() {
+            let unit = unit.ok_or_else(|| {
+                crate::error::Error::Worker(format!("unit {u} had no gradients to reduce"))
+            })?;
+            reduced.extend(unit);
+        }
+        core.memory.grads.set(core.layout.total() * 4);
+        core.sample_pool();
+        Ok((out, reduced))
+    })
+}
+
+/// Walk hooks that send each whole unit's gradients to the communication thread.
+struct Overlap<'c, 'a, M: Module> {
+    core: &'c mut Core<'a>,
+    /// What the step's earlier micro-batches added up.
+    earlier: &'c mut GradientsParams,
+    /// The head's gradients, until the stem's complete the rest unit.
+    rest: Accumulate<M>,
+    tx: Option<std::sync::mpsc::Sender<(usize, Vec<f32>)>>,
+}
+
+impl<M: Module> Overlap<'_, '_, M> {
+    /// Unit `u`'s gradients in `grads` plus the earlier micro-batches', to the thread.
+    fn send(&mut self, model: &M, grads: &mut GradientsParams, u: usize) -> Result<()> {
+        let layout = &self.core.layout;
+        let device = &self.core.device;
+        let mut flat = layout.unit_grads(model, grads, u, FloatDType::F32, device);
+        if layout.units_in(model, self.earlier).contains(&u) {
+            flat = layout.unit_grads(model, self.earlier, u, FloatDType::F32, device) + flat;
+        }
+        let host = self.core.travelling(flat)?;
+        if let Some(tx) = &self.tx {
+            // A closed channel means the thread stopped on an error, which the join reports.
+            let _ = tx.send((u, host));
+        }
+        Ok(())
+    }
+}
+
+impl<M: Module> Hooks<M> for Overlap<'_, '_, M> {
+    fn blockwise(&self) -> bool {
+        true
+    }
+
+    fn grads(&mut self, model: &M, part: Part, mut grads: GradientsParams) -> Result<()> {
+        match part {
+            Part::Head => self.rest.grads(model, part, grads),
+            Part::Block(_) => {
+                for u in self.core.layout.units_in(model, &grads) {
+                    self.send(model, &mut grads, u)?;
+                }
+                Ok(())
+            }
+            Part::Stem | Part::All => {
+                self.rest.grads(model, part, grads)?;
+                let mut rest = self.rest.take();
+                for u in self.core.layout.units_in(model, &rest) {
+                    self.send(model, &mut rest, u)?;
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Steps the whole flat space of `core` with the gradient `grads` and loads the result into

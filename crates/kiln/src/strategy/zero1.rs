@@ -6,7 +6,7 @@ use burn::module::Module;
 use burn::prelude::*;
 
 use super::core::{Core, Norm};
-use super::replica::{Held, Reduction, Replica, averaged, local, step_shard};
+use super::replica::{Held, Reduction, Replica, averaged, step_shard};
 use super::{Estimate, Rules, Setup, replicated_estimate};
 use crate::config::OptimConfig;
 use crate::error::Result;
@@ -63,6 +63,10 @@ fn unpadded(core: &Core, padded: &[f32]) -> Vec<f32> {
 }
 
 impl Reduction for Zero1 {
+    fn all_reduces(&self) -> bool {
+        true
+    }
+
     fn step<M: Module>(
         &self,
         core: &mut Core,
@@ -72,7 +76,7 @@ impl Reduction for Zero1 {
         scaler: Option<&mut LossScaler>,
         clip: Option<f64>,
     ) -> Result<bool> {
-        let all = averaged(core, replica, local(held))?;
+        let all = averaged(core, replica, held)?;
         let grads = my_pieces(core, &all);
         // Every rank has the whole averaged gradient: clipping takes its norm as `ddp` does.
         let norm = if clip.is_some() {

@@ -79,7 +79,9 @@ impl Reduction for Zero2 {
     ) -> Result<bool> {
         let grads = match held {
             Held::Shard(shard) => std::mem::take(shard),
-            Held::Local(_) => unreachable!("zero2 reduce-scatters into a shard"),
+            Held::Local(_) | Held::Reduced(_) => {
+                unreachable!("zero2 reduce-scatters into a shard")
+            }
         };
         step_shard(core, replica, grads, lr, scaler, clip, Norm::Shards)
     }

@@ -167,6 +167,7 @@ impl TrainerSettings {
             },
             pipeline: p.pipeline.clone(),
             diloco: p.diloco.clone(),
+            overlap: p.dist.overlap,
         }
     }
 
