@@ -343,9 +343,11 @@ fn overlapped<B, M: BlockStack<B> + Module>(
             core: &mut *core,
             earlier: &mut earlier,
             rest: Accumulate::default(),
+            sent: vec![false; units],
             tx: Some(tx),
         };
-        let ran = exec::run(replica.current(), batch, &plan, &mut hooks, objective);
+        let ran = exec::run(replica.current(), batch, &plan, &mut hooks, objective)
+            .and_then(|(out, model)| hooks.finish(&model).map(|()| out));
         // Closing the channel ends the thread after the units it was given (all of them, or
         // those before an error).
         hooks.tx = None;
@@ -354,7 +356,7 @@ fn overlapped<B, M: BlockStack<B> + Module>(
             .join()
             .map_err(|_| crate::error::Error::Worker("the communication thread panicked".into()));
         core.add_sync_seconds(started.elapsed().as_secs_f64());
-        let (out, _) = ran?;
+        let out = ran?;
         let done = done??;
         let mut reduced = Vec::with_capacity(core.layout.total());
         for (u, unit) in done.into_iter().enumerate() {
@@ -376,6 +378,8 @@ struct Overlap<'c, 'a, M: Module> {
     earlier: &'c mut GradientsParams,
     /// The head's gradients, until the stem's complete the rest unit.
     rest: Accumulate<M>,
+    /// The units sent so far.
+    sent: Vec<bool>,
     tx: Option<std::sync::mpsc::Sender<(usize, Vec<f32>)>>,
 }
 
@@ -389,9 +393,25 @@ impl<M: Module> Overlap<'_, '_, M> {
             flat = layout.unit_grads(model, self.earlier, u, FloatDType::F32, device) + flat;
         }
         let host = self.core.travelling(flat)?;
+        self.sent[u] = true;
         if let Some(tx) = &self.tx {
             // A closed channel means the thread stopped on an error, which the join reports.
             let _ = tx.send((u, host));
+        }
+        Ok(())
+    }
+}
+
+impl<M: Module> Overlap<'_, '_, M> {
+    /// After the walk: the rest unit (stem and head), and any unit no part had gradients for
+    /// (unused parameters: the earlier micro-batches' gradients or zeros, as after the
+    /// backward).
+    fn finish(&mut self, model: &M) -> Result<()> {
+        let mut rest = self.rest.take();
+        for u in 0..self.sent.len() {
+            if !self.sent[u] {
+                self.send(model, &mut rest, u)?;
+            }
         }
         Ok(())
     }
@@ -404,21 +424,14 @@ impl<M: Module> Hooks<M> for Overlap<'_, '_, M> {
 
     fn grads(&mut self, model: &M, part: Part, mut grads: GradientsParams) -> Result<()> {
         match part {
-            Part::Head => self.rest.grads(model, part, grads),
             Part::Block(_) => {
                 for u in self.core.layout.units_in(model, &grads) {
                     self.send(model, &mut grads, u)?;
                 }
                 Ok(())
             }
-            Part::Stem | Part::All => {
-                self.rest.grads(model, part, grads)?;
-                let mut rest = self.rest.take();
-                for u in self.core.layout.units_in(model, &rest) {
-                    self.send(model, &mut rest, u)?;
-                }
-                Ok(())
-            }
+            // The rest (stem and head) is whole only when the walk is over.
+            Part::Head | Part::Stem | Part::All => self.rest.grads(model, part, grads),
         }
     }
 }
