@@ -341,8 +341,9 @@ fn a_failing_worker_stops_every_rank_with_its_message() {
 
 #[test]
 fn reducing_beside_the_backward_gives_the_same_bits_as_after_it() {
-    // `dist.overlap` hands each block's gradients to a communication thread during the last
-    // micro-batch's backward; the reductions are the same, in the same buckets.
+    // `dist.overlap = "on"` hands each block's gradients to a communication thread during the
+    // last micro-batch's backward (in one process too); the reductions are the same, in the
+    // same buckets.
     let dir = temp_dir("ddp-overlap");
     let text = crate::gpt::text_file(&dir);
     let cases: [(&str, &[&str]); 5] = [
@@ -366,7 +367,7 @@ fn reducing_beside_the_backward_gives_the_same_bits_as_after_it() {
         ),
     ];
     for (name, extra) in cases {
-        let run = |overlap: bool| {
+        let run = |overlap: &str| {
             let run_dir = dir.join(format!("{name}-{overlap}"));
             let mut o = vec![
                 "hardware.devices=3",
@@ -376,7 +377,7 @@ fn reducing_beside_the_backward_gives_the_same_bits_as_after_it() {
                 // Small buckets: every unit is reduced in several.
                 "ddp.bucket_mb=0.01",
             ];
-            let overlap = format!("dist.overlap={overlap}");
+            let overlap = format!("dist.overlap={overlap:?}");
             o.push(&overlap);
             o.extend(extra);
             let config = crate::gpt::gpt_config(&run_dir, &text, &o);
@@ -388,7 +389,7 @@ fn reducing_beside_the_backward_gives_the_same_bits_as_after_it() {
             );
             (train_losses(&run_dir), params)
         };
-        let (on, off) = (run(true), run(false));
+        let (on, off) = (run("on"), run("off"));
         assert_eq!(on.0, off.0, "{name}: losses");
         assert!(on.1 == off.1, "{name}: parameters differ");
     }

@@ -215,7 +215,7 @@ impl Setup {
             ddp: config.ddp.clone(),
             pipeline: config.pipeline.clone(),
             diloco: config.diloco.clone(),
-            overlap: config.dist.overlap,
+            overlap: config.dist.overlap.resolve(crate::comm::processes().count),
         }
     }
 

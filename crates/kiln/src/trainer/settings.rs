@@ -167,7 +167,7 @@ impl TrainerSettings {
             },
             pipeline: p.pipeline.clone(),
             diloco: p.diloco.clone(),
-            overlap: p.dist.overlap,
+            overlap: p.dist.overlap.resolve(p.processes.count),
         }
     }
 
