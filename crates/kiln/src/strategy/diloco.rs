@@ -34,9 +34,7 @@ use kiln_models::{BlockStack, StepOutput};
 use super::core::{Core, Group};
 use super::ddp::Ddp;
 use super::replica::Replicated;
-use super::{
-    Context, Estimate, Memory, ModelFacts, Report, Rules, Setup, Strategy, replicated_estimate,
-};
+use super::{Context, Estimate, Memory, ModelFacts, Report, Rules, Setup, Strategy};
 use crate::comm::{Collective, ReduceOp, pack};
 use crate::config::{DilocoConfig, OptimConfig};
 use crate::error::{Error, Result};
@@ -88,14 +86,15 @@ impl Rules for Diloco {
         )
     }
 
+    /// An island's rank holds what a `ddp` rank holds (the outer loop's host vectors are not
+    /// counted).
     fn estimate(
         &self,
         layout: &FlatLayout,
         optim: &OptimConfig,
         setup: &Setup,
     ) -> Result<Estimate> {
-        let full = layout.total();
-        Ok(replicated_estimate(layout, optim, setup, full, full))
+        Ddp.estimate(layout, optim, setup)
     }
 
     fn own_state(&self) -> Option<&'static str> {
@@ -230,12 +229,12 @@ impl<'a, M: Module> Islands<'a, M> {
         let (core, _) = self.inner.parts();
         let kind = core.optimizer.kind();
         let layout = core.layout.clone();
-        let between = self.since != 0;
-        let params = if between { self.params() } else { Vec::new() };
         if self.local != 0 {
             // The island's lead speaks for it: every rank of an island holds the same.
             return Ok(None);
         }
+        let between = self.since != 0;
+        let params = if between { self.params() } else { Vec::new() };
         let main = main.expect("an island's lead holds its optimizer state");
         let leaves = main.leaves(&layout)?;
         let mut payload = params;
@@ -342,7 +341,8 @@ impl<'a, M: Module> Islands<'a, M> {
                     self.islands
                 );
             }
-            self.anchor = self.params();
+            // The anchor is already the checkpoint's model (taken when the strategy was
+            // built from it).
             self.since = 0;
             return Ok(());
         }

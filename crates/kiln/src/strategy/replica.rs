@@ -318,6 +318,10 @@ fn overlapped<B, M: BlockStack<B> + Module>(
     objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
 ) -> Result<(StepOutput, Vec<f32>)> {
     let mut earlier = acc.take();
+    let mut in_earlier = vec![false; core.layout.units.len()];
+    for u in core.layout.units_in(&replica.model, &earlier) {
+        in_earlier[u] = true;
+    }
     let group = core.comm.clone();
     let (dtype, bucket) = (core.policy.reduce_dtype(), core.bucket_elements);
     let units = core.layout.units.len();
@@ -342,6 +346,7 @@ fn overlapped<B, M: BlockStack<B> + Module>(
         let mut hooks = Overlap {
             core: &mut *core,
             earlier: &mut earlier,
+            in_earlier,
             rest: Accumulate::default(),
             sent: vec![false; units],
             tx: Some(tx),
@@ -374,8 +379,9 @@ fn overlapped<B, M: BlockStack<B> + Module>(
 /// Walk hooks that send each whole unit's gradients to the communication thread.
 struct Overlap<'c, 'a, M: Module> {
     core: &'c mut Core<'a>,
-    /// What the step's earlier micro-batches added up.
+    /// What the step's earlier micro-batches added up, and the units it has gradients of.
     earlier: &'c mut GradientsParams,
+    in_earlier: Vec<bool>,
     /// The head's gradients, until the stem's complete the rest unit.
     rest: Accumulate<M>,
     /// The units sent so far.
@@ -389,7 +395,7 @@ impl<M: Module> Overlap<'_, '_, M> {
         let layout = &self.core.layout;
         let device = &self.core.device;
         let mut flat = layout.unit_grads(model, grads, u, FloatDType::F32, device);
-        if layout.units_in(model, self.earlier).contains(&u) {
+        if self.in_earlier[u] {
             flat = layout.unit_grads(model, self.earlier, u, FloatDType::F32, device) + flat;
         }
         let host = self.core.travelling(flat)?;

@@ -181,6 +181,20 @@ pub(crate) fn same_samples_per_step(dir: &Path, saved: &LoopState, fresh: usize)
     )))
 }
 
+/// The optimizer state of `group` in the checkpoint `dir`, checked to fit `layout` (an error
+/// names the file).
+fn load_fitting(dir: &Path, group: &str, layout: &FlatLayout) -> Result<OptimState> {
+    let loaded = checkpoint::load_group_optimizer(dir, group)?;
+    loaded.leaves(layout).map_err(|e| match e {
+        Error::Checkpoint(m) => Error::checkpoint(format!(
+            "{}: {m}",
+            dir.join(checkpoint::optim_file(group)).display()
+        )),
+        other => other,
+    })?;
+    Ok(loaded)
+}
+
 /// The checkpoint in `dir` applied to a fresh start: its model, its position (with this run's
 /// seed, world and scaler policy) and every parameter group's optimizer state, each checked
 /// against the model and the settings.
@@ -226,12 +240,8 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
     };
     let mut states = Vec::with_capacity(parts.len());
     for (group, layout, key) in parts {
-        let loaded = checkpoint::load_group_optimizer(dir, &group)?;
+        let loaded = load_fitting(dir, &group, &layout)?;
         let file = dir.join(checkpoint::optim_file(&group));
-        loaded.leaves(&layout).map_err(|e| match e {
-            Error::Checkpoint(m) => Error::checkpoint(format!("{}: {m}", file.display())),
-            other => other,
-        })?;
         let wanted = settings.group_optim(&group).name;
         if loaded.kind != wanted {
             return Err(Error::checkpoint(format!(
@@ -248,14 +258,8 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
     if let Some(own) = settings.setup().rules().own_state()
         && dir.join(checkpoint::optim_file(own)).is_file()
     {
-        let loaded = checkpoint::load_group_optimizer(dir, own)?;
         let layout = FlatLayout::new(&model, &block_ids(&model), 1);
-        let file = dir.join(checkpoint::optim_file(own));
-        loaded.leaves(&layout).map_err(|e| match e {
-            Error::Checkpoint(m) => Error::checkpoint(format!("{}: {m}", file.display())),
-            other => other,
-        })?;
-        states.push((own.to_string(), loaded));
+        states.push((own.to_string(), load_fitting(dir, own, &layout)?));
     }
     state.seed = fresh.seed;
     state.world_size = fresh.world_size;
