@@ -342,11 +342,12 @@ fn a_failing_worker_stops_every_rank_with_its_message() {
 #[test]
 fn reducing_beside_the_backward_gives_the_same_bits_as_after_it() {
     // `dist.overlap = "on"` hands each block's gradients to a communication thread during the
-    // last micro-batch's backward (in one process too); the reductions are the same, in the
-    // same buckets.
+    // last micro-batch's backward (in one process too), zero2 and zero3 their reduce-scatters
+    // and zero3 its all-gathers (the next block's ahead of time); the collectives are the
+    // same, in the same order.
     let dir = temp_dir("ddp-overlap");
     let text = crate::gpt::text_file(&dir);
-    let cases: [(&str, &[&str]); 5] = [
+    let cases: [(&str, &[&str]); 9] = [
         ("ddp", &["strategy.name=\"ddp\""]),
         (
             "ddp-accumulate",
@@ -364,6 +365,26 @@ fn reducing_beside_the_backward_gives_the_same_bits_as_after_it() {
         (
             "diloco",
             &["strategy.name=\"diloco\"", "diloco.inner_steps=2"],
+        ),
+        // Reduce-scatters on the thread, every micro-batch; the rest unit twice a walk (the
+        // head's gradients, then the stem's) added up in that order.
+        ("zero2", &["strategy.name=\"zero2\"", "train.accumulate=2"]),
+        (
+            "zero2-bf16",
+            &["strategy.name=\"zero2\"", "precision.reduce_dtype=\"bf16\""],
+        ),
+        // All-gathers ahead of time as well: every block recomputed but the last.
+        ("zero3", &["strategy.name=\"zero3\"", "train.accumulate=2"]),
+        // Blocks 1 and 3 keep their graph: the walk gathers fewer units in the backward.
+        (
+            "zero3-every-2-bf16",
+            &[
+                "strategy.name=\"zero3\"",
+                "model.gpt.n_layer=4",
+                "recompute.mode=\"blocks\"",
+                "recompute.every=2",
+                "precision.mode=\"bf16-mixed\"",
+            ],
         ),
     ];
     for (name, extra) in cases {

@@ -133,7 +133,7 @@ fn processes_match_one_process_with_as_many_devices_and_rerun_to_the_bit() {
     let dir = temp_dir("mpi-parity");
     let text = text_file(&dir);
     for model in [Model::Gpt, Model::Mlp] {
-        for strategy in ["ddp", "zero2"] {
+        for strategy in ["ddp", "zero2", "zero3"] {
             let name = format!("{model:?}-{strategy}");
             let extra = ["train.max_steps=5", &format!("strategy.name={strategy:?}")];
             let many = dir.join(format!("{name}-mpi"));

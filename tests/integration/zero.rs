@@ -209,8 +209,8 @@ fn near(what: &str, got: usize, expected: usize, tolerance: f64) {
 fn each_rank_holds_a_quarter_of_the_state_plus_one_block_on_four_ranks() {
     let dir = temp_dir("zero-memory");
     let text = text_file(&dir);
-    let run = |strategy: &str| {
-        let run_dir = dir.join(strategy);
+    let run_with = |strategy: &str, overlap: &str| {
+        let run_dir = dir.join(format!("{strategy}-{overlap}"));
         let o = [
             "model.gpt.n_layer=4",
             "model.gpt.n_embd=48",
@@ -220,14 +220,16 @@ fn each_rank_holds_a_quarter_of_the_state_plus_one_block_on_four_ranks() {
             "train.batch_size=2",
             "hardware.devices=4",
             &format!("strategy.name={strategy:?}"),
+            &format!("dist.overlap={overlap:?}"),
         ];
         train(&gpt_config(&run_dir, &text, &o), &RunOptions::default())
             .unwrap()
             .summary
     };
+    let run = |strategy: &str| run_with(strategy, "off");
     // The model's sizes, from Burn's own count of the exported model.
     let ddp = run("ddp");
-    let (model, _) = kiln_models::load_gpt_run(&dir.join("ddp"), &Device::flex()).unwrap();
+    let (model, _) = kiln_models::load_gpt_run(&dir.join("ddp-off"), &Device::flex()).unwrap();
     let full = model.num_params() * 4;
     let blocks: Vec<usize> = model.blocks.iter().map(|b| b.num_params() * 4).collect();
     let largest = *blocks.iter().max().unwrap();
@@ -275,6 +277,32 @@ fn each_rank_holds_a_quarter_of_the_state_plus_one_block_on_four_ranks() {
                     &format!("zero3 parameters, rank {r}"),
                     s.param_bytes_per_rank[r],
                     full / 4 + largest + rest,
+                    0.02,
+                );
+            }
+        }
+    }
+    // With a communication thread: up to two units' gradients wait for it, and zero3 holds
+    // the next block, all-gathered ahead of time, beside the one it computes.
+    for strategy in ["zero2", "zero3"] {
+        let s = run_with(strategy, "on");
+        println!(
+            "{strategy} overlapped: params {:?} grads {:?}",
+            s.param_bytes_per_rank, s.grad_bytes_per_rank
+        );
+        for r in 0..4 {
+            let grads = s.grad_bytes_per_rank[r];
+            assert!(
+                grads as f64 >= (full / 4 + largest) as f64 * 0.98
+                    && grads as f64 <= (full / 4 + 2 * largest) as f64 * 1.02,
+                "{strategy} gradients, rank {r}: counted {grads}, expected between one and \
+                 two blocks beside the shard"
+            );
+            if strategy == "zero3" {
+                near(
+                    &format!("zero3 parameters overlapped, rank {r}"),
+                    s.param_bytes_per_rank[r],
+                    full / 4 + 2 * largest + rest,
                     0.02,
                 );
             }

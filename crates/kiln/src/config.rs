@@ -381,11 +381,12 @@ impl Overlap {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DistConfig {
-    /// Reduce gradients beside the backward: `ddp` and `zero1` hand each block's gradients
-    /// of a step's last micro-batch to a communication thread as soon as the block's backward
-    /// is done and go on with the blocks below (models with blocks; not with synchronised
-    /// BatchNorm, whose backward has its own collectives). The same reductions in the same
-    /// order: the same bits either way. `"auto"` overlaps when the run spans processes (a
+    /// Communication beside compute: `ddp` and `zero1` hand each block's gradients of a
+    /// step's last micro-batch to a communication thread as soon as the block's backward is
+    /// done and go on with the blocks below; `zero2` and `zero3` hand it their reduce-scatters
+    /// (every micro-batch), and `zero3` the all-gather of the next block it needs, one block
+    /// ahead (models with blocks; not with synchronised BatchNorm, whose backward has its own
+    /// collectives). The same collectives in the same order: the same bits either way. `"auto"` overlaps when the run spans processes (a
     /// link to hide); in one process a reduction is memory traffic on the cores that compute,
     /// and overlapping it was measured slower on CPU. `"on"`, `"off"`. Default `"auto"`.
     pub overlap: Overlap,

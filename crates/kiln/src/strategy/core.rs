@@ -10,6 +10,7 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 
+use super::courier::scatter_host;
 use super::{Context, Memory};
 use crate::comm::{Collective, ReduceOp};
 use crate::config::ReduceDtype;
@@ -202,14 +203,17 @@ impl<'a> Core<'a> {
             .layout
             .unit_grads(model, grads, u, FloatDType::F32, &self.device);
         let host = self.travelling(flat)?;
-        let mut piece = self.timed(|c| c.reduce_scatter(&host, ReduceOp::Mean))?;
+        let dtype = self.policy.reduce_dtype();
+        let piece = self.timed(|c| scatter_host(c, &host, dtype))?;
         drop(host);
-        if self.policy.reduce_dtype() == ReduceDtype::Bf16 {
-            // As an all-reduce in bf16: exact sums, rounded once.
-            for x in &mut piece {
-                *x = burn::tensor::bf16::from_f32(*x).to_f32();
-            }
-        }
+        self.add_piece(u, piece, shard);
+        self.memory.grads.sub(bytes);
+        Ok(())
+    }
+
+    /// Adds `piece`, this rank's piece of unit `u`'s averaged gradients, into `shard` at the
+    /// unit's place.
+    pub fn add_piece(&self, u: usize, piece: Vec<f32>, shard: &mut [f32]) {
         let unit = &self.layout.units[u];
         for (d, v) in shard[unit.shard_offset..unit.shard_offset + unit.piece]
             .iter_mut()
@@ -217,8 +221,6 @@ impl<'a> Core<'a> {
         {
             *d += v;
         }
-        self.memory.grads.sub(bytes);
-        Ok(())
     }
 
     /// The rank's piece of unit `u` of `model`'s parameters, in the master dtype.

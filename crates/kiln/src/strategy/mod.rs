@@ -30,6 +30,7 @@
 //! [`StrategyKind`].
 
 mod core;
+mod courier;
 pub mod ddp;
 pub mod diloco;
 pub mod groups;

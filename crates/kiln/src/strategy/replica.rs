@@ -12,11 +12,9 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 use kiln_models::{BlockStack, StepOutput};
 
-use std::time::Instant;
-
-use super::core::{Core, Norm, reduce_host};
+use super::core::{Core, Norm};
+use super::courier::{self, Courier, Job, Ticket};
 use super::{Strategy, answered_by_core, one_by_one};
-use crate::comm::ReduceOp;
 use crate::error::Result;
 use crate::exec::{self, Accumulate, Hooks, Part};
 use crate::params::{collect_floats, host_f32};
@@ -177,7 +175,8 @@ pub(crate) fn accumulate<B, M: BlockStack<B> + Module>(
 }
 
 /// One micro-batch on `replica` as the block walk: each part's gradients reduce-scattered into
-/// `shard` as its backward ends.
+/// `shard` as its backward ends — on a communication thread beside the walk with
+/// `dist.overlap`.
 fn scatter<B, M: BlockStack<B> + Module>(
     core: &mut Core,
     replica: &Replica<M>,
@@ -195,14 +194,32 @@ fn scatter<B, M: BlockStack<B> + Module>(
         device: &device,
         group: None,
     };
-    let mut hooks = Scatter {
-        core: &mut *core,
-        shard,
+    let out = if overlaps(core, &replica.model) {
+        courier::beside(core, |core, courier| {
+            let mut hooks = Scatter {
+                core,
+                shard,
+                beside: Some(Beside::new(courier)),
+            };
+            let (out, _) = exec::run(replica.current(), batch, &plan, &mut hooks, objective)?;
+            hooks.settle(Some(usize::MAX))?;
+            Ok(out)
+        })?
+    } else {
+        let mut hooks = Scatter {
+            core: &mut *core,
+            shard,
+            beside: None,
+        };
+        exec::run(replica.current(), batch, &plan, &mut hooks, objective)?.0
     };
-    let (out, _) = exec::run(replica.current(), batch, &plan, &mut hooks, objective)?;
     core.sample_pool();
     Ok(out)
 }
+
+/// How many reduce-scatters may wait for the communication thread at once: each holds a
+/// whole unit's gradients on the host.
+pub(crate) const SCATTERS_IN_FLIGHT: usize = 2;
 
 impl<B, M: BlockStack<B> + Module, R: Reduction> Strategy<M, B> for Replicated<'_, M, R> {
     fn begin_step(&mut self) -> Result<()> {
@@ -297,7 +314,7 @@ pub(crate) fn averaged<M: Module>(
 
 /// Whether a step of `core` on `model` reduces beside its backward: `dist.overlap`, several
 /// ranks, and blocks to walk without collectives of their own (synchronised BatchNorm).
-fn overlaps<B, M: BlockStack<B> + Module>(core: &Core, model: &M) -> bool {
+pub(crate) fn overlaps<B, M: BlockStack<B> + Module>(core: &Core, model: &M) -> bool {
     core.overlap
         && core.world() > 1
         && model.num_blocks() > 0
@@ -318,65 +335,43 @@ fn overlapped<B, M: BlockStack<B> + Module>(
     objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
 ) -> Result<(StepOutput, Vec<f32>)> {
     let mut earlier = acc.take();
-    let mut in_earlier = vec![false; core.layout.units.len()];
+    let units = core.layout.units.len();
+    let mut in_earlier = vec![false; units];
     for u in core.layout.units_in(&replica.model, &earlier) {
         in_earlier[u] = true;
     }
-    let group = core.comm.clone();
-    let (dtype, bucket) = (core.policy.reduce_dtype(), core.bucket_elements);
-    let units = core.layout.units.len();
     let device = core.device.clone();
-    let recompute = core.recompute;
-    std::thread::scope(|scope| {
-        let (tx, rx) = std::sync::mpsc::channel::<(usize, Vec<f32>)>();
-        let group = &group;
-        let thread = scope.spawn(move || -> Result<Vec<Option<Vec<f32>>>> {
-            let mut done: Vec<Option<Vec<f32>>> = vec![None; units];
-            for (u, host) in rx {
-                done[u] = Some(reduce_host(&**group, host, ReduceOp::Mean, dtype, bucket)?);
-            }
-            Ok(done)
-        });
-        let plan = exec::Plan {
-            recompute,
-            sync_bn: None,
-            device: &device,
-            group: None,
-        };
+    let plan = exec::Plan {
+        recompute: core.recompute,
+        sync_bn: None,
+        device: &device,
+        group: None,
+    };
+    // The whole gradient is held anyway: no bound on the units in flight.
+    let (out, reduced) = courier::beside(core, |core, courier| {
         let mut hooks = Overlap {
-            core: &mut *core,
+            core,
             earlier: &mut earlier,
             in_earlier,
             rest: Accumulate::default(),
-            sent: vec![false; units],
-            tx: Some(tx),
+            tickets: vec![None; units],
+            courier,
         };
-        let ran = exec::run(replica.current(), batch, &plan, &mut hooks, objective)
-            .and_then(|(out, model)| hooks.finish(&model).map(|()| out));
-        // Closing the channel ends the thread after the units it was given (all of them, or
-        // those before an error).
-        hooks.tx = None;
-        let started = Instant::now();
-        let done = thread
-            .join()
-            .map_err(|_| crate::error::Error::Worker("the communication thread panicked".into()));
-        core.add_sync_seconds(started.elapsed().as_secs_f64());
-        let out = ran?;
-        let done = done??;
-        let mut reduced = Vec::with_capacity(core.layout.total());
-        for (u, unit) in done.into_iter().enumerate() {
-            let unit = unit.ok_or_else(|| {
-                crate::error::Error::Worker(format!("unit {u} had no gradients to reduce"))
-            })?;
-            reduced.extend(unit);
+        let (out, model) = exec::run(replica.current(), batch, &plan, &mut hooks, objective)?;
+        hooks.finish(&model)?;
+        let mut reduced = Vec::with_capacity(hooks.core.layout.total());
+        for ticket in std::mem::take(&mut hooks.tickets) {
+            let ticket = ticket.expect("finish hands every unit over");
+            reduced.extend(hooks.courier.wait(ticket)?);
         }
-        core.memory.grads.set(core.layout.total() * 4);
-        core.sample_pool();
         Ok((out, reduced))
-    })
+    })?;
+    core.memory.grads.set(core.layout.total() * 4);
+    core.sample_pool();
+    Ok((out, reduced))
 }
 
-/// Walk hooks that send each whole unit's gradients to the communication thread.
+/// Walk hooks that hand each whole unit's gradients to the communication thread.
 struct Overlap<'c, 'a, M: Module> {
     core: &'c mut Core<'a>,
     /// What the step's earlier micro-batches added up, and the units it has gradients of.
@@ -384,9 +379,9 @@ struct Overlap<'c, 'a, M: Module> {
     in_earlier: Vec<bool>,
     /// The head's gradients, until the stem's complete the rest unit.
     rest: Accumulate<M>,
-    /// The units sent so far.
-    sent: Vec<bool>,
-    tx: Option<std::sync::mpsc::Sender<(usize, Vec<f32>)>>,
+    /// The units handed over so far.
+    tickets: Vec<Option<Ticket>>,
+    courier: &'c mut Courier,
 }
 
 impl<M: Module> Overlap<'_, '_, M> {
@@ -399,23 +394,17 @@ impl<M: Module> Overlap<'_, '_, M> {
             flat = layout.unit_grads(model, self.earlier, u, FloatDType::F32, device) + flat;
         }
         let host = self.core.travelling(flat)?;
-        self.sent[u] = true;
-        if let Some(tx) = &self.tx {
-            // A closed channel means the thread stopped on an error, which the join reports.
-            let _ = tx.send((u, host));
-        }
+        self.tickets[u] = Some(self.courier.send(Job::Mean(host)));
         Ok(())
     }
-}
 
-impl<M: Module> Overlap<'_, '_, M> {
     /// After the walk: the rest unit (stem and head), and any unit no part had gradients for
     /// (unused parameters: the earlier micro-batches' gradients or zeros, as after the
     /// backward).
     fn finish(&mut self, model: &M) -> Result<()> {
         let mut rest = self.rest.take();
-        for u in 0..self.sent.len() {
-            if !self.sent[u] {
+        for u in 0..self.tickets.len() {
+            if self.tickets[u].is_none() {
                 self.send(model, &mut rest, u)?;
             }
         }
@@ -494,10 +483,81 @@ pub(crate) fn open_shard(core: &mut Core) -> Vec<f32> {
 }
 
 /// Walk hooks that reduce-scatter each part's gradients into the rank's gradient shard as soon
-/// as its backward is done (ZeRO-2).
+/// as its backward is done (ZeRO-2): on the rank's thread, or handed to the communication
+/// thread (`beside`).
 pub(crate) struct Scatter<'c, 'a> {
     pub core: &'c mut Core<'a>,
     pub shard: &'c mut Vec<f32>,
+    pub beside: Option<Beside<'c>>,
+}
+
+impl Scatter<'_, '_> {
+    /// Unit `u`'s gradients in `grads`, reduce-scattered into the shard now or handed over.
+    pub fn unit<M: Module>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+        u: usize,
+    ) -> Result<()> {
+        let Some(beside) = &self.beside else {
+            return self.core.scatter_unit(model, grads, u, self.shard);
+        };
+        // At most SCATTERS_IN_FLIGHT units' gradients wait for the thread.
+        if beside.pending.len() >= SCATTERS_IN_FLIGHT {
+            self.settle(Some(beside.pending.len() + 1 - SCATTERS_IN_FLIGHT))?;
+        }
+        let bytes = self.core.layout.units[u].padded(self.core.layout.shards) * 4;
+        self.core.memory.grads.add(bytes);
+        self.core.memory.note();
+        let flat = self
+            .core
+            .layout
+            .unit_grads(model, grads, u, FloatDType::F32, &self.core.device);
+        let host = self.core.travelling(flat)?;
+        let beside = self.beside.as_mut().expect("checked above");
+        let ticket = beside.courier.send(Job::Scatter(host));
+        beside.pending.push_back((u, ticket));
+        self.settle(None)
+    }
+
+    /// Adds the pieces that came back into the shard, in the order they were handed over (a
+    /// unit handed over twice — the rest, with the head's and the stem's gradients — adds up
+    /// in the same order as on the rank's thread); with `wait = Some(k)`, waits for the first
+    /// `k` of them at least (`usize::MAX`: for every one).
+    pub fn settle(&mut self, wait: Option<usize>) -> Result<()> {
+        let Some(beside) = &mut self.beside else {
+            return Ok(());
+        };
+        let mut must = wait.unwrap_or(0);
+        while let Some(&(u, ticket)) = beside.pending.front() {
+            if must == 0 && !beside.courier.ready(ticket)? {
+                break;
+            }
+            must = must.saturating_sub(1);
+            beside.pending.pop_front();
+            let piece = beside.courier.wait(ticket)?;
+            self.core.add_piece(u, piece, self.shard);
+            let bytes = self.core.layout.units[u].padded(self.core.layout.shards) * 4;
+            self.core.memory.grads.sub(bytes);
+        }
+        Ok(())
+    }
+}
+
+/// The communication thread of a walk that reduce-scatters, and the units handed to it whose
+/// pieces are not in the shard yet.
+pub(crate) struct Beside<'c> {
+    pub courier: &'c mut Courier,
+    pending: std::collections::VecDeque<(usize, Ticket)>,
+}
+
+impl<'c> Beside<'c> {
+    pub fn new(courier: &'c mut Courier) -> Self {
+        Self {
+            courier,
+            pending: Default::default(),
+        }
+    }
 }
 
 impl<M: Module> Hooks<M> for Scatter<'_, '_> {
@@ -509,7 +569,7 @@ impl<M: Module> Hooks<M> for Scatter<'_, '_> {
         // Every rank runs the same graph, so every rank reduces the same units in the same
         // order.
         for u in self.core.layout.units_in(model, &grads) {
-            self.core.scatter_unit(model, &mut grads, u, self.shard)?;
+            self.unit(model, &mut grads, u)?;
         }
         Ok(())
     }

@@ -7,12 +7,14 @@
 //! unit's whole gradient. A model that describes no blocks is refused: its whole gradient
 //! would exist at once beside the shard (`zero1` shards its optimizer state). With
 //! accumulation the reduce-scatter runs on every micro-step (the
-//! rank keeps no whole gradient to accumulate into), as DeepSpeed's stage 2 does.
+//! rank keeps no whole gradient to accumulate into), as DeepSpeed's stage 2 does. With
+//! `dist.overlap`, the reduce-scatters run on a communication thread while the rank computes
+//! the blocks below, at most two units' gradients waiting for it.
 
 use burn::module::Module;
 
 use super::core::{Core, Norm};
-use super::replica::{Held, Reduction, Replica, step_shard};
+use super::replica::{Held, Reduction, Replica, SCATTERS_IN_FLIGHT, step_shard};
 use super::{Estimate, ModelFacts, Rules, Setup, replicated_estimate};
 use crate::config::OptimConfig;
 use crate::error::{Error, Result};
@@ -57,9 +59,19 @@ impl Rules for Zero2 {
             layout,
             optim,
             setup,
-            shard + sharded.largest_unit(),
+            shard + scattering(setup) * sharded.largest_unit(),
             shard,
         ))
+    }
+}
+
+/// How many units' whole gradients a rank holds at once while it reduce-scatters: one on its
+/// own thread; with a communication thread (`dist.overlap`), those waiting for it.
+pub(crate) fn scattering(setup: &Setup) -> usize {
+    if setup.overlap && setup.world > 1 {
+        SCATTERS_IN_FLIGHT
+    } else {
+        1
     }
 }
 

@@ -16,6 +16,12 @@
 //! block but the last (whose backward comes first) by default, or blocks `0, K, 2K, …` with
 //! `recompute.mode = "blocks"` and `every = K`, where the blocks it does not recompute stay
 //! gathered from their forward to their backward (and are counted so).
+//!
+//! With `dist.overlap`, the walk's collectives run on a communication thread
+//! ([`super::courier`]): the reduce-scatters as in `zero2`, and the all-gather of the next
+//! block the walk needs ([`walk_gathers`]), handed over as soon as the block before it is
+//! loaded — one block ahead, held on the host until its turn — so that block `k + 1` travels
+//! while block `k` computes.
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
@@ -23,8 +29,12 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 use kiln_models::{BlockStack, StepOutput};
 
+use std::collections::VecDeque;
+
 use super::core::{Core, Norm};
-use super::replica::open_shard;
+use super::courier::{self, Courier, Job, Ticket};
+use super::replica::{Beside, Scatter, open_shard, overlaps};
+use super::zero2::scattering;
 use super::{
     Estimate, ModelFacts, Rules, Setup, Strategy, answered_by_core, one_by_one, state_tensors,
 };
@@ -102,10 +112,18 @@ impl Rules for Zero3 {
         let sharded = layout.with_shards(setup.world);
         let shard = sharded.shard_len;
         let p = &setup.policy;
+        // With a communication thread, the next block all-gathered ahead of time (f32, on the
+        // host until it is loaded).
+        let fetched = if setup.overlap && setup.world > 1 {
+            sharded.largest_block() * 4
+        } else {
+            0
+        };
         Ok(Estimate {
             params: p.master_bytes(shard)
-                + p.compute_bytes(gathered_peak(&sharded, recompute_for(setup))),
-            grads: (shard + sharded.largest_unit()) * 4,
+                + p.compute_bytes(gathered_peak(&sharded, recompute_for(setup)))
+                + fetched,
+            grads: (shard + scattering(setup) * sharded.largest_unit()) * 4,
             optim: state_tensors(optim) * p.master_bytes(shard),
         })
     }
@@ -189,45 +207,78 @@ impl<'a, M: Module> Sharded<'a, M> {
     }
 
     fn hooks(&mut self) -> Units<'_, 'a> {
-        let dtype = if self.core.policy.mixed {
-            self.core.policy.compute
-        } else {
-            self.core.master
-        };
+        let dtype = gathered_dtype(&self.core);
         Units {
-            core: &mut self.core,
+            scatter: Scatter {
+                core: &mut self.core,
+                shard: &mut self.grads,
+                beside: None,
+            },
             params: &self.params,
             gathered: &mut self.gathered,
-            grads: &mut self.grads,
             dtype,
+            expected: VecDeque::new(),
+            fetched: None,
         }
     }
 }
 
-/// Unit `u` whole (padded), all-gathered from every rank's piece of `params`.
-fn all_gathered(core: &mut Core, params: &Tensor<1>, u: usize) -> Result<Tensor<1>> {
+/// The dtype gathered units are loaded in: the compute dtype.
+fn gathered_dtype(core: &Core) -> FloatDType {
+    if core.policy.mixed {
+        core.policy.compute
+    } else {
+        core.master
+    }
+}
+
+/// This rank's piece of unit `u` of `params` (its shard), on the host.
+fn my_piece(core: &Core, params: &Tensor<1>, u: usize) -> Vec<f32> {
     let unit = &core.layout.units[u];
-    let mine = host_f32(
+    host_f32(
         params
             .clone()
             .slice(unit.shard_offset..unit.shard_offset + unit.piece),
-    );
-    let all = core.timed(|c| c.all_gather(&mine))?;
-    let n = all.len();
-    Ok(Tensor::<1>::from_data(
-        TensorData::new(all, [n]),
-        &core.inner,
-    ))
+    )
 }
 
-/// Gathering and releasing units, and the walk's hooks.
+/// Unit `u` whole (padded), all-gathered from every rank's piece of `params`.
+fn all_gathered(core: &mut Core, params: &Tensor<1>, u: usize) -> Result<Tensor<1>> {
+    let mine = my_piece(core, params, u);
+    let all = core.timed(|c| c.all_gather(&mine))?;
+    Ok(on_inner(core, all))
+}
+
+fn on_inner(core: &Core, values: Vec<f32>) -> Tensor<1> {
+    let n = values.len();
+    Tensor::<1>::from_data(TensorData::new(values, [n]), &core.inner)
+}
+
+/// The units a micro-step's walk over `n` blocks gathers, in order: every block for its
+/// forward, then, from the last down, each block that `recompute` runs again in the backward
+/// (a block that keeps its graph stays gathered).
+fn walk_gathers(n: usize, recompute: Recompute) -> VecDeque<usize> {
+    let forward = (0..n).map(|i| i + 1);
+    let backward = (0..n)
+        .rev()
+        .filter(|&i| recompute.recomputes(i, n))
+        .map(|i| i + 1);
+    forward.chain(backward).collect()
+}
+
+/// Gathering and releasing units, and the walk's hooks. With a communication thread
+/// (`dist.overlap`), the gradients are reduce-scattered on it and the unit the walk gathers
+/// next is all-gathered on it ahead of time, one at a time, while the rank computes.
 struct Units<'s, 'a> {
-    core: &'s mut Core<'a>,
+    scatter: Scatter<'s, 'a>,
     params: &'s Tensor<1>,
     gathered: &'s mut Vec<bool>,
-    grads: &'s mut Vec<f32>,
     /// The dtype gathered units are loaded in (the compute dtype).
     dtype: FloatDType,
+    /// The units the walk will gather, in order (empty without a communication thread).
+    expected: VecDeque<usize>,
+    /// The unit being all-gathered ahead of time.
+    fetched: Option<(usize, Ticket)>,
 }
 
 impl Units<'_, '_> {
@@ -235,16 +286,88 @@ impl Units<'_, '_> {
         if self.gathered[u] {
             return Ok(model);
         }
-        let flat = all_gathered(self.core, self.params, u)?;
-        let model = self
-            .core
+        if self.expected.front() == Some(&u) {
+            self.expected.pop_front();
+        }
+        let flat = self.fetch(u)?;
+        let core = &mut *self.scatter.core;
+        let model = core
             .layout
-            .load_unit(model, u, flat, self.dtype, &self.core.device);
+            .load_unit(model, u, flat, self.dtype, &core.device);
         self.gathered[u] = true;
-        let bytes = self.core.layout.units[u].len * crate::params::dtype_bytes(self.dtype);
-        self.core.memory.params.add(bytes);
-        self.core.memory.note();
+        let bytes = core.layout.units[u].len * crate::params::dtype_bytes(self.dtype);
+        core.memory.params.add(bytes);
+        core.memory.note();
+        self.prefetch()?;
+        self.scatter.settle(None)?;
         Ok(model)
+    }
+
+    /// Unit `u`'s values, all-gathered now or ahead of time.
+    fn fetch(&mut self, u: usize) -> Result<Tensor<1>> {
+        if self.scatter.beside.is_none() {
+            return all_gathered(self.scatter.core, self.params, u);
+        }
+        if let Some((v, ticket)) = self.fetched.take() {
+            let all = self.courier().wait(ticket)?;
+            self.count_fetched(v, false);
+            if v == u {
+                return Ok(on_inner(self.scatter.core, all));
+            }
+            // Every rank's walk is the same, so every rank fetched the same unit in vain.
+        }
+        let mine = my_piece(self.scatter.core, self.params, u);
+        let courier = self.courier();
+        let ticket = courier.send(Job::Gather(mine));
+        let all = courier.wait(ticket)?;
+        Ok(on_inner(self.scatter.core, all))
+    }
+
+    /// Hands the all-gather of the next unit the walk gathers to the communication thread.
+    fn prefetch(&mut self) -> Result<()> {
+        if self.scatter.beside.is_none() || self.fetched.is_some() {
+            return Ok(());
+        }
+        let Some(&v) = self.expected.front() else {
+            return Ok(());
+        };
+        if self.gathered[v] {
+            return Ok(());
+        }
+        let mine = my_piece(self.scatter.core, self.params, v);
+        let ticket = self.courier().send(Job::Gather(mine));
+        self.count_fetched(v, true);
+        self.fetched = Some((v, ticket));
+        Ok(())
+    }
+
+    /// Counts (or uncounts) unit `u`'s all-gathered values, f32 on the host until loaded.
+    fn count_fetched(&mut self, u: usize, add: bool) {
+        let core = &mut *self.scatter.core;
+        let bytes = core.layout.units[u].padded(core.layout.shards) * 4;
+        if add {
+            core.memory.params.add(bytes);
+            core.memory.note();
+        } else {
+            core.memory.params.sub(bytes);
+        }
+    }
+
+    fn courier(&mut self) -> &mut Courier {
+        self.scatter
+            .beside
+            .as_mut()
+            .expect("a walk with a communication thread")
+            .courier
+    }
+
+    /// After the walk: a unit fetched in vain, and every piece into the shard.
+    fn finish(&mut self) -> Result<()> {
+        if let Some((v, ticket)) = self.fetched.take() {
+            self.courier().wait(ticket)?;
+            self.count_fetched(v, false);
+        }
+        self.scatter.settle(Some(usize::MAX))
     }
 
     fn release<M: Module>(&mut self, model: M, u: usize) -> M {
@@ -252,9 +375,10 @@ impl Units<'_, '_> {
             return model;
         }
         self.gathered[u] = false;
-        let bytes = self.core.layout.units[u].len * crate::params::dtype_bytes(self.dtype);
-        self.core.memory.params.sub(bytes);
-        self.core.layout.release_unit(model, u, &self.core.device)
+        let core = &mut *self.scatter.core;
+        let bytes = core.layout.units[u].len * crate::params::dtype_bytes(self.dtype);
+        core.memory.params.sub(bytes);
+        core.layout.release_unit(model, u, &core.device)
     }
 }
 
@@ -283,11 +407,8 @@ impl<M: Module> Hooks<M> for Units<'_, '_> {
         Ok(self.release(model, i + 1))
     }
 
-    fn grads(&mut self, model: &M, _part: Part, mut grads: GradientsParams) -> Result<()> {
-        for u in self.core.layout.units_in(model, &grads) {
-            self.core.scatter_unit(model, &mut grads, u, self.grads)?;
-        }
-        Ok(())
+    fn grads(&mut self, model: &M, part: Part, grads: GradientsParams) -> Result<()> {
+        self.scatter.grads(model, part, grads)
     }
 }
 
@@ -306,6 +427,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
         count: usize,
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
     ) -> Result<Vec<StepOutput>> {
+        let overlap = overlaps(&self.core, self.model.as_ref().expect("the model is home"));
         one_by_one(batches, count, |batch| -> Result<StepOutput> {
             let recompute = self.recompute;
             let device = self.core.device.clone();
@@ -319,9 +441,35 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
                 .model
                 .take()
                 .expect("the model is home between micro-steps");
-            let mut hooks = self.hooks();
-            let outcome = exec::run(model, batch, &plan, &mut hooks, objective);
-            let (out, model) = outcome?;
+            let dtype = gathered_dtype(&self.core);
+            let (params, gathered, grads) = (&self.params, &mut self.gathered, &mut self.grads);
+            let walk = |core: &mut Core, courier: Option<&mut Courier>| {
+                let n = model.num_blocks();
+                let mut hooks = Units {
+                    scatter: Scatter {
+                        core,
+                        shard: grads,
+                        beside: courier.map(Beside::new),
+                    },
+                    params,
+                    gathered,
+                    dtype,
+                    expected: VecDeque::new(),
+                    fetched: None,
+                };
+                if hooks.scatter.beside.is_some() {
+                    hooks.expected = walk_gathers(n, recompute);
+                    hooks.prefetch()?;
+                }
+                let (out, model) = exec::run(model, batch, &plan, &mut hooks, objective)?;
+                hooks.finish()?;
+                Ok((out, model))
+            };
+            let (out, model) = if overlap {
+                courier::beside(&mut self.core, |core, courier| walk(core, Some(courier)))?
+            } else {
+                walk(&mut self.core, None)?
+            };
             self.model = Some(model);
             self.core.sample_pool();
             Ok(out)
@@ -383,6 +531,15 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_walk_gathers_every_block_then_the_recomputed_ones_downwards() {
+        let every = |k| Recompute::Blocks { every: k };
+        // The last block keeps its graph: it is gathered once.
+        assert_eq!(walk_gathers(3, every(1)), [1, 2, 3, 2, 1]);
+        assert_eq!(walk_gathers(4, every(2)), [1, 2, 3, 4, 3, 1]);
+        assert_eq!(walk_gathers(2, Recompute::Keep), [1, 2]);
+    }
 
     #[test]
     fn gathered_peak_follows_the_walk() {

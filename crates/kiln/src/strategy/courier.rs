@@ -1,0 +1,187 @@
+//! The communication thread of `dist.overlap`: while a rank walks its model's blocks, the
+//! collectives of the walk (all-reduces, reduce-scatters, all-gathers) run on one thread
+//! beside it, in exactly the order the rank hands them over, and the rank collects each
+//! result when it needs it. Every rank of a group hands over the same collectives in the same
+//! order, so the thread's collectives pair up across ranks as the rank's own would, and a
+//! collective computes the same values on whichever thread it runs: overlap changes when a
+//! reduction runs, never what it gives.
+//!
+//! Only the thread talks to the group during the walk (a group's collectives are ordered per
+//! rank), so a walk with collectives of its own — synchronised BatchNorm — does not overlap.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
+use std::time::Instant;
+
+use super::core::{Core, reduce_host};
+use crate::comm::{Collective, ReduceOp};
+use crate::config::ReduceDtype;
+use crate::error::{Error, Result};
+
+/// A collective for the thread; each returns host values.
+pub(crate) enum Job {
+    /// The mean over ranks of a unit's gradients, bucket by bucket in the reduce dtype.
+    Mean(Vec<f32>),
+    /// The rank's piece of the mean over ranks of a unit's gradients.
+    Scatter(Vec<f32>),
+    /// Every rank's piece of a unit's parameters, in rank order.
+    Gather(Vec<f32>),
+}
+
+/// A job handed over, to collect its result by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ticket(usize);
+
+/// The rank's end of the communication thread.
+pub(crate) struct Courier {
+    jobs: Option<Sender<Job>>,
+    results: Receiver<Result<Vec<f32>>>,
+    /// Jobs handed over, and results received (in order: the thread runs jobs in order).
+    issued: usize,
+    received: usize,
+    /// Results received before the rank asked for them.
+    early: BTreeMap<usize, Result<Vec<f32>>>,
+    /// The error the thread stopped on: no result after it comes.
+    failure: Option<Error>,
+    /// Seconds the rank waited for the thread.
+    waited: f64,
+}
+
+impl Courier {
+    /// Hands `job` to the thread. The caller bounds what it leaves in flight (each job holds
+    /// a unit's values on the host).
+    pub fn send(&mut self, job: Job) -> Ticket {
+        let ticket = Ticket(self.issued);
+        self.issued += 1;
+        if let Some(jobs) = &self.jobs {
+            // A closed channel means the thread stopped on an error: the next receive says so.
+            let _ = jobs.send(job);
+        }
+        ticket
+    }
+
+    /// The result of `ticket`, waiting for it.
+    pub fn wait(&mut self, ticket: Ticket) -> Result<Vec<f32>> {
+        while self.received <= ticket.0 {
+            if let Some(e) = &self.failure {
+                return Err(e.clone());
+            }
+            self.receive()?;
+        }
+        self.early
+            .remove(&ticket.0)
+            .expect("each ticket's result is taken once")
+    }
+
+    /// Whether `ticket`'s result has come back (without waiting).
+    pub fn ready(&mut self, ticket: Ticket) -> Result<bool> {
+        while self.received <= ticket.0 {
+            if self.failure.is_some() {
+                // The rank's wait reports it.
+                return Ok(true);
+            }
+            match self.results.try_recv() {
+                Ok(result) => self.keep(result),
+                Err(TryRecvError::Empty) => return Ok(false),
+                Err(TryRecvError::Disconnected) => return Err(stopped()),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Receives the next result into `early`, counting the wait.
+    fn receive(&mut self) -> Result<()> {
+        let started = Instant::now();
+        let result = self.results.recv().map_err(|_| stopped());
+        self.waited += started.elapsed().as_secs_f64();
+        self.keep(result?);
+        Ok(())
+    }
+
+    /// Keeps the next result until the rank asks for it.
+    fn keep(&mut self, result: Result<Vec<f32>>) {
+        if let Err(e) = &result {
+            self.failure.get_or_insert_with(|| e.clone());
+        }
+        self.early.insert(self.received, result);
+        self.received += 1;
+    }
+}
+
+fn stopped() -> Error {
+    Error::Worker("the communication thread stopped".into())
+}
+
+/// Runs `walk` with a communication thread for `core`'s group beside it. The time the rank waits for results, and for the thread to finish after
+/// `walk`, counts as synchronisation. After an error in `walk`, the thread finishes the jobs
+/// it was given (every other rank hands over the same ones) and stops.
+pub(crate) fn beside<T>(
+    core: &mut Core,
+    walk: impl FnOnce(&mut Core, &mut Courier) -> Result<T>,
+) -> Result<T> {
+    let group = core.comm.clone();
+    let (dtype, bucket) = (core.policy.reduce_dtype(), core.bucket_elements);
+    std::thread::scope(|scope| {
+        let (jobs, inbox) = channel::<Job>();
+        let (outbox, results) = channel();
+        let group: &dyn Collective = &*group;
+        let thread = scope.spawn(move || {
+            for job in inbox {
+                let result = run(group, job, dtype, bucket);
+                let failed = result.is_err();
+                if outbox.send(result).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        let mut courier = Courier {
+            jobs: Some(jobs),
+            results,
+            issued: 0,
+            received: 0,
+            early: BTreeMap::new(),
+            failure: None,
+            waited: 0.0,
+        };
+        let out = walk(&mut *core, &mut courier);
+        courier.jobs = None;
+        let started = Instant::now();
+        let joined = thread
+            .join()
+            .map_err(|_| Error::Worker("the communication thread panicked".into()));
+        core.add_sync_seconds(courier.waited + started.elapsed().as_secs_f64());
+        let out = out?;
+        joined?;
+        debug_assert_eq!(
+            courier.issued, courier.received,
+            "every job's result collected"
+        );
+        Ok(out)
+    })
+}
+
+/// One job on `group`.
+fn run(group: &dyn Collective, job: Job, dtype: ReduceDtype, bucket: usize) -> Result<Vec<f32>> {
+    match job {
+        Job::Mean(host) => reduce_host(group, host, ReduceOp::Mean, dtype, bucket),
+        Job::Scatter(host) => scatter_host(group, &host, dtype),
+        Job::Gather(mine) => group.all_gather(&mine),
+    }
+}
+
+/// The rank's piece of the mean over `group` of `host` (a unit's gradients as they travel),
+/// as the reduce dtype gives it: with bf16, the exact sum rounded once, as an all-reduce in
+/// bf16 would.
+pub(crate) fn scatter_host(
+    group: &dyn Collective,
+    host: &[f32],
+    dtype: ReduceDtype,
+) -> Result<Vec<f32>> {
+    let mut piece = group.reduce_scatter(host, ReduceOp::Mean)?;
+    if dtype == ReduceDtype::Bf16 {
+        for x in &mut piece {
+            *x = burn::tensor::bf16::from_f32(*x).to_f32();
+        }
+    }
+    Ok(piece)
+}
