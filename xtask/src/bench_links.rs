@@ -4,7 +4,9 @@
 //! strategy (`diloco` in one process as two islands of one device, as across the hosts),
 //! against the same strategy in one process with two devices: step time, the share
 //! of the step spent in synchronisation (`pct_sync`), and the bytes the link carried per step.
-//! Needs root, iproute2 and OpenMPI; builds kiln with the `mpi` feature.
+//! With `--rounds N` the whole sequence runs N times, in-process and across the hosts in turn,
+//! and the table gives each figure's median (this box's step times drift by ±15 % over
+//! minutes: ratios of runs taken far apart are noise). Needs root, iproute2 and OpenMPI; builds kiln with the `mpi` feature.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -14,6 +16,7 @@ use crate::{Result, TempDir, json_number, median, positive, run_quietly};
 /// What to measure.
 pub struct Options {
     steps: usize,
+    rounds: usize,
     rates: Vec<String>,
     strategies: Vec<String>,
     config: String,
@@ -23,6 +26,7 @@ pub struct Options {
 pub fn parse(rest: &[&str]) -> Result<Options> {
     let mut o = Options {
         steps: 20,
+        rounds: 1,
         rates: vec!["unshaped".into(), "10gbit".into(), "1gbit".into()],
         strategies: vec![
             "ddp".into(),
@@ -43,14 +47,15 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
         let list = |raw: String| raw.split(',').map(|s| s.trim().to_string()).collect();
         match *flag {
             "--steps" => o.steps = positive(flag, &value()?)?,
+            "--rounds" => o.rounds = positive(flag, &value()?)?,
             "--rates" => o.rates = list(value()?),
             "--strategies" => o.strategies = list(value()?),
             "--config" => o.config = value()?,
             "--set" => o.sets.push(value()?),
             other => {
                 return Err(format!(
-                    "bench links: unknown argument {other:?} (expected --steps N, --rates \
-                     unshaped,10gbit,1gbit, --strategies ddp,zero2,zero3,diloco, --config FILE, \
+                    "bench links: unknown argument {other:?} (expected --steps N, --rounds N, \
+                     --rates unshaped,10gbit,1gbit, --strategies ddp,zero2,zero3,diloco, --config FILE, \
                      --set KEY=VALUE)"
                 ));
             }
@@ -150,80 +155,92 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         }
         a
     };
-    // rows[link][strategy]; link 0 is one process with two devices.
-    let mut rows: Vec<(String, Vec<Figures>)> = Vec::new();
-    let mut local = Vec::new();
-    for strategy in &o.strategies {
-        let dir = temp.path().join(format!("local-{strategy}"));
-        run_quietly(
-            Command::new(&train)
-                .args(args(strategy, &dir, "2"))
-                .current_dir(root),
-            strategy,
-        )?;
-        let f = figures(&dir, None)?;
-        println!(
-            "  in-process, 2 devices   {strategy:<6} {:>7.1} ms/step  sync {:>4.1}%",
-            f.step_ms, f.pct_sync
-        );
-        local.push(f);
-    }
-    rows.push(("in-process, 2 devices".into(), local));
-    for rate in &o.rates {
-        let bed = TestBed { script: &script };
-        let _ = bed.run(&["down"]);
-        let mut up = vec!["up"];
-        if rate != "unshaped" {
-            up.push(rate);
+    // runs[link][strategy]: every round's figures; link 0 is one process with two devices.
+    let links: Vec<String> = std::iter::once("in-process, 2 devices".to_string())
+        .chain(o.rates.iter().map(|r| format!("two hosts, {r}")))
+        .collect();
+    let mut runs = vec![vec![Vec::<Figures>::new(); o.strategies.len()]; links.len()];
+    for round in 1..=o.rounds {
+        for (s, strategy) in o.strategies.iter().enumerate() {
+            let dir = temp.path().join(format!("local-{strategy}-{round}"));
+            run_quietly(
+                Command::new(&train)
+                    .args(args(strategy, &dir, "2"))
+                    .current_dir(root),
+                strategy,
+            )?;
+            let f = figures(&dir, None)?;
+            println!(
+                "  round {round}  in-process, 2 devices   {strategy:<6} {:>7.1} ms/step  sync \
+                 {:>4.1}%",
+                f.step_ms, f.pct_sync
+            );
+            runs[0][s].push(f);
         }
-        let out = bed.run(&up)?;
-        if !out.status.success() {
-            return Err(format!(
-                "two-hosts up {rate}: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
-        let mut figs = Vec::new();
-        for strategy in &o.strategies {
-            let dir = temp.path().join(format!("{rate}-{strategy}"));
-            let before = bed.sent()?;
-            let mut a = vec!["mpirun".to_string(), train.display().to_string()];
-            a.extend(args(strategy, &dir, "1"));
-            let a: Vec<&str> = a.iter().map(String::as_str).collect();
-            let out = bed.run(&a)?;
+        for (r, rate) in o.rates.iter().enumerate() {
+            let bed = TestBed { script: &script };
+            let _ = bed.run(&["down"]);
+            let mut up = vec!["up"];
+            if rate != "unshaped" {
+                up.push(rate);
+            }
+            let out = bed.run(&up)?;
             if !out.status.success() {
                 return Err(format!(
-                    "{strategy} over a {rate} link: {}",
+                    "two-hosts up {rate}: {}",
                     String::from_utf8_lossy(&out.stderr).trim()
                 ));
             }
-            let bytes = bed.sent()? - before;
-            let f = figures(&dir, Some(bytes as f64 / 1e6 / o.steps as f64))?;
-            println!(
-                "  two hosts, {rate:<12} {strategy:<6} {:>7.1} ms/step  sync {:>4.1}%  {:>6.2} MB \
-                 on the link per step",
-                f.step_ms,
-                f.pct_sync,
-                f.mb_per_step.unwrap_or(0.0)
-            );
-            figs.push(f);
+            for (s, strategy) in o.strategies.iter().enumerate() {
+                let dir = temp.path().join(format!("{rate}-{strategy}-{round}"));
+                let before = bed.sent()?;
+                let mut a = vec!["mpirun".to_string(), train.display().to_string()];
+                a.extend(args(strategy, &dir, "1"));
+                let a: Vec<&str> = a.iter().map(String::as_str).collect();
+                let out = bed.run(&a)?;
+                if !out.status.success() {
+                    return Err(format!(
+                        "{strategy} over a {rate} link: {}",
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    ));
+                }
+                let bytes = bed.sent()? - before;
+                let f = figures(&dir, Some(bytes as f64 / 1e6 / o.steps as f64))?;
+                println!(
+                    "  round {round}  two hosts, {rate:<12} {strategy:<6} {:>7.1} ms/step  sync \
+                     {:>4.1}%  {:>6.2} MB on the link per step",
+                    f.step_ms,
+                    f.pct_sync,
+                    f.mb_per_step.unwrap_or(0.0)
+                );
+                runs[r + 1][s].push(f);
+            }
         }
-        rows.push((format!("two hosts, {rate}"), figs));
     }
+    let step = |figs: &[Figures]| median(&figs.iter().map(|f| f.step_ms).collect::<Vec<_>>());
     println!();
     println!(
-        "| link | strategy | ms/step | ÷ in-process | time in sync | MB on the link per step \
-         (start-up included) |"
+        "| link | strategy | ms/step (median of {}; range) | ÷ in-process | time in sync | MB on \
+         the link per step (start-up included) |",
+        o.rounds
     );
     println!("|---|---|---|---|---|---|");
-    for (link, figs) in &rows {
-        for (i, (strategy, f)) in o.strategies.iter().zip(figs).enumerate() {
+    for (link, per_strategy) in links.iter().zip(&runs) {
+        for (s, (strategy, figs)) in o.strategies.iter().zip(per_strategy).enumerate() {
+            let (lo, hi) = figs.iter().fold((f64::MAX, f64::MIN), |(lo, hi), f| {
+                (lo.min(f.step_ms), hi.max(f.step_ms))
+            });
+            let sync = median(&figs.iter().map(|f| f.pct_sync).collect::<Vec<_>>());
+            let mb: Vec<f64> = figs.iter().filter_map(|f| f.mb_per_step).collect();
             println!(
-                "| {link} | {strategy} | {:.1} | {:.2} | {:.1} % | {} |",
-                f.step_ms,
-                f.step_ms / rows[0].1[i].step_ms,
-                f.pct_sync,
-                f.mb_per_step.map_or("–".to_string(), |m| format!("{m:.2}"))
+                "| {link} | {strategy} | {:.1} ({lo:.0}–{hi:.0}) | {:.2} | {sync:.1} % | {} |",
+                step(figs),
+                step(figs) / step(&runs[0][s]),
+                if mb.is_empty() {
+                    "–".to_string()
+                } else {
+                    format!("{:.2}", median(&mb))
+                }
             );
         }
     }
