@@ -249,6 +249,7 @@ fn all_gathered(core: &mut Core, params: &Tensor<1>, u: usize) -> Result<Tensor<
     Ok(on_inner(core, all))
 }
 
+/// `values` as a flat tensor on the rank's inner device (where the optimizer steps).
 fn on_inner(core: &Core, values: Vec<f32>) -> Tensor<1> {
     let n = values.len();
     Tensor::<1>::from_data(TensorData::new(values, [n]), &core.inner)
