@@ -48,6 +48,18 @@ pub(crate) struct Courier {
 }
 
 impl Courier {
+    fn new(jobs: Sender<Job>, results: Receiver<Result<Vec<f32>>>) -> Self {
+        Self {
+            jobs: Some(jobs),
+            results,
+            issued: 0,
+            received: 0,
+            early: BTreeMap::new(),
+            failure: None,
+            waited: 0.0,
+        }
+    }
+
     /// Hands `job` to the thread. The caller bounds what it leaves in flight (each job holds
     /// a unit's values on the host).
     pub fn send(&mut self, job: Job) -> Ticket {
@@ -134,15 +146,7 @@ pub(crate) fn beside<T>(
                 }
             }
         });
-        let mut courier = Courier {
-            jobs: Some(jobs),
-            results,
-            issued: 0,
-            received: 0,
-            early: BTreeMap::new(),
-            failure: None,
-            waited: 0.0,
-        };
+        let mut courier = Courier::new(jobs, results);
         let out = walk(&mut *core, &mut courier);
         courier.jobs = None;
         let started = Instant::now();
@@ -184,4 +188,54 @@ pub(crate) fn scatter_host(
         }
     }
     Ok(piece)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A thread that answers jobs as `answers` says, in order, and stops after an error.
+    fn courier(answers: Vec<Result<Vec<f32>>>) -> (Courier, std::thread::JoinHandle<()>) {
+        let (jobs, inbox) = channel::<Job>();
+        let (outbox, results) = channel();
+        let thread = std::thread::spawn(move || {
+            for (_, answer) in inbox.into_iter().zip(answers) {
+                let failed = answer.is_err();
+                if outbox.send(answer).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        (Courier::new(jobs, results), thread)
+    }
+
+    #[test]
+    fn results_come_back_by_ticket_in_any_order_of_asking() {
+        let (mut c, thread) = courier(vec![Ok(vec![1.0]), Ok(vec![2.0]), Ok(vec![3.0])]);
+        let t: Vec<Ticket> = (0..3).map(|_| c.send(Job::Gather(vec![]))).collect();
+        assert_eq!(c.wait(t[2]).unwrap(), [3.0]);
+        assert!(c.ready(t[0]).unwrap());
+        assert_eq!(c.wait(t[0]).unwrap(), [1.0]);
+        assert_eq!(c.wait(t[1]).unwrap(), [2.0]);
+        drop(c);
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn a_wait_past_the_job_that_failed_reports_its_error() {
+        // The thread stops after job 1's error: waiting for job 2 must say why, not only that
+        // the thread is gone.
+        let (mut c, thread) = courier(vec![
+            Ok(vec![1.0]),
+            Err(Error::Worker("stopped because rank 1 failed".into())),
+            Ok(vec![3.0]),
+        ]);
+        let t: Vec<Ticket> = (0..3).map(|_| c.send(Job::Gather(vec![]))).collect();
+        let e = c.wait(t[2]).unwrap_err().to_string();
+        assert!(e.contains("rank 1 failed"), "{e}");
+        assert_eq!(c.wait(t[0]).unwrap(), [1.0]);
+        assert!(c.ready(t[2]).unwrap(), "a failure is an answer");
+        drop(c);
+        thread.join().unwrap();
+    }
 }
