@@ -70,7 +70,7 @@ fn one_inner_step_with_outer_lr_one_and_sgd_is_ddp() {
     let dir = temp_dir("diloco-h1");
     let text = text_file(&dir);
     let ddp = dir.join("ddp");
-    run(
+    let plain = run(
         &ddp,
         &text,
         &[&SGD[..], &["strategy.name=\"ddp\""]].concat(),
@@ -78,6 +78,15 @@ fn one_inner_step_with_outer_lr_one_and_sgd_is_ddp() {
     let islands = dir.join("diloco");
     let result = run(&islands, &text, &[&SGD[..], &OUTER_AS_DDP[..]].concat());
     assert_eq!(result.summary.strategy, "diloco");
+    // Each rank holds the anchor (no outer momentum here) beside ddp's optimizer state.
+    let n: usize = params(&ddp).iter().map(Vec::len).sum();
+    for r in 0..2 {
+        assert_eq!(
+            result.summary.optim_bytes_per_rank[r],
+            plain.summary.optim_bytes_per_rank[r] + n * 4,
+            "rank {r}"
+        );
+    }
     let d = max_relative_diff(&params(&islands), &params(&ddp));
     println!("diloco H=1 vs ddp: {d:.3e}");
     assert!(d <= OUTER_PARITY, "{d:e}");

@@ -86,20 +86,28 @@ impl Rules for Diloco {
         )
     }
 
-    /// An island's rank holds what a `ddp` rank holds (the outer loop's host vectors are not
-    /// counted).
+    /// An island's rank holds what a `ddp` rank holds, and the outer loop's state beside its
+    /// optimizer's: the anchor and (with momentum) the outer momentum, f32 on the host.
     fn estimate(
         &self,
         layout: &FlatLayout,
         optim: &OptimConfig,
         setup: &Setup,
     ) -> Result<Estimate> {
-        Ddp.estimate(layout, optim, setup)
+        let mut estimate = Ddp.estimate(layout, optim, setup)?;
+        estimate.optim += outer_bytes(layout.total(), &setup.diloco);
+        Ok(estimate)
     }
 
     fn own_state(&self) -> Option<&'static str> {
         Some(STATE)
     }
+}
+
+/// The outer loop's state for `n` parameters: the anchor and the outer momentum, f32.
+fn outer_bytes(n: usize, config: &DilocoConfig) -> usize {
+    let vectors = if config.outer_momentum > 0.0 { 2 } else { 1 };
+    vectors * n * 4
 }
 
 /// A rank of one island: the `ddp` step inside its island, and the outer loop.
@@ -505,7 +513,13 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Islands<'_, M> {
     }
 
     fn memory(&self) -> Memory {
-        Strategy::<M, B>::memory(&self.inner)
+        // The outer state is held throughout: it adds to every figure alike.
+        let mut memory = Strategy::<M, B>::memory(&self.inner);
+        let outer = (self.anchor.len() + self.momentum.len()) * 4;
+        memory.optim.now += outer;
+        memory.optim.peak += outer;
+        memory.total_peak += outer;
+        memory
     }
 
     fn take_sync_seconds(&mut self) -> f64 {
