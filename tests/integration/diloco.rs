@@ -213,3 +213,43 @@ fn diloco_refusals_are_one_line() {
     assert_one_line_error(&out, &["diloco", "BatchNorm"]);
     assert!(!dir.join("runs").exists());
 }
+
+#[test]
+fn the_outer_step_crosses_in_the_reduce_dtype() {
+    // H = 1, outer lr 1, no outer momentum: step 2 sets p2 = p1 − b, where b is the islands'
+    // mean pseudo-gradient as it crossed between them. With `reduce_dtype = "bf16"` that mean
+    // is a bf16 value, so p1 − p2 lies within an f32 rounding of p2 of a bf16 value; an f32
+    // mean lies there only by chance.
+    let dir = temp_dir("diloco-bf16");
+    let text = text_file(&dir);
+    let on_bf16_grid = |dtype: &str| {
+        let ends: Vec<Vec<f32>> = [1, 2]
+            .iter()
+            .flat_map(|steps| {
+                let run_dir = dir.join(format!("{dtype}-{steps}"));
+                let steps = format!("train.max_steps={steps}");
+                let reduce = format!("precision.reduce_dtype={dtype:?}");
+                let o = [&OUTER_AS_DDP[..], &[&steps, &reduce]].concat();
+                run(&run_dir, &text, &o);
+                params(&run_dir)
+            })
+            .collect();
+        let half = ends.len() / 2;
+        let (p1, p2) = (ends[..half].concat(), ends[half..].concat());
+        let near = p1
+            .iter()
+            .zip(&p2)
+            .filter(|(a, b)| {
+                let d = **a as f64 - **b as f64;
+                let grid = burn::tensor::bf16::from_f64(d).to_f64();
+                let ulp = (f32::from_bits(b.abs().to_bits() + 1) - b.abs()) as f64;
+                (d - grid).abs() <= ulp
+            })
+            .count();
+        near as f64 / p1.len() as f64
+    };
+    let (bf16, f32) = (on_bf16_grid("bf16"), on_bf16_grid("f32"));
+    println!("steps on the bf16 grid: bf16 {bf16:.4}, f32 {f32:.4}");
+    assert!(bf16 >= 0.99, "{bf16}");
+    assert!(f32 <= 0.5, "{f32}");
+}

@@ -31,12 +31,12 @@ use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use kiln_models::{BlockStack, StepOutput};
 
-use super::core::{Core, Group};
+use super::core::{Core, Group, reduce_host};
 use super::ddp::Ddp;
 use super::replica::Replicated;
 use super::{Context, Estimate, Memory, ModelFacts, Report, Rules, Setup, Strategy};
 use crate::comm::{Collective, ReduceOp, pack};
-use crate::config::{DilocoConfig, OptimConfig};
+use crate::config::{DilocoConfig, OptimConfig, ReduceDtype};
 use crate::error::{Error, Result};
 use crate::optim::OptimState;
 use crate::params::{FlatLayout, collect_floats, host_f32};
@@ -179,9 +179,9 @@ impl<'a, M: Module> Islands<'a, M> {
     }
 
     /// The mean over islands of `values` (the same on every rank of an island): rank `l` of
-    /// each island averages the `l`-th piece with the others' rank `l`, then the island
-    /// gathers its pieces.
-    fn island_mean(&mut self, values: Vec<f32>) -> Result<Vec<f32>> {
+    /// each island averages the `l`-th piece with the others' rank `l` — in `wire` between
+    /// the islands —, then the island gathers its pieces.
+    fn island_mean(&mut self, values: Vec<f32>, wire: ReduceDtype) -> Result<Vec<f32>> {
         if self.islands == 1 {
             return Ok(values);
         }
@@ -194,7 +194,8 @@ impl<'a, M: Module> Islands<'a, M> {
         drop(values);
         let cross = &*self.cross;
         let (core, _) = self.inner.parts();
-        core.timed(|_| cross.all_reduce(&mut mine, ReduceOp::Mean))?;
+        let bucket = core.bucket_elements;
+        let mut mine = core.timed(|_| reduce_host(cross, mine, ReduceOp::Mean, wire, bucket))?;
         if self.size == 1 {
             mine.truncate(n);
             return Ok(mine);
@@ -210,7 +211,9 @@ impl<'a, M: Module> Islands<'a, M> {
         let now = self.params();
         let delta: Vec<f32> = self.anchor.iter().zip(&now).map(|(a, x)| a - x).collect();
         drop(now);
-        let delta = self.island_mean(delta)?;
+        // What crosses between machines: in the reduce dtype (bf16: half the bytes).
+        let wire = self.inner.parts().0.policy.reduce_dtype();
+        let delta = self.island_mean(delta, wire)?;
         let lr = self.config.outer_lr as f32;
         let mu = self.config.outer_momentum as f32;
         if self.momentum.is_empty() {
@@ -447,7 +450,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Islands<'_, M> {
             return Strategy::<M, B>::full_model(&mut self.inner);
         }
         let now = self.params();
-        let mean = self.island_mean(now)?;
+        let mean = self.island_mean(now, ReduceDtype::F32)?;
         let (core, replica) = self.inner.parts();
         Ok(core.load_canonical(replica.model.clone(), mean))
     }
