@@ -154,22 +154,25 @@ fn processes_match_one_process_with_as_many_devices_and_rerun_to_the_bit() {
             assert!(summary.contains("\"processes\": 2"), "{summary}");
         }
     }
-    // Three processes of one device each, against one process of three.
-    let extra = ["train.max_steps=5"];
-    let three = dir.join("three-mpi");
-    mpirun(
-        3,
-        &dir,
-        &with(args(Model::Mlp, &text, &three, &extra), &["--devices", "1"]),
-    );
-    let one = dir.join("three-one");
-    one_process(
-        &dir,
-        &with(args(Model::Mlp, &text, &one, &extra), &["--devices", "3"]),
-    );
-    let d = max_relative_diff(&params(Model::Mlp, &three), &params(Model::Mlp, &one));
-    println!("3 processes × 1 device vs 1 × 3: {d:.3e}");
-    assert!(d <= 1e-6, "{d:e}");
+    // Three processes of one device each, against one process of three (zero2: MPI's
+    // reduce-scatter hands each process its third).
+    for strategy in ["ddp", "zero2"] {
+        let extra = ["train.max_steps=5", &format!("strategy.name={strategy:?}")];
+        let three = dir.join(format!("three-{strategy}-mpi"));
+        mpirun(
+            3,
+            &dir,
+            &with(args(Model::Mlp, &text, &three, &extra), &["--devices", "1"]),
+        );
+        let one = dir.join(format!("three-{strategy}-one"));
+        one_process(
+            &dir,
+            &with(args(Model::Mlp, &text, &one, &extra), &["--devices", "3"]),
+        );
+        let d = max_relative_diff(&params(Model::Mlp, &three), &params(Model::Mlp, &one));
+        println!("{strategy}: 3 processes × 1 device vs 1 × 3: {d:.3e}");
+        assert!(d <= 1e-6, "{strategy}: {d:e}");
+    }
     // Two reruns under MPI: the same bits.
     let again = dir.join("Gpt-zero2-again");
     mpirun(
@@ -196,24 +199,31 @@ fn bf16_gradients_cross_processes_as_bf16_and_give_one_process_s_bits() {
     // processes' values in f32 and rounds once: exactly the one-process reduction.
     let dir = temp_dir("mpi-bf16");
     let text = text_file(&dir);
-    let extra = [
-        "train.max_steps=5",
-        "precision.reduce_dtype=\"bf16\"",
-        "strategy.name=\"ddp\"",
-    ];
-    let many = dir.join("mpi");
-    mpirun(
-        2,
-        &dir,
-        &with(args(Model::Gpt, &text, &many, &extra), &["--devices", "1"]),
-    );
-    let one = dir.join("one");
-    one_process(
-        &dir,
-        &with(args(Model::Gpt, &text, &one, &extra), &["--devices", "2"]),
-    );
-    assert_eq!(train_losses(&many), train_losses(&one));
-    assert_eq!(params(Model::Gpt, &many), params(Model::Gpt, &one));
+    // zero2 and zero3 reduce-scatter in bf16 the same way (each process receives its half).
+    for strategy in ["ddp", "zero2", "zero3"] {
+        let extra = [
+            "train.max_steps=5",
+            "precision.reduce_dtype=\"bf16\"",
+            &format!("strategy.name={strategy:?}"),
+        ];
+        let many = dir.join(format!("{strategy}-mpi"));
+        mpirun(
+            2,
+            &dir,
+            &with(args(Model::Gpt, &text, &many, &extra), &["--devices", "1"]),
+        );
+        let one = dir.join(format!("{strategy}-one"));
+        one_process(
+            &dir,
+            &with(args(Model::Gpt, &text, &one, &extra), &["--devices", "2"]),
+        );
+        assert_eq!(train_losses(&many), train_losses(&one), "{strategy}");
+        assert!(
+            params(Model::Gpt, &many) == params(Model::Gpt, &one),
+            "{strategy}: parameters differ"
+        );
+    }
+    let one = dir.join("ddp-one");
     // And bf16 gradients are not f32's: the setting reached the reduction.
     let f32 = dir.join("f32");
     one_process(

@@ -220,6 +220,20 @@ impl Collective for LocalComm {
         Ok(result[chunk_range(result.len(), self.shared.world, self.rank)].to_vec())
     }
 
+    fn reduce_scatter_bf16(
+        &self,
+        data: &[burn::tensor::bf16],
+        op: ReduceOp,
+    ) -> Result<Vec<burn::tensor::bf16>> {
+        // As `all_reduce_bf16`: widened exactly, reduced in f32, rounded once.
+        let wide: Vec<f32> = data.iter().map(|x| x.to_f32()).collect();
+        let piece = self.reduce_scatter(&wide, op)?;
+        Ok(piece
+            .into_iter()
+            .map(burn::tensor::bf16::from_f32)
+            .collect())
+    }
+
     fn barrier(&self) -> Result<()> {
         if self.shared.world == 1 {
             return Ok(());

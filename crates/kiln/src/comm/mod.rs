@@ -183,6 +183,13 @@ pub trait Collective: Send + Sync {
     /// Reduces `data` over ranks and returns this rank's contiguous chunk of the result
     /// (chunks as [`chunk_range`] cuts them).
     fn reduce_scatter(&self, data: &[f32], op: ReduceOp) -> Result<Vec<f32>>;
+    /// [`reduce_scatter`](Collective::reduce_scatter) of bf16 values, for gradients
+    /// reduce-scattered in half the bytes: the reduction is exact in f32 and rounded once.
+    fn reduce_scatter_bf16(
+        &self,
+        data: &[burn::tensor::bf16],
+        op: ReduceOp,
+    ) -> Result<Vec<burn::tensor::bf16>>;
     /// Waits until every rank has arrived.
     fn barrier(&self) -> Result<()>;
     /// Stops the group and every group split from the same root: every rank waiting now or

@@ -251,6 +251,23 @@ impl Hier {
         (from * self.world + to) as i32
     }
 
+    /// Whether a reduce-scatter of `len` values can hand each process one equal block: equal
+    /// chunks, and every process hosting the same number of the group's ranks, consecutive
+    /// and in the order of the processes' ranks in `mpi`.
+    fn blocks_by_process(&self, len: usize) -> bool {
+        let k = self.local.world_size();
+        len.is_multiple_of(self.world)
+            && self.procs * k == self.world
+            && self.proc_of.iter().enumerate().all(|(g, p)| *p == g / k)
+    }
+
+    /// This rank's chunk of its process's block (see [`Self::blocks_by_process`]).
+    fn my_chunk(&self, block: &[f32]) -> Vec<f32> {
+        let chunk = block.len() / self.local.world_size();
+        let l = self.local.rank();
+        block[l * chunk..(l + 1) * chunk].to_vec()
+    }
+
     /// Replaces `data` on every rank of this process by the lead's.
     fn share_leads(&self, data: &mut [f32]) -> Result<()> {
         if self.local.world_size() == 1 {
@@ -314,6 +331,31 @@ fn sum_in_place(comm: &Comm, data: &mut [f32]) {
             count,
             mpi::ffi::RSMPI_FLOAT,
             mpi::ffi::RSMPI_SUM,
+            comm.0.as_raw(),
+        );
+    }
+}
+
+/// `send`'s sum over `comm`'s processes, each receiving its equal block into `recv`:
+/// `MPI_Reduce_scatter` with equal counts, whose choice of algorithm (in OpenMPI, recursive
+/// halving or a ring for a commutative sum) sends each process about its block's share;
+/// OpenMPI's `MPI_Reduce_scatter_block` reduced to one process and scattered from it, half
+/// again as many bytes on the link.
+fn sum_scatter<T: Equivalence>(comm: &Comm, send: &[T], recv: &mut [T], op: mpi::ffi::MPI_Op) {
+    use mpi::raw::AsRaw;
+    let procs = comm.0.size() as usize;
+    assert_eq!(send.len(), recv.len() * procs, "equal blocks");
+    let count = std::ffi::c_int::try_from(recv.len()).expect("a block fits MPI's count");
+    let counts = vec![count; procs];
+    // SAFETY: `send` holds `procs` blocks of `count` values and `recv` one block, both of
+    // `T`'s datatype, valid during the call; `counts` has one entry per process.
+    unsafe {
+        mpi::ffi::MPI_Reduce_scatter(
+            send.as_ptr().cast(),
+            recv.as_mut_ptr().cast(),
+            counts.as_ptr(),
+            T::equivalent_datatype().as_raw(),
+            op,
             comm.0.as_raw(),
         );
     }
@@ -489,9 +531,74 @@ impl Collective for Hier {
     }
 
     fn reduce_scatter(&self, data: &[f32], op: ReduceOp) -> Result<Vec<f32>> {
-        let mut all = data.to_vec();
-        self.all_reduce(&mut all, op)?;
-        Ok(all[super::chunk_range(all.len(), self.world, self.rank)].to_vec())
+        if self.world == 1 {
+            return Ok(data.to_vec());
+        }
+        let Some(comm) = self
+            .spanning()
+            .filter(|_| self.blocks_by_process(data.len()))
+        else {
+            let mut all = data.to_vec();
+            self.all_reduce(&mut all, op)?;
+            return Ok(all[super::chunk_range(all.len(), self.world, self.rank)].to_vec());
+        };
+        // The process's sum (as the all-reduce takes it), then each process receives only its
+        // ranks' chunks: half the bytes of an all-reduce between processes.
+        let mut sum = data.to_vec();
+        self.local.all_reduce(&mut sum, ReduceOp::Sum)?;
+        let mut block = vec![0f32; data.len() / self.procs];
+        if self.lead() {
+            sum_scatter(
+                comm,
+                &sum,
+                &mut block,
+                mpi::collective::SystemOperation::sum().as_raw(),
+            );
+        }
+        drop(sum);
+        self.share_leads(&mut block)?;
+        let mut mine = self.my_chunk(&block);
+        if op == ReduceOp::Mean {
+            let n = self.world as f32;
+            for x in &mut mine {
+                *x /= n;
+            }
+        }
+        Ok(mine)
+    }
+
+    fn reduce_scatter_bf16(
+        &self,
+        data: &[burn::tensor::bf16],
+        op: ReduceOp,
+    ) -> Result<Vec<burn::tensor::bf16>> {
+        if let Some(comm) = self.spanning()
+            && self.local.world_size() == 1
+            && self.blocks_by_process(data.len())
+        {
+            // One rank per process: bf16 crosses the wire, as in `all_reduce_bf16`.
+            let bits: Vec<u16> = data.iter().map(|x| x.to_bits()).collect();
+            let mut sums = vec![0u16; bits.len() / self.procs];
+            sum_scatter(comm, &bits, &mut sums, bf16_sum().as_raw());
+            let n = self.world as f32;
+            return Ok(sums
+                .into_iter()
+                .map(|s| {
+                    let s = burn::tensor::bf16::from_bits(s);
+                    match op {
+                        ReduceOp::Mean => burn::tensor::bf16::from_f32(s.to_f32() / n),
+                        ReduceOp::Sum => s,
+                    }
+                })
+                .collect());
+        }
+        // The sums are exact in f32 and rounded once, as in-process.
+        let wide: Vec<f32> = data.iter().map(|x| x.to_f32()).collect();
+        let piece = self.reduce_scatter(&wide, op)?;
+        Ok(piece
+            .into_iter()
+            .map(burn::tensor::bf16::from_f32)
+            .collect())
     }
 
     fn barrier(&self) -> Result<()> {

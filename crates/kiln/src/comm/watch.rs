@@ -714,6 +714,16 @@ impl Collective for Watched {
         })
     }
 
+    fn reduce_scatter_bf16(
+        &self,
+        data: &[burn::tensor::bf16],
+        op: ReduceOp,
+    ) -> Result<Vec<burn::tensor::bf16>> {
+        self.run("reduce_scatter", data.len(), "bf16", None, |c| {
+            c.reduce_scatter_bf16(data, op)
+        })
+    }
+
     fn barrier(&self) -> Result<()> {
         self.run("barrier", 0, "none", None, |c| c.barrier())
     }

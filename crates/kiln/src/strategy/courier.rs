@@ -181,13 +181,18 @@ pub(crate) fn scatter_host(
     host: &[f32],
     dtype: ReduceDtype,
 ) -> Result<Vec<f32>> {
-    let mut piece = group.reduce_scatter(host, ReduceOp::Mean)?;
-    if dtype == ReduceDtype::Bf16 {
-        for x in &mut piece {
-            *x = burn::tensor::bf16::from_f32(*x).to_f32();
+    match dtype {
+        ReduceDtype::F32 => group.reduce_scatter(host, ReduceOp::Mean),
+        ReduceDtype::Bf16 => {
+            // The values travel as bf16 already: narrowing them is exact.
+            let half: Vec<burn::tensor::bf16> = host
+                .iter()
+                .map(|x| burn::tensor::bf16::from_f32(*x))
+                .collect();
+            let piece = group.reduce_scatter_bf16(&half, ReduceOp::Mean)?;
+            Ok(piece.into_iter().map(|x| x.to_f32()).collect())
         }
     }
-    Ok(piece)
 }
 
 #[cfg(test)]
