@@ -225,13 +225,8 @@ impl Collective for LocalComm {
         data: &[burn::tensor::bf16],
         op: ReduceOp,
     ) -> Result<Vec<burn::tensor::bf16>> {
-        // As `all_reduce_bf16`: widened exactly, reduced in f32, rounded once.
-        let wide: Vec<f32> = data.iter().map(|x| x.to_f32()).collect();
-        let piece = self.reduce_scatter(&wide, op)?;
-        Ok(piece
-            .into_iter()
-            .map(burn::tensor::bf16::from_f32)
-            .collect())
+        // As `all_reduce_bf16`: threads share memory, so the values travel widened.
+        super::reduce_scatter_widened(self, data, op)
     }
 
     fn barrier(&self) -> Result<()> {

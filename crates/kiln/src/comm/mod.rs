@@ -165,6 +165,21 @@ pub enum ReduceOp {
     Mean,
 }
 
+/// [`Collective::reduce_scatter_bf16`] through the f32 reduce-scatter: the values widened
+/// (exactly), reduced in f32 and the piece rounded once to bf16.
+pub(crate) fn reduce_scatter_widened(
+    group: &dyn Collective,
+    data: &[burn::tensor::bf16],
+    op: ReduceOp,
+) -> Result<Vec<burn::tensor::bf16>> {
+    let wide: Vec<f32> = data.iter().map(|x| x.to_f32()).collect();
+    let piece = group.reduce_scatter(&wide, op)?;
+    Ok(piece
+        .into_iter()
+        .map(burn::tensor::bf16::from_f32)
+        .collect())
+}
+
 /// A process group seen from one rank.
 pub trait Collective: Send + Sync {
     /// This replica's rank, `0..world_size`.

@@ -593,12 +593,7 @@ impl Collective for Hier {
                 .collect());
         }
         // The sums are exact in f32 and rounded once, as in-process.
-        let wide: Vec<f32> = data.iter().map(|x| x.to_f32()).collect();
-        let piece = self.reduce_scatter(&wide, op)?;
-        Ok(piece
-            .into_iter()
-            .map(burn::tensor::bf16::from_f32)
-            .collect())
+        super::reduce_scatter_widened(self, data, op)
     }
 
     fn barrier(&self) -> Result<()> {
