@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, json_number, median, positive, run_quietly};
+use crate::{Result, TempDir, each_flag, json_number, median, positive, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -23,15 +23,9 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
         rounds: 2,
         reference: None,
     };
-    let mut it = rest.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| format!("{flag} needs a value"))
-                .map(|v| v.to_string())
-        };
+    each_flag(rest, |flag, value| {
         let number = |raw: &str| positive(flag, raw);
-        match *flag {
+        match flag {
             "--steps" => o.steps = number(&value()?)?,
             "--rounds" => o.rounds = number(&value()?)?,
             "--reference" => o.reference = Some(value()?),
@@ -42,7 +36,8 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
                 ));
             }
         }
-    }
+        Ok(())
+    })?;
     Ok(o)
 }
 

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, json_number, median, positive, run_quietly};
+use crate::{Result, TempDir, each_flag, json_number, median, positive, positives, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -35,15 +35,9 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
         batch: 32,
         sets: Vec::new(),
     };
-    let mut it = rest.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| format!("{flag} needs a value"))
-                .map(|v| v.to_string())
-        };
+    each_flag(rest, |flag, value| {
         let number = |raw: &str| positive(flag, raw);
-        match *flag {
+        match flag {
             "--steps" => o.steps = number(&value()?)?,
             "--rounds" => o.rounds = number(&value()?)?,
             "--size" => o.size = number(&value()?)?,
@@ -51,10 +45,7 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
             "--train" => o.train = number(&value()?)?,
             "--batch" => o.batch = number(&value()?)?,
             "--workers" => {
-                o.workers = value()?
-                    .split(',')
-                    .map(|w| number(w.trim()))
-                    .collect::<Result<_>>()?;
+                o.workers = positives(flag, &value()?)?;
             }
             "--set" => o.sets.push(value()?),
             other => {
@@ -65,7 +56,8 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
                 ));
             }
         }
-    }
+        Ok(())
+    })?;
     Ok(o)
 }
 

@@ -11,7 +11,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::{Result, TempDir, json_number, median, positive, run_quietly};
+use crate::{Result, TempDir, each_flag, json_number, median, positive, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -37,15 +37,9 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
         config: "configs/gpt-text.toml".into(),
         sets: Vec::new(),
     };
-    let mut it = rest.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| format!("{flag} needs a value"))
-                .map(|v| v.to_string())
-        };
+    each_flag(rest, |flag, value| {
         let list = |raw: String| raw.split(',').map(|s| s.trim().to_string()).collect();
-        match *flag {
+        match flag {
             "--steps" => o.steps = positive(flag, &value()?)?,
             "--rounds" => o.rounds = positive(flag, &value()?)?,
             "--rates" => o.rates = list(value()?),
@@ -60,7 +54,8 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
                 ));
             }
         }
-    }
+        Ok(())
+    })?;
     Ok(o)
 }
 

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, json_number, median, positive, run_quietly};
+use crate::{Result, TempDir, each_flag, json_number, median, positive, positives, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -26,22 +26,12 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
         config: "configs/gpt-text.toml".into(),
         sets: Vec::new(),
     };
-    let mut it = rest.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| format!("{flag} needs a value"))
-                .map(|v| v.to_string())
-        };
-        match *flag {
+    each_flag(rest, |flag, value| {
+        match flag {
             "--steps" => o.steps = positive(flag, &value()?)?,
             "--rounds" => o.rounds = positive(flag, &value()?)?,
             "--micro" => {
-                let raw = value()?;
-                o.micro = raw
-                    .split(',')
-                    .map(|m| positive(flag, m.trim()))
-                    .collect::<Result<_>>()?;
+                o.micro = positives(flag, &value()?)?;
             }
             "--config" => o.config = value()?,
             "--set" => o.sets.push(value()?),
@@ -52,7 +42,8 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
                 ));
             }
         }
-    }
+        Ok(())
+    })?;
     Ok(o)
 }
 

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::{Result, TempDir, json_number, median};
+use crate::{Result, TempDir, each_flag, json_number, median, positive};
 
 /// What to measure.
 pub struct Options {
@@ -27,16 +27,10 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
         config: "configs/gpt-text.toml".into(),
         sets: Vec::new(),
     };
-    let mut it = rest.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| format!("{flag} needs a value"))
-                .map(|v| v.to_string())
-        };
-        match *flag {
-            "--steps" => o.steps = number(flag, &value()?)?,
-            "--rounds" => o.rounds = number(flag, &value()?)?,
+    each_flag(rest, |flag, value| {
+        match flag {
+            "--steps" => o.steps = positive(flag, &value()?)?,
+            "--rounds" => o.rounds = positive(flag, &value()?)?,
             "--config" => o.config = value()?,
             "--set" => o.sets.push(value()?),
             other => {
@@ -46,15 +40,9 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
                 ));
             }
         }
-    }
+        Ok(())
+    })?;
     Ok(o)
-}
-
-fn number(flag: &str, raw: &str) -> Result<usize> {
-    raw.parse::<usize>()
-        .ok()
-        .filter(|n| *n > 0)
-        .ok_or_else(|| format!("{flag} {raw:?}: expected a positive integer"))
 }
 
 /// The variants: a label and the flags that select it. The first is the base the others are

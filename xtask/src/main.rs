@@ -740,6 +740,29 @@ fn json_number(text: &str, key: &str) -> Option<f64> {
     rest[..end].parse().ok()
 }
 
+/// Walks a bench's `--flag VALUE` arguments: `each` gets every flag and a function that takes
+/// its value (an error naming the flag when there is none).
+fn each_flag(
+    rest: &[&str],
+    mut each: impl FnMut(&str, &mut dyn FnMut() -> Result<String>) -> Result<()>,
+) -> Result<()> {
+    let mut it = rest.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .ok_or_else(|| format!("{flag} needs a value"))
+                .map(|v| v.to_string())
+        };
+        each(flag, &mut value)?;
+    }
+    Ok(())
+}
+
+/// A comma-separated list of positive integers for `flag`.
+fn positives(flag: &str, raw: &str) -> Result<Vec<usize>> {
+    raw.split(',').map(|n| positive(flag, n.trim())).collect()
+}
+
 /// `raw` as a positive integer, or the error naming `flag`.
 fn positive(flag: &str, raw: &str) -> Result<usize> {
     raw.parse::<usize>()
