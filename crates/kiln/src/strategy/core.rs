@@ -196,24 +196,33 @@ impl<'a> Core<'a> {
         u: usize,
         shard: &mut [f32],
     ) -> Result<()> {
-        let bytes = self.layout.units[u].padded(self.layout.shards) * 4;
-        self.memory.grads.add(bytes);
-        self.memory.note();
-        let flat = self
-            .layout
-            .unit_grads(model, grads, u, FloatDType::F32, &self.device);
-        let host = self.travelling(flat)?;
+        let host = self.unit_travelling(model, grads, u)?;
         let dtype = self.policy.reduce_dtype();
         let piece = self.timed(|c| scatter_host(c, &host, dtype))?;
         drop(host);
         self.add_piece(u, piece, shard);
-        self.memory.grads.sub(bytes);
         Ok(())
     }
 
+    /// Unit `u`'s whole gradients in `grads` on the host, as they travel to a reduce-scatter,
+    /// counted as held until [`Self::add_piece`] lands the rank's piece.
+    pub fn unit_travelling<M: Module>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+        u: usize,
+    ) -> Result<Vec<f32>> {
+        self.memory.grads.add(self.unit_grad_bytes(u));
+        self.memory.note();
+        let flat = self
+            .layout
+            .unit_grads(model, grads, u, FloatDType::F32, &self.device);
+        self.travelling(flat)
+    }
+
     /// Adds `piece`, this rank's piece of unit `u`'s averaged gradients, into `shard` at the
-    /// unit's place.
-    pub fn add_piece(&self, u: usize, piece: Vec<f32>, shard: &mut [f32]) {
+    /// unit's place; the unit's whole gradients are no longer held.
+    pub fn add_piece(&mut self, u: usize, piece: Vec<f32>, shard: &mut [f32]) {
         let unit = &self.layout.units[u];
         for (d, v) in shard[unit.shard_offset..unit.shard_offset + unit.piece]
             .iter_mut()
@@ -221,6 +230,12 @@ impl<'a> Core<'a> {
         {
             *d += v;
         }
+        self.memory.grads.sub(self.unit_grad_bytes(u));
+    }
+
+    /// The bytes of unit `u`'s whole (padded) f32 gradients.
+    fn unit_grad_bytes(&self, u: usize) -> usize {
+        self.layout.units[u].padded(self.layout.shards) * 4
     }
 
     /// The rank's piece of unit `u` of `model`'s parameters, in the master dtype.

@@ -202,7 +202,7 @@ fn scatter<B, M: BlockStack<B> + Module>(
                 beside: Some(Beside::new(courier)),
             };
             let (out, _) = exec::run(replica.current(), batch, &plan, &mut hooks, objective)?;
-            hooks.settle(Some(usize::MAX))?;
+            hooks.settle(usize::MAX)?;
             Ok(out)
         })?
     } else {
@@ -499,48 +499,27 @@ impl Scatter<'_, '_> {
         grads: &mut GradientsParams,
         u: usize,
     ) -> Result<()> {
-        let Some(beside) = &self.beside else {
+        let Some(beside) = &mut self.beside else {
             return self.core.scatter_unit(model, grads, u, self.shard);
         };
         // At most SCATTERS_IN_FLIGHT units' gradients wait for the thread.
         if beside.pending.len() >= SCATTERS_IN_FLIGHT {
-            self.settle(Some(beside.pending.len() + 1 - SCATTERS_IN_FLIGHT))?;
+            let over = beside.pending.len() + 1 - SCATTERS_IN_FLIGHT;
+            beside.settle(self.core, self.shard, over)?;
         }
-        let bytes = self.core.layout.units[u].padded(self.core.layout.shards) * 4;
-        self.core.memory.grads.add(bytes);
-        self.core.memory.note();
-        let flat = self
-            .core
-            .layout
-            .unit_grads(model, grads, u, FloatDType::F32, &self.core.device);
-        let host = self.core.travelling(flat)?;
-        let beside = self.beside.as_mut().expect("checked above");
+        let host = self.core.unit_travelling(model, grads, u)?;
         let ticket = beside.courier.send(Job::Scatter(host));
         beside.pending.push_back((u, ticket));
-        self.settle(None)
+        beside.settle(self.core, self.shard, 0)
     }
 
-    /// Adds the pieces that came back into the shard, in the order they were handed over (a
-    /// unit handed over twice — the rest, with the head's and the stem's gradients — adds up
-    /// in the same order as on the rank's thread); with `wait = Some(k)`, waits for the first
-    /// `k` of them at least (`usize::MAX`: for every one).
-    pub fn settle(&mut self, wait: Option<usize>) -> Result<()> {
-        let Some(beside) = &mut self.beside else {
-            return Ok(());
-        };
-        let mut must = wait.unwrap_or(0);
-        while let Some(&(u, ticket)) = beside.pending.front() {
-            if must == 0 && !beside.courier.ready(ticket)? {
-                break;
-            }
-            must = must.saturating_sub(1);
-            beside.pending.pop_front();
-            let piece = beside.courier.wait(ticket)?;
-            self.core.add_piece(u, piece, self.shard);
-            let bytes = self.core.layout.units[u].padded(self.core.layout.shards) * 4;
-            self.core.memory.grads.sub(bytes);
+    /// Adds the pieces that came back into the shard (see [`Beside::settle`]); `at_least`
+    /// of them waited for (`usize::MAX`: every one).
+    pub fn settle(&mut self, at_least: usize) -> Result<()> {
+        match &mut self.beside {
+            Some(beside) => beside.settle(self.core, self.shard, at_least),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -557,6 +536,23 @@ impl<'c> Beside<'c> {
             courier,
             pending: Default::default(),
         }
+    }
+
+    /// Adds the pieces that came back into `shard`, in the order they were handed over (a
+    /// unit handed over twice — the rest, with the head's and the stem's gradients — adds up
+    /// in the same order as on the rank's thread), waiting for the first `at_least` of them.
+    fn settle(&mut self, core: &mut Core, shard: &mut [f32], at_least: usize) -> Result<()> {
+        let mut must = at_least;
+        while let Some(&(u, ticket)) = self.pending.front() {
+            if must == 0 && !self.courier.ready(ticket)? {
+                break;
+            }
+            must = must.saturating_sub(1);
+            self.pending.pop_front();
+            let piece = self.courier.wait(ticket)?;
+            core.add_piece(u, piece, shard);
+        }
+        Ok(())
     }
 }
 

@@ -300,7 +300,7 @@ impl Units<'_, '_> {
         core.memory.params.add(bytes);
         core.memory.note();
         self.prefetch()?;
-        self.scatter.settle(None)?;
+        self.scatter.settle(0)?;
         Ok(model)
     }
 
@@ -368,7 +368,7 @@ impl Units<'_, '_> {
             self.courier().wait(ticket)?;
             self.count_fetched(v, false);
         }
-        self.scatter.settle(Some(usize::MAX))
+        self.scatter.settle(usize::MAX)
     }
 
     fn release<M: Module>(&mut self, model: M, u: usize) -> M {
