@@ -268,6 +268,25 @@ impl Hier {
         block[l * chunk..(l + 1) * chunk].to_vec()
     }
 
+    /// `data`, the sums over the group, divided by its ranks for a mean.
+    fn finish_mean(&self, data: &mut [f32], op: ReduceOp) {
+        if op == ReduceOp::Mean {
+            let n = self.world as f32;
+            for x in data.iter_mut() {
+                *x /= n;
+            }
+        }
+    }
+
+    /// A bf16 sum over the group as MPI returns it (its 16 bits), as `op` asks for it.
+    fn bf16_landed(&self, sum: u16, op: ReduceOp) -> burn::tensor::bf16 {
+        let s = burn::tensor::bf16::from_bits(sum);
+        match op {
+            ReduceOp::Mean => burn::tensor::bf16::from_f32(s.to_f32() / self.world as f32),
+            ReduceOp::Sum => s,
+        }
+    }
+
     /// Replaces `data` on every rank of this process by the lead's.
     fn share_leads(&self, data: &mut [f32]) -> Result<()> {
         if self.local.world_size() == 1 {
@@ -391,12 +410,7 @@ impl Collective for Hier {
             }
             self.share_leads(data)?;
         }
-        if op == ReduceOp::Mean {
-            let n = self.world as f32;
-            for x in data.iter_mut() {
-                *x /= n;
-            }
-        }
+        self.finish_mean(data, op);
         Ok(())
     }
 
@@ -413,13 +427,8 @@ impl Collective for Hier {
             let bits: Vec<u16> = data.iter().map(|x| x.to_bits()).collect();
             let mut sums = vec![0u16; bits.len()];
             comm.0.all_reduce_into(&bits[..], &mut sums[..], bf16_sum());
-            let n = self.world as f32;
             for (d, s) in data.iter_mut().zip(sums) {
-                let s = burn::tensor::bf16::from_bits(s);
-                *d = match op {
-                    ReduceOp::Mean => burn::tensor::bf16::from_f32(s.to_f32() / n),
-                    _ => s,
-                };
+                *d = self.bf16_landed(s, op);
             }
             return Ok(());
         }
@@ -558,12 +567,7 @@ impl Collective for Hier {
         drop(sum);
         self.share_leads(&mut block)?;
         let mut mine = self.my_chunk(&block);
-        if op == ReduceOp::Mean {
-            let n = self.world as f32;
-            for x in &mut mine {
-                *x /= n;
-            }
-        }
+        self.finish_mean(&mut mine, op);
         Ok(mine)
     }
 
@@ -580,17 +584,7 @@ impl Collective for Hier {
             let bits: Vec<u16> = data.iter().map(|x| x.to_bits()).collect();
             let mut sums = vec![0u16; bits.len() / self.procs];
             sum_scatter(comm, &bits, &mut sums, bf16_sum().as_raw());
-            let n = self.world as f32;
-            return Ok(sums
-                .into_iter()
-                .map(|s| {
-                    let s = burn::tensor::bf16::from_bits(s);
-                    match op {
-                        ReduceOp::Mean => burn::tensor::bf16::from_f32(s.to_f32() / n),
-                        ReduceOp::Sum => s,
-                    }
-                })
-                .collect());
+            return Ok(sums.into_iter().map(|s| self.bf16_landed(s, op)).collect());
         }
         // The sums are exact in f32 and rounded once, as in-process.
         super::reduce_scatter_widened(self, data, op)
