@@ -17,6 +17,7 @@ mod bench_mpi;
 mod bench_pipeline;
 mod bench_policies;
 mod bench_zero;
+mod tidy;
 
 /// The help text printed for `--help` and for any command line that cannot be understood.
 const USAGE: &str = "\
@@ -65,6 +66,9 @@ commands:
                                         throughput with monitoring on and off, alternating
                                         runs of `train` (default 60 steps, 5 rounds, 2 devices,
                                         configs/gpt-text.toml)
+  tidy                                  the shape of crates/kiln/src: import circles between its
+                                        files, files over 500 lines, the longest functions; fails
+                                        on a circle, a file over 600 lines or a function over 120
   plot RUN_DIR [ARGS]                   `train plot`: PNG charts of a run (ARGS: --out DIR,
                                         --width W, --height H)
   help, --help, -h                      show this message
@@ -104,6 +108,7 @@ enum Task {
     BenchMpi(bench_mpi::Options),
     BenchMonitor(MonitorBench),
     Plot { args: Vec<String> },
+    Tidy,
 }
 
 /// `bench monitor`: the same run with monitoring on and off.
@@ -210,6 +215,7 @@ fn main() -> ExitCode {
         Task::BenchMpi(o) => workspace_root().and_then(|root| bench_mpi::run(&root, &o)),
         Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
         Task::Plot { args } => workspace_root().and_then(|root| run_train(&root, &args)),
+        Task::Tidy => workspace_root().and_then(|root| tidy::run(&root)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -226,6 +232,7 @@ fn parse_args(args: &[String]) -> Result<Task> {
         [] => Err("no command given".to_string()),
         [first, ..] if matches!(*first, "help" | "--help" | "-h") => Ok(Task::Help),
         ["ci"] => Ok(Task::Ci),
+        ["tidy"] => Ok(Task::Tidy),
         ["bench", "ddp", rest @ ..] => Ok(Task::Bench {
             args: std::iter::once("ddp")
                 .chain(rest.iter().copied())

@@ -374,7 +374,7 @@ impl<'a> App<'a> {
         W: Workload,
         W::Model: burn::store::ModuleSnapshot,
     {
-        crate::cli::quiet_worker_panics();
+        crate::panics::quiet_worker_panics();
         std::process::exit(self.run(std::env::args_os(), build))
     }
 
@@ -416,7 +416,7 @@ impl<'a> App<'a> {
         M: Serialize + DeserializeOwned,
         D: Serialize + DeserializeOwned,
     {
-        crate::cli::quiet_worker_panics();
+        crate::panics::quiet_worker_panics();
         std::process::exit(self.run_with(std::env::args_os(), check, train))
     }
 

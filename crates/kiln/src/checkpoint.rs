@@ -16,7 +16,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{OptimizerKind, one_line};
 use crate::error::{Error, Result};
+use crate::files::{write_atomic, write_synced};
 use crate::optim::OptimState;
+pub use crate::state::LoopState;
 
 /// Metadata key of the optimizer file naming the optimizer that wrote it.
 const OPTIMIZER_KEY: &str = "kiln.optimizer";
@@ -32,40 +34,6 @@ pub const OPTIM_FILE: &str = "optimizer.bpk";
 /// File of the loop state inside a checkpoint; written last, so its presence marks a
 /// complete checkpoint.
 pub const STATE_FILE: &str = "state.json";
-
-/// Where the loop stood when a checkpoint was taken: enough to continue bit for bit.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LoopState {
-    /// Optimizer steps taken so far.
-    pub step: usize,
-    /// Epoch the next step belongs to.
-    pub epoch: usize,
-    /// Steps of that epoch already taken (the data-order position).
-    pub step_in_epoch: usize,
-    /// Seed of the run (the data order is a function of seed and epoch).
-    pub seed: u64,
-    /// Number of replicas that trained up to here.
-    pub world_size: usize,
-    /// Samples per optimizer step over all replicas (batch × devices × accumulation); a run
-    /// continues the same data order only with the same value.
-    pub samples_per_step: usize,
-    /// Learning rate of the last step (the schedule is a function of `step`).
-    pub lr: f64,
-    /// Samples seen so far.
-    pub samples: u64,
-    /// Seconds of training so far.
-    pub wall_seconds: f64,
-    /// The loss scaler's state (`16-mixed`), absent otherwise.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub scaler: Option<crate::precision::LossScaler>,
-    /// Early stopping's watch of its metric (`train.early_stopping`), absent otherwise.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub early: Option<crate::trainer::Plateau>,
-    /// Each parameter group's reduce-on-plateau watch (one for a model with one optimizer;
-    /// a schedule of another kind keeps an unused one); empty when no schedule watches.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub plateaus: Vec<crate::trainer::Plateau>,
-}
 
 /// The directory of the checkpoint taken after `step` steps.
 pub fn step_dir(run_dir: &Path, step: usize) -> PathBuf {
@@ -182,26 +150,6 @@ pub fn remove_stale(run_dir: &Path) -> Result<Vec<PathBuf>> {
         }
     }
     Ok(removed)
-}
-
-/// Writes `bytes` to `path` and flushes them to disk.
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
-    f.write_all(bytes).map_err(|e| Error::io(path, e))?;
-    f.sync_all().map_err(|e| Error::io(path, e))
-}
-
-/// Writes `bytes` to `path` through a temporary file and a rename, so that readers see either
-/// the old file or the whole new one.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_file_name(format!(
-        ".{}.tmp-{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
-        std::process::id()
-    ));
-    write_synced(&tmp, bytes)?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
 }
 
 /// Complete checkpoints of a run, oldest first.

@@ -465,19 +465,3 @@ fn unblock_output() {
         }
     }
 }
-
-/// Keeps worker panics from printing the default hook's message and backtrace note: the
-/// trainer reports them itself as one line.
-pub fn quiet_worker_panics() {
-    let default = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        let in_worker = std::thread::current()
-            .name()
-            .is_some_and(|n| n.starts_with("kiln-worker"));
-        // A worker's panic becomes the run's one-line error; RUST_BACKTRACE asks for the
-        // whole report as well.
-        if !in_worker || std::env::var_os("RUST_BACKTRACE").is_some() {
-            default(info);
-        }
-    }));
-}

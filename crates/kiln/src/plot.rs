@@ -643,7 +643,7 @@ pub fn save_image_grid(
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     }
-    crate::checkpoint::write_atomic(path, &bytes)
+    crate::files::write_atomic(path, &bytes)
 }
 
 #[cfg(test)]

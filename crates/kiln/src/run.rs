@@ -9,10 +9,11 @@ use burn::prelude::*;
 use kiln_models::load::{SAFETENSORS_FILE, WEIGHTS_FILE};
 use kiln_models::save_safetensors;
 
-use crate::checkpoint::{self, write_atomic};
+use crate::checkpoint;
 use crate::config::{Accelerator, HardwareConfig, RootConfig, name_of};
 use crate::cores::CoreSplit;
 use crate::error::{Error, Result};
+use crate::files::write_atomic;
 use crate::metrics::Summary;
 use crate::optim::scaled_lr;
 use crate::strategy::{ModelFacts, Setup};

@@ -24,9 +24,9 @@ use kiln_models::{ModelKind, ModelSection, ModelSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::app::UserConfig;
-use crate::checkpoint::write_atomic;
 use crate::config::name_of;
 use crate::error::{Error, Result};
+use crate::files::write_atomic;
 use crate::run::{RunInfo, RunOptions, RunResult, train_workload};
 use crate::trainer::Workload;
 

@@ -325,7 +325,7 @@ impl Shared {
                 .map(|l| format!("{l}\n"))
                 .collect();
             let path = dir.join(format!("rank-{}.jsonl", r.rank));
-            if let Err(e) = crate::checkpoint::write_atomic(&path, text.as_bytes()) {
+            if let Err(e) = crate::files::write_atomic(&path, text.as_bytes()) {
                 eprintln!("warning: {e}");
             }
         }

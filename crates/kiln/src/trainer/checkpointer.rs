@@ -7,11 +7,12 @@ use burn::module::Module;
 
 use super::Workload;
 use super::validate::Validator;
-use crate::checkpoint::{self, LoopState};
+use crate::checkpoint;
 use crate::comm::Collective;
 use crate::config::TrainConfig;
 use crate::error::Result;
 use crate::precision::Policy;
+use crate::state::LoopState;
 use crate::strategy::Strategy;
 
 /// When checkpoints are taken and where they go.

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 use burn::prelude::*;
 
 use super::Workload;
-use crate::checkpoint::LoopState;
 use crate::data::{DistributedSampler, building};
 use crate::error::{Error, Result};
+use crate::state::LoopState;
 
 /// Which samples every job of one rank's run takes.
 #[derive(Debug, Clone)]
@@ -332,7 +332,7 @@ fn load<W: Workload>(
                 Err(Error::Worker(format!(
                     "rank {rank}'s data loader failed building step {} (a panic): {}",
                     plan.at(job).step + 1,
-                    crate::trainer::panic_message(&payload)
+                    crate::panics::panic_message(&payload)
                 )))
             });
         let mut q = shared.lock();

@@ -11,11 +11,11 @@ use burn::tensor::FloatDType;
 use kiln_models::StepOutput;
 use serde_json::{Map, Value, json};
 
-use crate::checkpoint::LoopState;
 use crate::comm::{Collective, ReduceOp, pack};
 use crate::error::{Error, Result};
 use crate::metrics::{MetricsWriter, Progress, num, record};
 use crate::monitor::{SystemMonitor, Throughput};
+use crate::state::LoopState;
 use crate::strategy::Strategy;
 
 /// A validation's mean loss and, for a classifier, its accuracy.

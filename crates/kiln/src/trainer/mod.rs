@@ -4,7 +4,7 @@
 //! reads a checkpoint to resume from (`start.rs`), creates the group of ranks (one thread per
 //! device, joined through a [`Collective`](crate::comm::Collective)) and starts one worker per
 //! rank. The loop itself (`worker.rs`) is a step (`train_step`) and the components that decide
-//! when they are due and act on the loop's [`LoopState`](crate::checkpoint::LoopState):
+//! when they are due and act on the loop's [`LoopState`](crate::state::LoopState):
 //! logging (`log.rs`), validation (`validate.rs`), checkpoints and snapshots
 //! (`checkpointer.rs`), and the agreement on a stop signal. It talks to the collective and to a
 //! [`Strategy`](crate::strategy::Strategy) through their traits only. Only rank 0 writes files.
@@ -36,11 +36,10 @@ use crate::error::{Error, Result};
 use crate::metrics::Summary;
 use crate::monitor::{MonitorSetup, SystemMonitor};
 
-pub use plateau::Plateau;
 pub use settings::{OutputSettings, ParallelSettings, TrainerSettings};
 pub(crate) use start::same_samples_per_step;
+pub(crate) use worker::loader_fault;
 pub use worker::{FAULT_VAR, median};
-pub(crate) use worker::{loader_fault, panic_message};
 
 /// A model and its data, as the trainer sees them; nothing here knows about devices beyond
 /// the one it is handed.

@@ -3,61 +3,11 @@
 //! validation values (they are reduced over the ranks), so every rank takes the same decision
 //! at the same step; the watches' state is part of the loop state, in every checkpoint.
 
-use serde::{Deserialize, Serialize};
-
 use super::log::Scores;
 use crate::config::MetricWatch;
 use crate::error::{Error, Result};
-
-/// What a watch has seen.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Plateau {
-    /// The best value so far, and the step it was seen at.
-    pub best: Option<(f64, usize)>,
-    /// Validations in a row since the last improvement.
-    pub bad: usize,
-    /// Times the watch has acted (a reduce-on-plateau schedule: the rate's reductions).
-    pub acted: u32,
-}
-
-impl Plateau {
-    /// Records `value`, seen at `step`; returns whether `w.patience` validations in a row
-    /// have now passed without an improvement (the count then starts again). A NaN never
-    /// improves.
-    pub fn observe(&mut self, w: &MetricWatch, value: f64, step: usize) -> bool {
-        let improved = match self.best {
-            None => !value.is_nan(),
-            Some((best, _)) if w.maximize() => value > best + w.min_delta,
-            Some((best, _)) => value < best - w.min_delta,
-        };
-        if improved {
-            self.best = Some((value, step));
-            self.bad = 0;
-            return false;
-        }
-        self.bad += 1;
-        if self.bad < w.patience {
-            return false;
-        }
-        self.bad = 0;
-        self.acted += 1;
-        true
-    }
-
-    /// Why a watch acted: the metric, how long it has not improved, and its best.
-    pub fn reason(&self, w: &MetricWatch) -> String {
-        let best = self.best.map_or("no finite value".to_string(), |(v, s)| {
-            format!("best {v:.6} at step {s}")
-        });
-        format!(
-            "{} has not improved by more than {} for {} validation{} ({best})",
-            w.metric,
-            w.min_delta,
-            w.patience,
-            if w.patience == 1 { "" } else { "s" }
-        )
-    }
-}
+#[cfg(test)]
+use crate::state::Plateau;
 
 /// The value of the watched metric among a validation's scores and named metrics; `key` is
 /// where the watch is configured, for the error naming a metric the run does not log.

@@ -7,12 +7,13 @@ use burn::module::Module;
 use burn::store::ModuleRecord;
 
 use super::{TrainerSettings, Workload};
-use crate::checkpoint::{self, LoopState};
+use crate::checkpoint;
 use crate::config::name_of;
 use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
 use crate::optim::OptimState;
 use crate::params::FlatLayout;
+use crate::state::LoopState;
 use crate::strategy::{Setup, block_ids};
 
 /// Optimizer states by parameter group (`""` alone for a model with one optimizer).
@@ -131,16 +132,17 @@ pub(super) fn probe<W: Workload>(
             }
         }))
     };
+    // A probe's panic is a refusal, reported as one line: the hook never prints it.
+    crate::panics::quiet_worker_panics();
     let outcome = std::thread::scope(|scope| {
         std::thread::Builder::new()
-            // Named as a worker: its panic is reported as one line, not by the default hook.
-            .name("kiln-worker-probe".into())
+            .name(crate::panics::PROBE_THREAD.into())
             .spawn_scoped(scope, run)
             .expect("spawn the probe thread")
             .join()
     });
     outcome.map_err(|payload| {
-        let message = super::worker::panic_message(&payload);
+        let message = crate::panics::panic_message(&payload);
         probe_failure(policy, message)
     })?
 }

@@ -11,11 +11,11 @@ use kiln_models::{Combine, SetMetric, TrainStep};
 use super::Workload;
 use super::log::{Scores, add_metrics, agree_names, mean_metrics};
 use super::worker::Worker;
-use crate::checkpoint::LoopState;
 use crate::comm::{Collective, ReduceOp, pack};
 use crate::config::TrainConfig;
 use crate::data::eval_shard;
 use crate::error::{Error, Result};
+use crate::state::LoopState;
 
 /// When the loop validates, and what it found last.
 #[derive(Debug, Default)]

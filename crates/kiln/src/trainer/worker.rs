@@ -13,11 +13,11 @@ use kiln_models::StepOutput;
 use super::checkpointer::Checkpointer;
 use super::loader::{Feed, Plan};
 use super::log::{Logger, LoggerParts, Scores, Times};
-use super::plateau::{self, Plateau};
+use super::plateau;
 use super::start::Start;
 use super::validate::Validator;
 use super::{EventKind, TrainerSettings, Workload};
-use crate::checkpoint::{self, LoopState};
+use crate::checkpoint;
 use crate::comm::watch::{Recorder, Watchdog, watched};
 use crate::comm::{Collective, pack};
 use crate::config::{RecomputeMode, name_of};
@@ -28,6 +28,8 @@ use crate::metrics::{MetricsWriter, Progress, Summary};
 use crate::monitor::{SystemMonitor, Throughput, peak_tflops, process_memory_mib};
 use crate::optim::{Schedule, scaled_lr};
 use crate::precision::Policy;
+use crate::state::LoopState;
+use crate::state::Plateau;
 use crate::strategy::{self, Context, Setup, Strategy};
 
 const ABORTED: &str = "stopped because ";
@@ -249,7 +251,7 @@ impl<W: Workload> Worker<'_, W> {
                 Ok(result) => result,
                 Err(payload) => Err(Error::Worker(format!(
                     "rank {rank} panicked: {}",
-                    panic_message(&payload)
+                    crate::panics::panic_message(&payload)
                 ))),
             };
             if let Err(e) = &outcome
@@ -849,14 +851,4 @@ pub fn median(values: &mut [f64]) -> Option<f64> {
     } else {
         (values[n / 2 - 1] + values[n / 2]) / 2.0
     })
-}
-
-pub(crate) fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic".to_string()
-    }
 }
