@@ -6,7 +6,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use kiln_models::Activation;
 
-use super::{Collective, ReduceOp, chunk_range};
+use super::collective::{Collective, ReduceOp, chunk_range, reduce_scatter_widened};
 use crate::error::{Error, Result};
 
 struct Round {
@@ -226,7 +226,7 @@ impl Collective for LocalComm {
         op: ReduceOp,
     ) -> Result<Vec<burn::tensor::bf16>> {
         // As `all_reduce_bf16`: threads share memory, so the values travel widened.
-        super::reduce_scatter_widened(self, data, op)
+        reduce_scatter_widened(self, data, op)
     }
 
     fn barrier(&self) -> Result<()> {

@@ -1,7 +1,7 @@
 //! Values that are not floats, carried exactly through the `f32` collectives: every rank's
 //! vector of any length, every rank's text, every rank's counts.
 
-use super::Collective;
+use super::collective::Collective;
 use crate::error::Result;
 
 /// Every rank's `mine`, whatever its length, in rank order.
