@@ -11,7 +11,8 @@ use burn::prelude::*;
 use kiln_datasets::folder::{ImageFolder, Pixels, image_shape};
 use kiln_models::{Classifier, ImageBatch, InputSpec, ModelSpec};
 
-use super::{Config, DataConfig, launch};
+use super::config::{Config, DataConfig};
+use super::launch::launch;
 use crate::data::sample_rng;
 use crate::error::{Error, Result};
 use crate::run::{RunOptions, RunResult};

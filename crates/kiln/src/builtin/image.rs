@@ -6,7 +6,8 @@ use burn::prelude::*;
 use kiln_datasets::{IdxKind, ImageSplits};
 use kiln_models::{Classifier, ImageBatch, ModelSpec};
 
-use super::{Config, DataConfig, DatasetKind, launch};
+use super::config::{Config, DataConfig, DatasetKind};
+use super::launch::launch;
 use crate::data::{ImageBatcher, input_spec};
 use crate::error::{Error, Result};
 use crate::run::{RunOptions, RunResult};

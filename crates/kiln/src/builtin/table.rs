@@ -11,7 +11,8 @@ use kiln_datasets::rng::permutation;
 use kiln_datasets::table::Table;
 use kiln_models::{Classifier, ImageBatch, InputSpec, ModelKind, ModelSpec};
 
-use super::{Config, DataConfig, launch};
+use super::config::{Config, DataConfig};
+use super::launch::launch;
 use crate::error::{Error, Result};
 use crate::run::{RunOptions, RunResult};
 use crate::trainer::Workload;

@@ -9,7 +9,8 @@ use kiln_datasets::text::TextData;
 use kiln_datasets::tokens::TokenFile;
 use kiln_models::{Gpt, GptConfig, ModelSpec, TokenBatch};
 
-use super::{Config, launch};
+use super::config::Config;
+use super::launch::launch;
 use crate::error::{Error, Result};
 use crate::run::{RunOptions, RunResult};
 use crate::trainer::Workload;

@@ -18,7 +18,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
 use kiln_models::{Activation, BlockStack};
 
-use super::segment_backward;
+use super::segment::segment_backward;
 use crate::comm::{Collective, ReduceOp};
 use crate::error::Result;
 

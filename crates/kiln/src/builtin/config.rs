@@ -1,0 +1,197 @@
+//! The built-in program's config: kiln's sections, the model's `[model]` and the data's
+//! `[data]` (which set, where, how it is cut), checked against each other.
+
+use std::path::{Path, PathBuf};
+
+use kiln_models::{ModelKind, ModelSection};
+use serde::{Deserialize, Serialize};
+
+use crate::app::UserConfig;
+use crate::config::name_of;
+use crate::error::{Error, Result};
+
+/// The recipe `train` runs without `--config` (a copy of `configs/digits-convnet.toml`, built
+/// in so that a fresh checkout trains with no files and no arguments).
+pub const RECIPE: &str = include_str!("../../../../configs/digits-convnet.toml");
+
+/// How errors name the built-in recipe.
+pub const RECIPE_ORIGIN: &str = "built-in configs/digits-convnet.toml";
+
+/// The built-in workloads' config: their `[model]` and `[data]`, and kiln's sections.
+pub type Config = UserConfig<ModelSection, DataConfig>;
+
+/// Which dataset a run trains on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DatasetKind {
+    /// The 1,797 8×8 digits embedded in kiln (no files needed).
+    Digits,
+    /// MNIST IDX files in `data.dir`.
+    Mnist,
+    /// Fashion-MNIST IDX files in `data.dir`.
+    FashionMnist,
+    /// A UTF-8 text file in `data.path`, tokenised by character (for `model.kind = "gpt"`).
+    Text,
+    /// PNG/JPEG images in `data.dir`: `train/` and `test/` (or `val/`), one sub-folder per
+    /// class (torchvision's ImageFolder layout), decoded as batches need them.
+    ImageFolder,
+    /// A CSV table in `data.path` (numeric columns; `data.target` the class), for
+    /// `model.kind = "mlp"`.
+    Csv,
+}
+
+/// `[data]`: dataset choice and location.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// `digits` (embedded), `mnist` or `fashion-mnist`. Default `digits`.
+    pub dataset: DatasetKind,
+    /// Directory of the IDX files for `mnist`/`fashion-mnist`. Default `data/<dataset>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
+    /// Download the dataset from its canonical URL when `dir` is missing. Default false.
+    pub download: bool,
+    /// Drop the last incomplete global batch of an epoch instead of wrapping around.
+    /// Default false.
+    pub drop_last: bool,
+    /// The text file of the `text` dataset. Default `data/text/moby-dick.txt`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// Fraction of the text (from its start) used for training; the rest is validation.
+    /// Default 0.9.
+    pub train_fraction: f64,
+    /// Number of fixed validation windows the `text` dataset is scored on. Default 240.
+    pub eval_windows: usize,
+    /// `image-folder`: the `[height, width]` images are resized to. Default: the first
+    /// training image's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_size: Option<[usize; 2]>,
+    /// `image-folder`: 1 (grey) or 3 (RGB). Default: the first training image's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub channels: Option<usize>,
+    /// `image-folder`: random crop (within a zero border of 1/8 of each side) and left–right
+    /// flip of every training image, drawn from (seed, step, sample). Default false.
+    pub augment: bool,
+    /// `text`: read the training and validation windows from a token file written beside the
+    /// text (`<path>.kiln-tokens`, 16-bit ids, reused while the text is unchanged) instead of
+    /// holding the text in memory: a corpus larger than memory trains. The same tokens and
+    /// windows either way. Default false.
+    pub on_disk: bool,
+    /// `csv`: the target column (classes numbered from 0). Default `label`.
+    pub target: String,
+    /// `csv`: the feature columns. Default: every column but the target.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
+    /// `csv`: a table of evaluation rows (the same columns). Default: the rows left after
+    /// `train_fraction` of a seeded shuffle.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_path: Option<PathBuf>,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            dataset: DatasetKind::Digits,
+            dir: None,
+            download: false,
+            drop_last: false,
+            path: None,
+            train_fraction: 0.9,
+            eval_windows: 240,
+            image_size: None,
+            channels: None,
+            augment: false,
+            on_disk: false,
+            target: "label".to_string(),
+            features: Vec::new(),
+            eval_path: None,
+        }
+    }
+}
+
+impl DataConfig {
+    /// The directory the IDX files are read from.
+    pub fn resolved_dir(&self) -> PathBuf {
+        self.dir.clone().unwrap_or_else(|| match self.dataset {
+            DatasetKind::Digits => PathBuf::from("data/digits"),
+            DatasetKind::Mnist => PathBuf::from("data/mnist"),
+            DatasetKind::FashionMnist => PathBuf::from("data/fashion-mnist"),
+            DatasetKind::Text => PathBuf::from("data/text"),
+            DatasetKind::ImageFolder => PathBuf::from("data/image-folder"),
+            DatasetKind::Csv => PathBuf::from("data"),
+        })
+    }
+
+    /// The text file of the `text` dataset.
+    pub fn resolved_path(&self) -> PathBuf {
+        self.path
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("data/text/moby-dick.txt"))
+    }
+}
+
+impl DataConfig {
+    /// Rejects values that parse but cannot work, naming the key.
+    pub fn check(&self) -> Result<()> {
+        let f = self.train_fraction;
+        if f.is_nan() || f <= 0.0 || f >= 1.0 {
+            return Err(Error::config(format!(
+                "key `data.train_fraction`: must be between 0 and 1, got {f}"
+            )));
+        }
+        if self.eval_windows == 0 {
+            return Err(Error::config(
+                "key `data.eval_windows`: must be at least 1, got 0",
+            ));
+        }
+        if let Some(c) = self.channels
+            && c != 1
+            && c != 3
+        {
+            return Err(Error::config(format!(
+                "key `data.channels`: must be 1 (grey) or 3 (RGB), got {c}"
+            )));
+        }
+        if let Some([h, w]) = self.image_size
+            && (h == 0 || w == 0)
+        {
+            return Err(Error::config(format!(
+                "key `data.image_size`: must be [height, width] in pixels, both positive, got                  [{h}, {w}]"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Rejects a `[data]` that cannot work, or that does not fit `[model]` (a GPT trains on text,
+/// an image model on images).
+pub fn check(config: &Config) -> Result<()> {
+    config.data.check()?;
+    let text_model = config.model.kind == ModelKind::Gpt;
+    let text_data = config.data.dataset == DatasetKind::Text;
+    if text_model != text_data {
+        return Err(Error::config(format!(
+            "key `data.dataset`: {:?} does not fit model.kind = {:?} (gpt trains on \"text\", \
+             image models on image datasets)",
+            name_of(&config.data.dataset),
+            name_of(&config.model.kind)
+        )));
+    }
+    if config.data.dataset == DatasetKind::Csv && config.model.kind != ModelKind::Mlp {
+        return Err(Error::config(format!(
+            "key `model.kind`: the csv dataset trains the \"mlp\", not {:?} (a table's rows \
+             have no image to convolve)",
+            name_of(&config.model.kind)
+        )));
+    }
+    Ok(())
+}
+
+/// Reads a config file of the built-in workloads (none: every default), applies `--set`
+/// overrides and checks the result as `train` does.
+pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
+    let (table, origin) = crate::config::read_table(path, overrides)?;
+    let config = Config::from_table(table, &origin)?;
+    check(&config).map_err(|e| crate::config::with_origin(e, &origin))?;
+    Ok(config)
+}
