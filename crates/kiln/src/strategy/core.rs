@@ -10,8 +10,9 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 
-use super::courier::scatter_host;
-use super::{Context, Memory};
+use super::context::Context;
+use super::host::{reduce_host, scatter_host};
+use super::memory::Memory;
 use crate::comm::{Collective, ReduceOp};
 use crate::config::ReduceDtype;
 use crate::error::{Error, Result};
@@ -471,32 +472,32 @@ pub(crate) fn cat_or_empty(parts: Vec<Tensor<1>>, dtype: FloatDType, device: &De
     }
 }
 
-/// `host` (a unit's gradients as they travel: f32, or bf16 values widened) reduced over `group`
-/// with `op`, bucket by bucket, in `dtype` on the wire.
-pub(crate) fn reduce_host(
-    group: &dyn Collective,
-    mut host: Vec<f32>,
-    op: ReduceOp,
-    dtype: ReduceDtype,
-    bucket: usize,
-) -> Result<Vec<f32>> {
-    match dtype {
-        ReduceDtype::F32 => {
-            for chunk in host.chunks_mut(bucket) {
-                group.all_reduce(chunk, op)?;
-            }
-            Ok(host)
+/// The [`Strategy`] methods every strategy answers from its `core` alone: the optimizer
+/// state in and out of the canonical layout, the memory counts and the time in collectives.
+macro_rules! answered_by_core {
+    () => {
+        fn optimizer_state(&mut self) -> $crate::error::Result<Option<$crate::optim::OptimState>> {
+            self.core.optimizer_state()
         }
-        ReduceDtype::Bf16 => {
-            let mut half: Vec<burn::tensor::bf16> = host
-                .iter()
-                .map(|x| burn::tensor::bf16::from_f32(*x))
-                .collect();
-            drop(host);
-            for chunk in half.chunks_mut(bucket) {
-                group.all_reduce_bf16(chunk, op)?;
-            }
-            Ok(half.into_iter().map(|x| x.to_f32()).collect())
+
+        fn load_optimizer_state(
+            &mut self,
+            state: &$crate::optim::OptimState,
+        ) -> $crate::error::Result<()> {
+            self.core.load_optimizer_state(state)
         }
-    }
+
+        fn memory(&self) -> $crate::strategy::memory::Memory {
+            self.core.memory
+        }
+
+        fn take_sync_seconds(&mut self) -> f64 {
+            self.core.take_sync_seconds()
+        }
+
+        fn nonfinite(&self) -> bool {
+            self.core.nonfinite
+        }
+    };
 }
+pub(crate) use answered_by_core;

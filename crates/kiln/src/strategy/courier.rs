@@ -13,7 +13,8 @@ use std::collections::BTreeMap;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::time::Instant;
 
-use super::core::{Core, reduce_host};
+use super::core::Core;
+use super::host::{reduce_host, scatter_host};
 use crate::comm::{Collective, ReduceOp};
 use crate::config::ReduceDtype;
 use crate::error::{Error, Result};
@@ -170,28 +171,6 @@ fn run(group: &dyn Collective, job: Job, dtype: ReduceDtype, bucket: usize) -> R
         Job::Mean(host) => reduce_host(group, host, ReduceOp::Mean, dtype, bucket),
         Job::Scatter(host) => scatter_host(group, &host, dtype),
         Job::Gather(mine) => group.all_gather(&mine),
-    }
-}
-
-/// The rank's piece of the mean over `group` of `host` (a unit's gradients as they travel),
-/// as the reduce dtype gives it: with bf16, the exact sum rounded once, as an all-reduce in
-/// bf16 would.
-pub(crate) fn scatter_host(
-    group: &dyn Collective,
-    host: &[f32],
-    dtype: ReduceDtype,
-) -> Result<Vec<f32>> {
-    match dtype {
-        ReduceDtype::F32 => group.reduce_scatter(host, ReduceOp::Mean),
-        ReduceDtype::Bf16 => {
-            // The values travel as bf16 already: narrowing them is exact.
-            let half: Vec<burn::tensor::bf16> = host
-                .iter()
-                .map(|x| burn::tensor::bf16::from_f32(*x))
-                .collect();
-            let piece = group.reduce_scatter_bf16(&half, ReduceOp::Mean)?;
-            Ok(piece.into_iter().map(|x| x.to_f32()).collect())
-        }
     }
 }
 

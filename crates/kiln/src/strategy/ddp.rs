@@ -8,7 +8,7 @@ use burn::prelude::*;
 
 use super::core::Core;
 use super::replica::{Held, Reduction, Replica, averaged, step_whole};
-use super::{Estimate, Rules, Setup, replicated_estimate};
+use super::rules::{Estimate, Rules, Setup, replicated_estimate};
 use crate::config::OptimConfig;
 use crate::error::Result;
 use crate::params::FlatLayout;

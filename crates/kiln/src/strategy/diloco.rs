@@ -31,10 +31,14 @@ use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use kiln_models::{BlockStack, StepOutput};
 
-use super::core::{Core, Group, reduce_host};
+use super::context::Context;
+use super::core::{Core, Group};
 use super::ddp::Ddp;
+use super::host::reduce_host;
+use super::memory::Memory;
 use super::replica::Replicated;
-use super::{Context, Estimate, Memory, ModelFacts, Report, Rules, Setup, Strategy};
+use super::rules::{Estimate, ModelFacts, Rules, Setup};
+use super::step::{Report, Strategy};
 use crate::comm::{Collective, ReduceOp, pack};
 use crate::config::{DilocoConfig, OptimConfig, ReduceDtype};
 use crate::error::{Error, Result};

@@ -14,9 +14,11 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 use kiln_models::{BlockStack, StepOutput};
 
+use super::context::Context;
 use super::core::{Core, cat_or_empty};
+use super::memory::Memory;
 use super::replica::{Replica, accumulate, step_whole};
-use super::{Context, Memory, Strategy, one_by_one};
+use super::step::{Strategy, one_by_one};
 use crate::error::{Error, Result};
 use crate::exec::Accumulate;
 use crate::optim::OptimState;

@@ -12,9 +12,10 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 use kiln_models::{BlockStack, StepOutput};
 
+use super::core::answered_by_core;
 use super::core::{Core, Norm};
 use super::courier::{self, Courier, Job, Ticket};
-use super::{Strategy, answered_by_core, one_by_one};
+use super::step::{Strategy, one_by_one};
 use crate::error::Result;
 use crate::exec::{self, Accumulate, Hooks, Part};
 use crate::params::{collect_floats, host_f32};

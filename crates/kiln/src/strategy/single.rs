@@ -6,7 +6,7 @@ use burn::tensor::FloatDType;
 
 use super::core::{Core, cat_or_empty};
 use super::replica::{Held, Reduction, Replica, local, step_whole};
-use super::{Estimate, Rules, Setup, replicated_estimate};
+use super::rules::{Estimate, Rules, Setup, replicated_estimate};
 use crate::config::OptimConfig;
 use crate::error::{Error, Result};
 use crate::params::FlatLayout;

@@ -7,7 +7,7 @@ use burn::prelude::*;
 
 use super::core::{Core, Norm};
 use super::replica::{Held, Reduction, Replica, averaged, step_shard};
-use super::{Estimate, Rules, Setup, replicated_estimate};
+use super::rules::{Estimate, Rules, Setup, replicated_estimate};
 use crate::config::OptimConfig;
 use crate::error::Result;
 use crate::params::FlatLayout;

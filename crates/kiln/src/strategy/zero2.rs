@@ -15,7 +15,7 @@ use burn::module::Module;
 
 use super::core::{Core, Norm};
 use super::replica::{Held, Reduction, Replica, SCATTERS_IN_FLIGHT, step_shard};
-use super::{Estimate, ModelFacts, Rules, Setup, replicated_estimate};
+use super::rules::{Estimate, ModelFacts, Rules, Setup, replicated_estimate};
 use crate::config::OptimConfig;
 use crate::error::{Error, Result};
 use crate::params::FlatLayout;

@@ -31,13 +31,13 @@ use kiln_models::{BlockStack, StepOutput};
 
 use std::collections::VecDeque;
 
+use super::core::answered_by_core;
 use super::core::{Core, Norm};
 use super::courier::{self, Courier, Job, Ticket};
 use super::replica::{Beside, Scatter, open_shard, overlaps};
+use super::rules::{Estimate, ModelFacts, Rules, Setup, state_tensors};
+use super::step::{Strategy, one_by_one};
 use super::zero2::scattering;
-use super::{
-    Estimate, ModelFacts, Rules, Setup, Strategy, answered_by_core, one_by_one, state_tensors,
-};
 use crate::config::{OptimConfig, RecomputeMode, name_of};
 use crate::error::{Error, Result};
 use crate::exec::{self, Hooks, Part, Recompute};

@@ -158,6 +158,7 @@ impl TrainerSettings {
         let p = &self.parallel;
         Setup {
             kind: p.strategy,
+            rules: crate::strategy::rules(p.strategy),
             world: self.world(),
             policy: Policy::new(&self.precision),
             recompute: self.recompute.clone(),

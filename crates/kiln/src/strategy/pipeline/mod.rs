@@ -42,8 +42,11 @@ use kiln_models::{Activation, BlockStack, StepOutput};
 use serde_json::json;
 
 use self::schedule::Op;
+use super::context::Context;
 use super::core::{Core, Norm};
-use super::{Context, Estimate, ModelFacts, Report, Rules, Setup, Strategy, state_tensors};
+use super::memory::Memory;
+use super::rules::{Estimate, ModelFacts, Rules, Setup, state_tensors};
+use super::step::{Report, Strategy, scored};
 use crate::comm::{Collective, ReduceOp};
 use crate::config::{OptimConfig, PipelineSchedule, name_of};
 use crate::error::{Error, Result};
@@ -345,7 +348,7 @@ impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
                         let (o, up, grads) = head_backward(&model, out, batch, objective);
                         self.acc.grads(&model, Part::Head, grads)?;
                         upstreams.insert(m, up);
-                        losses.push(crate::strategy::scored(o));
+                        losses.push(scored(o));
                     } else {
                         self.core.timed(|_| self.pipe.send(stage + 1, out))?;
                     }
@@ -705,7 +708,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
         Ok(report)
     }
 
-    fn memory(&self) -> super::Memory {
+    fn memory(&self) -> Memory {
         self.core.memory
     }
 

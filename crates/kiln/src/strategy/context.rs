@@ -1,0 +1,64 @@
+//! [`Context`]: what one rank's strategy is built from besides the model.
+
+use burn::prelude::*;
+
+use super::rules::Setup;
+use crate::comm::Collective;
+use crate::config::{DilocoConfig, OptimConfig, PipelineConfig};
+use crate::exec::Recompute;
+use crate::precision::Policy;
+
+/// What one rank's strategy is built from besides the model: resolved values, no config
+/// sections beyond the strategy's own.
+#[derive(Clone)]
+pub struct Context<'a> {
+    /// This rank's view of the group.
+    pub comm: &'a dyn Collective,
+    /// The rank's device, with autodiff (and Burn's checkpointing for `balanced`).
+    pub device: Device,
+    /// The precision policy.
+    pub policy: Policy,
+    /// Which blocks the block walk recomputes.
+    pub recompute: Recompute,
+    /// Synchronise BatchNorm statistics over ranks.
+    pub sync_batchnorm: bool,
+    /// Elements of one gradient bucket of an all-reduce.
+    pub bucket_elements: usize,
+    /// Stages, micro-batches and schedule (the `pipeline` strategy's own section).
+    pub pipeline: PipelineConfig,
+    /// The outer loop (the `diloco` strategy's own section).
+    pub diloco: DilocoConfig,
+    /// Reduce gradients beside the backward (`dist.overlap`).
+    pub overlap: bool,
+    /// The optimizer.
+    pub optim: OptimConfig,
+    /// The optimizer of each parameter group of a model with several (by group name; a group
+    /// not here uses `optim`).
+    pub group_optims: std::collections::BTreeMap<String, OptimConfig>,
+}
+
+impl<'a> Context<'a> {
+    /// The context of the rank `comm` on `device` under `setup`, stepping `optim` (and
+    /// `group_optims` for a model with parameter groups).
+    pub fn new(
+        setup: &Setup,
+        comm: &'a dyn Collective,
+        device: Device,
+        optim: OptimConfig,
+        group_optims: std::collections::BTreeMap<String, OptimConfig>,
+    ) -> Self {
+        Self {
+            comm,
+            device,
+            policy: setup.policy.clone(),
+            recompute: setup.walk_recompute(),
+            sync_batchnorm: setup.ddp.sync_batchnorm,
+            bucket_elements: (setup.ddp.bucket_mb * 1024.0 * 1024.0 / 4.0).max(1.0) as usize,
+            pipeline: setup.pipeline.clone(),
+            diloco: setup.diloco.clone(),
+            overlap: setup.overlap,
+            optim,
+            group_optims,
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! [`Rules`]: what a strategy allows, says of itself and expects to hold, before any rank
+//! runs; [`Setup`], the settings it is asked with; [`ModelFacts`], what it sees of a model.
+
+use burn::module::Module;
+use kiln_models::BlockStack;
+
+use crate::config::{
+    DdpConfig, DilocoConfig, OptimConfig, OptimizerKind, PipelineConfig, RecomputeConfig,
+    RecomputeMode, StrategyKind, name_of,
+};
+use crate::error::{Error, Result};
+use crate::exec::Recompute;
+use crate::params::{FlatLayout, has_buffers};
+use crate::precision::Policy;
+
+/// What a strategy allows, says of itself and expects to hold, before any rank runs (Lightning
+/// Fabric's strategy classes own the same: their checks, their description). Each strategy
+/// file has one type implementing it; [`rules`] finds it.
+pub trait Rules: Sync {
+    /// The strategy a device of this strategy runs its per-core sub-replicas under (a CPU
+    /// device's `hardware.cpu_split`, [`crate::cores`]); `None`, the default, for a strategy
+    /// that shards or stages over devices and keeps one replica per device.
+    fn core_split(&self) -> Option<StrategyKind> {
+        None
+    }
+    /// Refuses settings the strategy cannot run, whatever the model; one line naming the key.
+    fn check(&self, setup: &Setup) -> Result<()> {
+        let _ = setup;
+        Ok(())
+    }
+    /// Refuses a model the strategy cannot run; one line naming the key.
+    fn check_model(&self, model: &ModelFacts, setup: &Setup) -> Result<()> {
+        let _ = (model, setup);
+        Ok(())
+    }
+    /// Whether the strategy steps one optimizer only (it refuses a model with parameter
+    /// groups).
+    fn one_optimizer(&self) -> bool {
+        true
+    }
+    /// The start-up table's line: the strategy and what it shards.
+    fn describe(&self, setup: &Setup) -> String;
+    /// The start-up table's words for activation checkpointing under this strategy.
+    fn recompute_line(&self, setup: &Setup) -> String {
+        let r = &setup.recompute;
+        match r.mode {
+            RecomputeMode::Blocks if r.every > 1 => {
+                format!("recompute every {}th block", r.every)
+            }
+            m => format!("recompute {}", name_of(&m)),
+        }
+    }
+    /// The start-up table's words for how `per_step` samples make one step: `batch` per
+    /// micro-batch, `accumulate` accumulation steps.
+    fn batch_line(
+        &self,
+        setup: &Setup,
+        batch: usize,
+        accumulate: usize,
+        per_step: usize,
+    ) -> String {
+        format!(
+            "{batch} per device × {} devices × {accumulate} accumulation = {per_step} per step",
+            setup.world
+        )
+    }
+    /// The bytes per rank the strategy is expected to hold at its peaks, as DeepSpeed's
+    /// estimator gives them: computed from the layout (any shard count), before training.
+    fn estimate(&self, layout: &FlatLayout, optim: &OptimConfig, setup: &Setup)
+    -> Result<Estimate>;
+    /// Ranks one replica of the model takes.
+    fn stages(&self, setup: &Setup) -> usize {
+        let _ = setup;
+        1
+    }
+    /// Micro-batches one accumulation step runs.
+    fn flush(&self, setup: &Setup) -> usize {
+        let _ = setup;
+        1
+    }
+    /// The name of the state the strategy keeps in checkpoints beside the model's optimizer
+    /// states (`optimizer.<name>.bpk`, read on resume when present and handed to
+    /// [`Strategy::load_optimizer_states`] under that name); `None`, the default, for none.
+    fn own_state(&self) -> Option<&'static str> {
+        None
+    }
+}
+
+impl std::fmt::Debug for dyn Rules {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A strategy's rules are known by its kind, which `Setup` prints beside them.
+        f.write_str("Rules")
+    }
+}
+
+/// The settings strategies are checked, described, estimated and built with, resolved once
+/// from the config and the world: what the loop's settings hold for them, and nothing else.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// The strategy (resolved: never `auto`).
+    pub kind: StrategyKind,
+    /// Its rules, from the registry ([`rules`](crate::strategy::rules)).
+    pub rules: &'static dyn Rules,
+    /// Number of ranks.
+    pub world: usize,
+    /// The precision policy.
+    pub policy: Policy,
+    /// Activation checkpointing.
+    pub recompute: RecomputeConfig,
+    /// Gradient buckets and synchronised BatchNorm.
+    pub ddp: DdpConfig,
+    /// The pipeline's stages, micro-batches and schedule.
+    pub pipeline: PipelineConfig,
+    /// DiLoCo's outer loop.
+    pub diloco: DilocoConfig,
+    /// Reduce gradients beside the backward (`dist.overlap`).
+    pub overlap: bool,
+}
+
+impl Setup {
+    /// The strategy's rules.
+    pub fn rules(&self) -> &'static dyn Rules {
+        self.rules
+    }
+
+    /// The strategy's name as the config spells it.
+    pub fn name(&self) -> String {
+        name_of(&self.kind)
+    }
+
+    /// Refuses what the strategy cannot run with these settings, whatever the model.
+    pub fn check(&self) -> Result<()> {
+        self.rules().check(self)
+    }
+
+    /// Refuses a model the strategy cannot run (several optimizers where it steps one, a
+    /// model without the blocks it needs).
+    pub fn check_model(&self, model: &ModelFacts) -> Result<()> {
+        let rules = self.rules();
+        if !model.groups.is_empty() && rules.one_optimizer() {
+            return Err(Error::config(format!(
+                "key `strategy.name`: {:?} shards or splits one optimizer's step, but this model \
+                 steps {} optimizers ({}); use \"ddp\" or \"single\"",
+                self.name(),
+                model.groups.len(),
+                model.groups.join(", ")
+            )));
+        }
+        rules.check_model(model, self)
+    }
+
+    /// Ranks that one replica of the model takes (a pipeline's stages; 1 otherwise).
+    pub fn stages(&self) -> usize {
+        self.rules().stages(self)
+    }
+
+    /// Micro-batches one accumulation step runs (a pipeline's flush; 1 otherwise).
+    pub fn flush(&self) -> usize {
+        self.rules().flush(self)
+    }
+
+    /// The start-up table's line for the strategy.
+    pub fn describe(&self) -> String {
+        self.rules().describe(self)
+    }
+
+    /// The start-up table's words for activation checkpointing under this strategy.
+    pub fn recompute_line(&self) -> String {
+        self.rules().recompute_line(self)
+    }
+
+    /// The start-up table's words for how `per_step` samples make one step: `batch` per
+    /// micro-batch, `accumulate` accumulation steps.
+    pub fn batch_line(&self, batch: usize, accumulate: usize, per_step: usize) -> String {
+        self.rules().batch_line(self, batch, accumulate, per_step)
+    }
+
+    /// The expected peak bytes per rank for a model laid out as `layout` (any shard count),
+    /// with `optim`'s state.
+    pub fn estimate(&self, layout: &FlatLayout, optim: &OptimConfig) -> Result<Estimate> {
+        self.rules().estimate(layout, optim, self)
+    }
+
+    /// Which blocks the block walk recomputes, as `[recompute]` says (Burn's `balanced` is the
+    /// device's business and walks nothing).
+    pub fn walk_recompute(&self) -> Recompute {
+        match self.recompute.mode {
+            RecomputeMode::Blocks => Recompute::Blocks {
+                every: self.recompute.every,
+            },
+            RecomputeMode::None | RecomputeMode::Balanced => Recompute::Keep,
+        }
+    }
+}
+
+/// What a strategy's rules see of a model: its blocks, its parameter groups and its layout.
+#[derive(Debug, Clone)]
+pub struct ModelFacts {
+    /// Blocks its [`BlockStack`] describes.
+    pub blocks: usize,
+    /// Whether a block run twice gives the same result (no dropout).
+    pub deterministic: bool,
+    /// Whether it has buffers (BatchNorm running statistics).
+    pub buffers: bool,
+    /// Its parameter groups' names (none for a model with one optimizer).
+    pub groups: Vec<String>,
+    /// Its trainable parameters in one shard: the parameters outside every block, then each
+    /// block.
+    pub layout: FlatLayout,
+}
+
+impl ModelFacts {
+    /// The facts of `model`.
+    pub fn of<B, M: BlockStack<B> + Module>(model: &M) -> Self {
+        Self {
+            blocks: model.num_blocks(),
+            deterministic: model.blocks_deterministic(),
+            buffers: has_buffers(model),
+            groups: model.param_groups().into_iter().map(|g| g.name).collect(),
+            layout: FlatLayout::new(model, &block_ids(model), 1),
+        }
+    }
+}
+
+/// The ids of every block's parameters.
+pub fn block_ids<B, M: BlockStack<B>>(model: &M) -> Vec<Vec<burn::module::ParamId>> {
+    (0..model.num_blocks())
+        .map(|i| model.block_params(i))
+        .collect()
+}
+
+/// The bytes per rank a strategy is expected to hold at its peaks (see [`Rules::estimate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Estimate {
+    /// Parameter bytes.
+    pub params: usize,
+    /// Gradient bytes.
+    pub grads: usize,
+    /// Optimizer-state bytes.
+    pub optim: usize,
+}
+
+/// Optimizer-state tensors per parameter element.
+pub(crate) fn state_tensors(optim: &OptimConfig) -> usize {
+    match optim.name {
+        OptimizerKind::Adamw => 2,
+        OptimizerKind::Sgd => usize::from(optim.momentum > 0.0),
+    }
+}
+
+/// The estimate of a strategy that holds every parameter (and a compute copy), `grads`
+/// gradient elements and the optimizer state of `state` elements.
+pub(crate) fn replicated_estimate(
+    layout: &FlatLayout,
+    optim: &OptimConfig,
+    setup: &Setup,
+    grads: usize,
+    state: usize,
+) -> Estimate {
+    let full = layout.total();
+    let p = &setup.policy;
+    Estimate {
+        params: p.master_bytes(full) + p.compute_copy_bytes(full),
+        grads: grads * 4,
+        optim: state_tensors(optim) * p.master_bytes(state),
+    }
+}
