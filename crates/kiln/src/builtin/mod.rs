@@ -41,6 +41,7 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     fn load_set(overrides: &[&str]) -> Result<Config> {
         let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();

@@ -194,6 +194,7 @@ fn inherit_group_sections(table: &mut toml::Table) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::StrategyKind;
 
     fn load(overrides: &[&str]) -> Result<RootConfig> {
         let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();

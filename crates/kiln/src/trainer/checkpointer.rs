@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use burn::module::Module;
 
-use super::Workload;
 use super::validate::Validator;
+use super::workload::Workload;
 use crate::checkpoint;
 use crate::comm::Collective;
 use crate::config::TrainConfig;

@@ -5,7 +5,7 @@
 use burn::module::Module;
 use kiln_models::BlockStack;
 
-use super::TrainerSettings;
+use super::settings::TrainerSettings;
 use crate::config::RecomputeMode;
 use crate::error::{Error, Result};
 use crate::strategy::{ModelFacts, Setup};

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use burn::prelude::*;
 
-use super::Workload;
+use super::faults::{FAULT_VAR, loader_fault};
+use super::workload::Workload;
 use crate::data::{DistributedSampler, building};
 use crate::error::{Error, Result};
 use crate::state::LoopState;
@@ -316,25 +317,24 @@ fn load<W: Workload>(
             q.claimed += 1;
             q.claimed - 1
         };
-        let built =
-            std::panic::catch_unwind(AssertUnwindSafe(|| {
-                match crate::trainer::loader_fault(rank, plan.at(job).step + 1) {
-                    Some(true) => loop {
-                        std::thread::sleep(Duration::from_secs(3600));
-                    },
-                    Some(false) => {
-                        panic!("injected loader failure ({})", crate::trainer::FAULT_VAR)
-                    }
-                    None => plan.build(workload, job, device, &mut order),
+        let built = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            match loader_fault(rank, plan.at(job).step + 1) {
+                Some(true) => loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                },
+                Some(false) => {
+                    panic!("injected loader failure ({})", FAULT_VAR)
                 }
-            }))
-            .unwrap_or_else(|payload| {
-                Err(Error::Worker(format!(
-                    "rank {rank}'s data loader failed building step {} (a panic): {}",
-                    plan.at(job).step + 1,
-                    crate::panics::panic_message(&payload)
-                )))
-            });
+                None => plan.build(workload, job, device, &mut order),
+            }
+        }))
+        .unwrap_or_else(|payload| {
+            Err(Error::Worker(format!(
+                "rank {rank}'s data loader failed building step {} (a panic): {}",
+                plan.at(job).step + 1,
+                crate::panics::panic_message(&payload)
+            )))
+        });
         let mut q = shared.lock();
         if job >= q.taken {
             q.done.insert(job, built);

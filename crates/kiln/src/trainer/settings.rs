@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use burn::prelude::*;
 
 use crate::comm::Processes;
+use crate::comm::watch::WatchConfig;
 use crate::config::{
     DdpConfig, DistConfig, GroupConfig, LoaderConfig, MonitorConfig, OptimConfig, PipelineConfig,
     PrecisionConfig, RecomputeConfig, RootConfig, ScheduleConfig, StrategyKind, TrainConfig,
@@ -194,6 +195,20 @@ impl TrainerSettings {
     /// scaling and the summary count devices, not cores).
     pub fn device_data_world(&self) -> usize {
         self.data_world() / self.parallel.sub_replicas.max(1)
+    }
+
+    /// How these settings ask the collectives to be watched.
+    pub fn watch_config(&self) -> WatchConfig {
+        let d = &self.parallel.dist;
+        let seconds = |s: f64| (s > 0.0).then(|| std::time::Duration::from_secs_f64(s));
+        WatchConfig {
+            timeout: seconds(d.timeout_s),
+            startup_timeout: seconds(d.startup_timeout_s),
+            entries: d.flight_entries,
+            check: d.check_collectives,
+            flight_dir: Some(self.output.run_dir.join("flight")),
+            process: self.parallel.processes.index,
+        }
     }
 
     /// Micro-batches per optimizer step: the accumulation, times a pipeline's micro-batches.

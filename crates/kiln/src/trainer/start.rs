@@ -6,7 +6,8 @@ use std::path::Path;
 use burn::module::Module;
 use burn::store::ModuleRecord;
 
-use super::{TrainerSettings, Workload};
+use super::settings::TrainerSettings;
+use super::workload::Workload;
 use crate::checkpoint;
 use crate::config::name_of;
 use crate::data::DistributedSampler;

@@ -8,13 +8,13 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 use kiln_models::{Combine, SetMetric, TrainStep};
 
-use super::Workload;
 use super::log::{Scores, add_metrics, agree_names, mean_metrics};
-use super::worker::Worker;
+use super::workload::Workload;
 use crate::comm::{Collective, ReduceOp, pack};
 use crate::config::TrainConfig;
 use crate::data::eval_shard;
 use crate::error::{Error, Result};
+use crate::precision::Policy;
 use crate::state::LoopState;
 
 /// When the loop validates, and what it found last.
@@ -59,16 +59,23 @@ impl Validator {
     }
 }
 
-impl<W: Workload> Worker<'_, W> {
-    /// Mean loss and accuracy over the whole evaluation set, each sample counted once, in the
-    /// precision the ranks train in; the means of the step's named metrics, then its metrics
-    /// over the whole set.
-    pub(super) fn validate(&self, model: &W::Model) -> Result<(Scores, Vec<(String, f64)>)> {
-        let eval_device = self.device.clone().without_autodiff();
-        let policy = &self.policy;
+/// Mean loss and accuracy over the whole evaluation set of `workload`, each sample counted
+/// once, on this rank's shard of it (`comm`'s rank), batches of `batch_size` on `device`, in
+/// the precision `policy` trains in; the means of the step's named metrics, then its metrics
+/// over the whole set.
+pub(super) fn validate<W: Workload>(
+    workload: &W,
+    model: &W::Model,
+    policy: &Policy,
+    comm: &dyn Collective,
+    device: &Device,
+    batch_size: usize,
+) -> Result<(Scores, Vec<(String, f64)>)> {
+    {
+        let eval_device = device.clone().without_autodiff();
         let model = policy.eval_model(model).valid();
-        let range = eval_shard(self.workload.eval_len(), self.world(), self.rank());
-        let bs = self.settings.train.batch_size;
+        let range = eval_shard(workload.eval_len(), comm.world_size(), comm.rank());
+        let bs = batch_size;
         let mut loss_sum: Option<Tensor<1>> = None;
         let mut correct: Option<Tensor<1, Int>> = None;
         let mut named = BTreeMap::new();
@@ -76,8 +83,8 @@ impl<W: Workload> Worker<'_, W> {
         let mut start = range.start;
         while start < range.end {
             let end = (start + bs).min(range.end);
-            let batch = self.workload.try_eval_batch(start..end, &eval_device)?;
-            let batch = policy.cast_batch(batch, |b, d| self.workload.cast_batch(b, d));
+            let batch = workload.try_eval_batch(start..end, &eval_device)?;
+            let batch = policy.cast_batch(batch, |b, d| workload.cast_batch(b, d));
             let out = model.step(batch);
             let weighted = out
                 .loss
@@ -106,12 +113,12 @@ impl<W: Workload> Worker<'_, W> {
             range.len() as f32,
             f32::from(u8::from(correct.is_some() || range.is_empty())),
         ];
-        self.comm.all_reduce(&mut stats, ReduceOp::Sum)?;
+        comm.all_reduce(&mut stats, ReduceOp::Sum)?;
         let n = f64::from(stats[2]).max(1.0);
-        let has_accuracy = stats[3] as usize == self.world();
-        let names = agree_names(self.comm.as_ref(), &named.keys().cloned().collect())?;
-        let mut metrics = mean_metrics(self.comm.as_ref(), &names, named)?;
-        metrics.extend(sets.finish(self.comm.as_ref())?);
+        let has_accuracy = stats[3] as usize == comm.world_size();
+        let names = agree_names(comm, &named.keys().cloned().collect())?;
+        let mut metrics = mean_metrics(comm, &names, named)?;
+        metrics.extend(sets.finish(comm)?);
         let scores = (
             f64::from(stats[0]) / n,
             has_accuracy.then(|| f64::from(stats[1]) / n),

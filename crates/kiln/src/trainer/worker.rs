@@ -8,215 +8,60 @@ use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::prelude::*;
-use kiln_models::StepOutput;
 
 use super::checkpointer::Checkpointer;
+use super::faults::{ABORTED, Fault, injected_fault, is_abort_echo};
 use super::loader::{Feed, Plan};
-use super::log::{Logger, LoggerParts, Scores, Times};
+use super::log::{Logger, LoggerParts, Scores};
 use super::plateau;
+use super::settings::TrainerSettings;
 use super::start::Start;
-use super::validate::Validator;
-use super::{EventKind, TrainerSettings, Workload};
-use crate::checkpoint;
-use crate::comm::watch::{Recorder, Watchdog, watched};
-use crate::comm::{Collective, pack};
-use crate::config::{RecomputeMode, name_of};
+use super::validate::{self, Validator};
+use super::workload::{Event, EventKind, Workload};
+use crate::comm::Collective;
+use crate::comm::watch::Recorder;
 use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
-use crate::exec::draws;
 use crate::metrics::{MetricsWriter, Progress, Summary};
 use crate::monitor::{SystemMonitor, Throughput, peak_tflops, process_memory_mib};
-use crate::optim::{Schedule, scaled_lr};
+use crate::optim::Schedule;
 use crate::precision::Policy;
 use crate::state::LoopState;
 use crate::state::Plateau;
 use crate::strategy::{self, Context, Setup, Strategy};
 
-const ABORTED: &str = "stopped because ";
-
 /// What a rank hands back: on the first rank of each process, the summary and the final model.
-struct Outcome<M> {
-    lead: Option<(Summary, M)>,
-}
-
-/// Whether `e` is a rank's report that another rank aborted the group.
-fn is_abort_echo(e: &Error) -> bool {
-    matches!(e, Error::Worker(m) if m.starts_with(ABORTED))
-}
-
-/// Starts one worker thread per rank of `comms`, waits for all of them and returns rank 0's
-/// summary (with every rank's memory figures) and final model, or the error that started a
-/// failure.
-pub(super) fn run_all<W: Workload>(
-    workload: &W,
-    settings: &TrainerSettings,
-    sampler: &DistributedSampler,
-    total: usize,
-    comms: Vec<Box<dyn Collective>>,
-    start: &Start,
-    monitor: Option<&SystemMonitor>,
-) -> Result<(Summary, W::Model)> {
-    // Every collective of the run is numbered, recorded and watched against its deadline.
-    let (comms, watchdog) = watched(comms, super::watch_config(settings), crate::comm::remote());
-    let watchdog = &watchdog;
-    let setup = settings.setup();
-    let schedules = schedules(settings, &start.groups, total);
-    let results: Vec<Result<Outcome<W::Model>>> = std::thread::scope(|scope| {
-        // Each worker says when it returns, so that the wait below ends at once.
-        let (finished, returns) = std::sync::mpsc::channel::<()>();
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(local, comm)| {
-                let rank = comm.rank();
-                let base = settings.parallel.devices[local].clone().autodiff();
-                let worker = Worker {
-                    workload,
-                    settings,
-                    policy: setup.policy.clone(),
-                    setup: setup.clone(),
-                    groups: start.groups.clone(),
-                    sampler: sampler.clone(),
-                    schedules: schedules.clone(),
-                    micros: settings.micro_batches(),
-                    data_rank: settings.data_rank(rank),
-                    data_world: settings.data_world(),
-                    total,
-                    comm,
-                    recorder: watchdog.recorder(local),
-                    local,
-                    device: match settings.recompute.mode {
-                        RecomputeMode::Balanced => base.gradient_checkpointing(),
-                        _ => base,
-                    },
-                    monitor: monitor.filter(|_| rank == 0),
-                    draws: start.draws,
-                };
-                let finished = finished.clone();
-                std::thread::Builder::new()
-                    .name(format!("kiln-worker-{rank}"))
-                    .spawn_scoped(scope, move || {
-                        let outcome = worker.run_guarded(start);
-                        let _ = finished.send(());
-                        outcome
-                    })
-                    .expect("spawn a worker thread")
-            })
-            .collect();
-        drop(finished);
-        wait_or_exit(&handles, &returns, watchdog);
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Error::Worker("a worker thread died".into())))
-            })
-            .collect()
-    });
-
-    // Report the failure that started it all, not the ranks it aborted.
-    let mut lead = None;
-    let mut errors = Vec::new();
-    for r in results {
-        match r {
-            Ok(out) => {
-                if out.lead.is_some() {
-                    lead = out.lead;
-                }
-            }
-            Err(e) => errors.push(e),
-        }
-    }
-    if !errors.is_empty() {
-        let origin = errors.iter().position(|e| !is_abort_echo(e)).unwrap_or(0);
-        return Err(errors.swap_remove(origin));
-    }
-    lead.ok_or_else(|| Error::Worker("the process's first rank returned no result".into()))
-}
-
-/// Seconds a worker has to return after the run began to fail (a deadline, another rank's
-/// failure) before the process ends without it.
-const GRACE: Duration = Duration::from_secs(5);
-
-/// Waits for every worker thread. A worker that has not returned [`GRACE`] after the run began
-/// to fail is stuck where nothing can reach it (a hung rank): the process then ends with the
-/// run's error line, exit code 2, rather than wait forever.
-fn wait_or_exit<T>(
-    handles: &[std::thread::ScopedJoinHandle<'_, T>],
-    returns: &std::sync::mpsc::Receiver<()>,
-    watchdog: &Watchdog,
-) {
-    let mut returned = 0;
-    while returned < handles.len() {
-        if let Some((since, why)) = watchdog.failed()
-            && since > GRACE
-        {
-            let stuck: Vec<String> = handles
-                .iter()
-                .enumerate()
-                .filter(|(_, h)| !h.is_finished())
-                .map(|(local, _)| format!("rank {}", watchdog.recorder(local).rank()))
-                .collect();
-            eprintln!(
-                "error: {why}; {} did not stop within {} s of it, so the process ends",
-                stuck.join(", "),
-                GRACE.as_secs()
-            );
-            std::process::exit(2);
-        }
-        match returns.recv_timeout(Duration::from_millis(50)) {
-            Ok(()) => returned += 1,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-            // Every worker is gone (one that died without a word is reported by its join).
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
-        }
-    }
-}
-
-/// One learning-rate schedule per optimizer (per parameter group, or one).
-fn schedules(settings: &TrainerSettings, groups: &[String], total: usize) -> Vec<Schedule> {
-    let phases = groups.len().max(1);
-    (0..phases)
-        .map(|g| {
-            let name = groups.get(g).map_or("", String::as_str);
-            let optim = settings.group_optim(name);
-            let peak = scaled_lr(
-                optim,
-                settings.device_data_world(),
-                settings.micro_batches(),
-            );
-            Schedule::new(peak, settings.group_schedule(name), total)
-        })
-        .collect()
+pub(super) struct Outcome<M> {
+    pub(super) lead: Option<(Summary, M)>,
 }
 
 /// One rank: its device, its view of the group, and what the loop reads.
 pub(super) struct Worker<'a, W: Workload> {
-    pub workload: &'a W,
-    pub settings: &'a TrainerSettings,
-    pub setup: Setup,
-    pub policy: Policy,
+    pub(super) workload: &'a W,
+    pub(super) settings: &'a TrainerSettings,
+    pub(super) setup: Setup,
+    pub(super) policy: Policy,
     /// The model's parameter groups (none for a model with one optimizer).
-    groups: Vec<String>,
-    sampler: DistributedSampler,
-    schedules: Vec<Schedule>,
+    pub(super) groups: Vec<String>,
+    pub(super) sampler: DistributedSampler,
+    pub(super) schedules: Vec<Schedule>,
     /// Micro-batches per optimizer step.
-    micros: usize,
+    pub(super) micros: usize,
     /// This rank's data-parallel rank, and how many there are.
-    data_rank: usize,
-    data_world: usize,
-    total: usize,
-    pub comm: Box<dyn Collective + 'a>,
+    pub(super) data_rank: usize,
+    pub(super) data_world: usize,
+    pub(super) total: usize,
+    pub(super) comm: Box<dyn Collective + 'a>,
     /// The rank's flight recorder (its collectives are recorded by `comm`; its steps here).
-    recorder: Arc<Recorder>,
+    pub(super) recorder: Arc<Recorder>,
     /// This rank's index among the ranks of its process (its device's index).
-    local: usize,
-    pub device: Device,
+    pub(super) local: usize,
+    pub(super) device: Device,
     /// The system monitor, on rank 0.
-    monitor: Option<&'a SystemMonitor>,
+    pub(super) monitor: Option<&'a SystemMonitor>,
     /// The model draws random numbers in its forward: each forward is seeded from (seed, rank,
     /// step) ([`crate::exec::draws`]).
-    draws: bool,
+    pub(super) draws: bool,
 }
 
 impl<W: Workload> Worker<'_, W> {
@@ -228,11 +73,23 @@ impl<W: Workload> Worker<'_, W> {
         self.comm.world_size()
     }
 
+    /// Validates `model` on this rank's shard of the evaluation set.
+    pub(super) fn validate(&self, model: &W::Model) -> Result<(Scores, Vec<(String, f64)>)> {
+        validate::validate(
+            self.workload,
+            model,
+            &self.policy,
+            self.comm.as_ref(),
+            &self.device,
+            self.settings.train.batch_size,
+        )
+    }
+
     /// Runs the worker, turning an error or a panic into an abort of the whole group so that
     /// no other rank waits forever. The rank's loader threads live in a scope around it: the
     /// abort is said before the scope waits for them, so that one stuck in the workload's code
     /// is ended with the process (`wait_or_exit`) rather than holding the rank.
-    fn run_guarded(self, start: &Start) -> Result<Outcome<W::Model>> {
+    pub(super) fn run_guarded(self, start: &Start) -> Result<Outcome<W::Model>> {
         let rank = self.rank();
         let pool = (self.settings.parallel.split_cpu_threads && self.world() > 1).then(|| {
             let cores = self.settings.parallel.cpu_cores;
@@ -404,7 +261,7 @@ impl<W: Workload> Worker<'_, W> {
         if self.rank() != 0 {
             return Ok(());
         }
-        let event = super::Event {
+        let event = Event {
             kind,
             step: state.step,
             epoch: state.epoch,
@@ -458,107 +315,9 @@ impl<W: Workload> Worker<'_, W> {
         Ok(early.observe(w, value, step).then(|| early.reason(w)))
     }
 
-    /// One optimizer step: each parameter group's micro-steps and update in turn (one group
-    /// for most models), a later group seeing what an earlier one stepped.
-    fn train_step(
-        &self,
-        state: &mut LoopState,
-        feed: &mut Feed<'_, W>,
-        strategy: &mut dyn Strategy<W::Model, W::Batch>,
-        log: &mut Logger,
-    ) -> Result<()> {
-        let t = &self.settings.train;
-        if state.step_in_epoch == self.sampler.steps_per_epoch() {
-            state.epoch += 1;
-            state.step_in_epoch = 0;
-        }
-        let lrs: Vec<f64> = self
-            .schedules
-            .iter()
-            .enumerate()
-            .map(|(g, s)| {
-                let reductions = state.plateaus.get(g).map_or(0, |p| p.acted);
-                self.workload
-                    .lr(g, state.step, s.lr_after(state.step, reductions))
-            })
-            .collect();
-        state.lr = lrs[0];
-        let micros = self.micros;
-        let objective = objective(micros, state.scaler.as_ref().map(|s| s.scale as f32));
-        for (phase, &lr) in lrs.iter().enumerate() {
-            let t0 = Instant::now();
-            if lrs.len() > 1 {
-                strategy.select_group(phase)?;
-            }
-            strategy.begin_step()?;
-            // The strategy takes each micro-batch when it needs it; building it, or waiting
-            // for the loader threads to, is data time.
-            let mut data = 0.0;
-            let step = state.step;
-            let mut batches = (0..micros).map(|micro| {
-                let t0 = Instant::now();
-                let batch = feed.take(step, phase, micro).map(|b| {
-                    self.policy
-                        .cast_batch(b, |b, dtype| self.workload.cast_batch(b, dtype))
-                });
-                data += t0.elapsed().as_secs_f64();
-                batch
-            });
-            if self.draws {
-                let seed = self.settings.seed;
-                draws::begin(seed, self.rank(), state.step, phase, &self.device);
-            }
-            let outs = strategy.micro_steps(&mut batches, micros, &objective);
-            draws::end();
-            let outs = outs?;
-            drop(batches);
-            if let Some(Fault::Slow(pause)) = self.fault(state.step + 1, true) {
-                // A straggler: its compute takes longer.
-                std::thread::sleep(pause);
-            }
-            // Collectives inside the micro-steps (ZeRO's reduce-scatters and gathers) count as
-            // synchronisation, not compute.
-            let inside = strategy.take_sync_seconds();
-            let compute = t0.elapsed().as_secs_f64() - data - inside;
-            let t2 = Instant::now();
-            strategy.optimizer_step(lr, state.scaler.as_mut(), t.grad_clip)?;
-            let sync = strategy.take_sync_seconds();
-            let optim = t2.elapsed().as_secs_f64() - sync;
-            let times = Times {
-                data,
-                compute,
-                sync: inside + sync,
-                optim,
-            };
-            log.add(phase, lr, &outs, times);
-            if strategy.nonfinite() {
-                self.nonfinite(state.step + 1, phase, &outs, log)?;
-            }
-        }
-        state.step += 1;
-        state.step_in_epoch += 1;
-        state.samples += self.sampler.samples_per_step() as u64;
-        log.step_done(state.step, self.sampler.samples_per_step());
-        self.recorder.step_done();
-        if t.check_replicas && self.world() > 1 {
-            strategy.check_replicas(state.step)?;
-        }
-        match self.fault(state.step, false) {
-            Some(Fault::Panic) => {
-                panic!("injected failure after step {} ({FAULT_VAR})", state.step)
-            }
-            Some(Fault::Hang) => loop {
-                // The rank stops making progress, as a stuck kernel or a deadlock would.
-                std::thread::sleep(Duration::from_secs(3600));
-            },
-            _ => {}
-        }
-        Ok(())
-    }
-
     /// The fault injected into this rank at `step` (a straggler's slowness from that step on,
     /// when `ongoing`).
-    fn fault(&self, step: usize, ongoing: bool) -> Option<Fault> {
+    pub(super) fn fault(&self, step: usize, ongoing: bool) -> Option<Fault> {
         let (rank, at, fault) = injected_fault()?;
         let due = match fault {
             Fault::Slow(_) if ongoing => step >= at,
@@ -643,212 +402,16 @@ impl<W: Workload> Worker<'_, W> {
         };
         Ok(all.iter().find(|s| **s > 0.0).map(|s| *s as i32))
     }
-
-    /// A step whose gradients were not finite (every rank saw the same flag): within
-    /// `train.skip_nonfinite` it is skipped (the parameters stay as they were), past it the
-    /// run stops, before anything is written for this step.
-    fn nonfinite(
-        &self,
-        step: usize,
-        phase: usize,
-        outs: &[StepOutput],
-        log: &mut Logger,
-    ) -> Result<()> {
-        let allowed = self.settings.train.skip_nonfinite;
-        if log.skipped < allowed {
-            log.skipped += 1;
-            return Ok(());
-        }
-        let bad = outs
-            .iter()
-            .position(|o| !o.loss.clone().into_scalar::<f32>().is_finite())
-            .map_or(-1.0, |m| m as f32);
-        let all = self.comm.all_gather(&[bad])?;
-        let at: Vec<String> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| **m >= 0.0)
-            .map(|(r, m)| format!("rank {r} micro-batch {}", *m as usize))
-            .collect();
-        let mut what = if at.is_empty() {
-            "a non-finite gradient (every loss was finite)".to_string()
-        } else {
-            format!("a non-finite loss ({})", at.join(", "))
-        };
-        if let Some(group) = self.groups.get(phase) {
-            what = format!("{what} in parameter group {group:?}");
-        }
-        let kept = checkpoint::list(&self.settings.output.run_dir)
-            .pop()
-            .map_or("none was written".to_string(), |(_, d)| {
-                format!("{} is intact", d.display())
-            });
-        Err(Error::Training(format!(
-            "step {step}: {what}; the step was not taken and the newest checkpoint {kept} \
-             (train.skip_nonfinite = {allowed} lets a run skip such steps)"
-        )))
-    }
-
-    /// After the last step (or a stop): the final validation if none ran at this step, the
-    /// memory figures of every rank, and on the process's first rank the summary and the
-    /// model as it leaves the run (f32).
-    fn finish(
-        &self,
-        strategy: &mut dyn Strategy<W::Model, W::Batch>,
-        state: LoopState,
-        mut log: Logger,
-        ran: Ran,
-    ) -> Result<Outcome<W::Model>> {
-        let s = self.settings;
-        let model = strategy.full_model()?;
-        let mut last_val = ran.val.last;
-        let step = state.step;
-        if ran.val.at != Some(step)
-            && self.workload.eval_len() > 0
-            && step > 0
-            && ran.stopped_by.is_none()
-        {
-            last_val = Some(self.validate(&model)?.0);
-        }
-        log.finish();
-        let wall = ran.wall + ran.started.elapsed().as_secs_f64();
-        let m = strategy.memory();
-        let pool = m.pool_peak.unwrap_or(u64::MAX);
-        let counts = [m.params.peak, m.grads.peak, m.optim.peak, m.total_peak].map(|c| c as u64);
-        let mut mine = counts.to_vec();
-        mine.push(pool);
-        let memories = pack::gather_counts(self.comm.as_ref(), &mine)?;
-        if self.local != 0 {
-            return Ok(Outcome { lead: None });
-        }
-        let per_rank = |i: usize| memories.iter().map(|m| m[i] as usize).collect();
-        let summary = Summary {
-            steps: step,
-            epochs: step as f64 / self.sampler.steps_per_epoch() as f64,
-            final_train_loss: log.last_loss,
-            val_loss: last_val.map(|v| v.0),
-            val_accuracy: last_val.and_then(|v| v.1),
-            wall_seconds: wall,
-            samples_per_sec: state.samples as f64 / wall.max(1e-9),
-            devices: self.world() / s.parallel.sub_replicas.max(1),
-            sub_replicas: s.parallel.sub_replicas.max(1),
-            strategy: self.setup.name(),
-            precision: self.policy.name(),
-            accelerator: s.parallel.accelerator.clone(),
-            recompute: name_of(&s.recompute.mode),
-            step_seconds: super::median(&mut log.step_times),
-            start_rss_mib: ran.start_rss_mib,
-            peak_rss_mib: process_memory_mib("VmHWM"),
-            param_bytes_per_rank: per_rank(0),
-            grad_bytes_per_rank: per_rank(1),
-            optim_bytes_per_rank: per_rank(2),
-            peak_bytes_per_rank: per_rank(3),
-            pool_peak_bytes_per_rank: memories
-                .iter()
-                .map(|m| (m[4] != u64::MAX).then_some(m[4]))
-                .collect(),
-            processes: s.parallel.processes.count,
-            stopped_by: ran.stopped_by,
-            stopped_early: ran.stopped_early,
-        };
-        // The exported model is f32 whatever the training precision.
-        let model = self.policy.export(model);
-        Ok(Outcome {
-            lead: Some((summary, model.valid())),
-        })
-    }
 }
 
 /// What the loop leaves for [`Worker::finish`] besides the state and the log.
-struct Ran {
-    val: Validator,
+pub(super) struct Ran {
+    pub(super) val: Validator,
     /// Seconds of training before this run (a resumed run's), and when this one started.
-    wall: f64,
-    started: Instant,
-    start_rss_mib: Option<f64>,
-    stopped_by: Option<String>,
+    pub(super) wall: f64,
+    pub(super) started: Instant,
+    pub(super) start_rss_mib: Option<f64>,
+    pub(super) stopped_by: Option<String>,
     /// Why early stopping ended the run, if it did.
-    stopped_early: Option<String>,
-}
-
-/// What a micro-batch's backward differentiates: its mean loss divided by the micro-batches of
-/// the step, times the loss scale.
-fn objective(micros: usize, scale: Option<f32>) -> impl Fn(Tensor<1>) -> Tensor<1> {
-    move |loss: Tensor<1>| {
-        let loss = if micros > 1 {
-            loss.div_scalar(micros as f32)
-        } else {
-            loss
-        };
-        match scale {
-            Some(scale) => loss.mul_scalar(scale),
-            None => loss,
-        }
-    }
-}
-
-/// The environment variable that injects a fault into one rank, to test how a run ends (a test
-/// facility, in-process and across processes): `KILN_FAULT_INJECT=rank:step` panics after that
-/// step, `rank:step:hang` stops making progress after it, `rank:step:slow=MS` adds MS
-/// milliseconds of compute to every step from that one on (a straggler), and
-/// `rank:step:loader-hang` / `rank:step:loader-panic` make a loader thread of the rank
-/// (`data.workers` > 0) hang or panic building that step's batch.
-pub const FAULT_VAR: &str = "KILN_FAULT_INJECT";
-
-/// A fault the variable injects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fault {
-    Panic,
-    Hang,
-    Slow(Duration),
-    /// A loader thread of the rank stops making progress building the step's batch.
-    LoaderHang,
-    /// A loader thread of the rank panics building the step's batch.
-    LoaderPanic,
-}
-
-/// The fault injected into `rank`'s loader threads as they build the batches of step `step`
-/// (1-based): `true` hangs, `false` panics.
-pub(crate) fn loader_fault(rank: usize, step: usize) -> Option<bool> {
-    match injected_fault()? {
-        (r, at, Fault::LoaderHang) if r == rank && at == step => Some(true),
-        (r, at, Fault::LoaderPanic) if r == rank && at == step => Some(false),
-        _ => None,
-    }
-}
-
-/// The `(rank, step, fault)` the variable asks for, if it does.
-fn injected_fault() -> Option<(usize, usize, Fault)> {
-    static FAULT: std::sync::OnceLock<Option<(usize, usize, Fault)>> = std::sync::OnceLock::new();
-    *FAULT.get_or_init(|| {
-        let raw = std::env::var(FAULT_VAR).ok()?;
-        let mut parts = raw.split(':').map(str::trim);
-        let rank = parts.next()?.parse().ok()?;
-        let step = parts.next()?.parse().ok()?;
-        let fault = match parts.next() {
-            None => Fault::Panic,
-            Some("hang") => Fault::Hang,
-            Some("loader-hang") => Fault::LoaderHang,
-            Some("loader-panic") => Fault::LoaderPanic,
-            Some(slow) => {
-                let ms = slow.strip_prefix("slow=")?.parse().ok()?;
-                Fault::Slow(Duration::from_millis(ms))
-            }
-        };
-        Some((rank, step, fault))
-    })
-}
-
-/// The median of `values` (sorted in place), `None` when empty.
-pub fn median(values: &mut [f64]) -> Option<f64> {
-    if values.is_empty() {
-        return None;
-    }
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    Some(if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    })
+    pub(super) stopped_early: Option<String>,
 }

@@ -106,7 +106,9 @@ pub fn watched(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::ReduceOp;
     use crate::comm::world_group;
+    use std::time::Instant;
 
     /// Runs `body(rank, group)` on a watched in-process group of `n` ranks, one thread each.
     fn on_ranks<T: Send>(

@@ -1,0 +1,181 @@
+//! One optimizer step of a rank: each parameter group's micro-batches and update, and what a
+//! step whose gradients were not finite does.
+
+use burn::prelude::*;
+use kiln_models::StepOutput;
+
+use super::faults::Fault;
+use super::loader::Feed;
+use super::log::Logger;
+use super::worker::Worker;
+use super::workload::Workload;
+use crate::checkpoint;
+use crate::error::{Error, Result};
+use crate::exec::draws;
+use crate::state::LoopState;
+use crate::strategy::Strategy;
+use crate::trainer::FAULT_VAR;
+use crate::trainer::log::Times;
+use std::time::Duration;
+use std::time::Instant;
+
+impl<W: Workload> Worker<'_, W> {
+    /// One optimizer step: each parameter group's micro-steps and update in turn (one group
+    /// for most models), a later group seeing what an earlier one stepped.
+    pub(super) fn train_step(
+        &self,
+        state: &mut LoopState,
+        feed: &mut Feed<'_, W>,
+        strategy: &mut dyn Strategy<W::Model, W::Batch>,
+        log: &mut Logger,
+    ) -> Result<()> {
+        let t = &self.settings.train;
+        if state.step_in_epoch == self.sampler.steps_per_epoch() {
+            state.epoch += 1;
+            state.step_in_epoch = 0;
+        }
+        let lrs: Vec<f64> = self
+            .schedules
+            .iter()
+            .enumerate()
+            .map(|(g, s)| {
+                let reductions = state.plateaus.get(g).map_or(0, |p| p.acted);
+                self.workload
+                    .lr(g, state.step, s.lr_after(state.step, reductions))
+            })
+            .collect();
+        state.lr = lrs[0];
+        let micros = self.micros;
+        let objective = objective(micros, state.scaler.as_ref().map(|s| s.scale as f32));
+        for (phase, &lr) in lrs.iter().enumerate() {
+            let t0 = Instant::now();
+            if lrs.len() > 1 {
+                strategy.select_group(phase)?;
+            }
+            strategy.begin_step()?;
+            // The strategy takes each micro-batch when it needs it; building it, or waiting
+            // for the loader threads to, is data time.
+            let mut data = 0.0;
+            let step = state.step;
+            let mut batches = (0..micros).map(|micro| {
+                let t0 = Instant::now();
+                let batch = feed.take(step, phase, micro).map(|b| {
+                    self.policy
+                        .cast_batch(b, |b, dtype| self.workload.cast_batch(b, dtype))
+                });
+                data += t0.elapsed().as_secs_f64();
+                batch
+            });
+            if self.draws {
+                let seed = self.settings.seed;
+                draws::begin(seed, self.rank(), state.step, phase, &self.device);
+            }
+            let outs = strategy.micro_steps(&mut batches, micros, &objective);
+            draws::end();
+            let outs = outs?;
+            drop(batches);
+            if let Some(Fault::Slow(pause)) = self.fault(state.step + 1, true) {
+                // A straggler: its compute takes longer.
+                std::thread::sleep(pause);
+            }
+            // Collectives inside the micro-steps (ZeRO's reduce-scatters and gathers) count as
+            // synchronisation, not compute.
+            let inside = strategy.take_sync_seconds();
+            let compute = t0.elapsed().as_secs_f64() - data - inside;
+            let t2 = Instant::now();
+            strategy.optimizer_step(lr, state.scaler.as_mut(), t.grad_clip)?;
+            let sync = strategy.take_sync_seconds();
+            let optim = t2.elapsed().as_secs_f64() - sync;
+            let times = Times {
+                data,
+                compute,
+                sync: inside + sync,
+                optim,
+            };
+            log.add(phase, lr, &outs, times);
+            if strategy.nonfinite() {
+                self.nonfinite(state.step + 1, phase, &outs, log)?;
+            }
+        }
+        state.step += 1;
+        state.step_in_epoch += 1;
+        state.samples += self.sampler.samples_per_step() as u64;
+        log.step_done(state.step, self.sampler.samples_per_step());
+        self.recorder.step_done();
+        if t.check_replicas && self.world() > 1 {
+            strategy.check_replicas(state.step)?;
+        }
+        match self.fault(state.step, false) {
+            Some(Fault::Panic) => {
+                panic!("injected failure after step {} ({FAULT_VAR})", state.step)
+            }
+            Some(Fault::Hang) => loop {
+                // The rank stops making progress, as a stuck kernel or a deadlock would.
+                std::thread::sleep(Duration::from_secs(3600));
+            },
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// A step whose gradients were not finite (every rank saw the same flag): within
+    /// `train.skip_nonfinite` it is skipped (the parameters stay as they were), past it the
+    /// run stops, before anything is written for this step.
+    fn nonfinite(
+        &self,
+        step: usize,
+        phase: usize,
+        outs: &[StepOutput],
+        log: &mut Logger,
+    ) -> Result<()> {
+        let allowed = self.settings.train.skip_nonfinite;
+        if log.skipped < allowed {
+            log.skipped += 1;
+            return Ok(());
+        }
+        let bad = outs
+            .iter()
+            .position(|o| !o.loss.clone().into_scalar::<f32>().is_finite())
+            .map_or(-1.0, |m| m as f32);
+        let all = self.comm.all_gather(&[bad])?;
+        let at: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| **m >= 0.0)
+            .map(|(r, m)| format!("rank {r} micro-batch {}", *m as usize))
+            .collect();
+        let mut what = if at.is_empty() {
+            "a non-finite gradient (every loss was finite)".to_string()
+        } else {
+            format!("a non-finite loss ({})", at.join(", "))
+        };
+        if let Some(group) = self.groups.get(phase) {
+            what = format!("{what} in parameter group {group:?}");
+        }
+        let kept = checkpoint::list(&self.settings.output.run_dir)
+            .pop()
+            .map_or("none was written".to_string(), |(_, d)| {
+                format!("{} is intact", d.display())
+            });
+        Err(Error::Training(format!(
+            "step {step}: {what}; the step was not taken and the newest checkpoint {kept} \
+             (train.skip_nonfinite = {allowed} lets a run skip such steps)"
+        )))
+    }
+}
+
+/// What a micro-batch's backward differentiates: its mean loss divided by the micro-batches of
+/// the step, times the loss scale.
+fn objective(micros: usize, scale: Option<f32>) -> impl Fn(Tensor<1>) -> Tensor<1> {
+    move |loss: Tensor<1>| {
+        let loss = if micros > 1 {
+            loss.div_scalar(micros as f32)
+        } else {
+            loss
+        };
+        match scale {
+            Some(scale) => loss.mul_scalar(scale),
+            None => loss,
+        }
+    }
+}
