@@ -1,0 +1,22 @@
+//! The system monitor and the throughput arithmetic of the logging block.
+//!
+//! [`SystemMonitor`] samples, on its own thread every `monitor.interval_s` seconds: the
+//! process's resident memory (now and peak) and CPU utilization, the machine's CPU
+//! utilization, each replica's share of the CPU (when CPU replicas run in their own thread
+//! pools), what Burn's allocator holds on each device (where the backend reports it) and,
+//! through NVML, each GPU's utilization, memory and power. Samples are records with
+//! `"split": "system"`; rank 0 drains them into the metric sinks when it logs, so the hot
+//! loop gains nothing but one atomic store per step.
+//!
+//! [`peak_tflops`] and [`Ema`] serve the throughput and MFU columns of the training records.
+
+mod gpus;
+mod proc;
+mod sample;
+mod system;
+mod throughput;
+
+pub use proc::process_memory_mib;
+pub use sample::{DeviceSample, SystemSample};
+pub use system::{MonitorSetup, SystemMonitor};
+pub use throughput::{Ema, Throughput, peak_tflops, split_percent};
