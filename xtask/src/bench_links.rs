@@ -122,34 +122,6 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         "bench links: {} for {} steps, one device per rank; links {:?}; strategies {:?}",
         o.config, o.steps, o.rates, o.strategies
     );
-    let args = |strategy: &str, dir: &Path, devices: &str| -> Vec<String> {
-        let mut a: Vec<String> = [
-            "--config",
-            &o.config,
-            "--max-steps",
-            &o.steps.to_string(),
-            "--devices",
-            devices,
-            "--strategy",
-            strategy,
-            "--run-dir",
-            &dir.display().to_string(),
-            "--set",
-            "train.log_every=5",
-            "--set",
-            "monitor.interval_s=0",
-        ]
-        .map(String::from)
-        .to_vec();
-        if strategy == "diloco" && devices == "2" {
-            // The same two islands as across the two hosts (one per process there).
-            a.extend(["--set".to_string(), "diloco.islands=2".to_string()]);
-        }
-        for s in &o.sets {
-            a.extend(["--set".to_string(), s.clone()]);
-        }
-        a
-    };
     // runs[link][strategy]: every round's figures; link 0 is one process with two devices.
     let links: Vec<String> = std::iter::once("in-process, 2 devices".to_string())
         .chain(o.rates.iter().map(|r| format!("two hosts, {r}")))
@@ -160,7 +132,7 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             let dir = temp.path().join(format!("local-{strategy}-{round}"));
             run_quietly(
                 Command::new(&train)
-                    .args(args(strategy, &dir, "2"))
+                    .args(train_args(o, strategy, &dir, "2"))
                     .current_dir(root),
                 strategy,
             )?;
@@ -174,36 +146,18 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         }
         for (r, rate) in o.rates.iter().enumerate() {
             let bed = TestBed { script: &script };
-            let _ = bed.run(&["down"]);
-            let mut up = vec!["up"];
-            if rate != "unshaped" {
-                up.push(rate);
-            }
-            let out = bed.run(&up)?;
-            if !out.status.success() {
-                return Err(format!(
-                    "two-hosts up {rate}: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ));
-            }
-            for (s, strategy) in o.strategies.iter().enumerate() {
-                let dir = temp.path().join(format!("{rate}-{strategy}-{round}"));
-                let before = bed.sent()?;
-                let mut a = vec!["mpirun".to_string(), train.display().to_string()];
-                a.extend(args(strategy, &dir, "1"));
-                let a: Vec<&str> = a.iter().map(String::as_str).collect();
-                let out = bed.run(&a)?;
-                if !out.status.success() {
-                    return Err(format!(
-                        "{strategy} over a {rate} link: {}",
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    ));
-                }
-                let bytes = bed.sent()? - before;
-                let f = figures(&dir, Some(bytes as f64 / 1e6 / o.steps as f64))?;
+            let figs = over_link(
+                &bed,
+                &train,
+                o,
+                rate,
+                &temp.path().join(format!("{rate}-{round}")),
+            )?;
+            for (s, f) in figs.into_iter().enumerate() {
                 println!(
-                    "  round {round}  two hosts, {rate:<12} {strategy:<6} {:>7.1} ms/step  sync \
+                    "  round {round}  two hosts, {rate:<12} {:<6} {:>7.1} ms/step  sync \
                      {:>4.1}%  {:>6.2} MB on the link per step",
+                    o.strategies[s],
                     f.step_ms,
                     f.pct_sync,
                     f.mb_per_step.unwrap_or(0.0)
@@ -212,6 +166,84 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             }
         }
     }
+    print_table(o, &links, &runs);
+    Ok(())
+}
+
+/// `train`'s arguments for one run of `strategy` on `devices` devices into `dir`.
+fn train_args(o: &Options, strategy: &str, dir: &Path, devices: &str) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--config",
+        &o.config,
+        "--max-steps",
+        &o.steps.to_string(),
+        "--devices",
+        devices,
+        "--strategy",
+        strategy,
+        "--run-dir",
+        &dir.display().to_string(),
+        "--set",
+        "train.log_every=5",
+        "--set",
+        "monitor.interval_s=0",
+    ]
+    .map(String::from)
+    .to_vec();
+    if strategy == "diloco" && devices == "2" {
+        // The same two islands as across the two hosts (one per process there).
+        a.extend(["--set".to_string(), "diloco.islands=2".to_string()]);
+    }
+    for s in &o.sets {
+        a.extend(["--set".to_string(), s.clone()]);
+    }
+    a
+}
+
+/// Every strategy's figures across the two hosts with the link at `rate`: the bed brought up
+/// (shaped unless `unshaped`), one `mpirun` per strategy, the bytes the link carried counted.
+fn over_link(
+    bed: &TestBed<'_>,
+    train: &Path,
+    o: &Options,
+    rate: &str,
+    dirs: &Path,
+) -> Result<Vec<Figures>> {
+    let _ = bed.run(&["down"]);
+    let mut up = vec!["up"];
+    if rate != "unshaped" {
+        up.push(rate);
+    }
+    let out = bed.run(&up)?;
+    if !out.status.success() {
+        return Err(format!(
+            "two-hosts up {rate}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let mut figs = Vec::with_capacity(o.strategies.len());
+    for strategy in &o.strategies {
+        let dir = dirs.join(strategy);
+        let before = bed.sent()?;
+        let mut a = vec!["mpirun".to_string(), train.display().to_string()];
+        a.extend(train_args(o, strategy, &dir, "1"));
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let out = bed.run(&a)?;
+        if !out.status.success() {
+            return Err(format!(
+                "{strategy} over a {rate} link: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let bytes = bed.sent()? - before;
+        figs.push(figures(&dir, Some(bytes as f64 / 1e6 / o.steps as f64))?);
+    }
+    Ok(figs)
+}
+
+/// The table of every link and strategy: medians over the rounds, ranges, the ratio to the
+/// in-process run, the sync share and the bytes on the link.
+fn print_table(o: &Options, links: &[String], runs: &[Vec<Vec<Figures>>]) {
     let step = |figs: &[Figures]| median(&figs.iter().map(|f| f.step_ms).collect::<Vec<_>>());
     println!();
     println!(
@@ -220,7 +252,7 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         o.rounds
     );
     println!("|---|---|---|---|---|---|");
-    for (link, per_strategy) in links.iter().zip(&runs) {
+    for (link, per_strategy) in links.iter().zip(runs) {
         for (s, (strategy, figs)) in o.strategies.iter().zip(per_strategy).enumerate() {
             let (lo, hi) = figs.iter().fold((f64::MAX, f64::MIN), |(lo, hi), f| {
                 (lo.min(f.step_ms), hi.max(f.step_ms))
@@ -239,7 +271,6 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             );
         }
     }
-    Ok(())
 }
 
 /// A run's median step time (`summary.json`) and median sync share (its training records

@@ -152,49 +152,14 @@ fn ddp(args: &[String]) -> Result<(), String> {
         o.rounds,
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-
     let workload = ImageWorkload {
         spec: spec.clone(),
         splits: splits.clone(),
     };
-    let kiln_run = |devices: usize, batch: usize, watched: bool| -> Result<f64, String> {
-        let dir = std::env::temp_dir().join(format!("kiln-bench-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let mut config = RootConfig {
-            train: TrainConfig {
-                epochs: 1,
-                batch_size: batch,
-                log_every: o.steps,
-                ..TrainConfig::default()
-            },
-            optim: optim.clone(),
-            ..RootConfig::default()
-        };
-        config.run.seed = 1;
-        config.monitor.sinks = vec![SinkKind::Jsonl];
-        if !watched {
-            config.dist.timeout_s = 0.0;
-            config.dist.flight_entries = 0;
-        }
-        let settings = TrainerSettings::from_config(
-            &config,
-            vec![Device::flex(); devices],
-            "cpu".into(),
-            dir.clone(),
-        );
-        let started = Instant::now();
-        let (summary, _) = fit(&workload, &settings).map_err(|e| e.to_string())?;
-        let wall = started.elapsed().as_secs_f64();
-        let _ = std::fs::remove_dir_all(&dir);
-        assert_eq!(summary.steps, o.steps);
-        Ok(wall)
+    let kiln_run = |devices: usize, batch: usize, watched: bool| {
+        time_kiln(&workload, &o, &optim, devices, batch, watched)
     };
-    let burn_run = || -> f64 { burn_train_multi(&spec, &splits, &optim, o.batch, o.devices) };
-
-    let mut single = Vec::new();
-    let mut multi = Vec::new();
-    let mut bare = Vec::new();
-    let mut burn = Vec::new();
+    let mut times = DdpTimes::default();
     // One warm-up round, then interleaved measured rounds.
     for round in 0..=o.rounds {
         let s = kiln_run(1, o.batch * o.devices, true)?;
@@ -206,12 +171,12 @@ fn ddp(args: &[String]) -> Result<(), String> {
             let u = kiln_run(o.devices, o.batch, false)?;
             (kiln_run(o.devices, o.batch, true)?, u)
         };
-        let b = burn_run();
+        let b = burn_train_multi(&spec, &splits, &optim, o.batch, o.devices);
         if round > 0 {
-            single.push(s);
-            multi.push(d);
-            bare.push(u);
-            burn.push(b);
+            times.single.push(s);
+            times.multi.push(d);
+            times.bare.push(u);
+            times.burn.push(b);
         }
         println!(
             "  round {round}{}: single {s:.3}s  kiln ddp {d:.3}s  unwatched {u:.3}s  \
@@ -219,54 +184,117 @@ fn ddp(args: &[String]) -> Result<(), String> {
             if round == 0 { " (warm-up)" } else { "" }
         );
     }
-    // The watch's cost, round by round (a round's two runs ran back to back).
-    let mut paired: Vec<f64> = multi.iter().zip(&bare).map(|(d, u)| d / u).collect();
-    let paired = median(&mut paired);
-    let (s, d, b) = (median(&mut single), median(&mut multi), median(&mut burn));
-    let u = median(&mut bare);
-    let per = |t: f64| 1000.0 * t / o.steps as f64;
-    let samples = (o.steps * o.batch * o.devices) as f64;
-    println!("median wall time per run (per global batch):");
-    println!(
-        "  kiln single, batch {}            {s:.3}s ({:.2} ms)",
-        o.batch * o.devices,
-        per(s)
-    );
-    println!(
-        "  kiln ddp, {} x batch {}           {d:.3}s ({:.2} ms)",
-        o.devices,
-        o.batch,
-        per(d)
-    );
-    println!(
-        "  kiln ddp unwatched, {} x batch {} {u:.3}s ({:.2} ms)",
-        o.devices,
-        o.batch,
-        per(u)
-    );
-    println!(
-        "  burn-train MultiDevice, {} x {}   {b:.3}s ({:.2} ms)",
-        o.devices,
-        o.batch,
-        per(b)
-    );
-    println!("ratios:");
-    println!(
-        "  ddp / single time per global batch        {:.3}  (goal <= 1.10)",
-        d / s
-    );
-    println!(
-        "  ddp / ddp unwatched (deadlines, flight)   {:.3}  (goal <= 1.02; median of the \
-         rounds' own ratios {paired:.3})",
-        d / u
-    );
-    println!(
-        "  kiln ddp / burn-train throughput          {:.3}  (goal >= 1.3; {:.0} vs {:.0} samples/s)",
-        b / d,
-        samples / d,
-        samples / b
-    );
+    times.report(&o);
     Ok(())
+}
+
+/// The wall time of one kiln run of the bench's workload on `devices` devices of `batch`
+/// samples each, with the collectives watched (deadlines, flight records) or not.
+fn time_kiln(
+    workload: &ImageWorkload,
+    o: &Options,
+    optim: &OptimConfig,
+    devices: usize,
+    batch: usize,
+    watched: bool,
+) -> Result<f64, String> {
+    let dir = std::env::temp_dir().join(format!("kiln-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut config = RootConfig {
+        train: TrainConfig {
+            epochs: 1,
+            batch_size: batch,
+            log_every: o.steps,
+            ..TrainConfig::default()
+        },
+        optim: optim.clone(),
+        ..RootConfig::default()
+    };
+    config.run.seed = 1;
+    config.monitor.sinks = vec![SinkKind::Jsonl];
+    if !watched {
+        config.dist.timeout_s = 0.0;
+        config.dist.flight_entries = 0;
+    }
+    let settings = TrainerSettings::from_config(
+        &config,
+        vec![Device::flex(); devices],
+        "cpu".into(),
+        dir.clone(),
+    );
+    let started = Instant::now();
+    let (summary, _) = fit(workload, &settings).map_err(|e| e.to_string())?;
+    let wall = started.elapsed().as_secs_f64();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(summary.steps, o.steps);
+    Ok(wall)
+}
+
+/// The measured rounds' wall times of `bench ddp`, per kind of run.
+#[derive(Default)]
+struct DdpTimes {
+    single: Vec<f64>,
+    multi: Vec<f64>,
+    bare: Vec<f64>,
+    burn: Vec<f64>,
+}
+
+impl DdpTimes {
+    /// Prints the medians and the ratios the bench is read by.
+    fn report(mut self, o: &Options) {
+        // The watch's cost, round by round (a round's two runs ran back to back).
+        let mut paired: Vec<f64> = self
+            .multi
+            .iter()
+            .zip(&self.bare)
+            .map(|(d, u)| d / u)
+            .collect();
+        let paired = median(&mut paired);
+        let (s, d) = (median(&mut self.single), median(&mut self.multi));
+        let (u, b) = (median(&mut self.bare), median(&mut self.burn));
+        let per = |t: f64| 1000.0 * t / o.steps as f64;
+        let samples = (o.steps * o.batch * o.devices) as f64;
+        println!("median wall time per run (per global batch):");
+        println!(
+            "  kiln single, batch {}            {s:.3}s ({:.2} ms)",
+            o.batch * o.devices,
+            per(s)
+        );
+        println!(
+            "  kiln ddp, {} x batch {}           {d:.3}s ({:.2} ms)",
+            o.devices,
+            o.batch,
+            per(d)
+        );
+        println!(
+            "  kiln ddp unwatched, {} x batch {} {u:.3}s ({:.2} ms)",
+            o.devices,
+            o.batch,
+            per(u)
+        );
+        println!(
+            "  burn-train MultiDevice, {} x {}   {b:.3}s ({:.2} ms)",
+            o.devices,
+            o.batch,
+            per(b)
+        );
+        println!("ratios:");
+        println!(
+            "  ddp / single time per global batch        {:.3}  (goal <= 1.10)",
+            d / s
+        );
+        println!(
+            "  ddp / ddp unwatched (deadlines, flight)   {:.3}  (goal <= 1.02; median of the \
+             rounds' own ratios {paired:.3})",
+            d / u
+        );
+        println!(
+            "  kiln ddp / burn-train throughput          {:.3}  (goal >= 1.3; {:.0} vs {:.0} samples/s)",
+            b / d,
+            samples / d,
+            samples / b
+        );
+    }
 }
 
 fn median(v: &mut [f64]) -> f64 {
