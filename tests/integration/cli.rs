@@ -28,6 +28,57 @@ fn wrong_type_names_key_and_expected_type() {
 }
 
 #[test]
+fn a_key_of_a_few_names_lists_them_and_a_switch_takes_a_boolean() {
+    let dir = temp_dir("enum-key");
+    // What the value was and what the key takes; the source is the `--set` that gave it,
+    // not the recipe it overrides.
+    let out = train_bin(&dir, &["--set", "dist.overlap=maybe"]);
+    assert_one_line_error(
+        &out,
+        &[
+            "--set dist.overlap=maybe:",
+            "dist.overlap",
+            r#"expected one of "auto", "on", "off""#,
+        ],
+    );
+    let out = train_bin(&dir, &["--set", "precision.mode=16"]);
+    assert_one_line_error(
+        &out,
+        &[
+            "--set precision.mode=16:",
+            "precision.mode",
+            r#""bf16-mixed""#,
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("built-in"), "{stderr}");
+    // A value from a file names the file; a flag names the flag.
+    std::fs::write(dir.join("bad.toml"), "[dist]\noverlap = 3\n").unwrap();
+    let out = train_bin(&dir, &["--config", "bad.toml"]);
+    assert_one_line_error(
+        &out,
+        &["bad.toml:", "dist.overlap", r#""auto""#, "got integer `3`"],
+    );
+    let out = train_bin(&dir, &["--batch-size", "0"]);
+    assert_one_line_error(&out, &["--batch-size 0:", "train.batch_size"]);
+    // A boolean is what people type for a switch.
+    for (set, shown) in [
+        ("dist.overlap=true", "overlap = \"on\""),
+        ("dist.overlap=false", "overlap = \"off\""),
+        ("hardware.cpu_split=false", "cpu_split = \"off\""),
+    ] {
+        let out = train_bin(&dir, &["--set", set, "--print-config"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{set}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains(shown), "{set}: {stdout}");
+    }
+}
+
+#[test]
 fn zero_devices_is_rejected() {
     let dir = temp_dir("zero-devices");
     let out = train_bin(&dir, &["--devices", "0"]);

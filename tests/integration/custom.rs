@@ -343,6 +343,61 @@ fn a_model_that_creates_tensors_in_its_forward_is_refused_in_one_line_or_trains_
     }
 }
 
+/// The refusal of the start-up probe, as a process of its own prints it: run by
+/// `the_probe_refusal_prints_one_line_and_no_panic_with_rust_backtrace_set` with
+/// `RUST_BACKTRACE=1`, which reads what this process wrote.
+#[test]
+#[ignore = "run as a child process by the_probe_refusal_prints_one_line_and_no_panic_with_rust_backtrace_set"]
+fn probe_refusal_child() {
+    let run_dir = temp_dir("custom-probe-child").join("run");
+    let config = small_config(
+        &run_dir,
+        &["train.max_steps=2", "precision.mode=\"bf16-mixed\""],
+    );
+    let workload = CarryDigits {
+        digits: TinyDigits(kiln_datasets::digits()),
+        state_like_input: false,
+    };
+    let e = train_workload(
+        &config.kiln,
+        &RunOptions::default(),
+        &workload,
+        RunInfo::default(),
+        |_| Ok(()),
+    )
+    .unwrap_err();
+    eprintln!("refused: {e}");
+}
+
+#[test]
+fn the_probe_refusal_prints_one_line_and_no_panic_with_rust_backtrace_set() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "custom::probe_refusal_child",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{all}");
+    let refusal: Vec<&str> = all.lines().filter(|l| l.starts_with("refused: ")).collect();
+    assert_eq!(refusal.len(), 1, "{all}");
+    assert!(refusal[0].contains("precision.mode"), "{all}");
+    for noise in ["panicked", "stack backtrace", "burn_flex"] {
+        assert!(
+            !all.contains(noise),
+            "the probe's panic reached the terminal ({noise}): {all}"
+        );
+    }
+}
+
 /// `TinyDigits` with a schedule of its own: the configured rate over (1 + step).
 struct Harmonic(TinyDigits);
 

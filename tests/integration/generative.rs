@@ -444,9 +444,11 @@ fn a_programs_own_sections_get_the_one_line_errors_of_kilns() {
     ] {
         let err = resolve(text, sets);
         assert!(!err.contains('\n'), "{err}");
+        // The source of the refused value: the `--set` that gave it, or the file.
+        let origin = sets.last().map_or(f.clone(), |s| format!("--set {s}"));
         assert!(
-            err.contains(&format!("{f}: key `{key}`: ")),
-            "{err:?} does not name {key}"
+            err.contains(&format!("{origin}: key `{key}`: ")),
+            "{err:?} does not name {origin} and {key}"
         );
         assert!(err.contains(words), "{err:?} lacks {words:?}");
     }

@@ -66,9 +66,10 @@ commands:
                                         throughput with monitoring on and off, alternating
                                         runs of `train` (default 60 steps, 5 rounds, 2 devices,
                                         configs/gpt-text.toml)
-  tidy                                  the shape of crates/kiln/src: import circles between its
+  tidy [--layers]                       the shape of crates/kiln/src: import circles between its
                                         files, files over 500 lines, the longest functions; fails
-                                        on a circle, a file over 600 lines or a function over 120
+                                        on a circle, a file over 600 lines or a function over 120;
+                                        --layers: each top-level module and the modules it imports
   plot RUN_DIR [ARGS]                   `train plot`: PNG charts of a run (ARGS: --out DIR,
                                         --width W, --height H)
   help, --help, -h                      show this message
@@ -108,7 +109,7 @@ enum Task {
     BenchMpi(bench_mpi::Options),
     BenchMonitor(MonitorBench),
     Plot { args: Vec<String> },
-    Tidy,
+    Tidy { layers: bool },
 }
 
 /// `bench monitor`: the same run with monitoring on and off.
@@ -215,7 +216,7 @@ fn main() -> ExitCode {
         Task::BenchMpi(o) => workspace_root().and_then(|root| bench_mpi::run(&root, &o)),
         Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
         Task::Plot { args } => workspace_root().and_then(|root| run_train(&root, &args)),
-        Task::Tidy => workspace_root().and_then(|root| tidy::run(&root)),
+        Task::Tidy { layers } => workspace_root().and_then(|root| tidy::run(&root, layers)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -232,7 +233,8 @@ fn parse_args(args: &[String]) -> Result<Task> {
         [] => Err("no command given".to_string()),
         [first, ..] if matches!(*first, "help" | "--help" | "-h") => Ok(Task::Help),
         ["ci"] => Ok(Task::Ci),
-        ["tidy"] => Ok(Task::Tidy),
+        ["tidy"] => Ok(Task::Tidy { layers: false }),
+        ["tidy", "--layers"] => Ok(Task::Tidy { layers: true }),
         ["bench", "ddp", rest @ ..] => Ok(Task::Bench {
             args: std::iter::once("ddp")
                 .chain(rest.iter().copied())

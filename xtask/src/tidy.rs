@@ -36,8 +36,11 @@ pub struct Shape {
 /// `cargo xtask tidy`: prints the circles, the long files and the five longest functions of
 /// `crates/kiln/src` (functions of the whole workspace's sources), and fails on a circle, a
 /// file past [`FILE_LIMIT`] or a function past [`FN_LIMIT`].
-pub fn run(root: &Path) -> Result<()> {
+pub fn run(root: &Path, layers: bool) -> Result<()> {
     let kiln = read_tree(&root.join(KILN_SRC))?;
+    if layers {
+        print_layers(&kiln);
+    }
     let mut functions = kiln.functions.clone();
     for other in [
         "crates/generative/src",
@@ -106,6 +109,31 @@ pub fn run(root: &Path) -> Result<()> {
         Ok(())
     } else {
         Err(format!("tidy: {}", faults.join(", ")))
+    }
+}
+
+/// Each top-level module of the crate (a file, or a folder) with the top-level modules its
+/// files import: the layers as ARCHITECTURE.md draws them.
+fn print_layers(shape: &Shape) {
+    let top = |file: &str| {
+        let first = file.split('/').next().unwrap_or(file);
+        first.trim_end_matches(".rs").to_string()
+    };
+    let mut layers: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (file, targets) in &shape.imports {
+        let from = top(file);
+        let entry = layers.entry(from.clone()).or_default();
+        for t in targets {
+            let to = top(t);
+            if to != from {
+                entry.insert(to);
+            }
+        }
+    }
+    println!("layers of {KILN_SRC} (a module: the modules it imports):");
+    for (module, imports) in &layers {
+        let list: Vec<&str> = imports.iter().map(String::as_str).collect();
+        println!("  {module}: {}", list.join(", "));
     }
 }
 
@@ -816,7 +844,7 @@ mod tests {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"))
             .parent()
             .expect("workspace root");
-        if let Err(e) = run(root) {
+        if let Err(e) = run(root, false) {
             panic!("{e} (cargo xtask tidy lists them)");
         }
     }

@@ -25,7 +25,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::cli::{Flags, FlightArgs, PlotArgs};
-use crate::config::{LoaderConfig, RootConfig, one_line, read_table, with_origin};
+use crate::config::{LoaderConfig, Origin, RootConfig, one_line, read_source, refusal};
 use crate::error::{Error, Result};
 use crate::run::{RunInfo, RunOptions, RunResult, train_workload};
 use crate::strategy::Setup;
@@ -50,13 +50,19 @@ where
     /// Reads a config file (none: every section's defaults), applies `--set key=value`
     /// overrides and checks the result.
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self> {
-        let (table, origin) = read_table(path, overrides)?;
-        Self::from_table(table, &origin)
+        let (table, origin) = read_source(path, overrides)?;
+        Self::from_source(table, &origin)
     }
 
     /// Builds the config from a TOML table; `origin` names its source in errors. A missing
     /// `[model]` or `[data]` is read as an empty section (the type's defaults, or its error).
-    pub fn from_table(mut table: toml::Table, origin: &str) -> Result<Self> {
+    pub fn from_table(table: toml::Table, origin: &str) -> Result<Self> {
+        Self::from_source(table, &Origin::file(origin))
+    }
+
+    /// [`UserConfig::from_table`], an error naming where the refused value came from: the
+    /// file, or what the command line typed for its key.
+    pub fn from_source(mut table: toml::Table, origin: &Origin) -> Result<Self> {
         let mut take = |name: &str| {
             table
                 .remove(name)
@@ -74,8 +80,8 @@ where
             }
         }
         let loader: LoaderConfig = section(toml::Value::Table(loader), "data", origin)?;
-        let mut kiln = RootConfig::from_table(table, origin)?;
-        loader.check().map_err(|e| with_origin(e, origin))?;
+        let mut kiln = RootConfig::from_source(table, origin)?;
+        loader.check().map_err(|e| origin.name(e))?;
         kiln.loader = loader;
         Ok(Self {
             model: section(model, "model", origin)?,
@@ -140,26 +146,29 @@ fn to_value<T: Serialize>(v: &T) -> toml::Value {
 
 /// Section `name` of `origin` as a `T`, with kiln's one-line errors: the dotted key, and what
 /// was expected. Keys `T` does not know are errors even where `T` does not deny them.
-pub fn section<T: DeserializeOwned>(value: toml::Value, name: &str, origin: &str) -> Result<T> {
+pub fn section<T: DeserializeOwned>(value: toml::Value, name: &str, origin: &Origin) -> Result<T> {
     // Read as the one entry of a table, so that paths and messages name the section as they
     // do for kiln's own.
     let mut wrapped = toml::Table::new();
     wrapped.insert(name.to_string(), value);
+    let wrapped = toml::Value::Table(wrapped);
     let mut unknown = Vec::new();
     let parsed: std::result::Result<std::collections::BTreeMap<String, T>, _> =
         serde_path_to_error::deserialize(serde_ignored::Deserializer::new(
-            toml::Value::Table(wrapped),
+            wrapped.clone(),
             &mut |path: serde_ignored::Path<'_>| unknown.push(path.to_string()),
         ));
     let mut parsed = parsed.map_err(|e| {
         let path = e.path().to_string();
-        let inner = crate::config::humanize(&one_line(e.inner()), &path);
-        Error::config(format!("{origin}: key `{path}`: {inner}"))
+        let inner =
+            refusal::<std::collections::BTreeMap<String, T>>(&wrapped, &path, &one_line(e.inner()));
+        Error::config(format!("{}: key `{path}`: {inner}", origin.of(&path)))
     })?;
     if let Some(path) = unknown.first() {
         let field = path.rsplit('.').next().unwrap_or(path);
         return Err(Error::config(format!(
-            "{origin}: key `{path}`: unknown field `{field}`"
+            "{}: key `{path}`: unknown field `{field}`",
+            origin.of(path)
         )));
     }
     Ok(parsed.remove(name).expect("the section was read"))
@@ -354,14 +363,14 @@ impl<'a> App<'a> {
         let default_origin = format!("{}'s built-in recipe", self.name);
         let origin = self.recipe_origin.unwrap_or(&default_origin);
         let (table, origin, options) = flags.resolve_table(self.recipe, origin)?;
-        let config = UserConfig::from_table(table, &origin)?;
-        check(&config).map_err(|e| with_origin(e, &origin))?;
+        let config = UserConfig::from_source(table, &origin)?;
+        check(&config).map_err(|e| origin.name(e))?;
         // The launcher's processes, each running the configured devices, are the world.
         let processes = crate::comm::Processes::from_env().count;
         let world = config.kiln.hardware.devices.indices().len() * processes;
         Setup::new(&config.kiln, world)
             .check()
-            .map_err(|e| with_origin(e, &origin))?;
+            .map_err(|e| origin.name(e))?;
         Ok((config, options))
     }
 

@@ -171,7 +171,7 @@ impl Flags {
         &self,
         recipe: &str,
         recipe_name: &str,
-    ) -> Result<(toml::Table, String, RunOptions)> {
+    ) -> Result<(toml::Table, crate::config::Origin, RunOptions)> {
         let mut options = RunOptions {
             verbose: true,
             explicit_dir: self.run_dir.is_some(),
@@ -187,8 +187,8 @@ impl Flags {
             run_dir = Some(dir);
             options.resume_from = Some(checkpoint);
         }
-        let (mut table, origin) = match &config_path {
-            Some(p) => crate::config::read_table(Some(p), &[])?,
+        let (mut table, mut origin) = match &config_path {
+            Some(p) => crate::config::read_source(Some(p), &[])?,
             None => {
                 let table = toml::from_str(recipe).map_err(|e| {
                     Error::config(format!(
@@ -196,17 +196,43 @@ impl Flags {
                         crate::config::one_line(&e)
                     ))
                 })?;
-                (table, recipe_name.to_string())
+                (table, crate::config::Origin::file(recipe_name))
             }
         };
-        self.apply(&mut table, run_dir.as_deref())?;
+        self.apply(&mut table, &mut origin, run_dir.as_deref())?;
         Ok((table, origin, options))
     }
 
-    /// Writes every flag that was given, then every `--set`, into `table`; `run_dir` is the
-    /// run's directory (`--run-dir`, or the run being resumed).
-    fn apply(&self, table: &mut toml::Table, run_dir: Option<&std::path::Path>) -> Result<()> {
+    /// Writes every flag that was given, then every `--set`, into `table`, noting each in
+    /// `origin` as the user typed it; `run_dir` is the run's directory (`--run-dir`, or the
+    /// run being resumed).
+    fn apply(
+        &self,
+        table: &mut toml::Table,
+        origin: &mut crate::config::Origin,
+        run_dir: Option<&std::path::Path>,
+    ) -> Result<()> {
+        let flag_of: [(&str, &str); 13] = [
+            ("hardware.devices", "--devices"),
+            ("strategy.name", "--strategy"),
+            ("hardware.accelerator", "--accelerator"),
+            ("precision.mode", "--precision"),
+            ("recompute.mode", "--recompute"),
+            ("recompute.every", "--recompute"),
+            ("train.epochs", "--epochs"),
+            ("train.max_steps", "--max-steps"),
+            ("train.batch_size", "--batch-size"),
+            ("train.accumulate", "--accumulate"),
+            ("optim.lr", "--lr"),
+            ("run.seed", "--seed"),
+            ("run.name", "--name"),
+        ];
         let mut set = |key: &str, value: toml::Value| {
+            // `run.dir` comes from --run-dir or --resume: its errors name the file's key.
+            if let Some((_, flag)) = flag_of.iter().find(|(k, _)| *k == key) {
+                let shown = value.as_str().map_or(value.to_string(), str::to_string);
+                origin.note(key, format!("{flag} {shown}"));
+            }
             let mut node = &mut *table;
             let parts: Vec<&str> = key.split('.').collect();
             for part in &parts[..parts.len() - 1] {
@@ -261,7 +287,8 @@ impl Flags {
             set("run.dir", toml::Value::String(dir.display().to_string()));
         }
         for o in &self.set {
-            apply_override(table, o)?;
+            let key = apply_override(table, o)?;
+            origin.note(&key, format!("--set {}", o.trim()));
         }
         Ok(())
     }

@@ -190,8 +190,8 @@ pub fn check(config: &Config) -> Result<()> {
 /// Reads a config file of the built-in workloads (none: every default), applies `--set`
 /// overrides and checks the result as `train` does.
 pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
-    let (table, origin) = crate::config::read_table(path, overrides)?;
-    let config = Config::from_table(table, &origin)?;
-    check(&config).map_err(|e| crate::config::with_origin(e, &origin))?;
+    let (table, origin) = crate::config::read_source(path, overrides)?;
+    let config = Config::from_source(table, &origin)?;
+    check(&config).map_err(|e| origin.name(e))?;
     Ok(config)
 }

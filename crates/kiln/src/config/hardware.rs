@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::names::bad;
+use super::names::{bad, switch};
 use crate::error::Result;
 
 /// Which kind of device replicas run on.
@@ -67,14 +67,32 @@ impl HardwareConfig {
     }
 }
 
-/// `hardware.cpu_split`: how a CPU device uses its cores.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// `hardware.cpu_split`: how a CPU device uses its cores (`true` and `false` read as `"auto"`
+/// and `"off"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum CpuSplit {
     /// Per-core sub-replicas where they fit (see [`HardwareConfig::cpu_split`]).
     Auto,
     /// One replica per device.
     Off,
+}
+
+impl<'de> Deserialize<'de> for CpuSplit {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let from_name = |name: &str| match name {
+            "auto" => Some(CpuSplit::Auto),
+            "off" => Some(CpuSplit::Off),
+            _ => None,
+        };
+        switch(
+            d,
+            &["auto", "off"],
+            from_name,
+            CpuSplit::Auto,
+            CpuSplit::Off,
+        )
+    }
 }
 
 impl Default for HardwareConfig {

@@ -14,12 +14,12 @@ mod root;
 mod train;
 
 pub use hardware::{Accelerator, CpuSplit, DeviceList, HardwareConfig, MonitorConfig, SinkKind};
-pub(crate) use names::humanize;
+pub(crate) use names::refusal;
 pub use names::{name_of, one_line};
 pub use optim::{
     GroupConfig, LrScaling, OptimConfig, OptimizerKind, ScheduleConfig, ScheduleKind, is_group_name,
 };
-pub use overrides::{apply_override, read_table, with_origin};
+pub use overrides::{Origin, apply_override, read_source, read_table, with_origin};
 pub use parallel::{
     DdpConfig, DilocoConfig, DistConfig, Overlap, PipelineConfig, PipelineSchedule, StrategyConfig,
     StrategyKind,

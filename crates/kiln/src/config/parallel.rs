@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::names::{bad, name_of};
+use super::names::{bad, name_of, switch};
 use crate::error::Result;
 
 /// Parallel strategy.
@@ -221,8 +221,9 @@ impl DilocoConfig {
     }
 }
 
-/// `dist.overlap`: whether gradients are reduced beside the backward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// `dist.overlap`: whether gradients are reduced beside the backward (`true` and `false` read
+/// as `"on"` and `"off"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Overlap {
     /// When the run spans processes.
@@ -232,6 +233,24 @@ pub enum Overlap {
     On,
     /// Never: every reduction after the backward.
     Off,
+}
+
+impl<'de> Deserialize<'de> for Overlap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let from_name = |name: &str| match name {
+            "auto" => Some(Overlap::Auto),
+            "on" => Some(Overlap::On),
+            "off" => Some(Overlap::Off),
+            _ => None,
+        };
+        switch(
+            d,
+            &["auto", "on", "off"],
+            from_name,
+            Overlap::On,
+            Overlap::Off,
+        )
+    }
 }
 
 impl Overlap {

@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::hardware::{HardwareConfig, MonitorConfig};
-use super::names::{bad, humanize, one_line};
+use super::names::{bad, one_line, refusal};
 use super::optim::{
     GroupConfig, OptimConfig, OptimizerKind, ScheduleConfig, check_optim, is_group_name,
 };
-use super::overrides::{read_table, with_origin};
+use super::overrides::{Origin, read_source};
 use super::parallel::{DdpConfig, DilocoConfig, DistConfig, PipelineConfig, StrategyConfig};
 use super::precision::{PrecisionConfig, PrecisionMode, RecomputeConfig, RecomputeMode};
 use super::train::{LoaderConfig, RunConfig, TrainConfig};
@@ -62,21 +62,27 @@ pub struct RootConfig {
 impl RootConfig {
     /// Reads a config file, applies `--set key=value` overrides and checks the result.
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self> {
-        let (table, origin) = read_table(path, overrides)?;
-        Self::from_table(table, &origin)
+        let (table, origin) = read_source(path, overrides)?;
+        Self::from_source(table, &origin)
     }
 
     /// Builds the typed config from a TOML table; `origin` names the source in errors.
-    pub fn from_table(mut table: toml::Table, origin: &str) -> Result<Self> {
+    pub fn from_table(table: toml::Table, origin: &str) -> Result<Self> {
+        Self::from_source(table, &Origin::file(origin))
+    }
+
+    /// [`RootConfig::from_table`], an error naming where the refused value came from: the
+    /// file, or what the command line typed for its key.
+    pub fn from_source(mut table: toml::Table, origin: &Origin) -> Result<Self> {
         inherit_group_sections(&mut table);
         let de = toml::Value::Table(table);
-        let config: RootConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+        let config: RootConfig = serde_path_to_error::deserialize(de.clone()).map_err(|e| {
             let path = e.path().to_string();
-            let inner = humanize(&one_line(e.inner()), &path);
-            Error::config(format!("{origin}: key `{path}`: {inner}"))
+            let inner = refusal::<RootConfig>(&de, &path, &one_line(e.inner()));
+            Error::config(format!("{}: key `{path}`: {inner}", origin.of(&path)))
         })?;
         // A value that parses but cannot work names its source too.
-        config.validate().map_err(|e| with_origin(e, origin))?;
+        config.validate().map_err(|e| origin.name(e))?;
         Ok(config)
     }
 
@@ -195,10 +201,53 @@ fn inherit_group_sections(table: &mut toml::Table) {
 mod tests {
     use super::*;
     use crate::config::StrategyKind;
+    use crate::config::{CpuSplit, Overlap};
 
     fn load(overrides: &[&str]) -> Result<RootConfig> {
         let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
         RootConfig::load(None, &o)
+    }
+
+    #[test]
+    fn a_refused_value_names_its_source_and_an_enum_its_names() {
+        let e = load(&["train.epochs=2", "dist.overlap=1"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "--set dist.overlap=1: key `dist.overlap`: expected one of \"auto\", \"on\", \
+                 \"off\" (or true, false), got integer `1`"
+            ),
+            "{e}"
+        );
+        let e = load(&["monitor.sinks=[\"jsonl\", 3]"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("monitor.sinks[1]"), "{e}");
+        assert!(e.contains("\"jsonl\""), "{e}");
+        let e = load(&["strategy.name=\"zero4\""]).unwrap_err().to_string();
+        assert!(
+            e.contains("unknown variant `zero4`, expected one of \"auto\""),
+            "{e}"
+        );
+        // A check after parsing names the source of its key too.
+        let e = load(&["train.batch_size=0"]).unwrap_err().to_string();
+        assert!(
+            e.starts_with("config error: --set train.batch_size=0: key `train.batch_size`"),
+            "{e}"
+        );
+        let on = load(&["dist.overlap=true", "hardware.cpu_split=false"]).unwrap();
+        assert_eq!(
+            (on.dist.overlap, on.hardware.cpu_split),
+            (Overlap::On, CpuSplit::Off)
+        );
+        let origin = {
+            let mut o = Origin::file("f.toml");
+            o.note("optim", "--set optim={lr=1}".into());
+            o
+        };
+        assert_eq!(origin.of("optim.lr"), "--set optim={lr=1}");
+        assert_eq!(origin.of("optimizer"), "f.toml");
     }
 
     #[test]
