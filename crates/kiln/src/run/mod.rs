@@ -1,0 +1,14 @@
+//! From a [`RootConfig`] and a [`Workload`] to a finished run: devices, the start-up table, the
+//! run directory, the trainer, and the exported model. Which workload a config asks for is a
+//! program's business (kiln's own: [`crate::builtin`]).
+
+mod devices;
+mod info;
+mod resume;
+mod table;
+mod train;
+
+pub use devices::resolve_devices;
+pub use info::{RunInfo, RunOptions, RunResult};
+pub use resume::resolve_resume;
+pub use train::{export_model, train_workload};

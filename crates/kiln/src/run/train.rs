@@ -1,0 +1,130 @@
+//! [`train_workload`]: a config and a workload to a finished run.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use kiln_models::load::{SAFETENSORS_FILE, WEIGHTS_FILE};
+use kiln_models::save_safetensors;
+
+use crate::config::RootConfig;
+use crate::cores::CoreSplit;
+use crate::error::{Error, Result};
+use crate::files::write_atomic;
+use crate::strategy::{ModelFacts, Setup};
+use crate::trainer::{TrainerSettings, Workload, fit_checked};
+
+use super::devices::resolve_devices;
+use super::info::{RunInfo, RunOptions, RunResult};
+use super::resume::{check_resume, choose_run_dir, saved_table};
+use super::table::print_table;
+
+/// Trains `workload` as `config` says, with everything `train` gives: devices, strategy,
+/// precision and recompute, the run directory (`config.toml`, metrics, checkpoints,
+/// `summary.json`), resume (`options.resume_from`), the start-up table, and the exported
+/// model (`model.bpk`, `model.safetensors`). `save_extra` writes the workload's own files
+/// into the run directory (on process 0, before training). The workload is the model and the
+/// data; `info` describes them.
+pub fn train_workload<W>(
+    config: &RootConfig,
+    options: &RunOptions,
+    workload: &W,
+    info: RunInfo,
+    save_extra: impl FnOnce(&Path) -> Result<()>,
+) -> Result<RunResult>
+where
+    W: Workload,
+    W::Model: burn::store::ModuleSnapshot,
+{
+    let (devices, accelerator) = resolve_devices(&config.hardware)?;
+    for d in &devices {
+        if !d.supports_dtype(burn::tensor::DType::F32) {
+            return Err(Error::Device(format!("{d:?} cannot compute in f32")));
+        }
+    }
+
+    // What the strategy refuses on this launch's ranks, and of this model, is refused before
+    // anything is written: a refused run leaves no directory behind.
+    let processes = crate::comm::processes();
+    Setup::new(config, devices.len() * processes.count).check()?;
+    let cpu = accelerator.starts_with("cpu");
+    let mut settings =
+        TrainerSettings::from_config(config, devices.clone(), accelerator, config.run_dir());
+    // What the launcher needs to know of the model (the core split, the start-up table).
+    let probe = kiln_models::with_rng(|| {
+        kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
+    });
+    let facts = ModelFacts::of::<W::Batch, _>(&probe);
+    let params = probe.num_params();
+    drop(probe);
+    // A CPU device runs as per-core sub-replicas where they fit the strategy and the model.
+    let split = CoreSplit::plan(config, devices.len(), cpu, processes.count, &facts);
+    split.apply(&mut settings, &facts);
+    settings.drop_last = info.drop_last || workload.drop_last();
+    settings.output.resume_from = options.resume_from.clone();
+    let checked = crate::trainer::check(workload, &settings)?;
+    // A resume is checked against its checkpoint before anything in the run changes.
+    let first = processes.index == 0;
+    if let Some(checkpoint) = &options.resume_from {
+        let samples = checked.samples_per_step();
+        let (step, changed) =
+            check_resume(config, &info, workload, checkpoint, samples, &devices[0])?;
+        if options.verbose && first {
+            let changes = if changed.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; settings changed from the run's config: {}",
+                    changed.join("; ")
+                )
+            };
+            say!(
+                "resuming {} from step {step} ({}){changes}",
+                config.run_dir().display(),
+                checkpoint.display()
+            );
+        }
+    }
+    // Process 0 chooses the run directory and writes the run's files; the others follow it.
+    let run_dir = PathBuf::from(crate::comm::agree(|| {
+        let run_dir = choose_run_dir(config, options)?;
+        std::fs::create_dir_all(&run_dir).map_err(|e| Error::io(&run_dir, e))?;
+        let table = saved_table(config, &info, &run_dir);
+        let text = toml::to_string_pretty(&table).expect("a table serialises");
+        write_atomic(&run_dir.join("config.toml"), text.as_bytes())?;
+        save_extra(&run_dir)?;
+        Ok(run_dir.display().to_string())
+    })?);
+
+    settings.output.run_dir = run_dir.clone();
+    settings.output.progress = options.verbose && first;
+    if options.verbose && first {
+        print_table(config, workload, &settings, &run_dir, &info, &facts, params);
+    }
+
+    let (summary, model) = fit_checked(workload, &settings, checked)?;
+    if first {
+        export_model(&run_dir, &model)?;
+        let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");
+        write_atomic(&run_dir.join("summary.json"), &json)?;
+    }
+    Ok(RunResult {
+        dir: run_dir,
+        summary,
+    })
+}
+
+/// Writes the final weights as burnpack and SafeTensors, each atomically.
+pub fn export_model<M: Module + burn::store::ModuleSnapshot>(
+    run_dir: &Path,
+    model: &M,
+) -> Result<()> {
+    let tmp = run_dir.join(format!(".{WEIGHTS_FILE}.tmp"));
+    model
+        .clone()
+        .save_file(&tmp)
+        .map_err(|e| Error::checkpoint(format!("{}: {e}", tmp.display())))?;
+    std::fs::rename(&tmp, run_dir.join(WEIGHTS_FILE)).map_err(|e| Error::io(run_dir, e))?;
+    let tmp = run_dir.join(format!(".{SAFETENSORS_FILE}.tmp"));
+    save_safetensors(model, &tmp).map_err(|e| Error::checkpoint(e.to_string()))?;
+    std::fs::rename(&tmp, run_dir.join(SAFETENSORS_FILE)).map_err(|e| Error::io(run_dir, e))
+}
