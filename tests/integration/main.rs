@@ -6,6 +6,7 @@ mod cores;
 mod custom;
 mod data;
 mod ddp;
+mod devices;
 mod diloco;
 mod dist;
 mod fuzz;

@@ -423,6 +423,20 @@ fn an_optimizer_state_of_another_model_is_a_one_line_error() {
         ckpt_a.join(kiln::checkpoint::OPTIM_FILE),
     )
     .unwrap();
+    // A file that is not the one the checkpoint wrote is caught by its digest first.
+    let out = train_bin(&dir, &["--resume", a.to_str().unwrap(), "--max-steps", "3"]);
+    crate::common::assert_one_line_error(
+        &out,
+        &["optimizer.bpk", "corrupt", "no checkpoint is whole"],
+    );
+    // Sealed as the checkpoint's own (its digest recorded), the other model's state is refused
+    // by what it holds, naming the tensor.
+    let state_path = ckpt_a.join(kiln::checkpoint::STATE_FILE);
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state_path).unwrap()).unwrap();
+    let d = kiln::checkpoint::digest(&ckpt_a.join(kiln::checkpoint::OPTIM_FILE)).unwrap();
+    state["files"][kiln::checkpoint::OPTIM_FILE] = serde_json::to_value(&d).unwrap();
+    std::fs::write(&state_path, serde_json::to_vec(&state).unwrap()).unwrap();
     let out = train_bin(&dir, &["--resume", a.to_str().unwrap(), "--max-steps", "3"]);
     crate::common::assert_one_line_error(&out, &["optimizer.bpk", "head.weight", "[8, 10]"]);
     std::fs::write(

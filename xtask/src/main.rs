@@ -17,6 +17,7 @@ mod bench_mpi;
 mod bench_pipeline;
 mod bench_policies;
 mod bench_zero;
+mod setup_cuda;
 mod tidy;
 
 /// The help text printed for `--help` and for any command line that cannot be understood.
@@ -66,6 +67,8 @@ commands:
                                         throughput with monitoring on and off, alternating
                                         runs of `train` (default 60 steps, 5 rounds, 2 devices,
                                         configs/gpt-text.toml)
+  setup-cuda                            LLVM 23.1 for Burn's CUDA backend from PyPI (pip), made
+                                        Burn's bundle directory; idempotent, says what it found
   tidy [--layers]                       the shape of crates/kiln/src: import circles between its
                                         files, files over 500 lines, the longest functions; fails
                                         on a circle, a file over 600 lines or a function over 120;
@@ -110,6 +113,7 @@ enum Task {
     BenchMonitor(MonitorBench),
     Plot { args: Vec<String> },
     Tidy { layers: bool },
+    SetupCuda,
 }
 
 /// `bench monitor`: the same run with monitoring on and off.
@@ -216,6 +220,7 @@ fn main() -> ExitCode {
         Task::BenchMpi(o) => workspace_root().and_then(|root| bench_mpi::run(&root, &o)),
         Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
         Task::Plot { args } => workspace_root().and_then(|root| run_train(&root, &args)),
+        Task::SetupCuda => workspace_root().and_then(|root| setup_cuda::run(&root)),
         Task::Tidy { layers } => workspace_root().and_then(|root| tidy::run(&root, layers)),
     };
     match result {
@@ -233,6 +238,7 @@ fn parse_args(args: &[String]) -> Result<Task> {
         [] => Err("no command given".to_string()),
         [first, ..] if matches!(*first, "help" | "--help" | "-h") => Ok(Task::Help),
         ["ci"] => Ok(Task::Ci),
+        ["setup-cuda"] => Ok(Task::SetupCuda),
         ["tidy"] => Ok(Task::Tidy { layers: false }),
         ["tidy", "--layers"] => Ok(Task::Tidy { layers: true }),
         ["bench", "ddp", rest @ ..] => Ok(Task::Bench {

@@ -221,6 +221,8 @@ pub enum AppCommand {
     Plot(PlotArgs),
     /// Say where each rank was from a run's flight records, and which rank is behind.
     Flight(FlightArgs),
+    /// List a run's checkpoints: step, files, whether each verifies, the best one.
+    Checkpoints(FlightArgs),
 }
 
 /// A program's parsed command line.
@@ -310,7 +312,10 @@ impl<'a> App<'a> {
             command = command.subcommand(own.clone().display_order(i));
         }
         let first = self.commands.len();
-        for (i, name) in ["devices", "plot", "flight"].into_iter().enumerate() {
+        for (i, name) in ["devices", "plot", "flight", "checkpoints"]
+            .into_iter()
+            .enumerate()
+        {
             command = command.mut_subcommand(name, |c| c.display_order(first + i));
         }
         command
@@ -462,6 +467,7 @@ impl<'a> App<'a> {
             Some(AppCommand::Devices) => return crate::cli::print_devices(),
             Some(AppCommand::Plot(plot)) => return crate::cli::print_plot(plot),
             Some(AppCommand::Flight(flight)) => return crate::cli::print_flight(flight),
+            Some(AppCommand::Checkpoints(run)) => return crate::cli::print_checkpoints(&run.run),
             None => {}
         }
         crate::cli::run_training(|| {

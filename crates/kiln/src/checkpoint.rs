@@ -35,6 +35,40 @@ pub const OPTIM_FILE: &str = "optimizer.bpk";
 /// complete checkpoint.
 pub const STATE_FILE: &str = "state.json";
 
+/// A file of a checkpoint as its `state.json` records it: the size and the SHA-256 of its
+/// bytes, so that a resume trusts no file that changed after it was written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileDigest {
+    /// Its length in bytes.
+    pub bytes: u64,
+    /// The SHA-256 of its bytes, in hexadecimal.
+    pub sha256: String,
+}
+
+/// What `state.json` holds: the loop state, and the digest of every other file of the
+/// checkpoint (absent in checkpoints of an older kiln, which are read unverified).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Manifest {
+    #[serde(flatten)]
+    state: LoopState,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    files: BTreeMap<String, FileDigest>,
+}
+
+/// The size and SHA-256 of the file at `path`, read in one pass.
+pub fn digest(path: &Path) -> Result<FileDigest> {
+    use sha2::Digest;
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut hasher = sha2::Sha256::new();
+    let bytes = std::io::copy(&mut file, &mut hasher).map_err(|e| Error::io(path, e))?;
+    let sha256 = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Ok(FileDigest { bytes, sha256 })
+}
+
 /// The directory of the checkpoint taken after `step` steps.
 pub fn step_dir(run_dir: &Path, step: usize) -> PathBuf {
     run_dir.join("checkpoints").join(format!("step-{step:08}"))
@@ -90,10 +124,22 @@ pub fn save<M: Module>(
                 one_line(&e)
             ))
         })?;
+        let mut names = vec![MODEL_FILE.to_string()];
         for (group, state) in optim {
             save_optimizer(&tmp.join(optim_file(group)), state)?;
+            names.push(optim_file(group));
         }
-        let json = serde_json::to_vec_pretty(state).expect("loop state serialises");
+        // Each file's digest, read back from the disk, then the state that records them: a
+        // checkpoint proves itself on every later read.
+        let files = names
+            .into_iter()
+            .map(|name| Ok((name.clone(), digest(&tmp.join(&name))?)))
+            .collect::<Result<BTreeMap<_, _>>>()?;
+        let manifest = Manifest {
+            state: state.clone(),
+            files,
+        };
+        let json = serde_json::to_vec_pretty(&manifest).expect("loop state serialises");
         write_synced(&tmp.join(STATE_FILE), &json)
     })();
     if let Err(e) = written {
@@ -196,8 +242,12 @@ pub fn latest(run_dir: &Path) -> Result<(usize, PathBuf)> {
     })
 }
 
-/// Reads the loop state of a checkpoint.
+/// Reads the loop state of a checkpoint (without verifying its files: see [`verify`]).
 pub fn read_state(dir: &Path) -> Result<LoopState> {
+    read_manifest(dir).map(|m| m.state)
+}
+
+fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(STATE_FILE);
     let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
     serde_json::from_slice(&bytes).map_err(|e| {
@@ -207,6 +257,94 @@ pub fn read_state(dir: &Path) -> Result<LoopState> {
             one_line(&e)
         ))
     })
+}
+
+/// A checkpoint's loop state, once every file its `state.json` records is there whole: the
+/// size and the SHA-256 it was written with. The error names the file and the damage —
+/// missing, short, long, or bytes that do not match — never a setting. A checkpoint of an
+/// older kiln records no digests and is read as it is (`Ok` with `verified` false).
+pub fn verify(dir: &Path) -> Result<Verified> {
+    let manifest = read_manifest(dir)?;
+    for (name, want) in &manifest.files {
+        let path = dir.join(name);
+        let len = match std::fs::metadata(&path) {
+            Ok(m) => m.len(),
+            Err(_) => {
+                return Err(Error::checkpoint(format!(
+                    "{}: missing (state.json records {} bytes)",
+                    path.display(),
+                    want.bytes
+                )));
+            }
+        };
+        if len != want.bytes {
+            let how = if len < want.bytes {
+                "truncated"
+            } else {
+                "grown"
+            };
+            return Err(Error::checkpoint(format!(
+                "{}: corrupt: {len} bytes where state.json records {} ({how})",
+                path.display(),
+                want.bytes
+            )));
+        }
+        if digest(&path)?.sha256 != want.sha256 {
+            return Err(Error::checkpoint(format!(
+                "{}: corrupt: its bytes do not match the SHA-256 state.json records",
+                path.display()
+            )));
+        }
+    }
+    Ok(Verified {
+        verified: !manifest.files.is_empty(),
+        state: manifest.state,
+    })
+}
+
+/// A checkpoint that [`verify`] read.
+#[derive(Debug, Clone)]
+pub struct Verified {
+    /// Its loop state.
+    pub state: LoopState,
+    /// Whether its files were checked (a checkpoint of an older kiln records no digests).
+    pub verified: bool,
+}
+
+/// The checkpoint a resume starts from: the newest whole one, and each newer one that did not
+/// verify, with what is wrong with it (its error names the file).
+#[derive(Debug)]
+pub struct Newest {
+    /// Its step.
+    pub step: usize,
+    /// Its directory.
+    pub dir: PathBuf,
+    /// The newer checkpoints passed over, newest first.
+    pub damaged: Vec<(usize, Error)>,
+}
+
+/// The newest checkpoint of a run whose files verify ([`Newest`]); an error when none does.
+pub fn newest_whole(run_dir: &Path) -> Result<Newest> {
+    let mut damaged = Vec::new();
+    for (step, dir) in list(run_dir).into_iter().rev() {
+        match verify(&dir) {
+            Ok(_) => return Ok(Newest { step, dir, damaged }),
+            Err(e) => damaged.push((step, e)),
+        }
+    }
+    if damaged.is_empty() {
+        let (step, dir) = latest(run_dir)?;
+        return Ok(Newest { step, dir, damaged });
+    }
+    let all: Vec<String> = damaged
+        .iter()
+        .map(|(_, e)| e.message().to_string())
+        .collect();
+    Err(Error::checkpoint(format!(
+        "{}: no checkpoint is whole: {}",
+        run_dir.join("checkpoints").display(),
+        all.join("; ")
+    )))
 }
 
 /// Loads a checkpoint's weights into `model`.

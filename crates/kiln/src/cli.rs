@@ -85,7 +85,7 @@ pub struct PlotArgs {
     pub log_y: bool,
 }
 
-/// `train flight`: where each rank was, from a run's flight records.
+/// `train flight` and `train checkpoints`: a run directory.
 #[derive(Debug, clap::Args)]
 pub struct FlightArgs {
     /// The run directory.
@@ -104,63 +104,6 @@ pub fn plot(args: &PlotArgs) -> Result<Vec<String>> {
             crate::plot::Outcome::Skipped(name, why) => format!("skipped {name}.png: {why}"),
         })
         .collect())
-}
-
-/// The hardware report of `train devices`, one line per item.
-pub fn devices_report() -> Vec<String> {
-    use burn::tensor::{Device, DeviceType};
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut lines = vec![format!(
-        "cpu    Flex CPU backend, {cores} cores (`--devices N` runs N replicas sharing them)"
-    )];
-    // Enumeration opens the runtime; a machine without a usable adapter may fail in it, which
-    // must read as "none found", not as a crash.
-    let listed = |kind: DeviceType, name: &str, lines: &mut Vec<String>| {
-        let found = std::panic::catch_unwind(|| {
-            Device::enumerate(kind)
-                .into_iter()
-                .map(|d| d.identity().map_or_else(|| format!("{d:?}"), |id| id.name))
-                .collect::<Vec<_>>()
-        });
-        match found {
-            Ok(devices) if !devices.is_empty() => {
-                for (i, who) in devices.iter().enumerate() {
-                    lines.push(format!("{name:<6} [{i}] {who}"));
-                }
-            }
-            Ok(_) => lines.push(format!("{name:<6} none found")),
-            Err(_) => lines.push(format!(
-                "{name:<6} unavailable (the runtime failed to start)"
-            )),
-        }
-    };
-    listed(DeviceType::Wgpu, "wgpu", &mut lines);
-    #[cfg(feature = "cuda")]
-    listed(DeviceType::Cuda, "cuda", &mut lines);
-    #[cfg(not(feature = "cuda"))]
-    lines.push("cuda   not built (enable the `cuda` feature)".to_string());
-    let p = crate::comm::Processes::from_env();
-    if p.count > 1 {
-        lines.push(format!(
-            "procs  {} processes under a launcher (this is process {}); each runs the devices \
-             above: world = {} × devices{}",
-            p.count,
-            p.index,
-            p.count,
-            if cfg!(feature = "mpi") {
-                ""
-            } else {
-                " (this build lacks the `mpi` feature)"
-            }
-        ));
-    }
-    let auto = if cfg!(feature = "cuda") {
-        "cuda"
-    } else {
-        "cpu"
-    };
-    lines.push(format!("auto   --accelerator auto chooses {auto}"));
-    lines
 }
 
 impl Flags {
@@ -352,11 +295,8 @@ fn parse_devices(raw: &str) -> Result<toml::Value> {
 
 /// `devices`: prints the hardware report; returns the exit code.
 pub(crate) fn print_devices() -> i32 {
-    let previous = std::panic::take_hook();
-    // A runtime that fails to start is reported in the list; keep its panic message out.
-    std::panic::set_hook(Box::new(|_| {}));
-    let report = devices_report();
-    std::panic::set_hook(previous);
+    // A runtime that fails to start is reported in the list, its panic kept off the terminal.
+    let report = crate::run::devices_report();
     for line in report {
         println!("{line}");
     }
@@ -392,6 +332,78 @@ pub(crate) fn print_flight(args: &FlightArgs) -> i32 {
             eprintln!("error: {e}");
             2
         }
+    }
+}
+
+/// `checkpoints`: one line per checkpoint of `run` (newest last) saying whether its files
+/// verify; returns the exit code (0 when one verifies, the one a resume would start from; 2
+/// when none does or there are none).
+pub(crate) fn print_checkpoints(run: &std::path::Path) -> i32 {
+    let all = crate::checkpoint::list(run);
+    if all.is_empty() {
+        eprintln!(
+            "error: {}: no complete checkpoint (expected checkpoints/step-N/state.json)",
+            run.display()
+        );
+        return 2;
+    }
+    let best = crate::checkpoint::read_best(run);
+    let mut whole = Vec::new();
+    for (step, dir) in &all {
+        let files: Vec<String> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let len = e.metadata().ok()?.len();
+                let name = e.file_name().into_string().ok()?;
+                Some(format!("{name} {}", human_bytes(len)))
+            })
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let state = match crate::checkpoint::verify(dir) {
+            Ok(v) if v.verified => {
+                whole.push(*step);
+                "whole".to_string()
+            }
+            Ok(_) => {
+                whole.push(*step);
+                "unverified (no digests: written by an older kiln)".to_string()
+            }
+            Err(e) => format!("DAMAGED: {e}"),
+        };
+        let mark = match &best {
+            Some(b) if b.step == *step => format!("  best {} {:.6}", b.metric, b.value),
+            _ => String::new(),
+        };
+        println!("step {step:>8}  {state}  [{}]{mark}", files.join(", "));
+    }
+    match whole.last() {
+        Some(s) => {
+            println!("--resume {} starts from step {s}", run.display());
+            0
+        }
+        None => {
+            eprintln!("error: {}: no checkpoint is whole", run.display());
+            2
+        }
+    }
+}
+
+/// A byte count in B, KiB, MiB or GiB.
+fn human_bytes(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", units[u])
     }
 }
 

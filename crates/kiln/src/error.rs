@@ -37,6 +37,20 @@ impl Error {
     pub fn checkpoint(msg: impl Into<String>) -> Self {
         Error::Checkpoint(msg.into())
     }
+    /// The message without its area (`checkpoint error: `), for a caller that says it in a
+    /// sentence of its own.
+    pub fn message(&self) -> &str {
+        match self {
+            Error::Config(m)
+            | Error::Data(m)
+            | Error::Checkpoint(m)
+            | Error::Device(m)
+            | Error::Worker(m)
+            | Error::Training(m)
+            | Error::Io(m) => m,
+        }
+    }
+
     /// An I/O error on `path`.
     pub fn io(path: &std::path::Path, e: impl fmt::Display) -> Self {
         Error::Io(format!("{}: {e}", path.display()))

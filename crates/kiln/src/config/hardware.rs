@@ -9,7 +9,8 @@ use crate::error::Result;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Accelerator {
-    /// CUDA when built with the `cuda` feature, otherwise the CPU.
+    /// CUDA where the build has it and a driver and a device answer, then a hardware WGPU
+    /// adapter, then the CPU (`train devices` says which, and why).
     Auto,
     /// Burn's Flex CPU backend; N devices are N replicas, one thread each.
     Cpu,

@@ -8,7 +8,10 @@ mod resume;
 mod table;
 mod train;
 
-pub use devices::resolve_devices;
+pub use devices::{
+    Adapter, Chosen, CudaCard, auto_choice, cuda_cards, devices_report, resolve_devices,
+    wgpu_adapters,
+};
 pub use info::{RunInfo, RunOptions, RunResult};
 pub use resume::resolve_resume;
 pub use train::{export_model, train_workload};

@@ -85,21 +85,25 @@ pub(super) fn check_resume<W: Workload>(
     device: &Device,
 ) -> Result<(usize, Vec<String>)> {
     let run_dir = config.run_dir();
-    let state = checkpoint::read_state(checkpoint)?;
+    // Nothing trains from damaged bytes, whoever named the checkpoint.
+    let checked = checkpoint::verify(checkpoint)?;
+    let (state, verified) = (checked.state, checked.verified);
     crate::trainer::same_samples_per_step(checkpoint, &state, samples_per_step)?;
     let changed = changed_keys(&run_dir, config, info)?;
     let model = kiln_models::with_rng(|| kiln_models::materialized(workload.init_model(device)));
     if let Err(e) = checkpoint::load_model(checkpoint, model) {
-        // A model's shape comes from its own section: name those keys when they changed.
+        // A model's shape comes from its own section: name those keys when they changed. A
+        // file whose digest was verified is whole, so another change is what does not fit; an
+        // unverified one (an older kiln's) may be damaged, and its error names it.
         let model_keys: Vec<String> = changed
             .iter()
             .filter(|c| c.starts_with("model."))
             .cloned()
             .collect();
-        let changed = if model_keys.is_empty() {
-            changed
-        } else {
-            model_keys
+        let changed = match (model_keys.is_empty(), verified) {
+            (false, _) => model_keys,
+            (true, true) => changed,
+            (true, false) => Vec::new(),
         };
         if changed.is_empty() {
             return Err(e);
@@ -141,7 +145,10 @@ fn holds_run(dir: &Path) -> bool {
 }
 
 /// Where to resume from, given what the user passed to `--resume`: a run directory (its newest
-/// checkpoint) or one checkpoint directory. Returns (run directory, checkpoint directory).
+/// checkpoint whose files verify) or one checkpoint directory (which must verify). Returns
+/// (run directory, checkpoint directory). Newer checkpoints that did not verify are skipped,
+/// said in one line on process 0, naming each and its damaged file; nothing is ever trained
+/// from damaged bytes.
 pub fn resolve_resume(path: &Path) -> Result<(PathBuf, PathBuf)> {
     if !path.exists() {
         return Err(Error::checkpoint(format!(
@@ -154,8 +161,21 @@ pub fn resolve_resume(path: &Path) -> Result<(PathBuf, PathBuf)> {
             .parent()
             .and_then(Path::parent)
             .ok_or_else(|| Error::checkpoint(format!("{}: not inside a run", path.display())))?;
+        checkpoint::verify(path)?;
         return Ok((run.to_path_buf(), path.to_path_buf()));
     }
-    let (_, dir) = checkpoint::latest(path)?;
+    let checkpoint::Newest { step, dir, damaged } = checkpoint::newest_whole(path)?;
+    if !damaged.is_empty() && crate::comm::Processes::from_env().index == 0 {
+        let what: Vec<String> = damaged
+            .iter()
+            .map(|(s, e)| format!("step {s} ({})", e.message()))
+            .collect();
+        eprintln!(
+            "warning: skipping damaged checkpoint{} {}; resuming from step {step}, the newest \
+             whole one",
+            if damaged.len() == 1 { "" } else { "s" },
+            what.join("; ")
+        );
+    }
     Ok((path.to_path_buf(), dir))
 }

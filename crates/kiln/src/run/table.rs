@@ -1,7 +1,5 @@
 //! The start-up table: every resolved setting, printed by process 0 before the first step.
 
-use std::path::Path;
-
 use crate::config::{RootConfig, name_of};
 use crate::optim::scaled_lr;
 use crate::strategy::{ModelFacts, Setup};
@@ -32,7 +30,7 @@ pub(super) fn print_table<W: Workload>(
     config: &RootConfig,
     w: &W,
     s: &TrainerSettings,
-    run_dir: &Path,
+    auto: Option<&str>,
     info: &RunInfo,
     facts: &ModelFacts,
     params: usize,
@@ -51,8 +49,14 @@ pub(super) fn print_table<W: Workload>(
     let devices = config.hardware.devices.indices();
     let processes = s.parallel.processes.count;
     let mut rows = vec![
-        ("run".to_string(), run_dir.display().to_string()),
-        ("accelerator".into(), s.parallel.accelerator.clone()),
+        ("run".to_string(), s.output.run_dir.display().to_string()),
+        (
+            "accelerator".into(),
+            match auto {
+                Some(why) => format!("{} (auto: {why})", s.parallel.accelerator),
+                None => s.parallel.accelerator.clone(),
+            },
+        ),
         (
             "devices".into(),
             if processes > 1 {

@@ -35,7 +35,8 @@ where
     W: Workload,
     W::Model: burn::store::ModuleSnapshot,
 {
-    let (devices, accelerator) = resolve_devices(&config.hardware)?;
+    let chosen = resolve_devices(&config.hardware)?;
+    let (devices, accelerator) = (chosen.devices, chosen.name);
     for d in &devices {
         if !d.supports_dtype(burn::tensor::DType::F32) {
             return Err(Error::Device(format!("{d:?} cannot compute in f32")));
@@ -98,7 +99,15 @@ where
     settings.output.run_dir = run_dir.clone();
     settings.output.progress = options.verbose && first;
     if options.verbose && first {
-        print_table(config, workload, &settings, &run_dir, &info, &facts, params);
+        print_table(
+            config,
+            workload,
+            &settings,
+            chosen.why.as_deref(),
+            &info,
+            &facts,
+            params,
+        );
     }
 
     let (summary, model) = fit_checked(workload, &settings, checked)?;
