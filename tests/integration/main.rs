@@ -12,6 +12,7 @@ mod dist;
 mod fuzz;
 mod generative;
 mod gpt;
+mod heal;
 mod monitor;
 #[cfg(feature = "mpi")]
 mod mpi;

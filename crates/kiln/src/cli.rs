@@ -314,7 +314,7 @@ pub(crate) fn print_plot(args: &PlotArgs) -> i32 {
         }
         Err(e) => {
             eprintln!("error: {e}");
-            2
+            crate::error::exit::REFUSED
         }
     }
 }
@@ -330,7 +330,7 @@ pub(crate) fn print_flight(args: &FlightArgs) -> i32 {
         }
         Err(e) => {
             eprintln!("error: {e}");
-            2
+            crate::error::exit::REFUSED
         }
     }
 }
@@ -345,7 +345,7 @@ pub(crate) fn print_checkpoints(run: &std::path::Path) -> i32 {
             "error: {}: no complete checkpoint (expected checkpoints/step-N/state.json)",
             run.display()
         );
-        return 2;
+        return crate::error::exit::REFUSED;
     }
     let best = crate::checkpoint::read_best(run);
     let mut whole = Vec::new();
@@ -386,7 +386,7 @@ pub(crate) fn print_checkpoints(run: &std::path::Path) -> i32 {
         }
         None => {
             eprintln!("error: {}: no checkpoint is whole", run.display());
-            2
+            crate::error::exit::REFUSED
         }
     }
 }
@@ -409,14 +409,15 @@ fn human_bytes(n: u64) -> String {
 
 /// Starts the processes (MPI under a launcher) and the signal handlers, runs `train` (which
 /// returns `None` when it only printed the config) and reports how the run ended; returns the
-/// exit code: 0 done, 2 error, 3 stopped by a signal with a checkpoint.
+/// exit code ([`crate::error::exit`]): 0 done, 2 refused, 3 stopped by a signal with a
+/// checkpoint, 4 failed while running, 5 diverged.
 pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) -> i32 {
     // Under a launcher with several processes, MPI starts here (or the run is refused).
     let _processes = match crate::comm::start(crate::comm::Processes::from_env()) {
         Ok(guard) => guard,
         Err(e) => {
             eprintln!("error: {e}");
-            return 2;
+            return crate::error::exit::REFUSED;
         }
     };
     crate::signal::install();
@@ -482,10 +483,10 @@ pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) ->
             unsafe { libc::_exit(crate::signal::STOPPED_EXIT_CODE) }
         }
         Ok(()) if stopped => crate::signal::STOPPED_EXIT_CODE,
-        Ok(()) => 0,
+        Ok(()) => crate::error::exit::DONE,
         Err(e) => {
             eprintln!("error: {e}");
-            2
+            e.exit_code()
         }
     }
 }

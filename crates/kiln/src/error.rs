@@ -17,8 +17,45 @@ pub enum Error {
     Worker(String),
     /// Training itself went wrong (a non-finite loss or gradient); the run stopped.
     Training(String),
+    /// The model cannot run as it is (its first forward failed).
+    Model(String),
     /// Another I/O failure.
     Io(String),
+}
+
+/// The exit codes of kiln's programs, for a launcher deciding whether to start a run again:
+/// only [`exit::FAILED`] (and a death by a signal) is worth a restart.
+pub mod exit {
+    /// The run finished (or the command did what it was asked).
+    pub const DONE: i32 = 0;
+    /// Refused: the configuration, the data, the model, the devices or the checkpoint do not
+    /// allow the run. The same command fails the same way: never worth retrying as it is.
+    pub const REFUSED: i32 = 2;
+    /// Stopped by a signal (SIGTERM, SIGINT, SIGUSR2) after a checkpoint was written:
+    /// `--resume` continues it.
+    pub const STOPPED: i32 = 3;
+    /// Failed while running: a rank's error or death, a deadline, a cut link, a write that
+    /// failed. Worth retrying from the newest checkpoint.
+    pub const FAILED: i32 = 4;
+    /// Diverged: a loss or gradient went non-finite past `train.skip_nonfinite`. Retrying
+    /// from the checkpoint repeats the same arithmetic: not worth it as it is.
+    pub const DIVERGED: i32 = 5;
+}
+
+/// The exit code of the failure that is ending this process (set by the rank that failed
+/// first, read where the process ends without returning: an MPI abort, a rank that cannot be
+/// woken); [`exit::FAILED`] until one is noted.
+static ENDING: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(exit::FAILED);
+static NOTED: std::sync::Once = std::sync::Once::new();
+
+/// Notes `e` as the failure that ends this process (the first note wins).
+pub fn note_failure(e: &Error) {
+    NOTED.call_once(|| ENDING.store(e.exit_code(), std::sync::atomic::Ordering::SeqCst));
+}
+
+/// The exit code of the failure noted by [`note_failure`] ([`exit::FAILED`] if none).
+pub fn failure_code() -> i32 {
+    ENDING.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// Result with kiln's [`Error`].
@@ -47,7 +84,21 @@ impl Error {
             | Error::Device(m)
             | Error::Worker(m)
             | Error::Training(m)
+            | Error::Model(m)
             | Error::Io(m) => m,
+        }
+    }
+
+    /// The exit code a program ends with on this error ([`exit`]).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Config(_)
+            | Error::Data(_)
+            | Error::Checkpoint(_)
+            | Error::Device(_)
+            | Error::Model(_) => exit::REFUSED,
+            Error::Training(_) => exit::DIVERGED,
+            Error::Worker(_) | Error::Io(_) => exit::FAILED,
         }
     }
 
@@ -66,6 +117,7 @@ impl fmt::Display for Error {
             Error::Device(m) => ("device", m),
             Error::Worker(m) => ("worker", m),
             Error::Training(m) => ("training", m),
+            Error::Model(m) => ("model", m),
             Error::Io(m) => ("io", m),
         };
         // Messages are shown as one line whatever their source wrote.

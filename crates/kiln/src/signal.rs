@@ -16,7 +16,7 @@ static DUMP: AtomicBool = AtomicBool::new(false);
 static LAST: AtomicI32 = AtomicI32::new(0);
 
 /// The exit code of a run stopped by a signal after writing its checkpoint.
-pub const STOPPED_EXIT_CODE: i32 = 3;
+pub const STOPPED_EXIT_CODE: i32 = crate::error::exit::STOPPED;
 
 extern "C" fn on_signal(signal: libc::c_int) {
     LAST.store(signal, Ordering::SeqCst);

@@ -135,7 +135,7 @@ fn wait_or_exit<T>(
                 stuck.join(", "),
                 GRACE.as_secs()
             );
-            std::process::exit(2);
+            std::process::exit(crate::error::failure_code());
         }
         match returns.recv_timeout(Duration::from_millis(50)) {
             Ok(()) => returned += 1,

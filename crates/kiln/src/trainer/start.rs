@@ -163,7 +163,7 @@ fn probe_failure(policy: &crate::precision::Policy, message: String) -> Error {
                 policy.compute,
             ))
         } else {
-            Error::Worker(format!(
+            Error::Model(format!(
                 "the model's first forward failed (on samples 0 and 1): {message}"
             ))
         }

@@ -114,6 +114,7 @@ impl<W: Workload> Worker<'_, W> {
             if let Err(e) = &outcome
                 && !is_abort_echo(e)
             {
+                crate::error::note_failure(e);
                 self.comm
                     .abort(&format!("{ABORTED}rank {rank} failed: {e}"));
             }

@@ -375,9 +375,9 @@ impl Collective for Hier {
             std::thread::spawn(|| {
                 std::thread::sleep(std::time::Duration::from_secs(10));
                 // SAFETY: `_exit` ends the process at once; nothing is touched afterwards.
-                unsafe { libc::_exit(2) };
+                unsafe { libc::_exit(crate::error::failure_code()) };
             });
-            state.world.0.abort(2);
+            state.world.0.abort(crate::error::failure_code());
         }
     }
 

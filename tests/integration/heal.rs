@@ -1,0 +1,215 @@
+//! Runs that heal: checkpoints that prove themselves (a damaged one is named and passed over,
+//! never trained from), and exit codes a launcher can act on.
+
+use std::path::Path;
+use std::process::Output;
+
+use crate::common::{assert_one_line_error, temp_dir, train_bin, train_losses};
+
+/// A small digits run's flags: the ConvNet at its smallest, `steps` steps.
+fn run_args<'a>(dir: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "--run-dir",
+        dir,
+        "--max-steps",
+        steps,
+        "--set",
+        "model.convnet.channels=[2, 2]",
+        "--set",
+        "train.checkpoint_every=2",
+        "--set",
+        "train.keep_checkpoints=3",
+    ];
+    a.extend_from_slice(extra);
+    a
+}
+
+fn ok(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A safetensors file's tensors: their entries (names, dtypes, shapes, offsets) and bytes,
+/// without the free-form metadata, whose key order is not fixed.
+fn tensors(path: &Path) -> (serde_json::Value, Vec<u8>) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header.as_object_mut().unwrap().remove("__metadata__");
+    (header, bytes[8 + n..].to_vec())
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// The two kinds of damage a disk or a copy does: one byte flipped in the middle, or the file
+/// cut short.
+fn damage(file: &Path, truncate: bool) {
+    let mut bytes = std::fs::read(file).unwrap();
+    if truncate {
+        bytes.truncate(bytes.len() / 2);
+    } else {
+        let at = bytes.len() / 2;
+        bytes[at] ^= 0x40;
+    }
+    std::fs::write(file, bytes).unwrap();
+}
+
+#[test]
+fn a_damaged_newest_checkpoint_is_passed_over_and_the_run_ends_as_if_resumed_before_it() {
+    let base = temp_dir("heal-damaged");
+    ok(&train_bin(&base, &run_args("full", "6", &[])));
+    let steps: Vec<usize> = kiln::checkpoint::list(&base.join("full"))
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(steps, [2, 4, 6]);
+    // The reference: resumed from step 4 directly, to step 8.
+    copy_dir(&base.join("full"), &base.join("direct"));
+    let from_four = "direct/checkpoints/step-00000004";
+    ok(&train_bin(
+        &base,
+        &["--resume", from_four, "--max-steps", "8"],
+    ));
+    let reference = train_losses(&base.join("direct"));
+    let reference_model = tensors(&base.join("direct/model.safetensors"));
+    for file in [kiln::checkpoint::MODEL_FILE, kiln::checkpoint::OPTIM_FILE] {
+        for truncate in [false, true] {
+            let case = format!("{}-{}", file, if truncate { "cut" } else { "flip" });
+            copy_dir(&base.join("full"), &base.join(&case));
+            damage(
+                &base
+                    .join(&case)
+                    .join("checkpoints/step-00000006")
+                    .join(file),
+                truncate,
+            );
+            let out = train_bin(&base, &["--resume", &case, "--max-steps", "8"]);
+            ok(&out);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            for needle in [
+                "skipping damaged checkpoint step 6",
+                file,
+                "corrupt",
+                "step 4",
+            ] {
+                assert!(
+                    stderr.contains(needle),
+                    "{case}: {needle:?} not in {stderr}"
+                );
+            }
+            let expected = if truncate { "(truncated)" } else { "SHA-256" };
+            assert!(stderr.contains(expected), "{case}: {stderr}");
+            // The same steps after the resume, to the bit, and the same final weights.
+            assert_eq!(train_losses(&base.join(&case)), reference, "{case}");
+            let model = tensors(&base.join(&case).join("model.safetensors"));
+            assert!(model == reference_model, "{case}: the final weights differ");
+        }
+    }
+}
+
+#[test]
+fn with_no_whole_checkpoint_and_a_changed_setting_the_error_names_the_file() {
+    let base = temp_dir("heal-none");
+    ok(&train_bin(
+        &base,
+        &run_args("run", "4", &["--set", "train.keep_checkpoints=1"]),
+    ));
+    let newest = kiln::checkpoint::latest(&base.join("run")).unwrap().1;
+    damage(&newest.join(kiln::checkpoint::MODEL_FILE), true);
+    let out = train_bin(&base, &["--resume", "run", "--max-steps", "60"]);
+    assert_one_line_error(
+        &out,
+        &[
+            "model.bpk",
+            "corrupt",
+            "truncated",
+            "no checkpoint is whole",
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("max_steps"),
+        "the error blames a setting: {stderr}"
+    );
+    assert_eq!(out.status.code(), Some(kiln::error::exit::REFUSED));
+    // `train checkpoints` says the same of it.
+    let out = train_bin(&base, &["checkpoints", "run"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(kiln::error::exit::REFUSED),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("DAMAGED") && stdout.contains("model.bpk"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn train_checkpoints_lists_each_with_its_state() {
+    let base = temp_dir("heal-list");
+    ok(&train_bin(&base, &run_args("run", "6", &[])));
+    let out = train_bin(&base, &["checkpoints", "run"]);
+    ok(&out);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "{stdout}");
+    assert!(lines[..3].iter().all(|l| l.contains("whole")), "{stdout}");
+    assert!(lines[3].contains("starts from step 6"), "{stdout}");
+    damage(
+        &base.join("run/checkpoints/step-00000006/optimizer.bpk"),
+        false,
+    );
+    let out = train_bin(&base, &["checkpoints", "run"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("DAMAGED") && stdout.contains("starts from step 4"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn exit_codes_tell_a_refusal_from_a_failure_and_a_divergence() {
+    let base = temp_dir("heal-codes");
+    use kiln::error::exit;
+    // A refusal: the config.
+    let out = train_bin(&base, &["--set", "train.batch_size=0"]);
+    assert_eq!(out.status.code(), Some(exit::REFUSED));
+    // A failure while running: a rank panics after step 2.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(run_args("failed", "6", &["--devices", "2"]))
+        .env(kiln::trainer::FAULT_VAR, "1:2")
+        .current_dir(&base)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(exit::FAILED), "{stderr}");
+    assert!(stderr.contains("rank 1"), "{stderr}");
+    // A divergence: the rate sends the weights to infinity, the next loss is not finite.
+    let out = train_bin(
+        &base,
+        &run_args(
+            "diverged",
+            "6",
+            &["--set", "optim.name=\"sgd\"", "--lr", "1e30"],
+        ),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(exit::DIVERGED), "{stderr}");
+    assert!(stderr.contains("non-finite"), "{stderr}");
+}
