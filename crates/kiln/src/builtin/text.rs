@@ -271,21 +271,16 @@ impl Workload for TextWorkload {
         batch
     }
 
-    fn sample(
-        &self,
-        micro_step: usize,
-        rank: usize,
-        world: usize,
-        batch: usize,
-    ) -> Option<Vec<usize>> {
+    fn sample(&self, step: usize, slot: usize, slots: usize, batch: usize) -> Option<Vec<usize>> {
+        // The step's windows, then this slot's part of them.
         let all = kiln_datasets::text::window_starts(
             self.train.len(),
             self.config.block_size,
             self.seed,
-            micro_step as u64,
-            world * batch,
+            step as u64,
+            slots * batch,
         );
-        Some(all[rank * batch..(rank + 1) * batch].to_vec())
+        Some(all[slot * batch..(slot + 1) * batch].to_vec())
     }
 
     fn tokens_per_sample(&self) -> Option<usize> {

@@ -120,19 +120,20 @@ impl Plan {
         order: &mut Option<(usize, Vec<usize>)>,
     ) -> Result<W::Batch> {
         let at = self.at(job);
-        let micro_step = at.step * self.micros + at.micro;
-        let indices =
-            match workload.sample(micro_step, self.data_rank, self.data_world, self.batch_size) {
-                Some(indices) => indices,
-                None => {
-                    if order.as_ref().is_none_or(|(e, _)| *e != at.epoch) {
-                        *order = Some((at.epoch, self.sampler.epoch_order(at.epoch)));
-                    }
-                    let (_, order) = order.as_ref().expect("set above");
-                    self.sampler
-                        .indices(order, at.step_in_epoch, at.micro, self.data_rank)
+        // The step's slots, micro-batch major: the same samples per step for any split.
+        let slot = at.micro * self.data_world + self.data_rank;
+        let slots = self.micros * self.data_world;
+        let indices = match workload.sample(at.step, slot, slots, self.batch_size) {
+            Some(indices) => indices,
+            None => {
+                if order.as_ref().is_none_or(|(e, _)| *e != at.epoch) {
+                    *order = Some((at.epoch, self.sampler.epoch_order(at.epoch)));
                 }
-            };
+                let (_, order) = order.as_ref().expect("set above");
+                self.sampler
+                    .indices(order, at.step_in_epoch, at.micro, self.data_rank)
+            }
+        };
         building(self.seed, at.step, || {
             workload.try_train_batch(&indices, at.step, device)
         })

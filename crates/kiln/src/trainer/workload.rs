@@ -57,17 +57,15 @@ pub trait Workload: Sync {
     }
     /// `batch` with its float inputs in `dtype` (the compute dtype of a lower precision).
     fn cast_batch(&self, batch: Self::Batch, dtype: FloatDType) -> Self::Batch;
-    /// The samples rank `rank` of `world` trains on at global micro-step `micro_step`
-    /// (`step × accumulate + micro`), `batch` of them, for workloads that draw their own (text
-    /// windows from seed and step). `None`, the default, uses the epoch-shuffled sampler.
-    fn sample(
-        &self,
-        micro_step: usize,
-        rank: usize,
-        world: usize,
-        batch: usize,
-    ) -> Option<Vec<usize>> {
-        let _ = (micro_step, rank, world, batch);
+    /// The samples of slot `slot` of `slots` at optimizer step `step`, `batch` of them, for
+    /// workloads that draw their own (text windows from seed and step). A step's samples are
+    /// `slots × batch`, cut into `slots` equal parts, one per (micro-batch, data-parallel rank)
+    /// pair (`slot = micro × ranks + rank`): a workload whose samples are a function of the step
+    /// and of their position in it gives every step the same samples however it is split
+    /// into devices and accumulation — which a restart on fewer devices relies on. `None`, the
+    /// default, uses the epoch-shuffled sampler, which has the same property.
+    fn sample(&self, step: usize, slot: usize, slots: usize, batch: usize) -> Option<Vec<usize>> {
+        let _ = (step, slot, slots, batch);
         None
     }
     /// The learning rate of optimizer step `step` (0-based) for parameter group `group` (0
