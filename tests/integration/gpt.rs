@@ -130,14 +130,21 @@ fn gpt_windows_do_not_depend_on_the_device_count() {
         &gpt_config(
             &dir.join("acc"),
             &text,
-            &["train.max_steps=5", "train.batch_size=4", "train.accumulate=2"],
+            &[
+                "train.max_steps=5",
+                "train.batch_size=4",
+                "train.accumulate=2",
+            ],
         ),
         &RunOptions::default(),
     )
     .unwrap();
     let c = parameter_values(&kiln_models::load_gpt_run(&acc.dir, &device).unwrap().0);
     let d = max_relative_diff(&c, &a);
-    assert!(d <= 1e-5, "accumulation: max per-tensor relative difference {d:e}");
+    assert!(
+        d <= 1e-5,
+        "accumulation: max per-tensor relative difference {d:e}"
+    );
 
     // The three metric sinks of the data-parallel run agree record for record.
     let jsonl = kiln::metrics::read_metrics(&two.dir.join("metrics.jsonl")).unwrap();

@@ -213,3 +213,159 @@ fn exit_codes_tell_a_refusal_from_a_failure_and_a_divergence() {
     assert_eq!(out.status.code(), Some(exit::DIVERGED), "{stderr}");
     assert!(stderr.contains("non-finite"), "{stderr}");
 }
+
+/// `train launch` in this directory, with `env` set, returning the launcher's output.
+fn launch(base: &Path, launch_args: &[&str], train: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_train"));
+    c.arg("launch")
+        .args(launch_args)
+        .arg("--")
+        .args(train)
+        .current_dir(base);
+    c.env_remove("RUST_BACKTRACE");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+const TRAIN: [&str; 6] = [
+    "--max-steps",
+    "8",
+    "--set",
+    "train.checkpoint_every=2",
+    "--set",
+    "model.convnet.channels=[2, 2]",
+];
+
+#[test]
+fn the_launcher_restarts_a_failed_run_which_ends_as_the_uninterrupted_one() {
+    let base = temp_dir("launch-restart");
+    ok(&train_bin(
+        &base,
+        &[&["--run-dir", "plain"][..], &TRAIN].concat(),
+    ));
+    let out = launch(
+        &base,
+        &[
+            "--run-dir",
+            "healed",
+            "--restarts",
+            "2",
+            "--backoff-s",
+            "0.1",
+        ],
+        &TRAIN,
+        &[(kiln::trainer::FAULT_VAR, "0:5")],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("restart 1 of 2 after exit 4"), "{stderr}");
+    assert!(stderr.contains("injected failure after step 5"), "{stderr}");
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(base.join("healed").join(kiln::launcher::RESTARTS_FILE))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["exit"], 4);
+    assert_eq!(lines[0]["resumed_from_step"], 4);
+    assert!(lines[0]["failure"].as_str().unwrap().contains("rank 0"));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(base.join("healed/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["restarts"], 1);
+    assert_eq!(summary["steps"], 8);
+    // The same run: the restart resumed bit for bit.
+    assert!(
+        tensors(&base.join("healed/model.safetensors"))
+            == tensors(&base.join("plain/model.safetensors"))
+    );
+    // The failure's flight records are kept where `train flight` reads them.
+    let flight = train_bin(&base, &["flight", "healed/restarts/attempt-1"]);
+    ok(&flight);
+}
+
+#[test]
+fn the_launcher_passes_a_refusal_and_a_stop_through_and_gives_up_after_its_restarts() {
+    let base = temp_dir("launch-final");
+    use kiln::error::exit;
+    // A refusal is never retried.
+    let out = launch(
+        &base,
+        &["--run-dir", "refused"],
+        &["--set", "train.batch_size=0"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(exit::REFUSED));
+    assert!(
+        !base
+            .join("refused")
+            .join(kiln::launcher::RESTARTS_FILE)
+            .exists()
+    );
+    // A failure at every attempt: the restarts run out, each failure is listed.
+    let out = launch(
+        &base,
+        &[
+            "--run-dir",
+            "failing",
+            "--restarts",
+            "2",
+            "--backoff-s",
+            "0.05",
+        ],
+        &TRAIN,
+        &[
+            (kiln::trainer::FAULT_VAR, "0:3"),
+            (kiln::trainer::FAULT_ATTEMPTS_VAR, "99"),
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(exit::FAILED), "{stderr}");
+    let gave_up = stderr
+        .lines()
+        .find(|l| l.contains("gave up after 2 restart(s)"));
+    let gave_up = gave_up.unwrap_or_else(|| panic!("{stderr}"));
+    for attempt in 1..=3 {
+        assert!(
+            gave_up.contains(&format!("attempt {attempt} exited 4")),
+            "{gave_up}"
+        );
+    }
+    // SIGTERM to the launcher: the run stops with its checkpoint, no restart.
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args([
+            "launch",
+            "--run-dir",
+            "stopped",
+            "--",
+            "--max-steps",
+            "100000",
+        ])
+        .args(["--set", "train.epochs=0", "--set", "train.log_every=1"])
+        .args(["--set", "model.convnet.channels=[2, 2]"])
+        .current_dir(&base)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    crate::common::wait_for_records(&base.join("stopped"), 3);
+    // SAFETY: kill(2) on the launcher we started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let (out, _) = crate::common::finish_within(child, std::time::Duration::from_secs(30));
+    assert_eq!(
+        out.status.code(),
+        Some(exit::STOPPED),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(kiln::checkpoint::latest(&base.join("stopped")).is_ok());
+    assert!(
+        !base
+            .join("stopped")
+            .join(kiln::launcher::RESTARTS_FILE)
+            .exists()
+    );
+}

@@ -223,6 +223,9 @@ pub enum AppCommand {
     Flight(FlightArgs),
     /// List a run's checkpoints: step, files, whether each verifies, the best one.
     Checkpoints(FlightArgs),
+    /// Run training and start it again after a failure, on the hosts that answer, with the
+    /// same samples per step (`train launch --run-dir DIR [--hosts ...] -- TRAIN_ARGS`).
+    Launch(crate::launcher::LaunchArgs),
 }
 
 /// A program's parsed command line.
@@ -312,7 +315,7 @@ impl<'a> App<'a> {
             command = command.subcommand(own.clone().display_order(i));
         }
         let first = self.commands.len();
-        for (i, name) in ["devices", "plot", "flight", "checkpoints"]
+        for (i, name) in ["devices", "plot", "flight", "checkpoints", "launch"]
             .into_iter()
             .enumerate()
         {
@@ -468,6 +471,7 @@ impl<'a> App<'a> {
             Some(AppCommand::Plot(plot)) => return crate::cli::print_plot(plot),
             Some(AppCommand::Flight(flight)) => return crate::cli::print_flight(flight),
             Some(AppCommand::Checkpoints(run)) => return crate::cli::print_checkpoints(&run.run),
+            Some(AppCommand::Launch(launch)) => return crate::launcher::run(launch),
             None => {}
         }
         crate::cli::run_training(|| {

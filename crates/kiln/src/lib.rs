@@ -38,6 +38,7 @@ pub mod error;
 pub mod exec;
 pub mod files;
 pub mod flight;
+pub mod launcher;
 pub mod metrics;
 pub mod monitor;
 pub mod optim;

@@ -19,6 +19,14 @@ pub(super) fn is_abort_echo(e: &Error) -> bool {
 /// (`data.workers` > 0) hang or panic building that step's batch.
 pub const FAULT_VAR: &str = "KILN_FAULT_INJECT";
 
+/// The attempt of a run the launcher (`train launch`) started: 0 for the first, then one more
+/// for each restart. An injected fault happens in the first `KILN_FAULT_ATTEMPTS` attempts
+/// (default 1), so that a restarted run can get past it.
+pub const ATTEMPT_VAR: &str = "KILN_LAUNCH_ATTEMPT";
+
+/// How many attempts of a launched run an injected fault happens in (default 1).
+pub const FAULT_ATTEMPTS_VAR: &str = "KILN_FAULT_ATTEMPTS";
+
 /// A fault the variable injects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Fault {
@@ -46,6 +54,10 @@ pub(super) fn injected_fault() -> Option<(usize, usize, Fault)> {
     static FAULT: std::sync::OnceLock<Option<(usize, usize, Fault)>> = std::sync::OnceLock::new();
     *FAULT.get_or_init(|| {
         let raw = std::env::var(FAULT_VAR).ok()?;
+        let number = |var: &str| std::env::var(var).ok()?.trim().parse::<usize>().ok();
+        if number(ATTEMPT_VAR).unwrap_or(0) >= number(FAULT_ATTEMPTS_VAR).unwrap_or(1) {
+            return None;
+        }
         let mut parts = raw.split(':').map(str::trim);
         let rank = parts.next()?.parse().ok()?;
         let step = parts.next()?.parse().ok()?;

@@ -25,7 +25,7 @@ mod validate;
 mod worker;
 mod workload;
 
-pub use faults::FAULT_VAR;
+pub use faults::{ATTEMPT_VAR, FAULT_ATTEMPTS_VAR, FAULT_VAR};
 pub use finish::median;
 pub use launch::{Checked, check, fit, fit_checked, sampler, total_steps};
 pub use settings::{OutputSettings, ParallelSettings, TrainerSettings};
