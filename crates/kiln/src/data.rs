@@ -191,6 +191,36 @@ mod tests {
     }
 
     #[test]
+    fn step_samples_do_not_depend_on_the_split_into_devices_and_accumulation() {
+        // What a restart on fewer devices keeps: 32 samples a step as 2 × 8 × 2, 1 × 8 × 4
+        // and 4 × 8 × 1 (devices × batch × accumulation) are the same samples.
+        let n = 200;
+        let splits = [(2, 8, 2), (1, 8, 4), (4, 8, 1), (1, 32, 1)];
+        let samplers: Vec<_> = splits
+            .iter()
+            .map(|&(w, b, a)| (DistributedSampler::new(n, 5, w, b, a, false), w, a))
+            .collect();
+        let order = samplers[0].0.epoch_order(0);
+        for step in 0..samplers[0].0.steps_per_epoch() {
+            let order = &order;
+            let step_samples = |(s, w, a): &(DistributedSampler, usize, usize)| {
+                let mut all = Vec::new();
+                for m in 0..*a {
+                    for r in 0..*w {
+                        all.extend(s.indices(order, step, m, r));
+                    }
+                }
+                all.sort_unstable();
+                all
+            };
+            let first = step_samples(&samplers[0]);
+            for other in &samplers[1..] {
+                assert_eq!(step_samples(other), first, "step {step}");
+            }
+        }
+    }
+
+    #[test]
     fn epochs_cover_every_sample_and_differ() {
         let s = DistributedSampler::new(50, 1, 2, 5, 1, false);
         let a = s.epoch_order(0);

@@ -288,15 +288,29 @@ impl<'a> Agent<'a> {
             .map_err(|e| Error::config(format!("cannot start {command:?}: {e}")))?;
         let errors = pass_through(&mut child);
         let mut signalled = false;
+        let mut health = Health::new(hosts);
+        let mut lost: Option<(String, Instant)> = None;
         let status = loop {
             if let Some(status) = child.try_wait().map_err(|e| Error::Worker(e.to_string()))? {
                 break status;
             }
             if !signalled && crate::signal::requested().is_some() {
                 // Stop the run as a scheduler would: it checkpoints and exits 3.
-                // SAFETY: kill(2) on the child's own pid.
-                unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+                send(&child, libc::SIGTERM);
                 signalled = true;
+            }
+            match &lost {
+                None => {
+                    if let Some(gone) = health.check(&self.agent) {
+                        // A machine of the job is gone: mpirun may wait for its daemon there
+                        // until TCP gives up. The job is over; end it.
+                        eprintln!("train launch: {gone} stopped answering; ending the job");
+                        send(&child, libc::SIGTERM);
+                        lost = Some((gone, Instant::now()));
+                    }
+                }
+                Some((_, since)) if since.elapsed() > END_WITHIN => send(&child, libc::SIGKILL),
+                Some(_) => {}
             }
             std::thread::sleep(Duration::from_millis(100));
         };
@@ -305,9 +319,18 @@ impl<'a> Agent<'a> {
             .code()
             .or_else(|| status.signal().map(|s| 128 + s))
             .unwrap_or(exit::FAILED);
+        let error = match &lost {
+            Some((gone, _)) => Some(format!("host {gone} stopped answering while the job ran")),
+            None => errors.join().ok().flatten(),
+        };
+        let code = if lost.is_some() && code == exit::DONE {
+            exit::FAILED
+        } else {
+            code
+        };
         Ok(Ended {
             code,
-            error: errors.join().ok().flatten(),
+            error,
             signalled,
         })
     }
@@ -338,10 +361,14 @@ impl<'a> Agent<'a> {
         };
         match crate::flight::report(&at) {
             Ok(lines) => {
-                let reason = lines
-                    .first()
-                    .and_then(|l| l.split_once("written for: "))
-                    .map_or(error.clone(), |(_, r)| r.to_string());
+                // A host that stopped answering is the cause; the records say who was behind.
+                let reason = match &ended.error {
+                    Some(e) if e.contains("stopped answering") => e.clone(),
+                    _ => lines
+                        .first()
+                        .and_then(|l| l.split_once("written for: "))
+                        .map_or(error.clone(), |(_, r)| r.to_string()),
+                };
                 match lines.iter().rev().find(|l| l.starts_with("behind:")) {
                     Some(behind) => format!("{reason}; {behind}"),
                     None => reason,
@@ -392,6 +419,55 @@ impl<'a> Agent<'a> {
         }
         crate::signal::requested().is_some()
     }
+}
+
+/// How often the hosts of a running job are asked whether they answer, how many misses in a
+/// row mean a host is gone, and how long a job that lost one has to end before it is killed.
+const HEALTH_EVERY: Duration = Duration::from_secs(5);
+const MISSES: usize = 2;
+const END_WITHIN: Duration = Duration::from_secs(5);
+
+/// The hosts of a running job, asked every [`HEALTH_EVERY`] whether they still answer.
+struct Health<'h> {
+    hosts: &'h [String],
+    last: Instant,
+    misses: Vec<usize>,
+}
+
+impl<'h> Health<'h> {
+    fn new(hosts: &'h [String]) -> Self {
+        Self {
+            hosts,
+            last: Instant::now(),
+            misses: vec![0; hosts.len()],
+        }
+    }
+
+    /// The first host that missed [`MISSES`] checks in a row, once one has.
+    fn check(&mut self, agent: &str) -> Option<String> {
+        if self.hosts.is_empty() || self.last.elapsed() < HEALTH_EVERY {
+            return None;
+        }
+        self.last = Instant::now();
+        let up = answering(self.hosts, agent);
+        for (i, host) in self.hosts.iter().enumerate() {
+            self.misses[i] = if up.contains(host) {
+                0
+            } else {
+                self.misses[i] + 1
+            };
+            if self.misses[i] >= MISSES {
+                return Some(host.clone());
+            }
+        }
+        None
+    }
+}
+
+/// Sends `signal` to the child.
+fn send(child: &Child, signal: libc::c_int) {
+    // SAFETY: kill(2) on the child's own pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, signal) };
 }
 
 /// Copies the child's standard error to the launcher's, keeping its last `error:` line.
