@@ -462,3 +462,72 @@ pub fn load_group_optimizer(dir: &Path, group: &str) -> Result<OptimState> {
         scalars,
     })
 }
+
+/// `train checkpoints RUN`: one line per checkpoint (oldest first) — its step, whether its files
+/// verify (or what is wrong with one), its files and sizes, the best one — and a last line
+/// saying which one `--resume` starts from (`None` when none is whole). An error when the run
+/// has none.
+pub fn report(run: &Path) -> Result<(Vec<String>, Option<usize>)> {
+    let all = list(run);
+    if all.is_empty() {
+        return Err(Error::checkpoint(format!(
+            "{}: no complete checkpoint (expected checkpoints/step-N/{STATE_FILE})",
+            run.display()
+        )));
+    }
+    let best = read_best(run);
+    let mut lines = Vec::new();
+    let mut whole = None;
+    for (step, dir) in &all {
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let len = e.metadata().ok()?.len();
+                let name = e.file_name().into_string().ok()?;
+                Some(format!("{name} {}", human_bytes(len)))
+            })
+            .collect();
+        files.sort();
+        let state = match verify(dir) {
+            Ok(v) => {
+                whole = Some(*step);
+                if v.verified {
+                    "whole".to_string()
+                } else {
+                    "unverified (no digests: written by an older kiln)".to_string()
+                }
+            }
+            Err(e) => format!("DAMAGED: {}", e.message()),
+        };
+        let mark = match &best {
+            Some(b) if b.step == *step => format!("  best {} {:.6}", b.metric, b.value),
+            _ => String::new(),
+        };
+        lines.push(format!(
+            "step {step:>8}  {state}  [{}]{mark}",
+            files.join(", ")
+        ));
+    }
+    if let Some(s) = whole {
+        lines.push(format!("--resume {} starts from step {s}", run.display()));
+    }
+    Ok((lines, whole))
+}
+
+/// A byte count in B, KiB, MiB or GiB.
+fn human_bytes(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", units[u])
+    }
+}

@@ -339,71 +339,22 @@ pub(crate) fn print_flight(args: &FlightArgs) -> i32 {
 /// verify; returns the exit code (0 when one verifies, the one a resume would start from; 2
 /// when none does or there are none).
 pub(crate) fn print_checkpoints(run: &std::path::Path) -> i32 {
-    let all = crate::checkpoint::list(run);
-    if all.is_empty() {
-        eprintln!(
-            "error: {}: no complete checkpoint (expected checkpoints/step-N/state.json)",
-            run.display()
-        );
-        return crate::error::exit::REFUSED;
-    }
-    let best = crate::checkpoint::read_best(run);
-    let mut whole = Vec::new();
-    for (step, dir) in &all {
-        let files: Vec<String> = std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| {
-                let len = e.metadata().ok()?.len();
-                let name = e.file_name().into_string().ok()?;
-                Some(format!("{name} {}", human_bytes(len)))
-            })
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        let state = match crate::checkpoint::verify(dir) {
-            Ok(v) if v.verified => {
-                whole.push(*step);
-                "whole".to_string()
+    match crate::checkpoint::report(run) {
+        Ok((lines, whole)) => {
+            for line in lines {
+                println!("{line}");
             }
-            Ok(_) => {
-                whole.push(*step);
-                "unverified (no digests: written by an older kiln)".to_string()
+            if whole.is_some() {
+                crate::error::exit::DONE
+            } else {
+                eprintln!("error: {}: no checkpoint is whole", run.display());
+                crate::error::exit::REFUSED
             }
-            Err(e) => format!("DAMAGED: {e}"),
-        };
-        let mark = match &best {
-            Some(b) if b.step == *step => format!("  best {} {:.6}", b.metric, b.value),
-            _ => String::new(),
-        };
-        println!("step {step:>8}  {state}  [{}]{mark}", files.join(", "));
-    }
-    match whole.last() {
-        Some(s) => {
-            println!("--resume {} starts from step {s}", run.display());
-            0
         }
-        None => {
-            eprintln!("error: {}: no checkpoint is whole", run.display());
+        Err(e) => {
+            eprintln!("error: {e}");
             crate::error::exit::REFUSED
         }
-    }
-}
-
-/// A byte count in B, KiB, MiB or GiB.
-fn human_bytes(n: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < units.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", units[u])
     }
 }
 
