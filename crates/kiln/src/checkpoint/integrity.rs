@@ -1,0 +1,167 @@
+//! Checkpoints that prove themselves: each file verified against `state.json`, the newest
+//! whole checkpoint, and `train checkpoints`' report.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::state::LoopState;
+
+use super::manifest::{STATE_FILE, digest, read_manifest};
+use super::store::{latest, list, read_best};
+
+/// A checkpoint's loop state, once every file its `state.json` records is there whole: the
+/// size and the SHA-256 it was written with. The error names the file and the damage —
+/// missing, short, long, or bytes that do not match — never a setting. A checkpoint of an
+/// older kiln records no digests and is read as it is (`Ok` with `verified` false).
+pub fn verify(dir: &Path) -> Result<Verified> {
+    let manifest = read_manifest(dir)?;
+    for (name, want) in &manifest.files {
+        let path = dir.join(name);
+        let len = match std::fs::metadata(&path) {
+            Ok(m) => m.len(),
+            Err(_) => {
+                return Err(Error::checkpoint(format!(
+                    "{}: missing (state.json records {} bytes)",
+                    path.display(),
+                    want.bytes
+                )));
+            }
+        };
+        if len != want.bytes {
+            let how = if len < want.bytes {
+                "truncated"
+            } else {
+                "grown"
+            };
+            return Err(Error::checkpoint(format!(
+                "{}: corrupt: {len} bytes where state.json records {} ({how})",
+                path.display(),
+                want.bytes
+            )));
+        }
+        if digest(&path)?.sha256 != want.sha256 {
+            return Err(Error::checkpoint(format!(
+                "{}: corrupt: its bytes do not match the SHA-256 state.json records",
+                path.display()
+            )));
+        }
+    }
+    Ok(Verified {
+        verified: !manifest.files.is_empty(),
+        state: manifest.state,
+    })
+}
+
+/// A checkpoint that [`verify`] read.
+#[derive(Debug, Clone)]
+pub struct Verified {
+    /// Its loop state.
+    pub state: LoopState,
+    /// Whether its files were checked (a checkpoint of an older kiln records no digests).
+    pub verified: bool,
+}
+
+/// The checkpoint a resume starts from: the newest whole one, and each newer one that did not
+/// verify, with what is wrong with it (its error names the file).
+#[derive(Debug)]
+pub struct Newest {
+    /// Its step.
+    pub step: usize,
+    /// Its directory.
+    pub dir: PathBuf,
+    /// The newer checkpoints passed over, newest first.
+    pub damaged: Vec<(usize, Error)>,
+}
+
+/// The newest checkpoint of a run whose files verify ([`Newest`]); an error when none does.
+pub fn newest_whole(run_dir: &Path) -> Result<Newest> {
+    let mut damaged = Vec::new();
+    for (step, dir) in list(run_dir).into_iter().rev() {
+        match verify(&dir) {
+            Ok(_) => return Ok(Newest { step, dir, damaged }),
+            Err(e) => damaged.push((step, e)),
+        }
+    }
+    if damaged.is_empty() {
+        let (step, dir) = latest(run_dir)?;
+        return Ok(Newest { step, dir, damaged });
+    }
+    let all: Vec<String> = damaged
+        .iter()
+        .map(|(_, e)| e.message().to_string())
+        .collect();
+    Err(Error::checkpoint(format!(
+        "{}: no checkpoint is whole: {}",
+        run_dir.join("checkpoints").display(),
+        all.join("; ")
+    )))
+}
+
+/// `train checkpoints RUN`: one line per checkpoint (oldest first) — its step, whether its files
+/// verify (or what is wrong with one), its files and sizes, the best one — and a last line
+/// saying which one `--resume` starts from (`None` when none is whole). An error when the run
+/// has none.
+pub fn report(run: &Path) -> Result<(Vec<String>, Option<usize>)> {
+    let all = list(run);
+    if all.is_empty() {
+        return Err(Error::checkpoint(format!(
+            "{}: no complete checkpoint (expected checkpoints/step-N/{STATE_FILE})",
+            run.display()
+        )));
+    }
+    let best = read_best(run);
+    let mut lines = Vec::new();
+    let mut whole = None;
+    for (step, dir) in &all {
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let len = e.metadata().ok()?.len();
+                let name = e.file_name().into_string().ok()?;
+                Some(format!("{name} {}", human_bytes(len)))
+            })
+            .collect();
+        files.sort();
+        let state = match verify(dir) {
+            Ok(v) => {
+                whole = Some(*step);
+                if v.verified {
+                    "whole".to_string()
+                } else {
+                    "unverified (no digests: written by an older kiln)".to_string()
+                }
+            }
+            Err(e) => format!("DAMAGED: {}", e.message()),
+        };
+        let mark = match &best {
+            Some(b) if b.step == *step => format!("  best {} {:.6}", b.metric, b.value),
+            _ => String::new(),
+        };
+        lines.push(format!(
+            "step {step:>8}  {state}  [{}]{mark}",
+            files.join(", ")
+        ));
+    }
+    if let Some(s) = whole {
+        lines.push(format!("--resume {} starts from step {s}", run.display()));
+    }
+    Ok((lines, whole))
+}
+
+/// A byte count in B, KiB, MiB or GiB.
+pub(super) fn human_bytes(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", units[u])
+    }
+}

@@ -1,0 +1,67 @@
+//! A checkpoint's `state.json`: the loop state and the size and SHA-256 of each other file,
+//! written last.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::one_line;
+use crate::error::{Error, Result};
+use crate::state::LoopState;
+
+/// File of the model weights inside a checkpoint.
+pub const MODEL_FILE: &str = "model.bpk";
+
+/// File of the optimizer state inside a checkpoint.
+pub const OPTIM_FILE: &str = "optimizer.bpk";
+
+/// File of the loop state inside a checkpoint; written last, so its presence marks a
+/// complete checkpoint.
+pub const STATE_FILE: &str = "state.json";
+
+/// A file of a checkpoint as its `state.json` records it: the size and the SHA-256 of its
+/// bytes, so that a resume trusts no file that changed after it was written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileDigest {
+    /// Its length in bytes.
+    pub bytes: u64,
+    /// The SHA-256 of its bytes, in hexadecimal.
+    pub sha256: String,
+}
+
+/// What `state.json` holds: the loop state, and the digest of every other file of the
+/// checkpoint (absent in checkpoints of an older kiln, which are read unverified).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct Manifest {
+    #[serde(flatten)]
+    pub(super) state: LoopState,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub(super) files: BTreeMap<String, FileDigest>,
+}
+
+/// The size and SHA-256 of the file at `path`, read in one pass.
+pub fn digest(path: &Path) -> Result<FileDigest> {
+    use sha2::Digest;
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut hasher = sha2::Sha256::new();
+    let bytes = std::io::copy(&mut file, &mut hasher).map_err(|e| Error::io(path, e))?;
+    let sha256 = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Ok(FileDigest { bytes, sha256 })
+}
+
+pub(super) fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(STATE_FILE);
+    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        Error::checkpoint(format!(
+            "{}: corrupt loop state: {}",
+            path.display(),
+            one_line(&e)
+        ))
+    })
+}
