@@ -181,6 +181,43 @@ impl TextData {
         split_text(text, &name, train_fraction).map_err(bad)
     }
 
+    /// Reads a UTF-8 file as [`TextData::from_file`] does, encoded with `tokenizer` (a trained
+    /// model's vocabulary) instead of one built from the file: characters outside it are left
+    /// out, and their count is returned.
+    pub fn from_file_with(
+        path: &Path,
+        train_fraction: f64,
+        tokenizer: CharTokenizer,
+    ) -> Result<(Self, usize), DatasetError> {
+        let name = path.file_stem().map_or_else(
+            || path.display().to_string(),
+            |stem| stem.to_string_lossy().into_owned(),
+        );
+        let bad = |reason: String| DatasetError::BadText {
+            path: Some(path.to_path_buf()),
+            name: name.clone(),
+            reason,
+        };
+        let bytes = fs::read(path).map_err(|e| DatasetError::io(path, "cannot read", e))?;
+        let text = check_text(&bytes).map_err(bad)?;
+        let kept: String = text
+            .chars()
+            .filter(|c| tokenizer.id(*c).is_some())
+            .collect();
+        let dropped = text.chars().count() - kept.chars().count();
+        let mut data = split_text(&kept, &name, train_fraction).map_err(bad)?;
+        let encode = |ids: &[u32]| {
+            let part = data.tokenizer.decode(ids);
+            tokenizer
+                .encode(&part)
+                .expect("only the vocabulary's characters were kept")
+        };
+        data.train = encode(&data.train);
+        data.val = encode(&data.val);
+        data.tokenizer = tokenizer;
+        Ok((data, dropped))
+    }
+
     /// Splits in-memory text the same way as [`TextData::from_file`], under the given name.
     pub fn from_text(text: &str, name: &str, train_fraction: f64) -> Result<Self, DatasetError> {
         split_text(text, name, train_fraction).map_err(|reason| DatasetError::BadText {
@@ -703,6 +740,21 @@ mod tests {
         assert_eq!(tok.decode(&ids), text);
         assert_eq!(*tok.chars().last().unwrap(), '🦀');
         assert!(tok.chars().windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn a_trained_vocabulary_reads_another_text_leaving_out_what_it_lacks() {
+        let dir = std::env::temp_dir().join(format!("kiln-text-with-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("other.txt");
+        fs::write(&path, "abc%abc%".repeat(40)).unwrap();
+        let tok = CharTokenizer::from_text("cba");
+        let (data, dropped) = TextData::from_file_with(&path, 0.5, tok.clone()).unwrap();
+        assert_eq!(dropped, 80);
+        assert_eq!(data.tokenizer.chars(), tok.chars());
+        assert_eq!(data.train.len() + data.val.len(), 240);
+        assert_eq!(tok.decode(&data.train[..4]), "abca");
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod ddp;
 mod devices;
 mod diloco;
 mod dist;
+mod finetune;
 mod fuzz;
 mod generative;
 mod gpt;

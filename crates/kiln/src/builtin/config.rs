@@ -77,6 +77,12 @@ pub struct DataConfig {
     /// holding the text in memory: a corpus larger than memory trains. The same tokens and
     /// windows either way. Default false.
     pub on_disk: bool,
+    /// `text`: the vocabulary of a trained model — its run directory or its `tokenizer.json`
+    /// — instead of one built from the text: what fine-tuning a text GPT on another text
+    /// needs. The text's characters outside it are left out (the start-up table counts them).
+    /// Not with `on_disk`. Default: the text's own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
     /// `csv`: the target column (classes numbered from 0). Default `label`.
     pub target: String,
     /// `csv`: the feature columns. Default: every column but the target.
@@ -102,6 +108,7 @@ impl Default for DataConfig {
             channels: None,
             augment: false,
             on_disk: false,
+            tokenizer: None,
             target: "label".to_string(),
             features: Vec::new(),
             eval_path: None,

@@ -32,44 +32,7 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
             path.display()
         )));
     }
-    let (tokenizer, train, val, name) = if config.data.on_disk {
-        let cache = token_file(&path);
-        // One process per machine writes the token file; the others wait for it.
-        let file = if crate::comm::processes().local_index == 0 {
-            let file = TokenFile::prepare(&path, &cache);
-            crate::comm::process_barrier();
-            file?
-        } else {
-            crate::comm::process_barrier();
-            TokenFile::prepare(&path, &cache)?
-        };
-        let tokenizer = file.tokenizer().clone();
-        let cut = kiln_datasets::text::train_part(file.len(), config.data.train_fraction);
-        let file = Arc::new(file);
-        let name = format!("{} (read from {})", stem(&path), cache.display());
-        (
-            tokenizer,
-            Tokens::Disk {
-                file: file.clone(),
-                start: 0,
-                len: cut,
-            },
-            Tokens::Disk {
-                start: cut,
-                len: file.len() - cut,
-                file,
-            },
-            name,
-        )
-    } else {
-        let data = TextData::from_file(&path, config.data.train_fraction)?;
-        (
-            data.tokenizer,
-            Tokens::Memory(data.train),
-            Tokens::Memory(data.val),
-            data.name,
-        )
-    };
+    let (tokenizer, train, val, name, dropped) = read_text(config, &path)?;
     let mut gpt = config.model.gpt.clone();
     let vocab = tokenizer.vocab_size();
     if gpt.vocab_size == 0 {
@@ -100,9 +63,13 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
         (
             "data",
             format!(
-                "{name}: {} train / {} val characters, vocabulary {vocab}",
+                "{name}: {} train / {} val characters, vocabulary {vocab}{}",
                 train.len(),
-                val.len()
+                val.len(),
+                dropped.map_or(String::new(), |n| format!(
+                    " (from {}; {n} characters outside it left out)",
+                    config.data.tokenizer.as_ref().expect("set").display()
+                ))
             ),
         ),
         (
@@ -122,6 +89,87 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
     launch(config, options, &workload, &spec, rows, |dir| {
         Ok(tokenizer.save(&dir.join(TOKENIZER_FILE))?)
     })
+}
+
+/// The text of `path` as tokens: its tokenizer, the training and validation parts, its name,
+/// and — with `data.tokenizer` — how many characters the trained vocabulary left out.
+fn read_text(
+    config: &Config,
+    path: &Path,
+) -> Result<(
+    kiln_datasets::text::CharTokenizer,
+    Tokens,
+    Tokens,
+    String,
+    Option<usize>,
+)> {
+    let mut dropped = None;
+    let (tokenizer, train, val, name) = if let Some(from) = &config.data.tokenizer {
+        if config.data.on_disk {
+            return Err(Error::config(
+                "key `data.tokenizer`: a trained vocabulary reads the text in memory; set \
+                 data.on_disk = false"
+                    .to_string(),
+            ));
+        }
+        let file = if from.is_dir() {
+            from.join(TOKENIZER_FILE)
+        } else {
+            from.clone()
+        };
+        let trained = kiln_datasets::text::CharTokenizer::load(&file).map_err(|e| {
+            Error::config(format!(
+                "key `data.tokenizer`: {}",
+                crate::config::one_line(&e)
+            ))
+        })?;
+        let (data, left_out) = TextData::from_file_with(path, config.data.train_fraction, trained)?;
+        dropped = Some(left_out);
+        (
+            data.tokenizer,
+            Tokens::Memory(data.train),
+            Tokens::Memory(data.val),
+            data.name,
+        )
+    } else if config.data.on_disk {
+        let cache = token_file(path);
+        // One process per machine writes the token file; the others wait for it.
+        let file = if crate::comm::processes().local_index == 0 {
+            let file = TokenFile::prepare(path, &cache);
+            crate::comm::process_barrier();
+            file?
+        } else {
+            crate::comm::process_barrier();
+            TokenFile::prepare(path, &cache)?
+        };
+        let tokenizer = file.tokenizer().clone();
+        let cut = kiln_datasets::text::train_part(file.len(), config.data.train_fraction);
+        let file = Arc::new(file);
+        let name = format!("{} (read from {})", stem(path), cache.display());
+        (
+            tokenizer,
+            Tokens::Disk {
+                file: file.clone(),
+                start: 0,
+                len: cut,
+            },
+            Tokens::Disk {
+                start: cut,
+                len: file.len() - cut,
+                file,
+            },
+            name,
+        )
+    } else {
+        let data = TextData::from_file(path, config.data.train_fraction)?;
+        (
+            data.tokenizer,
+            Tokens::Memory(data.train),
+            Tokens::Memory(data.val),
+            data.name,
+        )
+    };
+    Ok((tokenizer, train, val, name, dropped))
 }
 
 /// Seed of the fixed validation windows: the same for every run seed, so that runs are

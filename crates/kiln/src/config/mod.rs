@@ -4,7 +4,9 @@
 //! that an override of an unknown key or of the wrong type fails exactly like a bad file does,
 //! with the dotted key in the message.
 
+mod finetune;
 mod hardware;
+mod init;
 mod names;
 mod optim;
 mod overrides;
@@ -13,7 +15,9 @@ mod precision;
 mod root;
 mod train;
 
+pub use finetune::{ExportConfig, FinetuneConfig, LoraConfig};
 pub use hardware::{Accelerator, CpuSplit, DeviceList, HardwareConfig, MonitorConfig, SinkKind};
+pub use init::{InitConfig, WeightsFormat};
 pub(crate) use names::refusal;
 pub use names::{name_of, one_line};
 pub use optim::{

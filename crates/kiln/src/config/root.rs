@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::finetune::{ExportConfig, FinetuneConfig};
 use super::hardware::{HardwareConfig, MonitorConfig};
+use super::init::InitConfig;
 use super::names::{bad, one_line, refusal};
 use super::optim::{
     GroupConfig, OptimConfig, OptimizerKind, ScheduleConfig, check_optim, is_group_name,
@@ -47,6 +49,15 @@ pub struct RootConfig {
     pub precision: PrecisionConfig,
     /// Activation checkpointing (recomputation during backward).
     pub recompute: RecomputeConfig,
+    /// The weights a new run starts from (a file another run, Burn or PyTorch wrote).
+    #[serde(skip_serializing_if = "InitConfig::is_default")]
+    pub init: InitConfig,
+    /// Frozen parts of the model and LoRA adapters.
+    #[serde(skip_serializing_if = "FinetuneConfig::is_default")]
+    pub finetune: FinetuneConfig,
+    /// How the final weights are written.
+    #[serde(skip_serializing_if = "ExportConfig::is_default")]
+    pub export: ExportConfig,
     /// The optimizer and schedule of each parameter group of a model that steps several
     /// optimizers (`[groups.generator.optim]`); each inherits `[optim]` and `[schedule]` key
     /// by key. A group the model names and this omits uses `[optim]` and `[schedule]` as
@@ -119,6 +130,8 @@ impl RootConfig {
         self.hardware.check()?;
         self.pipeline.check(self.strategy.name)?;
         self.loader.check()?;
+        self.init.check()?;
+        self.finetune.check()?;
         self.run.check()
     }
 

@@ -14,6 +14,9 @@ pub struct RunOptions {
     pub explicit_dir: bool,
     /// Print the start-up table.
     pub verbose: bool,
+    /// Evaluate the starting model on the validation set instead of training (`train eval`):
+    /// nothing is written.
+    pub evaluate: bool,
 }
 
 /// What a finished run left behind.
@@ -23,6 +26,8 @@ pub struct RunResult {
     pub dir: PathBuf,
     /// The summary also written to `summary.json`.
     pub summary: Summary,
+    /// An evaluation (`train eval`): no step was taken and nothing was written.
+    pub evaluated: bool,
 }
 
 /// How a workload's run describes itself besides what kiln knows.

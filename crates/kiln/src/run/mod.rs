@@ -3,10 +3,12 @@
 //! program's business (kiln's own: [`crate::builtin`]).
 
 mod devices;
+mod eval;
 mod info;
 mod resume;
 mod table;
 mod train;
+mod tuned;
 
 pub use devices::{
     Adapter, Chosen, CudaCard, auto_choice, cuda_cards, devices_report, resolve_devices,
@@ -14,4 +16,5 @@ pub use devices::{
 };
 pub use info::{RunInfo, RunOptions, RunResult};
 pub use resume::resolve_resume;
-pub use train::{export_model, train_workload};
+pub use train::train_workload;
+pub use tuned::Tuned;

@@ -90,6 +90,14 @@ pub(super) fn check_resume<W: Workload>(
     let (state, verified) = (checked.state, checked.verified);
     crate::trainer::same_samples_per_step(checkpoint, &state, samples_per_step)?;
     let changed = changed_keys(&run_dir, config, info)?;
+    if let Some(init) = changed.iter().find(|c| c.starts_with("init.")) {
+        return Err(Error::config(format!(
+            "key `init.from`: a resume continues {} from its checkpoint, which holds every \
+             weight, and init.from only starts a new run ({init}); resume without changing \
+             [init], or start a new run (another run.name)",
+            run_dir.display()
+        )));
+    }
     let model = kiln_models::with_rng(|| kiln_models::materialized(workload.init_model(device)));
     if let Err(e) = checkpoint::load_model(checkpoint, model) {
         // A model's shape comes from its own section: name those keys when they changed. A
@@ -97,7 +105,7 @@ pub(super) fn check_resume<W: Workload>(
         // unverified one (an older kiln's) may be damaged, and its error names it.
         let model_keys: Vec<String> = changed
             .iter()
-            .filter(|c| c.starts_with("model."))
+            .filter(|c| c.starts_with("model.") || c.starts_with("finetune."))
             .cloned()
             .collect();
         let changed = match (model_keys.is_empty(), verified) {

@@ -6,18 +6,25 @@ use crate::strategy::{ModelFacts, Setup};
 use crate::trainer::{TrainerSettings, Workload, total_steps};
 
 use super::info::RunInfo;
+use super::tuned::Tuned;
 
 /// The start-up table's memory line: the expected peak bytes per rank of parameters,
 /// gradients and optimizer state, for `model`.
-fn memory_line(s: &TrainerSettings, setup: &Setup, model: &ModelFacts) -> String {
+fn memory_line(s: &TrainerSettings, setup: &Setup, model: &ModelFacts, frozen: usize) -> String {
     let e = match setup.estimate(&model.layout, &s.optim) {
         Ok(e) => e,
         Err(e) => return format!("not estimated: {e}"),
     };
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    // Frozen weights take no gradient and no optimizer state; every rank holds them whole.
+    let frozen = if frozen > 0 {
+        format!(", frozen weights {:.2} MiB", mib(4 * frozen))
+    } else {
+        String::new()
+    };
     format!(
         "per rank, expected: parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} \
-         MiB (activations not included)",
+         MiB{frozen} (activations not included)",
         mib(e.params),
         mib(e.grads),
         mib(e.optim)
@@ -28,13 +35,19 @@ fn memory_line(s: &TrainerSettings, setup: &Setup, model: &ModelFacts) -> String
 /// precision split the work, the batch, the learning rates, the model and the data.
 pub(super) fn print_table<W: Workload>(
     config: &RootConfig,
-    w: &W,
+    w: &Tuned<'_, W>,
     s: &TrainerSettings,
     auto: Option<&str>,
     info: &RunInfo,
     facts: &ModelFacts,
-    params: usize,
 ) {
+    let tuned = w;
+    // Counted as frozen only where [finetune] froze them (a model's buffers are not weights).
+    let frozen = if config.finetune.is_default() {
+        0
+    } else {
+        w.counts.1 - w.counts.0
+    };
     let (world, t, setup) = (s.world(), &s.train, s.setup());
     let (replicas, micros) = (s.data_world(), s.micro_batches());
     let sampler = crate::data::DistributedSampler::new(
@@ -82,7 +95,7 @@ pub(super) fn print_table<W: Workload>(
             },
         ),
         ("world size".into(), world.to_string()),
-        ("memory".into(), memory_line(s, &setup, facts)),
+        ("memory".into(), memory_line(s, &setup, facts, frozen)),
         (
             "precision".into(),
             format!(
@@ -112,10 +125,25 @@ pub(super) fn print_table<W: Workload>(
         rows.push(("cpu cores".into(), words.clone()));
     }
     rows.extend(lr_rows(s, &facts.groups));
+    let (trainable, total) = tuned.counts;
     rows.push((
         "model".into(),
-        format!("{}, {params} parameters", info.model),
+        if trainable == total {
+            format!("{}, {total} parameters", info.model)
+        } else {
+            format!(
+                "{}, {total} parameters, {trainable} trainable ({:.2} %)",
+                info.model,
+                100.0 * trainable as f64 / total.max(1) as f64
+            )
+        },
     ));
+    if let Some(loaded) = &tuned.loaded {
+        rows.push(("init".into(), loaded.describe()));
+    }
+    if let Some(words) = tune_line(config) {
+        rows.push(("finetune".into(), words));
+    }
     rows.extend(info.rows.iter().cloned());
     rows.extend(w.describe());
     let total = total_steps(t, spe);
@@ -152,4 +180,22 @@ fn lr_rows(s: &TrainerSettings, groups: &[String]) -> Vec<(String, String)> {
             )
         })
         .collect()
+}
+
+/// The start-up table's words for `[finetune]`, if it changes anything.
+fn tune_line(config: &RootConfig) -> Option<String> {
+    let f = &config.finetune;
+    let mut parts = Vec::new();
+    if !f.freeze.is_empty() {
+        parts.push(format!("frozen: {}", f.freeze.join(", ")));
+    }
+    if let Some(l) = &f.lora {
+        parts.push(format!(
+            "LoRA rank {} alpha {} on {} (every other parameter frozen)",
+            l.rank,
+            l.alpha,
+            l.targets.join(", ")
+        ));
+    }
+    (!parts.is_empty()).then(|| parts.join("; "))
 }

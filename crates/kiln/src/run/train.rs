@@ -2,10 +2,6 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::module::Module;
-use kiln_models::load::{SAFETENSORS_FILE, WEIGHTS_FILE};
-use kiln_models::save_safetensors;
-
 use crate::config::RootConfig;
 use crate::cores::CoreSplit;
 use crate::error::{Error, Result};
@@ -17,6 +13,7 @@ use super::devices::resolve_devices;
 use super::info::{RunInfo, RunOptions, RunResult};
 use super::resume::{check_resume, choose_run_dir, saved_table};
 use super::table::print_table;
+use super::tuned::Tuned;
 
 /// Trains `workload` as `config` says, with everything `train` gives: devices, strategy,
 /// precision and recompute, the run directory (`config.toml`, metrics, checkpoints,
@@ -42,6 +39,17 @@ where
             return Err(Error::Device(format!("{d:?} cannot compute in f32")));
         }
     }
+    // The starting weights and what trains, checked against the model before anything is
+    // written.
+    let resuming = options.resume_from.is_some();
+    let tuned = Tuned::new(
+        workload,
+        &config.init,
+        &config.finetune,
+        resuming,
+        &devices[0],
+    )?;
+    let workload = &tuned;
 
     // What the strategy refuses on this launch's ranks, and of this model, is refused before
     // anything is written: a refused run leaves no directory behind.
@@ -55,7 +63,6 @@ where
         kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
     });
     let facts = ModelFacts::of::<W::Batch, _>(&probe);
-    let params = probe.num_params();
     drop(probe);
     // A CPU device runs as per-core sub-replicas where they fit the strategy and the model.
     let split = CoreSplit::plan(config, devices.len(), cpu, processes.count, &facts);
@@ -85,6 +92,9 @@ where
             );
         }
     }
+    if options.evaluate {
+        return super::eval::evaluate(workload, settings, checked, options.verbose && first);
+    }
     // Process 0 chooses the run directory and writes the run's files; the others follow it.
     let run_dir = PathBuf::from(crate::comm::agree(|| {
         let run_dir = choose_run_dir(config, options)?;
@@ -106,34 +116,18 @@ where
             chosen.why.as_deref(),
             &info,
             &facts,
-            params,
         );
     }
 
     let (summary, model) = fit_checked(workload, &settings, checked)?;
     if first {
-        export_model(&run_dir, &model)?;
+        crate::weights::export(&run_dir, &model, &config.export)?;
         let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");
         write_atomic(&run_dir.join("summary.json"), &json)?;
     }
     Ok(RunResult {
         dir: run_dir,
         summary,
+        evaluated: false,
     })
-}
-
-/// Writes the final weights as burnpack and SafeTensors, each atomically.
-pub fn export_model<M: Module + burn::store::ModuleSnapshot>(
-    run_dir: &Path,
-    model: &M,
-) -> Result<()> {
-    let tmp = run_dir.join(format!(".{WEIGHTS_FILE}.tmp"));
-    model
-        .clone()
-        .save_file(&tmp)
-        .map_err(|e| Error::checkpoint(format!("{}: {e}", tmp.display())))?;
-    std::fs::rename(&tmp, run_dir.join(WEIGHTS_FILE)).map_err(|e| Error::io(run_dir, e))?;
-    let tmp = run_dir.join(format!(".{SAFETENSORS_FILE}.tmp"));
-    save_safetensors(model, &tmp).map_err(|e| Error::checkpoint(e.to_string()))?;
-    std::fs::rename(&tmp, run_dir.join(SAFETENSORS_FILE)).map_err(|e| Error::io(run_dir, e))
 }

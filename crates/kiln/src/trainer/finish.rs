@@ -26,11 +26,12 @@ impl<W: Workload> Worker<'_, W> {
     ) -> Result<Outcome<W::Model>> {
         let s = self.settings;
         let model = strategy.full_model()?;
+        let (params_trainable, params_total) = crate::weights::count_params(&model);
         let mut last_val = ran.val.last;
         let step = state.step;
         if ran.val.at != Some(step)
             && self.workload.eval_len() > 0
-            && step > 0
+            && (step > 0 || s.train.max_steps == Some(0))
             && ran.stopped_by.is_none()
         {
             last_val = Some(self.validate(&model)?.0);
@@ -57,6 +58,8 @@ impl<W: Workload> Worker<'_, W> {
             samples_per_sec: state.samples as f64 / wall.max(1e-9),
             devices: self.world() / s.parallel.sub_replicas.max(1),
             sub_replicas: s.parallel.sub_replicas.max(1),
+            params_trainable,
+            params_total,
             strategy: self.setup.name(),
             precision: self.policy.name(),
             accelerator: s.parallel.accelerator.clone(),

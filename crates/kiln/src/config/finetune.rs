@@ -1,0 +1,124 @@
+//! `[finetune]` and `[export]`: which parts of a model train (frozen patterns, LoRA adapters)
+//! and how its final weights are written.
+
+use serde::{Deserialize, Serialize};
+
+use super::init::WeightsFormat;
+use super::names::bad;
+use crate::error::Result;
+
+/// `[finetune]`: parts of the model that do not train, and LoRA adapters. Default: every
+/// parameter trains.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FinetuneConfig {
+    /// Module path patterns whose parameters are frozen: no gradient, no optimizer state, no
+    /// bytes in a gradient collective (`["wte", "blocks.0.*"]`). A pattern is the module path
+    /// as the exported names read it, segments joined by `.`; `*` within a segment matches any
+    /// text, `**` any number of segments; a pattern names a module and everything inside it.
+    pub freeze: Vec<String>,
+    /// LoRA adapters (`[finetune.lora]`); absent: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraConfig>,
+}
+
+/// `[finetune.lora]`: low-rank adapters on the 2-D weights of the matching modules; every other
+/// parameter of the model is frozen.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraConfig {
+    /// Rank of each adapter (`a: [in, rank]`, `b: [rank, out]`).
+    pub rank: usize,
+    /// The adapter's product is scaled by `alpha / rank`.
+    pub alpha: f64,
+    /// Module path patterns whose 2-D weights get an adapter (`["blocks.*.attn.qkv"]`).
+    pub targets: Vec<String>,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        Self {
+            rank: 8,
+            alpha: 16.0,
+            targets: Vec::new(),
+        }
+    }
+}
+
+impl FinetuneConfig {
+    /// Whether nothing is frozen and no adapter attached.
+    pub fn is_default(&self) -> bool {
+        self == &Self::default()
+    }
+
+    /// Rejects patterns that cannot be module paths and adapters that cannot be built.
+    pub fn check(&self) -> Result<()> {
+        for (i, p) in self.freeze.iter().enumerate() {
+            check_pattern(&format!("finetune.freeze[{i}]"), p)?;
+        }
+        if let Some(lora) = &self.lora {
+            if lora.rank == 0 {
+                return bad("finetune.lora.rank", "must be at least 1".into());
+            }
+            if !(lora.alpha.is_finite() && lora.alpha > 0.0) {
+                return bad(
+                    "finetune.lora.alpha",
+                    format!("must be a positive number, got {}", lora.alpha),
+                );
+            }
+            if lora.targets.is_empty() {
+                return bad(
+                    "finetune.lora.targets",
+                    "names no module: give the patterns of the modules whose weights get \
+                     adapters, e.g. [\"blocks.*.attn.qkv\"]"
+                        .into(),
+                );
+            }
+            for (i, p) in lora.targets.iter().enumerate() {
+                check_pattern(&format!("finetune.lora.targets[{i}]"), p)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A pattern is segments of letters, digits, `_`, `-` and `*`, joined by `.`.
+fn check_pattern(key: &str, pattern: &str) -> Result<()> {
+    let ok = !pattern.is_empty()
+        && pattern.split('.').all(|s| {
+            !s.is_empty()
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '*'))
+        });
+    if ok {
+        return Ok(());
+    }
+    bad(
+        key,
+        format!(
+            "{pattern:?} is not a module path pattern (segments of letters, digits, `_`, `-` \
+             and `*`, joined by `.`: \"blocks.*.attn.qkv\")"
+        ),
+    )
+}
+
+/// `[export]`: the final weights a run writes (`model.bpk`, `model.safetensors`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExportConfig {
+    /// Names and layouts of `model.safetensors`: `"kiln"` (the model's paths, linear weights
+    /// `[in, out]`) or `"pytorch"` (`[out, in]`, normalisation `weight`/`bias`), which loads
+    /// into the equivalent PyTorch module with `load_state_dict(..., strict=True)`.
+    /// `model.bpk` is always kiln's.
+    pub format: WeightsFormat,
+    /// Also write the LoRA adapters alone (`adapters.safetensors`); the model files hold them
+    /// folded into the base weights.
+    pub adapters: bool,
+}
+
+impl ExportConfig {
+    /// Whether the export is kiln's, without adapters.
+    pub fn is_default(&self) -> bool {
+        self == &Self::default()
+    }
+}

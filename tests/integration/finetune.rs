@@ -1,0 +1,360 @@
+//! Starting from trained weights: `init.from` (kiln's files), frozen parts and LoRA adapters
+//! under every data-parallel strategy, the merged export, and the one-line refusals of what
+//! cannot start.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kiln::builtin::train;
+use kiln::run::RunOptions;
+use kiln::weights::{Stored, read_tensors};
+
+use crate::common::{assert_one_line_error, max_relative_diff, temp_dir, train_bin};
+use crate::gpt::{gpt_config, text_file};
+
+/// A second text of the first's characters (so the vocabulary is the same), in another order.
+fn other_text(dir: &Path) -> PathBuf {
+    let line = "the sea was calm, and the ship swam past the whale. ";
+    let text: String = (0..200).map(|i| format!("{}: {line}", 199 - i)).collect();
+    let path = dir.join("other.txt");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// A pretrained base run in `dir/base`.
+fn base(dir: &Path) -> PathBuf {
+    let text = text_file(dir);
+    let run = dir.join("base");
+    train(
+        &gpt_config(&run, &text, &["train.max_steps=20"]),
+        &RunOptions::default(),
+    )
+    .unwrap();
+    run
+}
+
+const LORA: [&str; 3] = [
+    "finetune.lora.rank=4",
+    "finetune.lora.alpha=8.0",
+    "finetune.lora.targets=[\"blocks.*.attn\", \"blocks.*.mlp\"]",
+];
+
+/// A LoRA fine-tune of `base` on the other text: 10 steps, a checkpoint at the end.
+fn finetune(dir: &Path, name: &str, base: &Path, extra: &[&str]) -> kiln::run::RunResult {
+    let from = format!("init.from={:?}", base.display().to_string());
+    let mut o: Vec<&str> = vec![
+        &from,
+        "train.max_steps=10",
+        "train.checkpoint_every=10",
+        "export.adapters=true",
+    ];
+    o.extend(LORA);
+    o.extend(extra);
+    train(
+        &gpt_config(&dir.join(name), &other_text(dir), &o),
+        &RunOptions::default(),
+    )
+    .unwrap()
+}
+
+fn pick(t: &BTreeMap<String, Stored>, keep: impl Fn(&str) -> bool) -> Vec<(String, Vec<f32>)> {
+    t.iter()
+        .filter(|(k, _)| keep(k))
+        .map(|(k, (_, v))| (k.clone(), v.clone()))
+        .collect()
+}
+
+fn values(t: &[(String, Vec<f32>)]) -> Vec<Vec<f32>> {
+    t.iter().map(|(_, v)| v.clone()).collect()
+}
+
+#[test]
+fn lora_on_two_devices_equals_one_and_leaves_the_base_alone() {
+    let dir = temp_dir("finetune-lora");
+    let base = base(&dir);
+    let base_w = read_tensors(&base.join("model.safetensors")).unwrap();
+    let one = finetune(&dir, "one", &base, &[]);
+    let (trainable, total) = (one.summary.params_trainable, one.summary.params_total);
+    // Rank 4 on qkv [32, 96], proj [32, 32], fc [32, 128], mlp.proj [128, 32] of 2 blocks.
+    let adapters = 2 * 4 * ((32 + 96) + (32 + 32) + (32 + 128) + (128 + 32));
+    assert_eq!(trainable, adapters);
+    assert!(total > 7 * trainable, "{trainable} of {total}");
+    let checkpoint = |r: &kiln::run::RunResult| {
+        read_tensors(&r.dir.join("checkpoints/step-00000010/model.bpk")).unwrap()
+    };
+    let one_ck = checkpoint(&one);
+    // Every frozen tensor is bit for bit the base's.
+    let frozen = pick(&one_ck, |k| !k.contains(".lora."));
+    assert_eq!(frozen.len(), base_w.len());
+    for (k, v) in &frozen {
+        let b = &base_w[k].1;
+        assert!(
+            v.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{k} moved"
+        );
+    }
+    let one_ad = pick(&one_ck, |k| k.contains(".lora."));
+    assert_eq!(one_ad.len(), 2 * 4 * 2);
+    // The adapters file holds the same factors.
+    let file = read_tensors(&one.dir.join("adapters.safetensors")).unwrap();
+    assert_eq!(values(&pick(&file, |_| true)), values(&one_ad));
+    for (strategy, extra) in [
+        ("ddp", &["hardware.devices=2", "train.batch_size=4"][..]),
+        (
+            "zero2",
+            &[
+                "hardware.devices=2",
+                "train.batch_size=4",
+                "strategy.name=\"zero2\"",
+            ],
+        ),
+        (
+            "zero3",
+            &[
+                "hardware.devices=2",
+                "train.batch_size=4",
+                "strategy.name=\"zero3\"",
+            ],
+        ),
+    ] {
+        let two = finetune(&dir, strategy, &base, extra);
+        assert_eq!(two.summary.params_trainable, trainable, "{strategy}");
+        let ck = checkpoint(&two);
+        let ad = pick(&ck, |k| k.contains(".lora."));
+        let names: Vec<&String> = ad.iter().map(|(k, _)| k).collect();
+        assert_eq!(names, one_ad.iter().map(|(k, _)| k).collect::<Vec<_>>());
+        let diff = max_relative_diff(&values(&ad), &values(&one_ad));
+        assert!(
+            diff < 1e-5,
+            "{strategy}: adapters differ from one device by {diff:e}"
+        );
+        let fz = pick(&ck, |k| !k.contains(".lora."));
+        assert!(
+            fz.iter()
+                .zip(&frozen)
+                .all(|((_, a), (_, b))| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())),
+            "{strategy}: a frozen tensor moved"
+        );
+    }
+    // The export folds the adapters in: the plain model's names, and weights that moved.
+    let merged = read_tensors(&one.dir.join("model.safetensors")).unwrap();
+    assert_eq!(
+        merged.keys().collect::<Vec<_>>(),
+        base_w.keys().collect::<Vec<_>>()
+    );
+    let k = "blocks.0.attn.qkv.weight";
+    assert!(merged[k].1 != base_w[k].1, "{k} did not take its adapter");
+    assert_eq!(merged["wte.weight"].1, base_w["wte.weight"].1);
+}
+
+#[test]
+fn frozen_parts_keep_their_values_and_the_rest_trains() {
+    let dir = temp_dir("finetune-freeze");
+    let base = base(&dir);
+    let base_w = read_tensors(&base.join("model.safetensors")).unwrap();
+    let from = format!("init.from={:?}", base.display().to_string());
+    let run = train(
+        &gpt_config(
+            &dir.join("frozen"),
+            &other_text(&dir),
+            &[
+                &from,
+                "train.max_steps=5",
+                "finetune.freeze=[\"wte\", \"wpe\", \"blocks.0\"]",
+                "hardware.devices=2",
+                "train.batch_size=4",
+            ],
+        ),
+        &RunOptions::default(),
+    )
+    .unwrap();
+    let after = read_tensors(&run.dir.join("model.safetensors")).unwrap();
+    for (k, (_, v)) in &after {
+        let frozen = k.starts_with("wte.") || k.starts_with("wpe.") || k.starts_with("blocks.0.");
+        assert_eq!(v == &base_w[k].1, frozen, "{k}");
+    }
+    let s = &run.summary;
+    assert!(s.params_trainable < s.params_total);
+    // Only the trainable parameters take gradients and optimizer state (AdamW: two f32 each).
+    assert_eq!(s.grad_bytes_per_rank[0], 4 * s.params_trainable);
+    assert_eq!(s.optim_bytes_per_rank[0], 2 * 4 * s.params_trainable);
+}
+
+#[test]
+fn what_cannot_start_from_trained_weights_is_one_line_and_writes_nothing() {
+    let dir = temp_dir("finetune-refusals");
+    let base = base(&dir);
+    let text = text_file(&dir);
+    let from = format!("init.from={:?}", base.display().to_string());
+    let cases: Vec<(Vec<String>, Vec<&str>)> = vec![
+        (
+            vec!["init.from=\"nowhere/model.safetensors\"".into()],
+            vec!["init.from", "nowhere/model.safetensors", "no such file"],
+        ),
+        (
+            vec![from.clone(), "model.gpt.n_embd=48".into()],
+            vec![
+                "init.from",
+                "does not fit",
+                "of another shape",
+                "wte.weight",
+            ],
+        ),
+        (
+            vec![from.clone(), "finetune.freeze=[\"blocks.*.atn\"]".into()],
+            vec!["finetune.freeze[0]", "blocks.*.atn", "matches no parameter"],
+        ),
+        (
+            vec![
+                from.clone(),
+                "finetune.lora.targets=[\"blocks.*.ln_1\"]".into(),
+            ],
+            vec![
+                "finetune.lora.targets[0]",
+                "no 2-D weight",
+                "blocks.0.ln_1.gamma",
+            ],
+        ),
+    ];
+    for (i, (extra, needles)) in cases.into_iter().enumerate() {
+        let run = dir.join(format!("refused-{i}"));
+        let mut args = vec![
+            "--set".to_string(),
+            format!("run.dir={:?}", run.display().to_string()),
+        ];
+        for o in gpt_args(&text) {
+            args.extend(["--set".to_string(), o]);
+        }
+        for o in extra {
+            args.extend(["--set".to_string(), o]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = train_bin(&dir, &args);
+        assert_one_line_error(&out, &needles);
+        assert!(!run.exists(), "case {i} wrote {}", run.display());
+    }
+    // A resume continues its own run: a new init.from is refused.
+    let args = [
+        "--resume".to_string(),
+        base.display().to_string(),
+        "--set".into(),
+        format!("init.from={:?}", base.display().to_string()),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = train_bin(&dir, &args);
+    assert_one_line_error(&out, &["init.from", "resume"]);
+}
+
+/// The small GPT of `gpt_config` as `--set` values.
+fn gpt_args(text: &Path) -> Vec<String> {
+    vec![
+        "data.dataset=\"text\"".into(),
+        format!("data.path={:?}", text.display().to_string()),
+        "data.eval_windows=16".into(),
+        "model.kind=\"gpt\"".into(),
+        "model.gpt.n_layer=2".into(),
+        "model.gpt.n_head=2".into(),
+        "model.gpt.n_embd=32".into(),
+        "model.gpt.block_size=16".into(),
+        "train.max_steps=2".into(),
+        "train.batch_size=4".into(),
+    ]
+}
+
+/// The loss `train eval` prints.
+fn eval_loss(dir: &Path, args: &[&str]) -> f64 {
+    let mut all = vec!["eval"];
+    all.extend(args);
+    let out = train_bin(dir, &all);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("eval: val loss "))
+        .unwrap_or_else(|| panic!("no eval line in {stdout}"));
+    line["eval: val loss ".len()..]
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn the_merged_export_evaluates_as_the_adapted_model_on_any_devices() {
+    let dir = temp_dir("finetune-eval");
+    let base = base(&dir);
+    let tuned = finetune(&dir, "tuned", &base, &[]);
+    let adapted = tuned.summary.val_loss.unwrap();
+    let run = tuned.dir.display().to_string();
+    let one = eval_loss(&dir, &["--run", &run, "--devices", "1"]);
+    assert!(
+        (one - adapted).abs() <= 1e-5 * adapted,
+        "{one} vs {adapted}"
+    );
+    let two = eval_loss(
+        &dir,
+        &["--run", &run, "--devices", "2", "--strategy", "zero3"],
+    );
+    assert!(
+        (two - adapted).abs() <= 1e-5 * adapted,
+        "{two} vs {adapted}"
+    );
+    // The base model scores worse on the text the adapters learnt.
+    let other = other_text(&dir).display().to_string();
+    let before = eval_loss(
+        &dir,
+        &[
+            "--run",
+            &base.display().to_string(),
+            "--set",
+            &format!("data.path={other:?}"),
+        ],
+    );
+    assert!(adapted < before, "fine-tuned {adapted} vs base {before}");
+}
+
+#[test]
+fn a_pytorch_layout_export_starts_a_run_with_the_same_loss() {
+    let dir = temp_dir("finetune-pytorch");
+    let text = text_file(&dir);
+    let run = train(
+        &gpt_config(
+            &dir.join("torch"),
+            &text,
+            &["train.max_steps=10", "export.format=\"pytorch\""],
+        ),
+        &RunOptions::default(),
+    )
+    .unwrap();
+    let w = read_tensors(&run.dir.join("model.safetensors")).unwrap();
+    // PyTorch's names and layouts: LayerNorm `weight`, Linear `[out, in]`.
+    assert!(w.contains_key("ln_f.weight") && !w.contains_key("ln_f.gamma"));
+    assert_eq!(w["blocks.0.attn.qkv.weight"].0, vec![96, 32]);
+    let file = run.dir.join("model.safetensors").display().to_string();
+    let config = run.dir.join("config.toml").display().to_string();
+    let from = format!("init.from={file:?}");
+    let loss = eval_loss(
+        &dir,
+        &[
+            "--config",
+            &config,
+            "--set",
+            &from,
+            "--set",
+            "init.format=\"pytorch\"",
+        ],
+    );
+    let trained = run.summary.val_loss.unwrap();
+    assert!(
+        (loss - trained).abs() <= 1e-5 * trained,
+        "{loss} vs {trained}"
+    );
+    // Read as kiln's layout, the transposed weights do not fit: one line.
+    let out = train_bin(&dir, &["eval", "--config", &config, "--set", &from]);
+    assert_one_line_error(&out, &["init.from", "of another shape", "init.format"]);
+}
