@@ -358,3 +358,58 @@ fn a_pytorch_layout_export_starts_a_run_with_the_same_loss() {
     let out = train_bin(&dir, &["eval", "--config", &config, "--set", &from]);
     assert_one_line_error(&out, &["init.from", "of another shape", "init.format"]);
 }
+
+#[test]
+fn a_rank_sends_the_gradients_of_the_trainable_parameters_only() {
+    let dir = temp_dir("finetune-wire");
+    let base = base(&dir);
+    let text = other_text(&dir);
+    let run = dir.join("wire");
+    let mut args: Vec<String> = vec![
+        "--set".into(),
+        format!("run.dir={:?}", run.display().to_string()),
+    ];
+    let from = format!("init.from={:?}", base.display().to_string());
+    let extra = [
+        from.as_str(),
+        "hardware.devices=2",
+        "strategy.name=\"ddp\"",
+        "dist.overlap=\"off\"",
+        "train.max_steps=8",
+        "train.log_every=100",
+        "train.val_every=100",
+    ];
+    for o in gpt_args(&text)
+        .into_iter()
+        .chain(extra.iter().map(|s| s.to_string()))
+        .chain(LORA.iter().map(|s| s.to_string()))
+    {
+        args.extend(["--set".to_string(), o]);
+    }
+    // The run ends after step 4 with every rank's flight record of its collectives.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(&args)
+        .current_dir(&dir)
+        .env("KILN_FAULT_INJECT", "0:4")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let record = std::fs::read_to_string(run.join("flight").join("rank-1.jsonl")).unwrap();
+    let entries: Vec<serde_json::Value> = record
+        .lines()
+        .skip(1)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // Gradient buckets are all-reduced; the one-element all-reduces are the step's loss.
+    let grads: u64 = entries
+        .iter()
+        .filter(|e| e["kind"] == "all_reduce" && e["elements"].as_u64().unwrap() > 1)
+        .map(|e| e["elements"].as_u64().unwrap())
+        .sum();
+    let adapters = 2 * 4 * ((32 + 96) + (32 + 32) + (32 + 128) + (128 + 32));
+    assert_eq!(
+        grads,
+        4 * adapters,
+        "4 steps of {adapters} trainable parameters"
+    );
+}
