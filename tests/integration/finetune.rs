@@ -413,3 +413,29 @@ fn a_rank_sends_the_gradients_of_the_trainable_parameters_only() {
         "4 steps of {adapters} trainable parameters"
     );
 }
+
+#[test]
+fn a_lora_run_resumes_bit_for_bit_and_on_other_devices() {
+    let dir = temp_dir("finetune-resume");
+    let base = base(&dir);
+    let full = finetune(&dir, "full", &base, &["train.checkpoint_every=5"]);
+    let adapters = |r: &kiln::RunResult| {
+        let ck = read_tensors(&r.dir.join("checkpoints/step-00000010/model.bpk")).unwrap();
+        values(&pick(&ck, |k| k.contains(".lora.")))
+    };
+    let want = adapters(&full);
+    let same = crate::training::resume_cut(&full.dir, &dir.join("cut"), 5, &[]);
+    assert_eq!(adapters(&same), want, "a resume under the same settings differs");
+    let other = crate::training::resume_cut(
+        &full.dir,
+        &dir.join("cut-zero2"),
+        5,
+        &[
+            "hardware.devices=2".into(),
+            "train.batch_size=4".into(),
+            "strategy.name=\"zero2\"".into(),
+        ],
+    );
+    let diff = max_relative_diff(&adapters(&other), &want);
+    assert!(diff < 1e-5, "resumed under zero2 on 2 devices: {diff:e}");
+}
