@@ -425,7 +425,11 @@ fn a_lora_run_resumes_bit_for_bit_and_on_other_devices() {
     };
     let want = adapters(&full);
     let same = crate::training::resume_cut(&full.dir, &dir.join("cut"), 5, &[]);
-    assert_eq!(adapters(&same), want, "a resume under the same settings differs");
+    assert_eq!(
+        adapters(&same),
+        want,
+        "a resume under the same settings differs"
+    );
     let other = crate::training::resume_cut(
         &full.dir,
         &dir.join("cut-zero2"),
@@ -438,4 +442,100 @@ fn a_lora_run_resumes_bit_for_bit_and_on_other_devices() {
     );
     let diff = max_relative_diff(&adapters(&other), &want);
     assert!(diff < 1e-5, "resumed under zero2 on 2 devices: {diff:e}");
+}
+
+/// `xtask/reference/gpt_torch_parity.py` with PyTorch (`KILN_PYTHON`, default
+/// `/usr/bin/python3`: Debian's python3-torch), on the small GPT of `gpt_config`; its one line
+/// of JSON.
+fn torch(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let python = std::env::var("KILN_PYTHON").unwrap_or_else(|_| "/usr/bin/python3".into());
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../xtask/reference/gpt_torch_parity.py"
+    );
+    let shape = [
+        "--eval-windows",
+        "16",
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "16",
+    ];
+    let out = std::process::Command::new(&python)
+        .arg(script)
+        .args(args)
+        .args(shape)
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|e| panic!("{python}: {e} (this test needs PyTorch: python3-torch)"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+#[ignore = "needs PyTorch (Debian's python3-torch); CI installs it and runs this"]
+fn pytorch_loads_kilns_export_and_kiln_starts_from_pytorchs_weights() {
+    let dir = temp_dir("finetune-torch");
+    let text = text_file(&dir);
+    let data = text.display().to_string();
+    // kiln → PyTorch: the export in PyTorch's layout loads strictly into the reference module.
+    let run = train(
+        &gpt_config(
+            &dir.join("kiln"),
+            &text,
+            &["train.max_steps=20", "export.format=\"pytorch\""],
+        ),
+        &RunOptions::default(),
+    )
+    .unwrap();
+    let file = run.dir.join("model.safetensors").display().to_string();
+    let scored = torch(&dir, &["score", "--data", &data, "--weights", &file]);
+    let (theirs, ours) = (
+        scored["val_loss"].as_f64().unwrap(),
+        run.summary.val_loss.unwrap(),
+    );
+    assert!(
+        (theirs - ours).abs() <= 1e-4,
+        "PyTorch {theirs} vs kiln {ours}"
+    );
+    // PyTorch → kiln: a state dict PyTorch trained starts a kiln run with PyTorch's loss.
+    let out = dir.join("torch");
+    std::fs::create_dir_all(&out).unwrap();
+    let trained = torch(
+        &dir,
+        &[
+            "train", "--data", &data, "--steps", "30", "--batch", "8", "--lr", "3e-3", "--out",
+        ]
+        .into_iter()
+        .chain([out.to_str().unwrap()])
+        .collect::<Vec<_>>(),
+    );
+    let theirs = trained["val_loss"].as_f64().unwrap();
+    let config = run.dir.join("config.toml").display().to_string();
+    for name in ["model.pt", "model.safetensors"] {
+        let from = format!("init.from={:?}", out.join(name).display().to_string());
+        let ours = eval_loss(
+            &dir,
+            &[
+                "--config",
+                &config,
+                "--set",
+                &from,
+                "--set",
+                "init.format=\"pytorch\"",
+            ],
+        );
+        assert!(
+            (theirs - ours).abs() <= 1e-4,
+            "{name}: PyTorch {theirs} vs kiln {ours}"
+        );
+    }
 }
