@@ -116,6 +116,16 @@ fn lora_on_two_devices_equals_one_and_leaves_the_base_alone() {
                 "strategy.name=\"zero3\"",
             ],
         ),
+        (
+            "pipeline",
+            &[
+                "hardware.devices=2",
+                "train.batch_size=4",
+                "strategy.name=\"pipeline\"",
+                "pipeline.stages=2",
+                "pipeline.microbatches=2",
+            ],
+        ),
     ] {
         let two = finetune(&dir, strategy, &base, extra);
         assert_eq!(two.summary.params_trainable, trainable, "{strategy}");
@@ -136,6 +146,24 @@ fn lora_on_two_devices_equals_one_and_leaves_the_base_alone() {
             "{strategy}: a frozen tensor moved"
         );
     }
+    // DiLoCo (its own mathematics, so no parity): the adapters train, the base stays.
+    let diloco = finetune(
+        &dir,
+        "diloco",
+        &base,
+        &[
+            "hardware.devices=2",
+            "train.batch_size=4",
+            "strategy.name=\"diloco\"",
+            "diloco.inner_steps=5",
+        ],
+    );
+    let ck = checkpoint(&diloco);
+    assert!(
+        pick(&ck, |k| !k.contains(".lora.")) == frozen,
+        "diloco: a frozen tensor moved"
+    );
+    assert!(values(&pick(&ck, |k| k.contains(".lora."))) != values(&one_ad));
     // The export folds the adapters in: the plain model's names, and weights that moved.
     let merged = read_tensors(&one.dir.join("model.safetensors")).unwrap();
     assert_eq!(
@@ -538,4 +566,36 @@ fn pytorch_loads_kilns_export_and_kiln_starts_from_pytorchs_weights() {
             "{name}: PyTorch {theirs} vs kiln {ours}"
         );
     }
+}
+
+#[test]
+fn lora_trains_in_mixed_precision_and_the_base_stays_f32() {
+    let dir = temp_dir("finetune-mixed");
+    let base = base(&dir);
+    let base_w = read_tensors(&base.join("model.safetensors")).unwrap();
+    let mut adapters = Vec::new();
+    for strategy in ["ddp", "zero3"] {
+        let set = format!("strategy.name={strategy:?}");
+        let run = finetune(
+            &dir,
+            strategy,
+            &base,
+            &[
+                "hardware.devices=2",
+                "train.batch_size=4",
+                "precision.mode=\"bf16-mixed\"",
+                &set,
+            ],
+        );
+        let ck = read_tensors(&run.dir.join("checkpoints/step-00000010/model.bpk")).unwrap();
+        for (k, v) in pick(&ck, |k| !k.contains(".lora.")) {
+            assert!(
+                v == base_w[&k].1,
+                "{strategy}: {k} is not the base's f32 values"
+            );
+        }
+        adapters.push(values(&pick(&ck, |k| k.contains(".lora."))));
+    }
+    let diff = max_relative_diff(&adapters[1], &adapters[0]);
+    assert!(diff < 1e-5, "zero3 against ddp in bf16-mixed: {diff:e}");
 }

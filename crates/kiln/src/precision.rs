@@ -207,8 +207,8 @@ impl Policy {
     }
 }
 
-/// `module` with its trained parameters (and, with `buffers`, its other float tensors) in
-/// `dtype`: fresh leaves with the same parameter ids, so that gradients computed on the copy
+/// `module` with its parameters, trained and frozen (and, with `buffers`, its running state)
+/// in `dtype`: fresh leaves with the same parameter ids, so that gradients computed on the copy
 /// are keyed like the original's.
 ///
 /// Buffers are Burn `RunningState`s, which clones share and which mapping changes in place:
@@ -217,11 +217,13 @@ pub fn cast_params<M: Module>(module: M, dtype: FloatDType, buffers: bool) -> M 
     struct Cast {
         dtype: FloatDType,
         buffers: bool,
+        running: std::collections::HashSet<burn::module::ParamId>,
     }
     impl ModuleMapper for Cast {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let trained = param.is_require_grad();
-            if !trained && !self.buffers {
+            // Frozen parameters compute like trained ones; only buffers may stay.
+            if !trained && !self.buffers && self.running.contains(&param.id) {
                 return param;
             }
             let dtype = self.dtype;
@@ -232,7 +234,16 @@ pub fn cast_params<M: Module>(module: M, dtype: FloatDType, buffers: bool) -> M 
             })
         }
     }
-    module.map(&mut Cast { dtype, buffers })
+    let running = if buffers {
+        std::collections::HashSet::new()
+    } else {
+        crate::params::running_state_ids(&module)
+    };
+    module.map(&mut Cast {
+        dtype,
+        buffers,
+        running,
+    })
 }
 
 /// Dynamic loss scaling for f16: the loss is multiplied by `scale` before backward so that

@@ -1,27 +1,39 @@
 //! A module's floats: read to the host, replaced from flat buffers, its buffers and their
 //! ids, dtypes and sizes. Burn's module traversal, and nothing of kiln's other layers.
 
+use std::collections::HashSet;
+
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
 
-/// The float tensors of `module` in module order, one vector each: all of them, or only those
-/// that are (`Some(true)`) or are not (`Some(false)`, buffers) trained.
+/// The float tensors of `module` in module order, one vector each: all of them, only those that
+/// are trained (`Some(true)`), or only its buffers (`Some(false)`: running state, not frozen
+/// parameters; see [`running_state_ids`]).
 pub fn float_tensors<M: Module>(module: &M, trainable: Option<bool>) -> Vec<Vec<f32>> {
     struct Collect {
         trainable: Option<bool>,
+        buffers: HashSet<ParamId>,
         out: Vec<Vec<f32>>,
     }
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.trainable.is_some_and(|t| param.is_require_grad() != t) {
-                return;
+            match self.trainable {
+                Some(true) if !param.is_require_grad() => return,
+                Some(false) if !self.buffers.contains(&param.id) => return,
+                _ => {}
             }
             self.out.push(host_f32(param.val()));
         }
     }
+    let buffers = if trainable == Some(false) {
+        running_state_ids(module)
+    } else {
+        HashSet::new()
+    };
     let mut c = Collect {
         trainable,
+        buffers,
         out: Vec::new(),
     };
     module.visit(&mut c);
@@ -50,13 +62,19 @@ pub fn replace_floats<M: Module>(
 ) -> M {
     struct Replace<'a> {
         trainable: bool,
+        buffers: HashSet<ParamId>,
         values: Vec<f32>,
         offset: usize,
         device: &'a Device,
     }
     impl ModuleMapper for Replace<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            if param.is_require_grad() != self.trainable {
+            let replaced = if self.trainable {
+                param.is_require_grad()
+            } else {
+                self.buffers.contains(&param.id)
+            };
+            if !replaced {
                 return param;
             }
             let shape = param.shape();
@@ -77,8 +95,14 @@ pub fn replace_floats<M: Module>(
             })
         }
     }
+    let buffers = if trainable {
+        HashSet::new()
+    } else {
+        running_state_ids(&module)
+    };
     let mut r = Replace {
         trainable,
+        buffers,
         values,
         offset: 0,
         device,
@@ -86,20 +110,76 @@ pub fn replace_floats<M: Module>(
     module.map(&mut r)
 }
 
-/// The buffers (float tensors that are not trained) of `module` in module order, with their
-/// ids.
-pub fn buffers_with_ids<M: Module>(module: &M) -> Vec<(ParamId, Vec<f32>)> {
-    struct Collect(Vec<(ParamId, Vec<f32>)>);
+/// The frozen parameters of `module` (not trained and not buffers: `[finetune]`'s, LoRA's
+/// bases), flattened in module order.
+pub fn frozen_floats<M: Module>(module: &M) -> Vec<f32> {
+    struct Collect(HashSet<ParamId>, Vec<f32>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if !param.is_require_grad() {
-                self.0.push((param.id, host_f32(param.val())));
+            if !param.is_require_grad() && !self.0.contains(&param.id) {
+                self.1.extend(host_f32(param.val()));
             }
         }
     }
-    let mut c = Collect(Vec::new());
+    let mut c = Collect(running_state_ids(module), Vec::new());
     module.visit(&mut c);
-    c.0
+    c.1
+}
+
+/// `module` with its frozen parameters (see [`frozen_floats`]) replaced by `values` in
+/// `dtype`, on `device` (without autodiff: they take no gradient).
+pub fn replace_frozen<M: Module>(
+    module: M,
+    values: &[f32],
+    dtype: FloatDType,
+    device: &Device,
+) -> M {
+    struct Replace<'a> {
+        running: HashSet<ParamId>,
+        values: &'a [f32],
+        offset: usize,
+        dtype: FloatDType,
+        device: Device,
+    }
+    impl ModuleMapper for Replace<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if param.is_require_grad() || self.running.contains(&param.id) {
+                return param;
+            }
+            let shape = param.shape();
+            let n = shape.num_elements();
+            let slice = self.values[self.offset..self.offset + n].to_vec();
+            self.offset += n;
+            let t = Tensor::<D>::from_data(TensorData::new(slice, shape), &self.device)
+                .cast(self.dtype);
+            param.map(|_| t)
+        }
+    }
+    let running = running_state_ids(&module);
+    let mut r = Replace {
+        running,
+        values,
+        offset: 0,
+        dtype,
+        device: device.clone().without_autodiff(),
+    };
+    module.map(&mut r)
+}
+
+/// The buffers (float tensors that are not trained) of `module` in module order, with their
+/// ids.
+pub fn buffers_with_ids<M: Module>(module: &M) -> Vec<(ParamId, Vec<f32>)> {
+    struct Collect(HashSet<ParamId>, Vec<(ParamId, Vec<f32>)>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.contains(&param.id) {
+                self.1.push((param.id, host_f32(param.val())));
+            }
+        }
+    }
+    let mut c = Collect(running_state_ids(module), Vec::new());
+    module.visit(&mut c);
+    c.1
 }
 
 /// Folds the pending updates of Burn's `RunningState` buffers (e.g. BatchNorm statistics) into
@@ -110,17 +190,44 @@ pub fn sync_running_state<M: Module>(module: &M) {
     let _ = module.valid();
 }
 
-/// Whether `module` holds float state that is not trained (buffers).
+/// Whether `module` holds buffers: float state that is not trained and is not a parameter
+/// (Burn's `RunningState`, e.g. BatchNorm statistics).
 pub fn has_buffers<M: Module>(module: &M) -> bool {
-    struct Find(bool);
-    impl ModuleVisitor for Find {
+    !running_state_ids(module).is_empty()
+}
+
+/// The ids of `module`'s buffers: Burn's `RunningState` values (BatchNorm statistics), which
+/// the forward pass updates. A parameter that is frozen (`[finetune]`, LoRA's bases) is not
+/// trained either but is not one: it never changes, so no strategy averages or restores it.
+/// The two look alike to a visitor; a mapper tells them apart, since a parameter keeps the id
+/// the mapper hands back and a `RunningState` keeps its own (the mapping runs on a clone, and
+/// hands a `RunningState` back the tensor it had).
+pub fn running_state_ids<M: Module>(module: &M) -> HashSet<ParamId> {
+    struct Frozen(HashSet<ParamId>);
+    impl ModuleVisitor for Frozen {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0 |= !param.is_require_grad();
+            if !param.is_require_grad() {
+                self.0.insert(param.id);
+            }
         }
     }
-    let mut f = Find(false);
-    module.visit(&mut f);
-    f.0
+    struct Relabel;
+    impl ModuleMapper for Relabel {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if param.is_require_grad() {
+                return param;
+            }
+            Param::initialized(ParamId::new(), param.val())
+        }
+    }
+    let mut before = Frozen(HashSet::new());
+    module.visit(&mut before);
+    if before.0.is_empty() {
+        return before.0;
+    }
+    let mut after = Frozen(HashSet::new());
+    module.clone().map(&mut Relabel).visit(&mut after);
+    before.0.intersection(&after.0).copied().collect()
 }
 
 /// The ids of the trainable float parameters of `module`, in module order.
@@ -175,4 +282,41 @@ pub fn param_tensor<const D: usize>(inner: Tensor<D>, device: &Device) -> Tensor
         None => t,
     };
     t.require_grad()
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
+
+    use super::*;
+
+    #[derive(burn::module::Module, Debug)]
+    struct Net {
+        norm: BatchNorm,
+        frozen: Linear,
+        trained: Linear,
+    }
+
+    #[test]
+    fn buffers_are_running_state_and_not_frozen_parameters() {
+        let device = Device::flex().autodiff();
+        let net = Net {
+            norm: BatchNormConfig::new(3).init(&device),
+            frozen: LinearConfig::new(3, 3).init(&device),
+            trained: LinearConfig::new(3, 2).init(&device),
+        };
+        let net = Net {
+            frozen: net.frozen.clone().freeze(),
+            ..net
+        };
+        let ids = running_state_ids(&net);
+        assert_eq!(ids.len(), 2, "BatchNorm's mean and variance");
+        assert_eq!(ids, running_state_ids(&net.norm));
+        assert!(running_state_ids(&net.frozen).is_empty());
+        assert!(has_buffers(&net));
+        // The frozen weights are neither trained nor buffers.
+        assert_eq!(collect_floats(&net, false).len(), 6);
+        assert_eq!(collect_floats(&net, true).len(), 3 + 3 + 3 * 2 + 2);
+        assert_eq!(buffers_with_ids(&net).len(), 2);
+    }
 }

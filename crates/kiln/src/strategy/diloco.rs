@@ -68,9 +68,8 @@ impl Rules for Diloco {
         if model.buffers {
             return Err(Error::config(
                 "key `strategy.name`: \"diloco\" averages the islands' trainable parameters, \
-                 and this model has float tensors that do not train — buffers (BatchNorm \
-                 running statistics) or parameters [finetune] froze — which its outer step \
-                 does not handle; use \"ddp\""
+                 and this model has buffers (BatchNorm running statistics) that each island \
+                 would keep to itself; use \"ddp\""
                     .to_string(),
             ));
         }

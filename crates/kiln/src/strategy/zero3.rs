@@ -41,7 +41,7 @@ use super::zero2::scattering;
 use crate::config::{OptimConfig, RecomputeMode, name_of};
 use crate::error::{Error, Result};
 use crate::exec::{self, Hooks, Part, Recompute};
-use crate::params::{FlatLayout, host_f32};
+use crate::params::{FlatLayout, frozen_floats, host_f32, replace_frozen};
 use crate::precision::LossScaler;
 
 /// ZeRO-3's rules: it needs the model's blocks, runs each twice, and cannot synchronise
@@ -178,12 +178,26 @@ pub struct Sharded<'a, M: Module> {
     /// This step's averaged gradient shard.
     grads: Vec<f32>,
     recompute: Recompute,
+    /// The frozen parameters' master values (mixed precision: the model holds them in the
+    /// compute dtype).
+    frozen: Option<Vec<f32>>,
 }
 
 impl<'a, M: Module> Sharded<'a, M> {
     pub(crate) fn new(model: M, mut core: Core<'a>) -> Result<Self> {
         let params = core.shard_of(&model);
         let mut model = model;
+        // Frozen parameters are not gathered: under mixed precision the rank computes with them
+        // in the compute dtype, cast once, and keeps their master values on the host for the
+        // full model.
+        let frozen = if core.policy.mixed {
+            Some(frozen_floats(&model)).filter(|f| !f.is_empty())
+        } else {
+            None
+        };
+        if let Some(values) = &frozen {
+            model = replace_frozen(model, values, core.policy.compute, &core.device);
+        }
         for u in 0..core.layout.units.len() {
             model = core.layout.release_unit(model, u, &core.device);
         }
@@ -203,6 +217,7 @@ impl<'a, M: Module> Sharded<'a, M> {
             gathered: vec![false; units],
             grads: Vec::new(),
             recompute,
+            frozen,
         })
     }
 
@@ -517,6 +532,9 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
                 .core
                 .layout
                 .load_unit(full, u, flat, self.core.master, &self.core.device);
+        }
+        if let Some(values) = &self.frozen {
+            full = replace_frozen(full, values, self.core.master, &self.core.device);
         }
         Ok(full)
     }
