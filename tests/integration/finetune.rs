@@ -599,3 +599,39 @@ fn lora_trains_in_mixed_precision_and_the_base_stays_f32() {
     let diff = max_relative_diff(&adapters[1], &adapters[0]);
     assert!(diff < 1e-5, "zero3 against ddp in bf16-mixed: {diff:e}");
 }
+
+#[test]
+fn qlora_quantises_the_bases_and_trains_alike_on_two_devices() {
+    let dir = temp_dir("finetune-qlora");
+    let base = base(&dir);
+    let adapters = |r: &kiln::RunResult| {
+        let ck = read_tensors(&r.dir.join("checkpoints/step-00000010/model.bpk")).unwrap();
+        values(&pick(&ck, |k| k.contains(".lora.")))
+    };
+    let q = "finetune.lora.quantize=\"q8\"";
+    let one = finetune(&dir, "one", &base, &[q]);
+    let plain = finetune(&dir, "plain", &base, &[]);
+    // The quantised bases change the model a little, not the adapters' count.
+    assert_eq!(one.summary.params_trainable, plain.summary.params_trainable);
+    assert_ne!(one.summary.val_loss, plain.summary.val_loss);
+    let want = adapters(&one);
+    for strategy in ["ddp", "zero3"] {
+        let set = format!("strategy.name={strategy:?}");
+        let two = finetune(
+            &dir,
+            strategy,
+            &base,
+            &[q, "hardware.devices=2", "train.batch_size=4", &set],
+        );
+        let diff = max_relative_diff(&adapters(&two), &want);
+        assert!(diff < 1e-5, "{strategy}: {diff:e}");
+    }
+    // The export folds the adapters into the dequantised bases: the adapted model's loss.
+    let run = one.dir.display().to_string();
+    let loss = eval_loss(&dir, &["--run", &run, "--devices", "1"]);
+    let adapted = one.summary.val_loss.unwrap();
+    assert!(
+        (loss - adapted).abs() <= 1e-5 * adapted,
+        "{loss} vs {adapted}"
+    );
+}

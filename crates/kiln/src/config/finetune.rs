@@ -33,6 +33,21 @@ pub struct LoraConfig {
     pub alpha: f64,
     /// Module path patterns whose 2-D weights get an adapter (`["blocks.*.attn.qkv"]`).
     pub targets: Vec<String>,
+    /// QLoRA: the frozen bases of the adapted weights quantised, `"q8"` (8-bit) or `"q4"`
+    /// (4-bit), symmetric; absent: not quantised. Refused in one line where the device's
+    /// backend cannot run it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quantize: Option<QuantBits>,
+}
+
+/// The bits of QLoRA's quantised bases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum QuantBits {
+    /// 8-bit symmetric.
+    Q8,
+    /// 4-bit symmetric.
+    Q4,
 }
 
 impl Default for LoraConfig {
@@ -41,6 +56,7 @@ impl Default for LoraConfig {
             rank: 8,
             alpha: 16.0,
             targets: Vec::new(),
+            quantize: None,
         }
     }
 }

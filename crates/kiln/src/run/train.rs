@@ -42,13 +42,13 @@ where
     // The starting weights and what trains, checked against the model before anything is
     // written.
     let resuming = options.resume_from.is_some();
-    let tuned = Tuned::new(
-        workload,
-        &config.init,
-        &config.finetune,
-        resuming,
-        &devices[0],
-    )?;
+    // An evaluation scores the weights as the file holds them: no adapters, no quantisation.
+    let tune = if options.evaluate {
+        crate::config::FinetuneConfig::default()
+    } else {
+        config.finetune.clone()
+    };
+    let tuned = Tuned::new(workload, &config.init, &tune, resuming, &devices[0])?;
     let workload = &tuned;
 
     // What the strategy refuses on this launch's ranks, and of this model, is refused before

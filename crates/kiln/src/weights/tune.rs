@@ -2,10 +2,11 @@
 //! [`Lora`]) on the 2-D weights of the target modules with everything else frozen, and the
 //! counts the start-up table and `summary.json` report.
 
-use burn::module::{Lora, Module, ModuleVisitor, Param, ParamGroup, ParamId};
+use burn::module::{Lora, Module, ModuleVisitor, Param, ParamGroup, ParamId, QLora, Quantizer};
 use burn::prelude::*;
+use burn::tensor::quantization::{Calibration, QuantValue};
 
-use crate::config::FinetuneConfig;
+use crate::config::{FinetuneConfig, QuantBits};
 use crate::error::{Error, Result};
 
 /// One float parameter of a model: its path as the exported names read, its shape, and
@@ -179,8 +180,24 @@ pub fn apply<M: Module>(model: M, tune: &FinetuneConfig) -> Result<M> {
         .filter(|p| p.dims.len() == 2)
         .map(|p| p.id)
         .collect();
-    let lora = Lora::new(lora.rank, lora.alpha).set_param_group(ParamGroup::from_ids(adapted));
-    Ok(model.apply_lora(lora))
+    let group = ParamGroup::from_ids(adapted);
+    let adapter = Lora::new(lora.rank, lora.alpha).set_param_group(group.clone());
+    let Some(bits) = lora.quantize else {
+        return Ok(model.apply_lora(adapter));
+    };
+    let device = model
+        .devices()
+        .into_iter()
+        .next()
+        .expect("a model lives on a device");
+    let value = match bits {
+        QuantBits::Q8 => QuantValue::Q8S,
+        QuantBits::Q4 => QuantValue::Q4S,
+    };
+    let scheme = device.settings().quantization.scheme.with_value(value);
+    let mut quantizer = Quantizer::new(Calibration::MinMax, scheme);
+    quantizer.set_param_group(group);
+    Ok(model.apply_qlora(QLora::new(adapter, quantizer)))
 }
 
 #[cfg(test)]
