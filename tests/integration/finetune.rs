@@ -98,6 +98,10 @@ fn lora_on_two_devices_equals_one_and_leaves_the_base_alone() {
     // The adapters file holds the same factors.
     let file = read_tensors(&one.dir.join("adapters.safetensors")).unwrap();
     assert_eq!(values(&pick(&file, |_| true)), values(&one_ad));
+    // Every rank of one device (its per-core sub-replicas) holds the frozen weights whole.
+    let frozen_bytes: usize = frozen.iter().map(|(_, v)| 4 * v.len()).sum();
+    let held = &one.summary.frozen_bytes_per_rank;
+    assert!(held.iter().all(|&h| h == frozen_bytes), "{held:?}");
     for (strategy, extra) in [
         ("ddp", &["hardware.devices=2", "train.batch_size=4"][..]),
         (
@@ -138,6 +142,22 @@ fn lora_on_two_devices_equals_one_and_leaves_the_base_alone() {
             diff < 1e-5,
             "{strategy}: adapters differ from one device by {diff:e}"
         );
+        // Pipeline stages keep the frozen weights of their own blocks (the embeddings and the
+        // final norm on both, as the first and the last); the others hold them whole.
+        let held = &two.summary.frozen_bytes_per_rank;
+        if strategy == "pipeline" {
+            let block: usize = frozen
+                .iter()
+                .filter(|(k, _)| k.starts_with("blocks.0."))
+                .map(|(_, v)| 4 * v.len())
+                .sum();
+            assert!(
+                held.iter().all(|&h| h < frozen_bytes - block / 2),
+                "{held:?}"
+            );
+        } else {
+            assert_eq!(held, &vec![frozen_bytes; 2], "{strategy}");
+        }
         let fz = pick(&ck, |k| !k.contains(".lora."));
         assert!(
             fz.iter()

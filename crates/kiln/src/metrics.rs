@@ -205,6 +205,8 @@ pub struct Summary {
     pub optim_bytes_per_rank: Vec<usize>,
     /// The most parameter, gradient and optimizer-state bytes each rank held together.
     pub peak_bytes_per_rank: Vec<usize>,
+    /// Bytes of frozen parameters each rank held (`[finetune]`; not in the figures above).
+    pub frozen_bytes_per_rank: Vec<usize>,
     /// The most bytes each device's memory pool had in use when sampled, where the backend
     /// reports a pool (not on the CPU).
     #[serde(default, skip_serializing_if = "Option::is_none")]

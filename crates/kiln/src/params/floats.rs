@@ -1,7 +1,7 @@
 //! A module's floats: read to the host, replaced from flat buffers, its buffers and their
 //! ids, dtypes and sizes. Burn's module traversal, and nothing of kiln's other layers.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
@@ -164,6 +164,75 @@ pub fn replace_frozen<M: Module>(
         device: device.clone().without_autodiff(),
     };
     module.map(&mut r)
+}
+
+/// Bytes of the frozen parameters `module` holds (a released one, a placeholder, counts one
+/// element).
+pub fn frozen_bytes<M: Module>(module: &M) -> usize {
+    struct Count(HashSet<ParamId>, usize);
+    impl ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.is_require_grad() && !self.0.contains(&param.id) {
+                let dtype = float_dtype(param.val().dtype());
+                self.1 += param.shape().num_elements() * dtype_bytes(dtype);
+            }
+        }
+    }
+    let mut c = Count(running_state_ids(module), 0);
+    module.visit(&mut c);
+    c.1
+}
+
+/// The frozen parameters of `module` in module order: id, shape and values.
+pub fn frozen_with_ids<M: Module>(module: &M) -> Vec<(ParamId, Vec<usize>, Vec<f32>)> {
+    struct Collect(HashSet<ParamId>, Vec<(ParamId, Vec<usize>, Vec<f32>)>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.is_require_grad() && !self.0.contains(&param.id) {
+                let shape = param.shape().to_vec();
+                self.1.push((param.id, shape, host_f32(param.val())));
+            }
+        }
+    }
+    let mut c = Collect(running_state_ids(module), Vec::new());
+    module.visit(&mut c);
+    c.1
+}
+
+/// `module` with the parameters of `values` (by id: shape and values) set to them in
+/// `dtype`, without gradient, on `device`; a shape of `[1; D]` zeros where `values` holds an
+/// empty shape releases the parameter (a placeholder, as a released unit's).
+pub fn set_frozen<M: Module>(
+    module: M,
+    values: &HashMap<ParamId, (Vec<usize>, Vec<f32>)>,
+    dtype: FloatDType,
+    device: &Device,
+) -> M {
+    struct Set<'a> {
+        values: &'a HashMap<ParamId, (Vec<usize>, Vec<f32>)>,
+        dtype: FloatDType,
+        device: Device,
+    }
+    impl ModuleMapper for Set<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some((shape, values)) = self.values.get(&param.id) else {
+                return param;
+            };
+            let t = if shape.is_empty() {
+                Tensor::<D>::zeros([1; D], &self.device)
+            } else {
+                let data = TensorData::new(values.clone(), shape.clone());
+                Tensor::<D>::from_data(data, &self.device)
+            };
+            let t = t.cast(self.dtype);
+            param.map(|_| t)
+        }
+    }
+    module.map(&mut Set {
+        values,
+        dtype,
+        device: device.clone().without_autodiff(),
+    })
 }
 
 /// The buffers (float tensors that are not trained) of `module` in module order, with their

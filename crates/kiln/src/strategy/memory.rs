@@ -40,6 +40,9 @@ pub struct Memory {
     pub optim: Counter,
     /// The most the three held together.
     pub total_peak: usize,
+    /// Bytes of frozen parameters the rank holds (not trained: no gradient, no optimizer
+    /// state; whole on each rank, or placed by the strategy).
+    pub frozen: usize,
     /// The most the device's memory pool had in use when sampled (after each micro-step and
     /// optimizer step), where the backend reports a pool.
     pub pool_peak: Option<u64>,

@@ -34,6 +34,7 @@ impl<M: Module> Replica<M> {
         core.memory
             .params
             .set(core.master_bytes(core.layout.total()));
+        core.memory.frozen = crate::params::frozen_bytes(&model);
         core.memory.note();
         Self {
             model,

@@ -204,6 +204,7 @@ impl<'a, M: Module> Sharded<'a, M> {
         core.memory
             .params
             .set(core.master_bytes(core.layout.shard_len));
+        core.memory.frozen = crate::params::frozen_bytes(&model);
         core.memory.note();
         let recompute = match core.recompute {
             Recompute::Blocks { every } => Recompute::Blocks { every },

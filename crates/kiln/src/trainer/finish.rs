@@ -43,6 +43,7 @@ impl<W: Workload> Worker<'_, W> {
         let counts = [m.params.peak, m.grads.peak, m.optim.peak, m.total_peak].map(|c| c as u64);
         let mut mine = counts.to_vec();
         mine.push(pool);
+        mine.push(m.frozen as u64);
         let memories = pack::gather_counts(self.comm.as_ref(), &mine)?;
         if self.local != 0 {
             return Ok(Outcome { lead: None });
@@ -75,6 +76,7 @@ impl<W: Workload> Worker<'_, W> {
                 .iter()
                 .map(|m| (m[4] != u64::MAX).then_some(m[4]))
                 .collect(),
+            frozen_bytes_per_rank: per_rank(5),
             processes: s.parallel.processes.count,
             stopped_by: ran.stopped_by,
             stopped_early: ran.stopped_early,

@@ -13,7 +13,7 @@ use crate::comm::Collective;
 use crate::config::PipelineSchedule;
 use crate::error::Result;
 use crate::exec::Accumulate;
-use crate::params::FlatLayout;
+use crate::params::{FlatLayout, frozen_with_ids, set_frozen};
 use crate::strategy::context::Context;
 use crate::strategy::core::Core;
 use crate::strategy::pipeline::partition;
@@ -37,6 +37,8 @@ pub struct Stage<'a, M: Module, B> {
     cuts: Vec<usize>,
     /// The block each float tensor (parameters and buffers) belongs to.
     pub(super) block_of: HashMap<ParamId, usize>,
+    /// The frozen parameters in module order: id, shape and the stage that keeps them.
+    pub(super) frozen: Vec<(ParamId, Vec<usize>, usize)>,
     /// This replica's stages (rank = stage): activations and gradients travel here.
     pub(super) pipe: Box<dyn Collective>,
     /// This stage in every replica: block gradients are averaged here.
@@ -77,15 +79,38 @@ impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
         for u in (0..full.units.len()).filter(|u| !owned.contains(u)) {
             model = full.release_unit(model, u, &core.device);
         }
-        core.memory
-            .params
-            .set(core.master_bytes(core.layout.total()));
-        core.memory.note();
-        let block_of = blocks
+        // Frozen parameters are placed like the units: each stage keeps those of its blocks
+        // (and, on the first and last, those outside the blocks) and releases the rest.
+        let block_of: HashMap<ParamId, usize> = blocks
             .iter()
             .enumerate()
             .flat_map(|(b, ids)| ids.iter().map(move |id| (*id, b)))
             .collect();
+        let stage_of = |b: usize| (0..stages).find(|&s| b < cuts[s + 1]).unwrap_or(stages - 1);
+        let frozen: Vec<(ParamId, Vec<usize>, usize)> = frozen_with_ids(&model)
+            .into_iter()
+            .map(|(id, shape, _)| {
+                let owner = block_of.get(&id).map_or(0, |&b| stage_of(b));
+                (id, shape, owner)
+            })
+            .collect();
+        let released: HashMap<ParamId, (Vec<usize>, Vec<f32>)> = frozen
+            .iter()
+            .filter(|(id, _, owner)| {
+                let outside = !block_of.contains_key(id);
+                *owner != stage && !(outside && first_or_last)
+            })
+            .map(|(id, _, _)| (*id, (Vec::new(), Vec::new())))
+            .collect();
+        if !released.is_empty() {
+            let dtype = core.master;
+            model = set_frozen(model, &released, dtype, &core.device);
+        }
+        core.memory
+            .params
+            .set(core.master_bytes(core.layout.total()));
+        core.memory.frozen = crate::params::frozen_bytes(&model);
+        core.memory.note();
         Ok(Self {
             core,
             full,
@@ -98,6 +123,7 @@ impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
             replicas,
             cuts,
             block_of,
+            frozen,
             pipe,
             peers,
             ends,

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::prelude::*;
 use kiln_models::{BlockStack, StepOutput};
 use serde_json::json;
@@ -14,7 +14,7 @@ use crate::comm::ReduceOp;
 use crate::config::name_of;
 use crate::error::Result;
 use crate::optim::OptimState;
-use crate::params::{buffers_with_ids, host_f32, replace_floats};
+use crate::params::{buffers_with_ids, frozen_with_ids, host_f32, replace_floats, set_frozen};
 use crate::precision::LossScaler;
 use crate::strategy::core::Norm;
 use crate::strategy::memory::Memory;
@@ -122,6 +122,35 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
             self.model = replace_floats(self.model.clone(), false, values, &self.core.device);
         }
         let mut full = self.model.clone();
+        // Frozen parameters: each from the stage that keeps it.
+        if !self.frozen.is_empty() {
+            let mine: HashMap<ParamId, Vec<f32>> = frozen_with_ids(&self.model)
+                .into_iter()
+                .map(|(id, _, v)| (id, v))
+                .collect();
+            let mut values = HashMap::new();
+            for s in 0..self.stages {
+                let kept: Vec<&(ParamId, Vec<usize>, usize)> =
+                    self.frozen.iter().filter(|f| f.2 == s).collect();
+                let mut flat: Vec<f32> = if s == self.stage {
+                    kept.iter()
+                        .flat_map(|(id, _, _)| mine[id].clone())
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let pipe = self.pipe.as_ref();
+                self.core.timed(|_| pipe.broadcast(&mut flat, s))?;
+                let mut at = 0;
+                for (id, shape, _) in kept {
+                    let n: usize = shape.iter().product();
+                    values.insert(*id, (shape.clone(), flat[at..at + n].to_vec()));
+                    at += n;
+                }
+            }
+            let dtype = self.core.master;
+            full = set_frozen(full, &values, dtype, &self.core.device);
+        }
         for u in 0..self.full.units.len() {
             let owner = self.owner(u);
             let mut values = if owner == self.stage {
