@@ -69,9 +69,28 @@ pub struct FlatLayout {
 
 /// The trainable parameters of a module in module order: `(id, path, shape)`.
 pub fn trainable_params<M: Module>(module: &M) -> Vec<(ParamId, String, Vec<usize>)> {
+    float_params(module)
+        .into_iter()
+        .filter(|p| p.3 == Kind::Trained)
+        .map(|(id, path, shape, _)| (id, path, shape))
+        .collect()
+}
+
+/// What a float tensor is to a layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Trained,
+    /// Not trained (a frozen parameter or a buffer), in a float dtype.
+    Frozen,
+    /// Not trained and quantised (QLoRA's bases): no layout takes it.
+    Quantized,
+}
+
+/// Every float tensor of a module in module order: `(id, path, shape, kind)`.
+fn float_params<M: Module>(module: &M) -> Vec<(ParamId, String, Vec<usize>, Kind)> {
     struct Collect {
         path: Vec<String>,
-        out: Vec<(ParamId, String, Vec<usize>)>,
+        out: Vec<(ParamId, String, Vec<usize>, Kind)>,
     }
     impl ModuleVisitor for Collect {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
@@ -81,10 +100,15 @@ pub fn trainable_params<M: Module>(module: &M) -> Vec<(ParamId, String, Vec<usiz
             self.path.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.is_require_grad() {
-                self.out
-                    .push((param.id, self.path.join("."), param.shape().to_vec()));
-            }
+            let kind = if param.is_require_grad() {
+                Kind::Trained
+            } else if param.val().dtype().is_float() {
+                Kind::Frozen
+            } else {
+                Kind::Quantized
+            };
+            self.out
+                .push((param.id, self.path.join("."), param.shape().to_vec(), kind));
         }
     }
     let mut c = Collect {
@@ -101,6 +125,19 @@ impl FlatLayout {
     /// one, belongs to the `rest` unit.
     pub fn new<M: Module>(module: &M, blocks: &[Vec<ParamId>], shards: usize) -> Self {
         Self::build(trainable_params(module), blocks, shards)
+    }
+
+    /// The layout of `module`'s frozen parameters (not trained and not buffers: see
+    /// [`running_state_ids`](super::floats::running_state_ids)), in the units of `blocks`, cut into
+    /// `shards` shards: what ZeRO-3 shards and gathers besides the trained ones.
+    pub fn frozen<M: Module>(module: &M, blocks: &[Vec<ParamId>], shards: usize) -> Self {
+        let running = super::floats::running_state_ids(module);
+        let params = float_params(module)
+            .into_iter()
+            .filter(|(id, _, _, kind)| *kind == Kind::Frozen && !running.contains(id))
+            .map(|(id, path, shape, _)| (id, path, shape))
+            .collect();
+        Self::build(params, blocks, shards)
     }
 
     /// The layout of the trainable parameters of `module` whose ids are in `ids` (one

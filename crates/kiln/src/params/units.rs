@@ -168,8 +168,16 @@ impl FlatLayout {
                     .slice(e.offset..e.offset + e.numel)
                     .reshape(shape)
                     .cast(self.dtype);
+                // A frozen parameter (a frozen layout's unit) stays without gradient.
                 let device = self.device;
-                param.map(|_| param_tensor(value, device))
+                let trained = param.is_require_grad();
+                param.map(|_| {
+                    if trained {
+                        param_tensor(value, device)
+                    } else {
+                        value
+                    }
+                })
             }
         }
         let mut l = Load {
@@ -196,7 +204,14 @@ impl FlatLayout {
                     Some(e) if e.unit == self.unit => {
                         let device = self.device;
                         let inner = Tensor::<D>::zeros([1; D], &device.clone().without_autodiff());
-                        param.map(|_| param_tensor(inner, device))
+                        let trained = param.is_require_grad();
+                        param.map(|_| {
+                            if trained {
+                                param_tensor(inner, device)
+                            } else {
+                                inner
+                            }
+                        })
                     }
                     _ => param,
                 }

@@ -34,6 +34,7 @@ mod core;
 mod courier;
 pub mod ddp;
 pub mod diloco;
+mod frozen;
 pub mod groups;
 mod host;
 mod memory;

@@ -77,7 +77,7 @@ where
         }
         StrategyKind::Zero3 => {
             let core = Core::new(ctx, layout(world));
-            Box::new(zero3::Sharded::new(model, core)?)
+            Box::new(zero3::Sharded::new(model, core, &blocks)?)
         }
         StrategyKind::Pipeline => Box::new(pipeline::Stage::new(model, &blocks, ctx)?),
         StrategyKind::Diloco => {

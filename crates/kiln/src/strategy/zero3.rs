@@ -23,7 +23,7 @@
 //! loaded — one block ahead, held on the host until its turn — so that block `k + 1` travels
 //! while block `k` computes.
 
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::FloatDType;
@@ -34,6 +34,7 @@ use std::collections::VecDeque;
 use super::core::answered_by_core;
 use super::core::{Core, Norm};
 use super::courier::{self, Courier, Job, Ticket};
+use super::frozen::FrozenShard;
 use super::replica::{Beside, Scatter, open_shard, overlaps};
 use super::rules::{Estimate, ModelFacts, Rules, Setup, state_tensors};
 use super::step::{Strategy, one_by_one};
@@ -41,7 +42,7 @@ use super::zero2::scattering;
 use crate::config::{OptimConfig, RecomputeMode, name_of};
 use crate::error::{Error, Result};
 use crate::exec::{self, Hooks, Part, Recompute};
-use crate::params::{FlatLayout, frozen_floats, host_f32, replace_frozen};
+use crate::params::{FlatLayout, host_f32};
 use crate::precision::LossScaler;
 
 /// ZeRO-3's rules: it needs the model's blocks, runs each twice, and cannot synchronise
@@ -178,33 +179,21 @@ pub struct Sharded<'a, M: Module> {
     /// This step's averaged gradient shard.
     grads: Vec<f32>,
     recompute: Recompute,
-    /// The frozen parameters' master values (mixed precision: the model holds them in the
-    /// compute dtype).
-    frozen: Option<Vec<f32>>,
+    /// The rank's shard of the frozen parameters, gathered with their units.
+    frozen: Option<FrozenShard>,
 }
 
 impl<'a, M: Module> Sharded<'a, M> {
-    pub(crate) fn new(model: M, mut core: Core<'a>) -> Result<Self> {
+    pub(crate) fn new(model: M, mut core: Core<'a>, blocks: &[Vec<ParamId>]) -> Result<Self> {
         let params = core.shard_of(&model);
+        let (model, frozen) = FrozenShard::new(model, blocks, &mut core);
         let mut model = model;
-        // Frozen parameters are not gathered: under mixed precision the rank computes with them
-        // in the compute dtype, cast once, and keeps their master values on the host for the
-        // full model.
-        let frozen = if core.policy.mixed {
-            Some(frozen_floats(&model)).filter(|f| !f.is_empty())
-        } else {
-            None
-        };
-        if let Some(values) = &frozen {
-            model = replace_frozen(model, values, core.policy.compute, &core.device);
-        }
         for u in 0..core.layout.units.len() {
             model = core.layout.release_unit(model, u, &core.device);
         }
         core.memory
             .params
             .set(core.master_bytes(core.layout.shard_len));
-        core.memory.frozen = crate::params::frozen_bytes(&model);
         core.memory.note();
         let recompute = match core.recompute {
             Recompute::Blocks { every } => Recompute::Blocks { every },
@@ -235,6 +224,7 @@ impl<'a, M: Module> Sharded<'a, M> {
             dtype,
             expected: VecDeque::new(),
             fetched: None,
+            frozen: self.frozen.as_mut(),
         }
     }
 }
@@ -296,6 +286,8 @@ struct Units<'s, 'a> {
     expected: VecDeque<usize>,
     /// The unit being all-gathered ahead of time.
     fetched: Option<(usize, Ticket)>,
+    /// The frozen parameters, gathered and released with their units.
+    frozen: Option<&'s mut FrozenShard>,
 }
 
 impl Units<'_, '_> {
@@ -303,6 +295,7 @@ impl Units<'_, '_> {
         if self.gathered[u] {
             return Ok(model);
         }
+        let model = self.gather_frozen(model, u)?;
         if self.expected.front() == Some(&u) {
             self.expected.pop_front();
         }
@@ -318,6 +311,28 @@ impl Units<'_, '_> {
         self.prefetch()?;
         self.scatter.settle(0)?;
         Ok(model)
+    }
+
+    /// `model` with unit `u` of the frozen parameters loaded, all-gathered on the walk's
+    /// communication thread when there is one (only it talks to the group during the walk).
+    fn gather_frozen<M: Module>(&mut self, model: M, u: usize) -> Result<M> {
+        let Some(mine) = self
+            .frozen
+            .as_deref()
+            .and_then(|f| f.wanted(u))
+            .map(<[f32]>::to_vec)
+        else {
+            return Ok(model);
+        };
+        let all = if self.scatter.beside.is_some() {
+            let courier = self.courier();
+            let ticket = courier.send(Job::Gather(mine));
+            courier.wait(ticket)?
+        } else {
+            self.scatter.core.timed(|c| c.all_gather(&mine))?
+        };
+        let frozen = self.frozen.as_deref_mut().expect("wanted above");
+        Ok(frozen.load(model, u, all, self.dtype, self.scatter.core))
     }
 
     /// Unit `u`'s values, all-gathered now or ahead of time.
@@ -391,6 +406,10 @@ impl Units<'_, '_> {
         if !self.gathered[u] {
             return model;
         }
+        let model = match self.frozen.as_deref_mut() {
+            Some(frozen) => frozen.release(model, u, self.dtype, self.scatter.core),
+            None => model,
+        };
         self.gathered[u] = false;
         let core = &mut *self.scatter.core;
         let bytes = core.layout.units[u].len * crate::params::dtype_bytes(self.dtype);
@@ -460,6 +479,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
                 .expect("the model is home between micro-steps");
             let dtype = gathered_dtype(&self.core);
             let (params, gathered, grads) = (&self.params, &mut self.gathered, &mut self.grads);
+            let frozen = self.frozen.as_mut();
             let walk = |core: &mut Core, courier: Option<&mut Courier>| {
                 let n = model.num_blocks();
                 let mut hooks = Units {
@@ -473,6 +493,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
                     dtype,
                     expected: VecDeque::new(),
                     fetched: None,
+                    frozen,
                 };
                 if hooks.scatter.beside.is_some() {
                     hooks.expected = walk_gathers(n, recompute);
@@ -534,8 +555,8 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
                 .layout
                 .load_unit(full, u, flat, self.core.master, &self.core.device);
         }
-        if let Some(values) = &self.frozen {
-            full = replace_frozen(full, values, self.core.master, &self.core.device);
+        if let Some(frozen) = &self.frozen {
+            full = frozen.whole(full, self.core.master, &mut self.core)?;
         }
         Ok(full)
     }
