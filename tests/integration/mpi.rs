@@ -766,3 +766,39 @@ fn a_lost_host_is_left_and_the_run_goes_on_with_the_same_samples() {
     assert!((vb - va).abs() / va < 0.002, "val loss {vb} vs {va}");
     assert_eq!(b["restarts"], 1);
 }
+
+#[test]
+fn a_lora_fine_tune_across_processes_matches_one_process() {
+    let dir = temp_dir("mpi-lora");
+    let text = text_file(&dir);
+    let base = dir.join("base");
+    one_process(
+        &dir,
+        &args(Model::Gpt, &text, &base, &["train.max_steps=5"]),
+    );
+    let from = format!("init.from={:?}", base.display().to_string());
+    for strategy in ["ddp", "zero3"] {
+        let extra = [
+            "train.max_steps=5",
+            &format!("strategy.name={strategy:?}"),
+            &from,
+            "finetune.lora.rank=2",
+            "finetune.lora.targets=[\"blocks.*.attn\", \"blocks.*.mlp\"]",
+        ];
+        let many = dir.join(format!("{strategy}-mpi"));
+        mpirun(
+            2,
+            &dir,
+            &with(args(Model::Gpt, &text, &many, &extra), &["--devices", "1"]),
+        );
+        let one = dir.join(format!("{strategy}-one"));
+        one_process(
+            &dir,
+            &with(args(Model::Gpt, &text, &one, &extra), &["--devices", "2"]),
+        );
+        let d = max_relative_diff(&params(Model::Gpt, &many), &params(Model::Gpt, &one));
+        println!("LoRA {strategy}: 2 processes × 1 device vs 1 × 2: {d:.3e}");
+        assert!(d <= 1e-6, "{strategy}: {d:e}");
+        assert_ne!(params(Model::Gpt, &many), params(Model::Gpt, &base));
+    }
+}
