@@ -18,7 +18,10 @@ fn memory_line(s: &TrainerSettings, setup: &Setup, model: &ModelFacts, frozen: u
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     // Frozen weights take no gradient and no optimizer state; every rank holds them whole.
     let frozen = if frozen > 0 {
-        format!(", frozen weights {:.2} MiB", mib(4 * frozen))
+        format!(
+            ", frozen weights {:.2} MiB in all (zero3 and pipeline ranks hold a part)",
+            mib(4 * frozen)
+        )
     } else {
         String::new()
     };
