@@ -281,3 +281,34 @@ fn a_machine_without_nvml_says_so_once_when_asked_and_trains_on() {
         "{stdout}"
     );
 }
+
+#[test]
+fn the_train_program_counts_its_heap_below_its_resident_memory() {
+    let dir = temp_dir("heap");
+    let run = dir.join("run");
+    let out = train_bin(
+        &dir,
+        &[
+            "--max-steps",
+            "3",
+            "--set",
+            &format!("run.dir={:?}", run.display().to_string()),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    let heap = summary["peak_heap_mib"]
+        .as_f64()
+        .expect("the train binary counts its heap");
+    assert!(heap > 0.5, "{heap} MiB");
+    if let Some(rss) = summary["peak_rss_mib"].as_f64() {
+        assert!(heap < rss, "heap {heap} MiB, resident {rss} MiB");
+    }
+    // A program without kiln's allocator (this test binary) has no figure.
+    assert_eq!(kiln::heap::peak(), None);
+}

@@ -38,6 +38,7 @@ pub mod error;
 pub mod exec;
 pub mod files;
 pub mod flight;
+pub mod heap;
 pub mod launcher;
 pub mod metrics;
 pub mod monitor;
@@ -59,11 +60,7 @@ pub use burn_data::{BurnData, BurnWorkload};
 pub use config::RootConfig;
 pub use data::sample_rng;
 pub use error::{Error, Result};
-/// The allocator kiln's programs use (mimalloc): a program of one's own declares it with
-/// `#[global_allocator] static ALLOCATOR: kiln::Allocator = kiln::Allocator;`. Burn's CPU
-/// kernels allocate and free large buffers at every op; the system allocator hands many of
-/// them back to the OS and takes page faults to get them again (see BENCHMARKS.md).
-pub use mimalloc::MiMalloc as Allocator;
+pub use heap::Allocator;
 // What a model of one's own implements, and how it is trained.
 pub use kiln_models::{
     Activation, BlockStack, Combine, ParamGroup, SetMetric, StepOutput, TrainStep, param_ids,

@@ -196,6 +196,12 @@ pub struct Summary {
     pub start_rss_mib: Option<f64>,
     /// Peak resident memory of the process by the end of the run, in MiB; Linux only.
     pub peak_rss_mib: Option<f64>,
+    /// The most bytes live on the heap at once in the process (every rank of it) by the end
+    /// of the run, in MiB, as kiln's allocator counts them (`None` in a program that declares
+    /// another global allocator). Below the resident set size, which also holds the pages the
+    /// allocator keeps after a free.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_heap_mib: Option<f64>,
     /// The most parameter bytes each rank held at once (master and compute copies, gathered
     /// units), counted by the strategy; index = rank.
     pub param_bytes_per_rank: Vec<usize>,

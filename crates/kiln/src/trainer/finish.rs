@@ -68,6 +68,7 @@ impl<W: Workload> Worker<'_, W> {
             step_seconds: median(&mut log.step_times),
             start_rss_mib: ran.start_rss_mib,
             peak_rss_mib: process_memory_mib("VmHWM"),
+            peak_heap_mib: crate::heap::peak().map(|b| b as f64 / (1024.0 * 1024.0)),
             param_bytes_per_rank: per_rank(0),
             grad_bytes_per_rank: per_rank(1),
             optim_bytes_per_rank: per_rank(2),

@@ -1,0 +1,88 @@
+//! The heap as kiln's allocator counts it: [`Allocator`] is mimalloc with two counters, the
+//! bytes live and their peak, so that a run can say how much memory its tensors and everything
+//! else took at most — exactly, where the resident set size also counts freed pages the
+//! allocator keeps. Programs that declare another global allocator read `None`.
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+use mimalloc::MiMalloc;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+/// The allocator kiln's programs use: mimalloc, counting. A program of one's own declares it
+/// with `#[global_allocator] static ALLOCATOR: kiln::Allocator = kiln::Allocator;`. Burn's CPU
+/// kernels allocate and free large buffers at every op; the system allocator hands many of
+/// them back to the OS and takes page faults to get them again (see BENCHMARKS.md).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Allocator;
+
+fn grew(bytes: usize) {
+    let now = LIVE.fetch_add(bytes, Relaxed) + bytes;
+    if now > PEAK.load(Relaxed) {
+        PEAK.fetch_max(now, Relaxed);
+    }
+}
+
+fn shrank(bytes: usize) {
+    LIVE.fetch_sub(bytes, Relaxed);
+}
+
+// SAFETY: every call is mimalloc's own, with the caller's arguments; the counters only add
+// and subtract the sizes of the blocks that succeeded.
+unsafe impl GlobalAlloc for Allocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, which mimalloc shares.
+        let p = unsafe { MiMalloc.alloc(layout) };
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as for `alloc`.
+        let p = unsafe { MiMalloc.alloc_zeroed(layout) };
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator (so from mimalloc) with `layout`.
+        unsafe { MiMalloc.dealloc(ptr, layout) };
+        shrank(layout.size());
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` came from this allocator with `layout`; the caller upholds the rest.
+        let p = unsafe { MiMalloc.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            if new_size >= layout.size() {
+                grew(new_size - layout.size());
+            } else {
+                shrank(layout.size() - new_size);
+            }
+        }
+        p
+    }
+}
+
+/// Bytes live on the heap now, if kiln's [`Allocator`] is the global allocator.
+pub fn live() -> Option<usize> {
+    let peak = PEAK.load(Relaxed);
+    (peak > 0).then(|| LIVE.load(Relaxed))
+}
+
+/// The most bytes live at once since the start, or since [`reset_peak`].
+pub fn peak() -> Option<usize> {
+    let peak = PEAK.load(Relaxed);
+    (peak > 0).then_some(peak)
+}
+
+/// Starts a new peak from what is live now (for measuring one phase).
+pub fn reset_peak() {
+    PEAK.store(LIVE.load(Relaxed).max(1), Relaxed);
+}
