@@ -167,18 +167,8 @@ impl TextData {
     /// offset), an empty file, a fraction outside (0, 1) and a text too short for the split
     /// are all errors naming the file.
     pub fn from_file(path: &Path, train_fraction: f64) -> Result<Self, DatasetError> {
-        let name = path.file_stem().map_or_else(
-            || path.display().to_string(),
-            |stem| stem.to_string_lossy().into_owned(),
-        );
-        let bad = |reason: String| DatasetError::BadText {
-            path: Some(path.to_path_buf()),
-            name: name.clone(),
-            reason,
-        };
-        let bytes = fs::read(path).map_err(|e| DatasetError::io(path, "cannot read", e))?;
-        let text = check_text(&bytes).map_err(bad)?;
-        split_text(text, &name, train_fraction).map_err(bad)
+        let (name, text) = read_text(path)?;
+        split_text(&text, &name, train_fraction).map_err(|r| bad_text(path, &name, r))
     }
 
     /// Reads a UTF-8 file as [`TextData::from_file`] does, encoded with `tokenizer` (a trained
@@ -189,32 +179,14 @@ impl TextData {
         train_fraction: f64,
         tokenizer: CharTokenizer,
     ) -> Result<(Self, usize), DatasetError> {
-        let name = path.file_stem().map_or_else(
-            || path.display().to_string(),
-            |stem| stem.to_string_lossy().into_owned(),
-        );
-        let bad = |reason: String| DatasetError::BadText {
-            path: Some(path.to_path_buf()),
-            name: name.clone(),
-            reason,
-        };
-        let bytes = fs::read(path).map_err(|e| DatasetError::io(path, "cannot read", e))?;
-        let text = check_text(&bytes).map_err(bad)?;
+        let (name, text) = read_text(path)?;
         let kept: String = text
             .chars()
             .filter(|c| tokenizer.id(*c).is_some())
             .collect();
         let dropped = text.chars().count() - kept.chars().count();
-        let mut data = split_text(&kept, &name, train_fraction).map_err(bad)?;
-        let encode = |ids: &[u32]| {
-            let part = data.tokenizer.decode(ids);
-            tokenizer
-                .encode(&part)
-                .expect("only the vocabulary's characters were kept")
-        };
-        data.train = encode(&data.train);
-        data.val = encode(&data.val);
-        data.tokenizer = tokenizer;
+        let data = split_with(&kept, tokenizer, &name, train_fraction)
+            .map_err(|r| bad_text(path, &name, r))?;
         Ok((data, dropped))
     }
 
@@ -371,15 +343,24 @@ fn min_split_len(fraction: f64) -> usize {
 
 /// Builds the tokenizer and both parts of a text; errors are reasons without a location.
 fn split_text(text: &str, name: &str, fraction: f64) -> Result<TextData, String> {
+    split_with(text, CharTokenizer::from_text(text), name, fraction)
+}
+
+/// [`split_text`] with `tokenizer`, whose vocabulary holds every character of `text`.
+fn split_with(
+    text: &str,
+    tokenizer: CharTokenizer,
+    name: &str,
+    fraction: f64,
+) -> Result<TextData, String> {
     if !(fraction > 0.0 && fraction < 1.0) {
         return Err(format!(
             "train fraction {fraction} must lie strictly between 0 and 1"
         ));
     }
-    let tokenizer = CharTokenizer::from_text(text);
     let mut train = tokenizer
         .encode(text)
-        .expect("every character of a text is in the vocabulary built from it");
+        .expect("the vocabulary holds every character of the text");
     let len = train.len();
     let cut = train_len(len, fraction);
     if cut < MIN_PART || len - cut < MIN_PART {
@@ -395,6 +376,28 @@ fn split_text(text: &str, name: &str, fraction: f64) -> Result<TextData, String>
         val,
         name: name.to_string(),
     })
+}
+
+/// A text file's name (its stem) and its text, checked to be non-empty UTF-8; errors name
+/// the file.
+fn read_text(path: &Path) -> Result<(String, String), DatasetError> {
+    let name = path.file_stem().map_or_else(
+        || path.display().to_string(),
+        |stem| stem.to_string_lossy().into_owned(),
+    );
+    let bytes = fs::read(path).map_err(|e| DatasetError::io(path, "cannot read", e))?;
+    check_text(&bytes).map_err(|r| bad_text(path, &name, r))?;
+    let text = String::from_utf8(bytes).expect("checked as UTF-8 above");
+    Ok((name, text))
+}
+
+/// The error of a text file that cannot be used, and why.
+fn bad_text(path: &Path, name: &str, reason: String) -> DatasetError {
+    DatasetError::BadText {
+        path: Some(path.to_path_buf()),
+        name: name.to_string(),
+        reason,
+    }
 }
 
 /// Checks that `bytes` are non-empty UTF-8 and returns them as text.

@@ -110,62 +110,6 @@ pub fn replace_floats<M: Module>(
     module.map(&mut r)
 }
 
-/// The frozen parameters of `module` (not trained and not buffers: `[finetune]`'s, LoRA's
-/// bases), flattened in module order.
-pub fn frozen_floats<M: Module>(module: &M) -> Vec<f32> {
-    struct Collect(HashSet<ParamId>, Vec<f32>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if !param.is_require_grad() && !self.0.contains(&param.id) {
-                self.1.extend(host_f32(param.val()));
-            }
-        }
-    }
-    let mut c = Collect(running_state_ids(module), Vec::new());
-    module.visit(&mut c);
-    c.1
-}
-
-/// `module` with its frozen parameters (see [`frozen_floats`]) replaced by `values` in
-/// `dtype`, on `device` (without autodiff: they take no gradient).
-pub fn replace_frozen<M: Module>(
-    module: M,
-    values: &[f32],
-    dtype: FloatDType,
-    device: &Device,
-) -> M {
-    struct Replace<'a> {
-        running: HashSet<ParamId>,
-        values: &'a [f32],
-        offset: usize,
-        dtype: FloatDType,
-        device: Device,
-    }
-    impl ModuleMapper for Replace<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            if param.is_require_grad() || self.running.contains(&param.id) {
-                return param;
-            }
-            let shape = param.shape();
-            let n = shape.num_elements();
-            let slice = self.values[self.offset..self.offset + n].to_vec();
-            self.offset += n;
-            let t = Tensor::<D>::from_data(TensorData::new(slice, shape), &self.device)
-                .cast(self.dtype);
-            param.map(|_| t)
-        }
-    }
-    let running = running_state_ids(&module);
-    let mut r = Replace {
-        running,
-        values,
-        offset: 0,
-        dtype,
-        device: device.clone().without_autodiff(),
-    };
-    module.map(&mut r)
-}
-
 /// Bytes of the frozen parameters `module` holds (a released one, a placeholder, counts one
 /// element).
 pub fn frozen_bytes<M: Module>(module: &M) -> usize {

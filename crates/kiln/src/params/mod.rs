@@ -16,8 +16,7 @@ mod units;
 
 pub use floats::{
     buffers_with_ids, collect_floats, dtype_bytes, float_dtype, float_tensors, frozen_bytes,
-    frozen_floats, frozen_with_ids, has_buffers, host_f32, param_tensor, parameter_values,
-    replace_floats, replace_frozen, running_state_ids, set_frozen, sync_running_state,
-    trainable_ids,
+    frozen_with_ids, has_buffers, host_f32, param_tensor, parameter_values, replace_floats,
+    running_state_ids, set_frozen, sync_running_state, trainable_ids,
 };
 pub use layout::{Entry, FlatLayout, Unit, trainable_params};

@@ -44,7 +44,6 @@ pub(super) fn print_table<W: Workload>(
     info: &RunInfo,
     facts: &ModelFacts,
 ) {
-    let tuned = w;
     // Counted as frozen only where [finetune] froze them (a model's buffers are not weights).
     let frozen = if config.finetune.is_default() {
         0
@@ -128,7 +127,7 @@ pub(super) fn print_table<W: Workload>(
         rows.push(("cpu cores".into(), words.clone()));
     }
     rows.extend(lr_rows(s, &facts.groups));
-    let (trainable, total) = tuned.counts;
+    let (trainable, total) = w.counts;
     rows.push((
         "model".into(),
         if trainable == total {
@@ -141,7 +140,7 @@ pub(super) fn print_table<W: Workload>(
             )
         },
     ));
-    if let Some(loaded) = &tuned.loaded {
+    if let Some(loaded) = &w.loaded {
         rows.push(("init".into(), loaded.describe()));
     }
     if let Some(words) = tune_line(config) {

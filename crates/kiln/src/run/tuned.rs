@@ -56,11 +56,6 @@ impl<'a, W: Workload> Tuned<'a, W> {
             counts,
         })
     }
-
-    /// Whether anything differs from the plain workload.
-    pub fn changes_model(&self) -> bool {
-        self.start.is_some() || !self.tune.is_default()
-    }
 }
 
 impl<W: Workload> Workload for Tuned<'_, W> {

@@ -344,10 +344,15 @@ impl<'a> Core<'a> {
         Ok(self.layout.assemble(&shards))
     }
 
+    /// `values` as a flat tensor on the rank's inner device (where the optimizer steps).
+    pub fn on_inner(&self, values: Vec<f32>) -> Tensor<1> {
+        let n = values.len();
+        Tensor::<1>::from_data(TensorData::new(values, [n]), &self.inner)
+    }
+
     /// `model` with every unit's parameters from the canonical vector `values` (on the host).
     pub fn load_canonical<M: Module>(&self, model: M, values: Vec<f32>) -> M {
-        let n = values.len();
-        let flat = Tensor::<1>::from_data(TensorData::new(values, [n]), &self.inner);
+        let flat = self.on_inner(values);
         self.load_flat(model, flat)
     }
 

@@ -53,11 +53,7 @@ impl FrozenShard {
     fn all_gathered(&self, u: usize, core: &mut Core) -> Result<Tensor<1>> {
         let mine = &self.pieces[u];
         let all = core.timed(|c| c.all_gather(mine))?;
-        let n = all.len();
-        Ok(Tensor::<1>::from_data(
-            TensorData::new(all, [n]),
-            &core.inner,
-        ))
+        Ok(core.on_inner(all))
     }
 
     /// This rank's piece of unit `u`, when the unit is to be gathered (not loaded yet, not
@@ -76,8 +72,7 @@ impl FrozenShard {
         dtype: FloatDType,
         core: &mut Core,
     ) -> M {
-        let n = all.len();
-        let flat = Tensor::<1>::from_data(TensorData::new(all, [n]), &core.inner);
+        let flat = core.on_inner(all);
         let model = self.layout.load_unit(model, u, flat, dtype, &core.device);
         self.gathered[u] = true;
         self.now += self.layout.units[u].len * dtype_bytes(dtype);

@@ -252,13 +252,7 @@ fn my_piece(core: &Core, params: &Tensor<1>, u: usize) -> Vec<f32> {
 fn all_gathered(core: &mut Core, params: &Tensor<1>, u: usize) -> Result<Tensor<1>> {
     let mine = my_piece(core, params, u);
     let all = core.timed(|c| c.all_gather(&mine))?;
-    Ok(on_inner(core, all))
-}
-
-/// `values` as a flat tensor on the rank's inner device (where the optimizer steps).
-fn on_inner(core: &Core, values: Vec<f32>) -> Tensor<1> {
-    let n = values.len();
-    Tensor::<1>::from_data(TensorData::new(values, [n]), &core.inner)
+    Ok(core.on_inner(all))
 }
 
 /// The units a micro-step's walk over `n` blocks gathers, in order: every block for its
@@ -344,7 +338,7 @@ impl Units<'_, '_> {
             let all = self.courier().wait(ticket)?;
             self.count_fetched(v, false);
             if v == u {
-                return Ok(on_inner(self.scatter.core, all));
+                return Ok(self.scatter.core.on_inner(all));
             }
             // Every rank's walk is the same, so every rank fetched the same unit in vain.
         }
@@ -352,7 +346,7 @@ impl Units<'_, '_> {
         let courier = self.courier();
         let ticket = courier.send(Job::Gather(mine));
         let all = courier.wait(ticket)?;
-        Ok(on_inner(self.scatter.core, all))
+        Ok(self.scatter.core.on_inner(all))
     }
 
     /// Hands the all-gather of the next unit the walk gathers to the communication thread.

@@ -86,11 +86,10 @@ impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
             .enumerate()
             .flat_map(|(b, ids)| ids.iter().map(move |id| (*id, b)))
             .collect();
-        let stage_of = |b: usize| (0..stages).find(|&s| b < cuts[s + 1]).unwrap_or(stages - 1);
         let frozen: Vec<(ParamId, Vec<usize>, usize)> = frozen_with_ids(&model)
             .into_iter()
             .map(|(id, shape, _)| {
-                let owner = block_of.get(&id).map_or(0, |&b| stage_of(b));
+                let owner = block_of.get(&id).map_or(0, |&b| stage_of(&cuts, b));
                 (id, shape, owner)
             })
             .collect();
@@ -157,13 +156,18 @@ impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
 
     /// The stage that runs block `b`.
     pub(super) fn stage_of_block(&self, b: usize) -> usize {
-        (0..self.stages)
-            .find(|&s| self.cuts[s] <= b && b < self.cuts[s + 1])
-            .expect("every block has a stage")
+        stage_of(&self.cuts, b)
     }
 
     /// Where unit `u` of the full layout starts in a canonical vector.
     pub(super) fn canonical_offset(&self, u: usize) -> usize {
         self.full.units[..u].iter().map(|x| x.len).sum()
     }
+}
+
+/// The stage whose blocks `cuts[s]..cuts[s + 1]` hold block `b`.
+fn stage_of(cuts: &[usize], b: usize) -> usize {
+    (0..cuts.len() - 1)
+        .find(|&s| cuts[s] <= b && b < cuts[s + 1])
+        .expect("every block has a stage")
 }
