@@ -18,6 +18,7 @@ mod monitor;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod pipeline;
+mod plan;
 mod policies;
 mod robust;
 mod training;

@@ -15,6 +15,7 @@ mod bench_data;
 mod bench_links;
 mod bench_mpi;
 mod bench_pipeline;
+mod bench_plan;
 mod bench_policies;
 mod bench_zero;
 mod setup_cuda;
@@ -37,6 +38,10 @@ commands:
   ci                                    cargo fmt --check, clippy -D warnings, then tests
   bench ddp [ARGS]                      kiln DDP vs one device vs burn-train MultiDevice
                                         (ARGS go to the bench binary: --steps, --batch, ...)
+  bench plan [--steps N] [--only TEXT]
+                                        the planner's predicted peak RSS and step time against
+                                        the measured ones on a grid of 23 runs (GPT, ConvNet;
+                                        ddp, zero1-3, pipeline; 1, 2, 4 devices; mpirun -np 2)
   bench policies [--steps N] [--rounds N] [--config FILE] [--set KEY=VALUE ...]
                                         peak memory and step time per recompute and precision
                                         policy (default: configs/gpt-text.toml, 40 steps)
@@ -113,6 +118,7 @@ enum Task {
     BenchLinks(bench_links::Options),
     BenchPipeline(bench_pipeline::Options),
     BenchMpi(bench_mpi::Options),
+    BenchPlan(bench_plan::Options),
     BenchMonitor(MonitorBench),
     Plot { args: Vec<String> },
     Tidy { layers: bool },
@@ -224,6 +230,7 @@ fn main() -> ExitCode {
         Task::BenchLinks(o) => workspace_root().and_then(|root| bench_links::run(&root, &o)),
         Task::BenchPipeline(o) => workspace_root().and_then(|root| bench_pipeline::run(&root, &o)),
         Task::BenchMpi(o) => workspace_root().and_then(|root| bench_mpi::run(&root, &o)),
+        Task::BenchPlan(o) => workspace_root().and_then(|root| bench_plan::run(&root, &o)),
         Task::BenchMonitor(b) => workspace_root().and_then(|root| bench_monitor(&root, &b)),
         Task::Plot { args } => workspace_root().and_then(|root| run_train(&root, &args)),
         Task::SetupCuda => workspace_root().and_then(|root| setup_cuda::run(&root)),
@@ -260,10 +267,11 @@ fn parse_args(args: &[String]) -> Result<Task> {
         ["bench", "links", rest @ ..] => bench_links::parse(rest).map(Task::BenchLinks),
         ["bench", "pipeline", rest @ ..] => bench_pipeline::parse(rest).map(Task::BenchPipeline),
         ["bench", "mpi", rest @ ..] => bench_mpi::parse(rest).map(Task::BenchMpi),
+        ["bench", "plan", rest @ ..] => bench_plan::parse(rest).map(Task::BenchPlan),
         ["bench", "monitor", rest @ ..] => MonitorBench::parse(rest).map(Task::BenchMonitor),
         ["bench", ..] => Err(
-            "bench needs a benchmark: cpu, ddp, data, links, monitor, mpi, pipeline, policies or \
-             zero"
+            "bench needs a benchmark: cpu, ddp, data, links, monitor, mpi, pipeline, plan, \
+             policies or zero"
                 .into(),
         ),
         ["plot", rest @ ..] if !rest.is_empty() => Ok(Task::Plot {

@@ -24,7 +24,7 @@ use clap::{CommandFactory, FromArgMatches};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::cli::{EvalArgs, Flags, FlightArgs, PlotArgs};
+use crate::cli::{EvalArgs, Flags, FlightArgs, PlanArgs, PlotArgs};
 use crate::config::{LoaderConfig, Origin, RootConfig, one_line, read_source, refusal};
 use crate::error::{Error, Result};
 use crate::run::{RunInfo, RunOptions, RunResult, train_workload};
@@ -226,6 +226,10 @@ pub enum AppCommand {
     /// Evaluate a model on the config's validation set without training: a run (`--run
     /// RUN_DIR`, its exported model) or the config's `init.from`, on the configured devices.
     Eval(EvalArgs),
+    /// Predict, before a run, each strategy × precision × recompute × micro-batch's memory
+    /// per device and process and its step time, on these devices; the fastest that fits
+    /// first, with its flags.
+    Plan(PlanArgs),
     /// Run training and start it again after a failure, on the hosts that answer, with the
     /// same samples per step (`train launch --run-dir DIR [--hosts ...] -- TRAIN_ARGS`).
     Launch(crate::launcher::LaunchArgs),
@@ -480,6 +484,15 @@ impl<'a> App<'a> {
                     let flags = eval.flags()?;
                     let (config, mut options) = self.resolve_checked::<M, D>(&flags, &check)?;
                     options.evaluate = true;
+                    train(&config, &options).map(Some)
+                });
+            }
+            Some(AppCommand::Plan(plan)) => {
+                return crate::cli::run_training(|| {
+                    let (config, mut options) =
+                        self.resolve_checked::<M, D>(&plan.flags, &check)?;
+                    options.plan = Some(plan.json);
+                    options.verbose = false;
                     train(&config, &options).map(Some)
                 });
             }

@@ -136,6 +136,17 @@ impl EvalArgs {
     }
 }
 
+/// `train plan`: the config and devices as for training.
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    /// Print the plan as JSON (every candidate's prediction and what was measured).
+    #[arg(long)]
+    pub json: bool,
+    /// The config and devices, as for training.
+    #[command(flatten)]
+    pub flags: Flags,
+}
+
 /// `train flight` and `train checkpoints`: a run directory.
 #[derive(Debug, clap::Args)]
 pub struct FlightArgs {

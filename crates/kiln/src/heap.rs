@@ -86,3 +86,12 @@ pub fn peak() -> Option<usize> {
 pub fn reset_peak() {
     PEAK.store(LIVE.load(Relaxed).max(1), Relaxed);
 }
+
+/// Hands the pages mimalloc keeps after frees back to the system, so that the resident set
+/// holds what is live (and the code, stacks and data outside the heap): the planner measures
+/// what a step adds from there. Only the calling thread's heap and the abandoned ones are
+/// collected; call it while no other thread allocates much.
+pub fn release_free() {
+    // SAFETY: `mi_collect` takes no pointer and may be called from any thread at any time.
+    unsafe { libmimalloc_sys::mi_collect(true) };
+}

@@ -45,6 +45,7 @@ pub mod monitor;
 pub mod optim;
 pub mod panics;
 pub mod params;
+pub mod plan;
 pub mod plot;
 pub mod precision;
 pub mod run;

@@ -217,6 +217,22 @@ pub struct Summary {
     /// reports a pool (not on the CPU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool_peak_bytes_per_rank: Option<Vec<u64>>,
+    /// What the planner predicted for this run's settings before it started, beside the
+    /// measured `peak_rss_mib` and `step_seconds`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<PlanRecord>,
+}
+
+/// The planner's figures for a run's own settings, kept in its `summary.json` beside what
+/// happened.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PlanRecord {
+    /// Predicted peak resident memory of the process, in MiB (on a GPU, its devices' sum).
+    pub peak_rss_mib: f64,
+    /// Predicted peak bytes of one device, in MiB.
+    pub peak_device_mib: f64,
+    /// Predicted seconds per optimizer step.
+    pub step_seconds: f64,
 }
 
 /// Progress display: on a terminal a bar with ETA and the latest numbers, with a second line

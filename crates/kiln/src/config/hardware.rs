@@ -57,6 +57,14 @@ pub struct HardwareConfig {
     /// offers the process.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_cores: Option<usize>,
+    /// The memory a run may take, in MiB: per device on a GPU, per process on the CPU (where
+    /// the devices share the process's memory). A launch whose plan needs more is refused at
+    /// start, naming the nearest plan that fits; `--strategy auto` picks among the plans
+    /// that fit. Default: on the CPU the memory available to the process; on a GPU no limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_limit_mib: Option<f64>,
+    /// Run even when the plan needs more than `memory_limit_mib`. Default `false`.
+    pub memory_limit_force: bool,
 }
 
 impl HardwareConfig {
@@ -103,6 +111,8 @@ impl Default for HardwareConfig {
             devices: DeviceList::Count(1),
             cpu_split: CpuSplit::Auto,
             cpu_cores: None,
+            memory_limit_mib: None,
+            memory_limit_force: false,
         }
     }
 }
@@ -124,6 +134,14 @@ impl HardwareConfig {
             return bad(
                 "hardware.devices",
                 format!("lists a device twice: {devices:?}"),
+            );
+        }
+        if let Some(limit) = self.memory_limit_mib
+            && !(limit.is_finite() && limit > 0.0)
+        {
+            return bad(
+                "hardware.memory_limit_mib",
+                format!("must be a number of MiB > 0 (or left unset), got {limit}"),
             );
         }
         if self.cpu_cores == Some(0) {

@@ -17,6 +17,8 @@ pub struct RunOptions {
     /// Evaluate the starting model on the validation set instead of training (`train eval`):
     /// nothing is written.
     pub evaluate: bool,
+    /// Print the plan instead of training (`train plan`): `Some(true)` as JSON.
+    pub plan: Option<bool>,
 }
 
 /// What a finished run left behind.
@@ -26,7 +28,8 @@ pub struct RunResult {
     pub dir: PathBuf,
     /// The summary also written to `summary.json`.
     pub summary: Summary,
-    /// An evaluation (`train eval`): no step was taken and nothing was written.
+    /// An evaluation (`train eval`) or a plan (`train plan`): no step was taken and nothing
+    /// was written.
     pub evaluated: bool,
 }
 

@@ -5,6 +5,7 @@
 mod devices;
 mod eval;
 mod info;
+mod planned;
 mod resume;
 mod table;
 mod train;

@@ -50,26 +50,44 @@ where
     };
     let tuned = Tuned::new(workload, &config.init, &tune, resuming, &devices[0])?;
     let workload = &tuned;
-
+    let processes = crate::comm::processes();
     // What the strategy refuses on this launch's ranks, and of this model, is refused before
     // anything is written: a refused run leaves no directory behind.
-    let processes = crate::comm::processes();
-    Setup::new(config, devices.len() * processes.count).check()?;
-    let cpu = accelerator.starts_with("cpu");
-    let mut settings =
-        TrainerSettings::from_config(config, devices.clone(), accelerator, config.run_dir());
-    // What the launcher needs to know of the model (the core split, the start-up table).
-    let probe = kiln_models::with_rng(|| {
-        kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
-    });
-    let facts = ModelFacts::of::<W::Batch, _>(&probe);
-    drop(probe);
-    // A CPU device runs as per-core sub-replicas where they fit the strategy and the model.
-    let split = CoreSplit::plan(config, devices.len(), cpu, processes.count, &facts);
-    split.apply(&mut settings, &facts);
-    settings.drop_last = info.drop_last || workload.drop_last();
-    settings.output.resume_from = options.resume_from.clone();
-    let checked = crate::trainer::check(workload, &settings)?;
+    let drop_last = info.drop_last || workload.drop_last();
+    let resume_from = options.resume_from.clone();
+    let ready = |config: &RootConfig| {
+        prepare(
+            workload,
+            config,
+            &devices,
+            &accelerator,
+            drop_last,
+            resume_from.clone(),
+        )
+    };
+    let (mut settings, mut facts, mut checked) = ready(config)?;
+    if let Some(json) = options.plan {
+        let draws = checked.draws();
+        return super::planned::print(workload, config, &devices, &accelerator, draws, json);
+    }
+    // `--strategy auto` on several ranks runs the fastest plan that fits (checked again as
+    // chosen); any other run keeps the plan of its settings, and is refused over its limit.
+    let mut config = std::borrow::Cow::Borrowed(config);
+    let mut info = info;
+    let draws = checked.draws();
+    let plan = if options.evaluate {
+        None
+    } else if let Some(choice) =
+        super::planned::auto(workload, &config, &devices, &accelerator, draws)?
+    {
+        info.rows.push(("plan".to_string(), choice.words));
+        config = std::borrow::Cow::Owned(choice.config);
+        (settings, facts, checked) = ready(&config)?;
+        Some(choice.record)
+    } else {
+        super::planned::own(workload, &config, &devices, &accelerator, draws)?
+    };
+    let config = config.as_ref();
     // A resume is checked against its checkpoint before anything in the run changes.
     let first = processes.index == 0;
     if let Some(checkpoint) = &options.resume_from {
@@ -77,19 +95,7 @@ where
         let (step, changed) =
             check_resume(config, &info, workload, checkpoint, samples, &devices[0])?;
         if options.verbose && first {
-            let changes = if changed.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "; settings changed from the run's config: {}",
-                    changed.join("; ")
-                )
-            };
-            say!(
-                "resuming {} from step {step} ({}){changes}",
-                config.run_dir().display(),
-                checkpoint.display()
-            );
+            say_resuming(config, checkpoint, step, &changed);
         }
     }
     if options.evaluate {
@@ -119,7 +125,8 @@ where
         );
     }
 
-    let (summary, model) = fit_checked(workload, &settings, checked)?;
+    let (mut summary, model) = fit_checked(workload, &settings, checked)?;
+    summary.plan = plan;
     if first {
         crate::weights::export(&run_dir, &model, &config.export)?;
         let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");
@@ -130,4 +137,55 @@ where
         summary,
         evaluated: false,
     })
+}
+
+/// The trainer's settings for `config` on `devices` (of `accelerator`), every refusal checked
+/// before anything is written, and what the launcher needs to know of the model (the core
+/// split, the start-up table).
+fn prepare<W: Workload>(
+    workload: &W,
+    config: &RootConfig,
+    devices: &[burn::prelude::Device],
+    accelerator: &str,
+    drop_last: bool,
+    resume_from: Option<PathBuf>,
+) -> Result<(TrainerSettings, ModelFacts, crate::trainer::Checked)> {
+    let processes = crate::comm::processes();
+    Setup::new(config, devices.len() * processes.count).check()?;
+    let cpu = accelerator.starts_with("cpu");
+    let mut settings = TrainerSettings::from_config(
+        config,
+        devices.to_vec(),
+        accelerator.to_string(),
+        config.run_dir(),
+    );
+    let probe = kiln_models::with_rng(|| {
+        kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
+    });
+    let facts = ModelFacts::of::<W::Batch, _>(&probe);
+    drop(probe);
+    // A CPU device runs as per-core sub-replicas where they fit the strategy and the model.
+    let split = CoreSplit::plan(config, devices.len(), cpu, processes.count, &facts);
+    split.apply(&mut settings, &facts);
+    settings.drop_last = drop_last;
+    settings.output.resume_from = resume_from;
+    let checked = crate::trainer::check(workload, &settings)?;
+    Ok((settings, facts, checked))
+}
+
+/// The line a resumed run starts with: from which checkpoint, and the settings that changed.
+fn say_resuming(config: &RootConfig, checkpoint: &Path, step: usize, changed: &[String]) {
+    let changes = if changed.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; settings changed from the run's config: {}",
+            changed.join("; ")
+        )
+    };
+    say!(
+        "resuming {} from step {step} ({}){changes}",
+        config.run_dir().display(),
+        checkpoint.display()
+    );
 }

@@ -78,6 +78,7 @@ impl<W: Workload> Worker<'_, W> {
                 .map(|m| (m[4] != u64::MAX).then_some(m[4]))
                 .collect(),
             frozen_bytes_per_rank: per_rank(5),
+            plan: None,
             processes: s.parallel.processes.count,
             stopped_by: ran.stopped_by,
             stopped_early: ran.stopped_early,

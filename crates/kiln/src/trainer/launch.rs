@@ -90,6 +90,9 @@ pub fn fit_checked<W: Workload>(
         say!("{notice}");
     }
     let comms = world_group(p.devices.len())?;
+    // What the start-up freed on this thread (the probe's model, rank 0's weights read) goes
+    // back to the system before the ranks start.
+    crate::heap::release_free();
     run_all(
         workload,
         settings,
@@ -112,6 +115,12 @@ impl Checked {
     /// Samples per optimizer step over all data-parallel ranks.
     pub fn samples_per_step(&self) -> usize {
         self.sampler.samples_per_step()
+    }
+
+    /// Whether the model draws random numbers in a training forward (its forwards are then
+    /// seeded, one at a time).
+    pub fn draws(&self) -> bool {
+        self.draws
     }
 }
 
@@ -138,4 +147,17 @@ pub fn check<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<Ch
     checks::check_model::<W::Batch, _>(&model, settings, &setup)?;
     let draws = start::probe(workload, settings, &setup)?;
     Ok(Checked { sampler, draws })
+}
+
+/// What [`check`] refuses of `settings` for `model` (one of `workload`'s), without the
+/// devices' checks and the start-up probe: the planner weighs its candidates with it.
+pub fn refusal<W: Workload>(
+    workload: &W,
+    model: &W::Model,
+    settings: &TrainerSettings,
+) -> Result<()> {
+    let setup = settings.setup();
+    setup.check()?;
+    sampler(workload.train_len(), settings)?;
+    checks::check_model::<W::Batch, _>(model, settings, &setup)
 }

@@ -27,7 +27,7 @@ mod workload;
 
 pub use faults::{ATTEMPT_VAR, FAULT_ATTEMPTS_VAR, FAULT_VAR};
 pub use finish::median;
-pub use launch::{Checked, check, fit, fit_checked, sampler, total_steps};
+pub use launch::{Checked, check, fit, fit_checked, refusal, sampler, total_steps};
 pub use settings::{OutputSettings, ParallelSettings, TrainerSettings};
 pub(crate) use start::same_samples_per_step;
 pub use workload::{Event, EventKind, Workload};

@@ -131,6 +131,9 @@ impl<W: Workload> Worker<'_, W> {
         scope: &'scope std::thread::Scope<'scope, '_>,
     ) -> Result<Outcome<W::Model>> {
         let mut strategy = self.strategy(start)?;
+        // What building the strategy freed goes back to the system before the steps: the
+        // resident memory the steps grow from is what the planner counted from.
+        crate::heap::release_free();
         let strategy = strategy.as_mut();
         let state = start.state.clone();
         let plan = Plan::new(

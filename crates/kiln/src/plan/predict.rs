@@ -1,0 +1,333 @@
+//! A candidate's prediction: its ranks as the launcher would lay them out (the core split
+//! included), each rank's bytes — the strategy's estimate of its parameters, gradients and
+//! optimizer state, and the probe's measured step bytes at its micro-batch — the process's
+//! resident memory, and the step's seconds: the probe's compute, the optimizer's cost per
+//! element, each collective measured, and the overlap the strategy has.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::candidates::Candidate;
+use super::links::Links;
+use super::probe::Point;
+use crate::config::{PipelineSchedule, RootConfig, StrategyKind, name_of};
+use crate::cores::CoreSplit;
+use crate::error::Result;
+use crate::strategy::ModelFacts;
+use crate::trainer::TrainerSettings;
+
+/// Two probe points of one precision and recompute mode, read as straight lines in the
+/// micro-batch.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Fit {
+    /// The smaller micro-batch's point.
+    pub lo: Point,
+    /// The larger micro-batch's point.
+    pub hi: Point,
+}
+
+impl Fit {
+    /// `f` at micro-batch `b`: the line through the two points (a constant from one point).
+    fn at(&self, b: usize, f: fn(&Point) -> f64) -> f64 {
+        let (x0, x1) = (self.lo.batch as f64, self.hi.batch as f64);
+        let (y0, y1) = (f(&self.lo), f(&self.hi));
+        if x1 <= x0 {
+            // One point: proportional to the batch.
+            return y1 * b as f64 / x1.max(1.0);
+        }
+        let slope = ((y1 - y0) / (x1 - x0)).max(0.0);
+        (y1 + slope * (b as f64 - x1)).max(0.0)
+    }
+}
+
+/// What the planner measured before it predicts.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Measured {
+    /// Heap bytes live in the process before any rank is built (data, the workload).
+    pub base_heap: f64,
+    /// Resident bytes of the process beyond its heap then (code, stacks, kept pages).
+    pub base_outside_heap: f64,
+    /// Whether the devices are the CPU's (memory is the process's resident set).
+    pub cpu: bool,
+    /// The machine's cores.
+    pub cores: usize,
+    /// Threads the probe ran at once.
+    pub probe_threads: usize,
+    /// Probe lines by `precision/recompute`.
+    pub fits: BTreeMap<String, Fit>,
+    /// The collectives on the run's ranks.
+    pub links: Links,
+}
+
+/// The key of a candidate's probe: the strategy its ranks run (a pipeline with its stage
+/// count), its precision and its recompute mode.
+pub(crate) fn fit_key(s: &TrainerSettings) -> String {
+    let p = &s.parallel;
+    // zero1's forward, backward and buffers are ddp's (its shard is in the estimate), as are
+    // DiLoCo's inner steps.
+    let kind = match p.strategy {
+        StrategyKind::Pipeline => format!("pipeline-{}", p.pipeline.stages),
+        StrategyKind::Zero1 | StrategyKind::Diloco => "ddp".to_string(),
+        k => name_of(&k),
+    };
+    format!(
+        "{kind}/{}/{}",
+        name_of(&s.precision.mode),
+        name_of(&s.recompute.mode)
+    )
+}
+
+/// What the planner predicts of one candidate.
+#[derive(Debug, Clone, Serialize)]
+pub struct Prediction {
+    /// Strategy words (a pipeline's stages × micro-batches and schedule).
+    pub strategy: String,
+    /// Precision.
+    pub precision: String,
+    /// Recompute mode.
+    pub recompute: String,
+    /// Samples per micro-batch per device.
+    pub batch_size: usize,
+    /// Accumulation steps.
+    pub accumulate: usize,
+    /// Ranks in this process (devices × per-core sub-replicas).
+    pub ranks: usize,
+    /// Bytes per rank: parameters (with the compute copy and gathered units).
+    pub params_bytes: f64,
+    /// Bytes per rank: gradients.
+    pub grads_bytes: f64,
+    /// Bytes per rank: optimizer state.
+    pub optim_bytes: f64,
+    /// Bytes per rank at the step's peak beyond those: activations and the step's temporaries
+    /// (measured by the probe).
+    pub activation_bytes: f64,
+    /// Peak bytes per device (a CPU device: its ranks together).
+    pub device_bytes: f64,
+    /// Peak resident bytes of the process (on a GPU: its host memory is not planned; the
+    /// devices' sum).
+    pub process_bytes: f64,
+    /// Seconds per optimizer step.
+    pub step_seconds: f64,
+    /// Seconds of it in compute (forward, backward and building batches).
+    pub compute_seconds: f64,
+    /// Seconds of it in the optimizer step.
+    pub update_seconds: f64,
+    /// Seconds of it in collectives not hidden behind compute.
+    pub comm_seconds: f64,
+    /// Samples per second.
+    pub samples_per_sec: f64,
+    /// The flags that run it from the config given.
+    pub flags: Vec<String>,
+    /// Whether it is the config as given (a strategy named, not `auto`).
+    pub own: bool,
+    /// The config that runs it.
+    #[serde(skip)]
+    pub config: RootConfig,
+}
+
+/// Predicts `candidate` with `measured`; `settings` are the trainer's for its config, the core
+/// split applied; `samples` per step.
+pub(crate) fn predict(
+    candidate: &Candidate,
+    base: &RootConfig,
+    settings: &TrainerSettings,
+    facts: &ModelFacts,
+    measured: &Measured,
+    samples: usize,
+) -> Result<Prediction> {
+    let c = &candidate.config;
+    let setup = settings.setup();
+    let estimate = setup.estimate(&facts.layout, &settings.optim)?;
+    let fit = measured
+        .fits
+        .get(&fit_key(settings))
+        .expect("every candidate's precision and recompute mode was probed");
+    let b = settings.train.batch_size;
+    let ranks = settings.parallel.devices.len();
+    let (stages, flush) = (setup.stages(), setup.flush());
+    let pipeline = setup.kind == StrategyKind::Pipeline;
+    // Bytes: a pipeline stage holds its share of a micro-batch's activations for every
+    // micro-batch in flight (all of a flush under GPipe, at most its stage count under 1F1B).
+    let step_bytes = fit.at(b, |p| p.step_bytes);
+    let activation = if pipeline {
+        let in_flight = match setup.pipeline.schedule {
+            PipelineSchedule::Gpipe => flush,
+            PipelineSchedule::OneFOneB => flush.min(stages),
+        };
+        // Probed with as many micro-batches as stages under 1F1B: all of them in flight.
+        step_bytes * in_flight as f64 / stages as f64
+    } else {
+        step_bytes
+    };
+    let held = (estimate.params + estimate.grads + estimate.optim) as f64;
+    let rank_bytes = held + activation;
+    let sub = settings.parallel.sub_replicas.max(1);
+    let device_bytes = rank_bytes * sub as f64;
+    // Pages the allocator keeps per rank: the larger of the two probes' (it does not follow
+    // the batch closely).
+    let extra = fit.hi.resident_extra.max(fit.lo.resident_extra);
+    let process_bytes = if measured.cpu {
+        measured.base_outside_heap + measured.base_heap + ranks as f64 * (rank_bytes + extra)
+    } else {
+        device_bytes * (ranks / sub) as f64
+    };
+
+    // Seconds. The probe ran `probe_threads` ranks at once; on the CPU more ranks than cores
+    // share them.
+    let contention = if measured.cpu {
+        let c = measured.cores.max(1) as f64;
+        (ranks as f64 / c).max(1.0) / (measured.probe_threads as f64 / c).max(1.0)
+    } else {
+        1.0
+    };
+    // A pipeline stage's waits for its neighbours are its schedule's bubbles: they count.
+    let waits = if pipeline {
+        fit.at(b, |p| p.inside_sync_s)
+    } else {
+        0.0
+    };
+    let micro = (fit.at(b, |p| p.compute_s) + fit.at(b, |p| p.data_s) + waits) * contention;
+    let micros = settings.micro_batches();
+    let compute = if pipeline {
+        // The probe's flush ran `stages` micro-batches through the stages; a flush of `flush`
+        // takes `flush + stages - 1` slots where that one took `2 stages - 1`.
+        let accumulate = micros / flush;
+        let slots = (flush + stages - 1) as f64 / (2 * stages - 1) as f64;
+        accumulate as f64 * slots * micro
+    } else {
+        micros as f64 * micro
+    };
+    let total = facts.layout.total();
+    // The optimizer step does not depend on the batch: the less disturbed of the two.
+    let update = fit.lo.update_s.min(fit.hi.update_s) * contention;
+    let comm = comm_seconds(setup.kind, &measured.links, total, micros, stages);
+    let hidden = if setup.overlap {
+        comm.min(compute * 2.0 / 3.0)
+    } else {
+        0.0
+    };
+    let step = compute + update + comm - hidden;
+    Ok(Prediction {
+        strategy: candidate.strategy_words(),
+        precision: name_of(&c.precision.mode),
+        recompute: name_of(&c.recompute.mode),
+        batch_size: c.train.batch_size,
+        accumulate: c.train.accumulate,
+        ranks,
+        params_bytes: estimate.params as f64,
+        grads_bytes: estimate.grads as f64,
+        optim_bytes: estimate.optim as f64,
+        activation_bytes: activation,
+        device_bytes,
+        process_bytes,
+        step_seconds: step,
+        compute_seconds: compute,
+        update_seconds: update,
+        comm_seconds: comm - hidden,
+        samples_per_sec: samples as f64 / step.max(1e-12),
+        flags: candidate.flags(base),
+        own: base.strategy.name != StrategyKind::Auto && candidate.flags(base).is_empty(),
+        config: c.clone(),
+    })
+}
+
+/// The collectives' seconds of one step of `kind` over `total` parameters.
+fn comm_seconds(kind: StrategyKind, l: &Links, total: usize, micros: usize, stages: usize) -> f64 {
+    if l.ranks < 2 {
+        return 0.0;
+    }
+    let m = micros as f64;
+    match kind {
+        StrategyKind::Single => 0.0,
+        StrategyKind::Ddp | StrategyKind::Diloco => l.all_reduce(total),
+        StrategyKind::Zero1 => l.all_reduce(total) + l.all_gather(total),
+        // The gradients reduce-scattered as each micro-batch's backward ends.
+        StrategyKind::Zero2 => m * l.reduce_scatter(total) + l.all_gather(total),
+        // Each micro-batch gathers every unit for its forward and again for its backward.
+        StrategyKind::Zero3 => m * (2.0 * l.all_gather(total) + l.reduce_scatter(total)),
+        // The replicas of each stage average its gradients.
+        StrategyKind::Pipeline if l.ranks > stages => l.all_reduce(total / stages),
+        StrategyKind::Pipeline | StrategyKind::Auto => 0.0,
+    }
+}
+
+/// The trainer's settings for `config` on `devices`, with the core split applied as the
+/// launcher applies it.
+pub(crate) fn settings_for(
+    config: &RootConfig,
+    devices: &[burn::prelude::Device],
+    accelerator: &str,
+    facts: &ModelFacts,
+) -> TrainerSettings {
+    let mut s = TrainerSettings::from_config(
+        config,
+        devices.to_vec(),
+        accelerator.to_string(),
+        config.run_dir(),
+    );
+    let processes = crate::comm::processes().count;
+    let cpu = accelerator.starts_with("cpu");
+    let split = CoreSplit::plan(config, devices.len(), cpu, processes, facts);
+    split.apply(&mut s, facts);
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(batch: usize, step_bytes: f64, compute_s: f64) -> Point {
+        Point {
+            batch,
+            step_bytes,
+            compute_s,
+            ..Point::default()
+        }
+    }
+
+    #[test]
+    fn a_fit_is_the_line_through_its_two_points() {
+        let fit = Fit {
+            lo: point(6, 100.0, 0.05),
+            hi: point(12, 160.0, 0.11),
+        };
+        assert!((fit.at(12, |p| p.step_bytes) - 160.0).abs() < 1e-9);
+        assert!((fit.at(3, |p| p.step_bytes) - 70.0).abs() < 1e-9);
+        assert!((fit.at(24, |p| p.compute_s) - 0.23).abs() < 1e-9);
+        // Never below zero, never falling with the batch.
+        let odd = Fit {
+            lo: point(6, 100.0, 0.05),
+            hi: point(12, 40.0, 0.01),
+        };
+        assert!((odd.at(3, |p| p.step_bytes) - 40.0).abs() < 1e-9);
+        // One point: proportional.
+        let one = Fit {
+            lo: point(4, 80.0, 0.04),
+            hi: point(4, 80.0, 0.04),
+        };
+        assert!((one.at(2, |p| p.step_bytes) - 40.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn collectives_per_strategy_follow_their_calls() {
+        let l = Links {
+            ranks: 2,
+            floats: 1000,
+            all_reduce_s: 2.0,
+            reduce_scatter_s: 1.0,
+            all_gather_s: 1.0,
+        };
+        let t = |k| comm_seconds(k, &l, 1000, 2, 2);
+        assert_eq!(t(StrategyKind::Single), 0.0);
+        assert_eq!(t(StrategyKind::Ddp), 2.0);
+        assert_eq!(t(StrategyKind::Zero1), 3.0);
+        assert_eq!(t(StrategyKind::Zero2), 3.0);
+        assert_eq!(t(StrategyKind::Zero3), 6.0);
+        assert_eq!(t(StrategyKind::Pipeline), 0.0);
+        assert_eq!(
+            comm_seconds(StrategyKind::Ddp, &Links::none(1000), 1000, 1, 1),
+            0.0
+        );
+    }
+}

@@ -1,0 +1,98 @@
+//! The planner in a run: `train plan` prints it, `--strategy auto` on several ranks runs its
+//! fastest plan that fits, and every run records its own plan and is refused when that plan
+//! needs more than its memory limit.
+
+use burn::prelude::*;
+
+use crate::config::RootConfig;
+use crate::error::Result;
+use crate::metrics::{PlanRecord, Summary};
+use crate::plan::{Choice, Scope, plan};
+use crate::trainer::Workload;
+
+use super::info::RunResult;
+
+/// `train plan`: every candidate's prediction, as a table or (`json`) as JSON, on process 0.
+pub(super) fn print<W: Workload>(
+    workload: &W,
+    config: &RootConfig,
+    devices: &[Device],
+    accelerator: &str,
+    draws: bool,
+    json: bool,
+) -> Result<RunResult> {
+    let all = plan(workload, config, devices, accelerator, Scope::All, draws)?;
+    if crate::comm::processes().index == 0 {
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&all).expect("a plan serialises")
+            );
+        } else {
+            let processes = crate::comm::processes().count;
+            let title = format!(
+                "{} device{} of {accelerator}{}",
+                devices.len(),
+                if devices.len() == 1 { "" } else { "s" },
+                if processes > 1 {
+                    format!(" × {processes} processes")
+                } else {
+                    String::new()
+                }
+            );
+            all.print(&title);
+        }
+    }
+    Ok(RunResult {
+        dir: config.run_dir(),
+        summary: Summary::default(),
+        evaluated: true,
+    })
+}
+
+/// Under `--strategy auto` on several ranks, the planner's fastest plan that fits (in the
+/// config's precision): its config, the start-up table's words and its prediction; `None`
+/// otherwise.
+pub(super) fn auto<W: Workload>(
+    workload: &W,
+    config: &RootConfig,
+    devices: &[Device],
+    accelerator: &str,
+    draws: bool,
+) -> Result<Option<Choice>> {
+    let world = devices.len() * crate::comm::processes().count;
+    if !crate::plan::is_auto(config) || world < 2 {
+        return Ok(None);
+    }
+    let all = plan(
+        workload,
+        config,
+        devices,
+        accelerator,
+        Scope::SamePrecision,
+        draws,
+    )?;
+    let buffers = {
+        let model = kiln_models::with_rng(|| workload.init_model(&devices[0].clone().autodiff()));
+        crate::params::has_buffers(&model)
+    };
+    all.choose(config, buffers).map(Some)
+}
+
+/// The plan of the config as it is, for its summary; refused when it needs more than the
+/// memory limit, naming the fastest plan that fits.
+pub(super) fn own<W: Workload>(
+    workload: &W,
+    config: &RootConfig,
+    devices: &[Device],
+    accelerator: &str,
+    draws: bool,
+) -> Result<Option<PlanRecord>> {
+    // The run's own devices: `devices` are the user's (the core split is the planner's).
+    let mine = plan(workload, config, devices, accelerator, Scope::Own, draws)?;
+    if mine.over_limit(config) {
+        let all = plan(workload, config, devices, accelerator, Scope::All, draws)?;
+        return Err(mine.refusal(config, &all));
+    }
+    Ok(mine.record())
+}
