@@ -125,7 +125,7 @@ fn the_start_up_table_says_how_a_device_uses_its_cores() {
             "one replica per device (hardware.cpu_split = \"off\"",
         ),
         (
-            vec!["--batch-size", "32", "--devices", "2"],
+            vec!["--batch-size", "32", "--devices", "2", "--strategy", "ddp"],
             "1 core per device",
         ),
         // `--devices N` shares the cores among the devices.
@@ -135,6 +135,8 @@ fn the_start_up_table_says_how_a_device_uses_its_cores() {
                 "32",
                 "--devices",
                 "2",
+                "--strategy",
+                "ddp",
                 "--set",
                 "hardware.cpu_cores=4",
             ],

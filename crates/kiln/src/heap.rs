@@ -82,9 +82,12 @@ pub fn peak() -> Option<usize> {
     (peak > 0).then_some(peak)
 }
 
-/// Starts a new peak from what is live now (for measuring one phase).
+/// Starts a new peak from what is live now (for measuring one phase); nothing in a program
+/// without kiln's allocator.
 pub fn reset_peak() {
-    PEAK.store(LIVE.load(Relaxed).max(1), Relaxed);
+    if PEAK.load(Relaxed) > 0 {
+        PEAK.store(LIVE.load(Relaxed).max(1), Relaxed);
+    }
 }
 
 /// Hands the pages mimalloc keeps after frees back to the system, so that the resident set

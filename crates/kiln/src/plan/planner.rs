@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use super::candidates::{Candidate, candidates};
 use super::links;
-use super::predict::{Fit, Measured, Prediction, fit_key, predict, settings_for};
+use super::predict::{Fit, Measured, Prediction, fit_key, predict, settings_for, unprobed};
 use super::probe::{ProbeSetup, probe, resident_bytes};
 use crate::config::{PrecisionMode, RootConfig, StrategyKind};
 use crate::error::Result;
@@ -111,6 +111,28 @@ pub fn plan<W: Workload>(
         }
     }
     drop(model);
+    // A candidate whose held state alone is over the limit is not probed (its probe would
+    // need that memory): it does not fit, by at least that much.
+    let (limit_bytes, limit_source) = limit(config, cpu);
+    let floor = if cpu {
+        base_heap + base_outside_heap
+    } else {
+        0.0
+    };
+    let mut unfit = Vec::new();
+    if let Some(limit) = limit_bytes {
+        let mut kept = Vec::with_capacity(allowed.len());
+        for (c, s) in allowed {
+            let p = unprobed(&c, config, &s, &facts, floor)?;
+            let need = if cpu { p.process_bytes } else { p.device_bytes };
+            if need * (1.0 + HEADROOM) > limit {
+                unfit.push(p);
+            } else {
+                kept.push((c, s));
+            }
+        }
+        allowed = kept;
+    }
     let cores = config.hardware.cores();
     let fits = probed(workload, &allowed, cpu.then_some(cores), draws)?;
     let links = links::measure(
@@ -126,14 +148,13 @@ pub fn plan<W: Workload>(
         fits,
         links,
     };
-    let (limit_bytes, limit_source) = limit(config, cpu);
     let mut plan = Plan {
         samples_per_step: samples,
         memory: if cpu { "process" } else { "device" }.to_string(),
         limit_bytes,
         limit_source,
         fitting: Vec::new(),
-        over: Vec::new(),
+        over: unfit,
         refused,
         measured,
         auto: None,
@@ -245,9 +266,11 @@ fn probed<W: Workload>(
 /// The memory limit in bytes and where it comes from: `hardware.memory_limit_mib`, or on the
 /// CPU the memory available to the process (what it holds now and what the system has free).
 fn limit(config: &RootConfig, cpu: bool) -> (Option<f64>, String) {
-    const MIB: f64 = 1024.0 * 1024.0;
     if let Some(mib) = config.hardware.memory_limit_mib {
-        return (Some(mib * MIB), "hardware.memory_limit_mib".to_string());
+        return (
+            Some(mib * 1024.0 * 1024.0),
+            "hardware.memory_limit_mib".to_string(),
+        );
     }
     if cpu && let Some(available) = available_bytes() {
         // Processes on one machine share what it has free (OpenMPI says how many there are).

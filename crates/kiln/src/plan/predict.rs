@@ -121,6 +121,9 @@ pub struct Prediction {
     pub flags: Vec<String>,
     /// Whether it is the config as given (a strategy named, not `auto`).
     pub own: bool,
+    /// Whether the probe measured it; `false` for a plan whose held state alone is over the
+    /// limit (its bytes are then that state's, a lower bound, and its times are not known).
+    pub probed: bool,
     /// The config that runs it.
     #[serde(skip)]
     pub config: RootConfig,
@@ -228,6 +231,46 @@ pub(crate) fn predict(
         samples_per_sec: samples as f64 / step.max(1e-12),
         flags: candidate.flags(base),
         own: base.strategy.name != StrategyKind::Auto && candidate.flags(base).is_empty(),
+        probed: true,
+        config: c.clone(),
+    })
+}
+
+/// A candidate not probed: what its strategy holds between steps (`held` bytes per rank;
+/// `floor`, the process's bytes before any rank) is already over the limit.
+pub(crate) fn unprobed(
+    candidate: &Candidate,
+    base: &RootConfig,
+    settings: &TrainerSettings,
+    facts: &ModelFacts,
+    floor: f64,
+) -> Result<Prediction> {
+    let c = &candidate.config;
+    let e = settings.setup().estimate(&facts.layout, &settings.optim)?;
+    let held = (e.params + e.grads + e.optim) as f64;
+    let ranks = settings.parallel.devices.len();
+    let sub = settings.parallel.sub_replicas.max(1);
+    Ok(Prediction {
+        strategy: candidate.strategy_words(),
+        precision: name_of(&c.precision.mode),
+        recompute: name_of(&c.recompute.mode),
+        batch_size: c.train.batch_size,
+        accumulate: c.train.accumulate,
+        ranks,
+        params_bytes: e.params as f64,
+        grads_bytes: e.grads as f64,
+        optim_bytes: e.optim as f64,
+        activation_bytes: 0.0,
+        device_bytes: held * sub as f64,
+        process_bytes: floor + held * ranks as f64,
+        step_seconds: 0.0,
+        compute_seconds: 0.0,
+        update_seconds: 0.0,
+        comm_seconds: 0.0,
+        samples_per_sec: 0.0,
+        flags: candidate.flags(base),
+        own: base.strategy.name != StrategyKind::Auto && candidate.flags(base).is_empty(),
+        probed: false,
         config: c.clone(),
     })
 }

@@ -79,7 +79,8 @@ impl Plan {
     fn smallest_words(&self) -> String {
         match self.over.first() {
             Some(p) => format!(
-                "no plan fits: the smallest needs {:.0} MiB per {} ({})",
+                "no plan fits: the smallest needs {}{:.0} MiB per {} ({})",
+                if p.probed { "" } else { "at least " },
                 self.need(p) / MIB,
                 self.what(),
                 flags_or_same(p)
@@ -98,7 +99,8 @@ impl Plan {
 
     /// The plan `--strategy auto` runs among those that fit and compute what the config
     /// asks: its precision, not DiLoCo's outer loop (and, for a model with BatchNorm, the
-    /// micro-batch asked, whose statistics it changes; `same_batch` asks that of any model);
+    /// micro-batch asked and no pipeline, which change its statistics; `same_batch` asks that
+    /// of any model);
     /// the fastest, where plans within [`TIES`] of it (the planner's own error on step time)
     /// go to the simplest: the micro-batch asked, then fewer shards, then no recompute.
     pub fn pick(&self, config: &RootConfig, same_batch: bool) -> Option<&Prediction> {
@@ -107,6 +109,8 @@ impl Plan {
             .iter()
             .filter(|p| p.config.precision.mode == config.precision.mode)
             .filter(|p| p.config.strategy.name != StrategyKind::Diloco)
+            // A pipeline's micro-batches are BatchNorm's batches.
+            .filter(|p| !same_batch || p.config.strategy.name != StrategyKind::Pipeline)
             .filter(|p| {
                 !same_batch
                     || (p.config.train.batch_size == config.train.batch_size
@@ -120,36 +124,84 @@ impl Plan {
             .min_by_key(|p| simplicity(p, config))
     }
 
-    /// The choice for `--strategy auto`, or the refusal when nothing fits.
-    pub fn choose(&self, config: &RootConfig, buffers: bool) -> Result<Choice> {
-        let Some(p) = self.pick(config, buffers) else {
-            return Err(Error::config(format!(
-                "key `strategy.name`: \"auto\" found no plan within the limit of {:.0} MiB per \
-                 {} ({}); {}",
-                self.limit_bytes.unwrap_or(0.0) / MIB,
-                self.what(),
-                self.limit_source,
-                self.smallest_words()
-            )));
+    /// `--strategy auto`'s choice from the plan of the config alone ([`super::Scope::Own`]): its
+    /// plan where it fits; `None` where it does not (then every plan is weighed).
+    pub fn asked_fits(&self, config: &RootConfig) -> Option<Choice> {
+        let p = self.own()?;
+        if self.over_limit(config) {
+            return None;
+        }
+        let limit = match self.limit_bytes {
+            Some(l) => format!("limit {:.0}", l / MIB),
+            None => "no limit".to_string(),
         };
-        let ddp = self.fitting.iter().chain(&self.over).find(|o| {
+        Some(Choice {
+            config: p.config.clone(),
+            words: format!(
+                "auto → {}: it fits ({:.0} MiB per {} predicted, {limit}); `train plan` weighs \
+                 the others",
+                p.strategy,
+                self.need(p) / MIB,
+                self.what()
+            ),
+            record: record_of(p),
+        })
+    }
+
+    /// The choice for `--strategy auto`, or the refusal when nothing fits. The plan asked —
+    /// `ddp` with the config's micro-batch, accumulation and recompute — runs wherever it
+    /// fits: a choice by measured speed could differ between two launches of one command, and
+    /// kiln keeps a command's numbers the same (the words name a plan predicted faster by more
+    /// than [`TIES`], for `--strategy` to take). Where it does not fit, the fastest plan that
+    /// does ([`Self::pick`]).
+    pub fn choose(&self, config: &RootConfig, buffers: bool) -> Result<Choice> {
+        let asked = |o: &&Prediction| {
             o.config.strategy.name == StrategyKind::Ddp
                 && o.config.precision.mode == config.precision.mode
                 && o.config.recompute.mode == config.recompute.mode
                 && o.config.train.batch_size == config.train.batch_size
-        });
-        let why = match ddp {
-            Some(d) if self.over.iter().any(|o| std::ptr::eq(o, d)) => format!(
-                "ddp needs {:.0} MiB per {}, limit {:.0}",
-                self.need(d) / MIB,
-                self.what(),
-                self.limit_bytes.unwrap_or(0.0) / MIB
+                && o.config.train.accumulate == config.train.accumulate
+        };
+        let what = self.what();
+        let limit = self.limit_bytes.unwrap_or(0.0) / MIB;
+        if let Some(p) = self.fitting.iter().find(asked) {
+            let faster = self
+                .pick(config, buffers)
+                .filter(|f| f.samples_per_sec > p.samples_per_sec * (1.0 + TIES));
+            let hint = match faster {
+                Some(f) => format!(
+                    "; predicted {:.0} % faster: {}",
+                    (f.samples_per_sec / p.samples_per_sec - 1.0) * 100.0,
+                    flags_or_same(f)
+                ),
+                None => String::new(),
+            };
+            return Ok(Choice {
+                config: p.config.clone(),
+                words: format!(
+                    "auto → ddp: it fits ({:.0} MiB per {what} predicted, limit {limit:.0}){hint}",
+                    self.need(p) / MIB
+                ),
+                record: record_of(p),
+            });
+        }
+        let Some(p) = self.pick(config, buffers) else {
+            return Err(Error::config(format!(
+                "key `strategy.name`: \"auto\" found no plan within the limit of {limit:.0} MiB \
+                 per {what} ({}); {}",
+                self.limit_source,
+                self.smallest_words()
+            )));
+        };
+        let why = match self.over.iter().find(asked) {
+            Some(d) => format!(
+                "ddp needs {:.0} MiB per {what}, limit {limit:.0}",
+                self.need(d) / MIB
             ),
-            _ => format!(
-                "the fastest that fits: {:.0} samples/s predicted, {:.0} MiB per {}",
+            None => format!(
+                "the fastest that fits: {:.0} samples/s predicted, {:.0} MiB per {what}",
                 p.samples_per_sec,
-                self.need(p) / MIB,
-                self.what()
+                self.need(p) / MIB
             ),
         };
         let flags = if p.flags.is_empty() {
@@ -242,6 +294,19 @@ impl Plan {
             p.optim_bytes / MIB,
             p.activation_bytes / MIB
         );
+        if !p.probed {
+            return format!(
+                "{index:>3}  {:<20} {:<10} {:<9} {:>9} {:>28} {:>10} {:>9} {:>9}",
+                p.strategy,
+                p.precision,
+                p.recompute,
+                format!("{}×{}", p.batch_size, p.accumulate),
+                parts,
+                format!("≥{:.0}", self.need(p) / MIB),
+                "-",
+                "-"
+            );
+        }
         format!(
             "{index:>3}  {:<20} {:<10} {:<9} {:>9} {:>28} {:>10.0} {:>9.1} {:>9.1}",
             p.strategy,
@@ -301,7 +366,7 @@ mod tests {
     use crate::plan::predict::Measured;
 
     fn prediction(kind: StrategyKind, mib: f64, rate: f64) -> Prediction {
-        let mut config = RootConfig::load(None, &[]).unwrap();
+        let mut config = RootConfig::load(None, &["train.batch_size=8".into()]).unwrap();
         config.strategy.name = kind;
         config.recompute.mode = RecomputeMode::None;
         Prediction {
@@ -324,6 +389,7 @@ mod tests {
             samples_per_sec: rate,
             flags: vec![format!("--strategy {}", name_of(&kind))],
             own: false,
+            probed: true,
             config,
         }
     }
@@ -358,7 +424,7 @@ mod tests {
 
     #[test]
     fn auto_runs_the_fastest_plan_that_fits_and_says_why() {
-        let config = RootConfig::load(None, &[]).unwrap();
+        let config = RootConfig::load(None, &["train.batch_size=8".into()]).unwrap();
         let choice = plan(280.0, three()).choose(&config, false).unwrap();
         assert_eq!(choice.config.strategy.name, StrategyKind::Zero2);
         assert!(
@@ -368,11 +434,32 @@ mod tests {
             "{}",
             choice.words
         );
-        // Within 10 % of the fastest, the simpler plan.
+        // The plan asked runs where it fits, naming one predicted faster by more than TIES.
+        let asked = config.clone();
         let mut all = three();
         all.push(prediction(StrategyKind::Zero1, 300.0, 101.0));
-        let choice = plan(1000.0, all).choose(&config, false).unwrap();
+        let choice = plan(1000.0, all.clone()).choose(&asked, false).unwrap();
         assert_eq!(choice.config.strategy.name, StrategyKind::Ddp);
+        assert!(
+            choice.words.starts_with("auto → ddp: it fits (300 MiB"),
+            "{}",
+            choice.words
+        );
+        all.push(prediction(StrategyKind::Zero3, 250.0, 125.0));
+        let choice = plan(1000.0, all).choose(&asked, false).unwrap();
+        assert_eq!(choice.config.strategy.name, StrategyKind::Ddp);
+        assert!(
+            choice
+                .words
+                .ends_with("predicted 25 % faster: --strategy zero3"),
+            "{}",
+            choice.words
+        );
+        // Where it does not fit, within 10 % of the fastest, the simpler plan.
+        let mut all = three();
+        all.push(prediction(StrategyKind::Zero1, 250.0, 101.0));
+        let choice = plan(280.0, all).choose(&asked, false).unwrap();
+        assert_eq!(choice.config.strategy.name, StrategyKind::Zero1);
         // Nothing fits: refused, naming the smallest need.
         let e = plan(100.0, three())
             .choose(&config, false)

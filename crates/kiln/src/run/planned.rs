@@ -50,9 +50,9 @@ pub(super) fn print<W: Workload>(
     })
 }
 
-/// Under `--strategy auto` on several ranks, the planner's fastest plan that fits (in the
-/// config's precision): its config, the start-up table's words and its prediction; `None`
-/// otherwise.
+/// Under `--strategy auto` on several ranks: `ddp` as asked where it fits, else the planner's
+/// fastest plan that does (in the config's precision); its config, the start-up table's words
+/// and its prediction. `None` for any other strategy or one rank.
 pub(super) fn auto<W: Workload>(
     workload: &W,
     config: &RootConfig,
@@ -63,6 +63,11 @@ pub(super) fn auto<W: Workload>(
     let world = devices.len() * crate::comm::processes().count;
     if !crate::plan::is_auto(config) || world < 2 {
         return Ok(None);
+    }
+    // The plan asked first (one probe): where it fits, it runs.
+    let asked = plan(workload, config, devices, accelerator, Scope::Own, draws)?;
+    if let Some(choice) = asked.asked_fits(config) {
+        return Ok(Some(choice));
     }
     let all = plan(
         workload,
