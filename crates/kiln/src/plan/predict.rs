@@ -204,7 +204,18 @@ pub(crate) fn predict(
     let total = facts.layout.total();
     // The optimizer step does not depend on the batch: the less disturbed of the two.
     let update = fit.lo.update_s.min(fit.hi.update_s) * contention;
-    let comm = comm_seconds(setup.kind, &measured.links, total, micros, stages);
+    let comm = if setup.kind == StrategyKind::Diloco {
+        // The islands' ddp inside a process (on the world's links: an upper bound), and the
+        // outer all-reduce once every `inner_steps` steps.
+        let inner = if ranks > 1 {
+            measured.links.all_reduce(total)
+        } else {
+            0.0
+        };
+        inner + measured.links.all_reduce(total) / setup.diloco.inner_steps.max(1) as f64
+    } else {
+        comm_seconds(setup.kind, &measured.links, total, micros, stages)
+    };
     let hidden = if setup.overlap {
         comm.min(compute * 2.0 / 3.0)
     } else {
@@ -283,7 +294,9 @@ fn comm_seconds(kind: StrategyKind, l: &Links, total: usize, micros: usize, stag
     let m = micros as f64;
     match kind {
         StrategyKind::Single => 0.0,
-        StrategyKind::Ddp | StrategyKind::Diloco => l.all_reduce(total),
+        StrategyKind::Ddp => l.all_reduce(total),
+        // Its outer all-reduce is every `inner_steps` steps: `predict` spreads it.
+        StrategyKind::Diloco => l.all_reduce(total),
         StrategyKind::Zero1 => l.all_reduce(total) + l.all_gather(total),
         // The gradients reduce-scattered as each micro-batch's backward ends.
         StrategyKind::Zero2 => m * l.reduce_scatter(total) + l.all_gather(total),
