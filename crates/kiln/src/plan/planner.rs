@@ -50,11 +50,7 @@ pub struct Plan {
 impl Plan {
     /// The memory figure of `p` that must fit the limit.
     pub fn need(&self, p: &Prediction) -> f64 {
-        if self.memory == "process" {
-            p.process_bytes
-        } else {
-            p.device_bytes
-        }
+        p.need(self.memory == "process")
     }
 }
 
@@ -120,21 +116,17 @@ pub fn plan<W: Workload>(
         0.0
     };
     let mut unfit = Vec::new();
-    if let Some(limit) = limit_bytes {
-        let mut kept = Vec::with_capacity(allowed.len());
-        for (c, s) in allowed {
-            let p = unprobed(&c, config, &s, &facts, floor)?;
-            let need = if cpu { p.process_bytes } else { p.device_bytes };
-            if need * (1.0 + HEADROOM) > limit {
-                unfit.push(p);
-            } else {
-                kept.push((c, s));
-            }
+    let mut held = Vec::with_capacity(allowed.len());
+    for (c, s) in allowed {
+        let p = unprobed(&c, config, &s, &facts, floor)?;
+        if limit_bytes.is_some_and(|l| p.need(cpu) * (1.0 + HEADROOM) > l) {
+            unfit.push(p);
+        } else {
+            held.push((p, s));
         }
-        allowed = kept;
     }
     let cores = config.hardware.cores();
-    let fits = probed(workload, &allowed, cpu.then_some(cores), draws)?;
+    let fits = probed(workload, &held, cpu.then_some(cores), draws)?;
     let links = links::measure(
         crate::comm::world_group(own.parallel.devices.len())?,
         facts.layout.total(),
@@ -160,8 +152,8 @@ pub fn plan<W: Workload>(
         auto: None,
         seconds: 0.0,
     };
-    for (c, s) in &allowed {
-        let p = predict(c, config, s, &facts, &plan.measured, samples)?;
+    for (p, s) in held {
+        let p = predict(p, &s, &facts, &plan.measured, samples)?;
         if limit_bytes.is_some_and(|l| plan.need(&p) * (1.0 + HEADROOM) > l) {
             plan.over.push(p);
         } else {
@@ -170,9 +162,8 @@ pub fn plan<W: Workload>(
     }
     plan.fitting
         .sort_by(|a, b| b.samples_per_sec.total_cmp(&a.samples_per_sec));
-    let mut over = std::mem::take(&mut plan.over);
-    over.sort_by(|a, b| plan.need(a).total_cmp(&plan.need(b)));
-    plan.over = over;
+    plan.over
+        .sort_by(|a, b| a.need(cpu).total_cmp(&b.need(cpu)));
     if scope == Scope::All && is_auto(config) && world > 1 {
         plan.auto = Some(match plan.choose(config, facts.buffers) {
             Ok(choice) => choice.words,
@@ -215,7 +206,7 @@ fn listed(
 /// measurements.
 fn probed<W: Workload>(
     workload: &W,
-    allowed: &[(Candidate, TrainerSettings)],
+    allowed: &[(Prediction, TrainerSettings)],
     cpu_cores: Option<usize>,
     draws: bool,
 ) -> Result<BTreeMap<String, Fit>> {

@@ -129,25 +129,35 @@ pub struct Prediction {
     pub config: RootConfig,
 }
 
-/// Predicts `candidate` with `measured`; `settings` are the trainer's for its config, the core
-/// split applied; `samples` per step.
+impl Prediction {
+    /// The memory figure that must fit a limit: the process's resident memory on the CPU
+    /// (`per_process`), a device's elsewhere.
+    pub fn need(&self, per_process: bool) -> f64 {
+        if per_process {
+            self.process_bytes
+        } else {
+            self.device_bytes
+        }
+    }
+}
+
+/// Predicts the candidate `held` describes (its bytes between steps, [`unprobed`]) with
+/// `measured`: the step's bytes and its seconds. `settings` are the trainer's for its config,
+/// the core split applied; `samples` per step.
 pub(crate) fn predict(
-    candidate: &Candidate,
-    base: &RootConfig,
+    held: Prediction,
     settings: &TrainerSettings,
     facts: &ModelFacts,
     measured: &Measured,
     samples: usize,
 ) -> Result<Prediction> {
-    let c = &candidate.config;
     let setup = settings.setup();
-    let estimate = setup.estimate(&facts.layout, &settings.optim)?;
     let fit = measured
         .fits
         .get(&fit_key(settings))
         .expect("every candidate's precision and recompute mode was probed");
     let b = settings.train.batch_size;
-    let ranks = settings.parallel.devices.len();
+    let ranks = held.ranks;
     let (stages, flush) = (setup.stages(), setup.flush());
     let pipeline = setup.kind == StrategyKind::Pipeline;
     // Bytes: a pipeline stage holds its share of a micro-batch's activations for every
@@ -163,18 +173,18 @@ pub(crate) fn predict(
     } else {
         step_bytes
     };
-    let held = (estimate.params + estimate.grads + estimate.optim) as f64;
-    let rank_bytes = held + activation;
     let sub = settings.parallel.sub_replicas.max(1);
-    let device_bytes = rank_bytes * sub as f64;
-    // Pages the allocator keeps per rank: the larger of the two probes' (it does not follow
-    // the batch closely).
-    let extra = fit.hi.resident_extra.max(fit.lo.resident_extra);
-    let process_bytes = if measured.cpu {
-        measured.base_outside_heap + measured.base_heap + ranks as f64 * (rank_bytes + extra)
+    // Pages the allocator keeps per rank, in the process's resident memory: the larger of the
+    // two probes' (it does not follow the batch closely).
+    let extra = if measured.cpu {
+        fit.hi.resident_extra.max(fit.lo.resident_extra)
     } else {
-        device_bytes * (ranks / sub) as f64
+        0.0
     };
+    let mut p = held;
+    p.activation_bytes = activation;
+    p.device_bytes += activation * sub as f64;
+    p.process_bytes += ranks as f64 * (activation + extra);
 
     // Seconds. The probe ran `probe_threads` ranks at once; on the CPU more ranks than cores
     // share them.
@@ -222,33 +232,19 @@ pub(crate) fn predict(
         0.0
     };
     let step = compute + update + comm - hidden;
-    Ok(Prediction {
-        strategy: candidate.strategy_words(),
-        precision: name_of(&c.precision.mode),
-        recompute: name_of(&c.recompute.mode),
-        batch_size: c.train.batch_size,
-        accumulate: c.train.accumulate,
-        ranks,
-        params_bytes: estimate.params as f64,
-        grads_bytes: estimate.grads as f64,
-        optim_bytes: estimate.optim as f64,
-        activation_bytes: activation,
-        device_bytes,
-        process_bytes,
-        step_seconds: step,
-        compute_seconds: compute,
-        update_seconds: update,
-        comm_seconds: comm - hidden,
-        samples_per_sec: samples as f64 / step.max(1e-12),
-        flags: candidate.flags(base),
-        own: base.strategy.name != StrategyKind::Auto && candidate.flags(base).is_empty(),
-        probed: true,
-        config: c.clone(),
-    })
+    p.step_seconds = step;
+    p.compute_seconds = compute;
+    p.update_seconds = update;
+    p.comm_seconds = comm - hidden;
+    p.samples_per_sec = samples as f64 / step.max(1e-12);
+    p.probed = true;
+    Ok(p)
 }
 
-/// A candidate not probed: what its strategy holds between steps (`held` bytes per rank;
-/// `floor`, the process's bytes before any rank) is already over the limit.
+/// A candidate before the probe: what its ranks hold between steps (the strategy's estimate per
+/// rank; `floor`, the process's bytes before any rank), its step not yet known. Where this
+/// alone is over the limit the candidate is not probed and stays so; otherwise [`predict`]
+/// adds its step.
 pub(crate) fn unprobed(
     candidate: &Candidate,
     base: &RootConfig,
@@ -261,6 +257,7 @@ pub(crate) fn unprobed(
     let held = (e.params + e.grads + e.optim) as f64;
     let ranks = settings.parallel.devices.len();
     let sub = settings.parallel.sub_replicas.max(1);
+    let flags = candidate.flags(base);
     Ok(Prediction {
         strategy: candidate.strategy_words(),
         precision: name_of(&c.precision.mode),
@@ -279,8 +276,8 @@ pub(crate) fn unprobed(
         update_seconds: 0.0,
         comm_seconds: 0.0,
         samples_per_sec: 0.0,
-        flags: candidate.flags(base),
-        own: base.strategy.name != StrategyKind::Auto && candidate.flags(base).is_empty(),
+        own: base.strategy.name != StrategyKind::Auto && flags.is_empty(),
+        flags,
         probed: false,
         config: c.clone(),
     })

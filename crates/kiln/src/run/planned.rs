@@ -52,13 +52,15 @@ pub(super) fn print<W: Workload>(
 
 /// Under `--strategy auto` on several ranks: `ddp` as asked where it fits, else the planner's
 /// fastest plan that does (in the config's precision); its config, the start-up table's words
-/// and its prediction. `None` for any other strategy or one rank.
-pub(super) fn auto<W: Workload>(
+/// and its prediction. `None` for any other strategy or one rank. `buffers`: the model has
+/// BatchNorm statistics (its micro-batch stays as asked).
+fn auto<W: Workload>(
     workload: &W,
     config: &RootConfig,
     devices: &[Device],
     accelerator: &str,
     draws: bool,
+    buffers: bool,
 ) -> Result<Option<Choice>> {
     let world = devices.len() * crate::comm::processes().count;
     if !crate::plan::is_auto(config) || world < 2 {
@@ -77,16 +79,62 @@ pub(super) fn auto<W: Workload>(
         Scope::SamePrecision,
         draws,
     )?;
-    let buffers = {
-        let model = kiln_models::with_rng(|| workload.init_model(&devices[0].clone().autodiff()));
-        crate::params::has_buffers(&model)
-    };
     all.choose(config, buffers).map(Some)
+}
+
+/// What a run trains with, as [`settle`] decides it.
+pub(super) struct Settled {
+    /// The config `--strategy auto` chose; `None`: the config as given.
+    pub config: Option<RootConfig>,
+    /// Whether the chosen config is another plan than the one the settings were made for
+    /// (`auto` as the world resolves it): its settings are made and checked again.
+    pub remade: bool,
+    /// The plan the run records in its summary (none for an evaluation).
+    pub record: Option<PlanRecord>,
+    /// The start-up table's `plan` row, under `auto`.
+    pub words: Option<String>,
+}
+
+/// The plan a run trains with: under `--strategy auto` on several ranks, [`auto`]'s choice;
+/// otherwise the config's own plan, refused over its limit ([`own`]); nothing for an
+/// evaluation. `model`: whether the model draws random numbers, whether it has BatchNorm
+/// statistics.
+pub(super) fn settle<W: Workload>(
+    workload: &W,
+    config: &RootConfig,
+    devices: &[Device],
+    accelerator: &str,
+    model: (bool, bool),
+    evaluate: bool,
+) -> Result<Settled> {
+    let (draws, buffers) = model;
+    let mut settled = Settled {
+        config: None,
+        remade: false,
+        record: None,
+        words: None,
+    };
+    if evaluate {
+        return Ok(settled);
+    }
+    match auto(workload, config, devices, accelerator, draws, buffers)? {
+        Some(choice) => {
+            let mut resolved = config.clone();
+            let world = devices.len() * crate::comm::processes().count;
+            resolved.strategy.name = resolved.strategy.name.resolve(world);
+            settled.remade = choice.config != resolved;
+            settled.config = Some(choice.config);
+            settled.record = Some(choice.record);
+            settled.words = Some(choice.words);
+        }
+        None => settled.record = own(workload, config, devices, accelerator, draws)?,
+    }
+    Ok(settled)
 }
 
 /// The plan of the config as it is, for its summary; refused when it needs more than the
 /// memory limit, naming the fastest plan that fits.
-pub(super) fn own<W: Workload>(
+fn own<W: Workload>(
     workload: &W,
     config: &RootConfig,
     devices: &[Device],

@@ -70,24 +70,25 @@ where
         let draws = checked.draws();
         return super::planned::print(workload, config, &devices, &accelerator, draws, json);
     }
-    // `--strategy auto` on several ranks runs the fastest plan that fits (checked again as
-    // chosen); any other run keeps the plan of its settings, and is refused over its limit.
-    let mut config = std::borrow::Cow::Borrowed(config);
+    // `--strategy auto` on several ranks: ddp as asked where it fits, else the fastest plan
+    // that fits (made and checked again); any other run keeps the plan of its settings, and is
+    // refused over its limit.
     let mut info = info;
-    let draws = checked.draws();
-    let plan = if options.evaluate {
-        None
-    } else if let Some(choice) =
-        super::planned::auto(workload, &config, &devices, &accelerator, draws)?
-    {
-        info.rows.push(("plan".to_string(), choice.words));
-        config = std::borrow::Cow::Owned(choice.config);
-        (settings, facts, checked) = ready(&config)?;
-        Some(choice.record)
-    } else {
-        super::planned::own(workload, &config, &devices, &accelerator, draws)?
-    };
-    let config = config.as_ref();
+    let settled = super::planned::settle(
+        workload,
+        config,
+        &devices,
+        &accelerator,
+        (checked.draws(), facts.buffers),
+        options.evaluate,
+    )?;
+    info.rows
+        .extend(settled.words.map(|w| ("plan".to_string(), w)));
+    let plan = settled.record;
+    let config = settled.config.as_ref().unwrap_or(config);
+    if settled.remade {
+        (settings, facts, checked) = ready(config)?;
+    }
     // A resume is checked against its checkpoint before anything in the run changes.
     let first = processes.index == 0;
     if let Some(checkpoint) = &options.resume_from {
