@@ -127,9 +127,12 @@ fn grid() -> Vec<Case> {
         case("convnet 4 ddp", 1, cnn, "--devices 4 --strategy ddp"),
     ];
     for c in &mut g {
-        // No validation or checkpoint inside the measured steps.
+        // No validation or checkpoint inside the measured steps; the planner measures on
+        // every run (its kept measurements would make every row's prediction the first's).
         c.args.extend(
             [
+                "--set",
+                "hardware.plan_cache=false",
                 "--set",
                 "train.val_every=100000",
                 "--set",

@@ -65,6 +65,12 @@ pub struct HardwareConfig {
     pub memory_limit_mib: Option<f64>,
     /// Run even when the plan needs more than `memory_limit_mib`. Default `false`.
     pub memory_limit_force: bool,
+    /// Keep the planner's measurements (the probe's steps, the collectives' seconds) in the
+    /// cache folder (`$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`) and
+    /// read them back on the next launch of the same model, settings, machine and build, so
+    /// that a launch near `memory_limit_mib` is decided the same way every time; `false`
+    /// measures on every launch and keeps nothing. Default `true`.
+    pub plan_cache: bool,
 }
 
 impl HardwareConfig {
@@ -113,6 +119,7 @@ impl Default for HardwareConfig {
             cpu_cores: None,
             memory_limit_mib: None,
             memory_limit_force: false,
+            plan_cache: true,
         }
     }
 }

@@ -8,7 +8,7 @@ use crate::comm::{Collective, ReduceOp};
 use crate::error::{Error, Result};
 
 /// Seconds of one call of each collective over the whole model's floats, on the ranks.
-#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
 pub struct Links {
     /// Ranks of the group measured.
     pub ranks: usize,

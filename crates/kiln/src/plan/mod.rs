@@ -4,20 +4,24 @@
 //! model's step bytes and seconds on the real backend at two micro-batches per precision and
 //! recompute mode (`probe.rs`), the collectives on the run's ranks (`links.rs`) — and predicts
 //! each candidate's memory per device and process and its step time (`predict.rs`).
-//! `train plan` prints the table (`report.rs`); a run records its own prediction in
+//! The measurements are kept between launches (`kept.rs`), so that a command near a memory
+//! limit is decided the same way every time. `train plan` prints the table (`report.rs`); a
+//! run records its own prediction in
 //! `summary.json`, is refused when it needs more than `hardware.memory_limit_mib`, and
 //! `--strategy auto` runs the fastest plan that fits.
 
 mod candidates;
+mod kept;
 mod links;
 mod planner;
 mod predict;
 mod probe;
 mod report;
 
+pub use kept::Keeping;
 pub use links::Links;
 pub(crate) use planner::is_auto;
-pub use planner::{HEADROOM, Plan, Scope, plan};
+pub use planner::{HEADROOM, Plan, Scope, Target, plan};
 pub use predict::{Fit, Measured, Prediction};
 pub use probe::Point;
 pub use report::Choice;

@@ -5,9 +5,11 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use burn::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use super::candidates::{Candidate, candidates};
+use super::kept::{Entry, Kept, build_identity, machine_identity, point_id};
 use super::links;
 use super::predict::{Fit, Measured, Prediction, fit_key, predict, settings_for, unprobed};
 use super::probe::{ProbeSetup, probe, resident_bytes};
@@ -67,20 +69,51 @@ pub enum Scope {
     Own,
 }
 
-/// Plans `workload` under `config` on `devices` (of `accelerator`); `draws`: the model draws
-/// random numbers in its forward ([`crate::trainer::Checked::draws`]).
+/// What a plan is of besides the config: the devices and their accelerator, whether the model
+/// draws random numbers in its forward ([`crate::trainer::Checked::draws`]), and the workload's
+/// own settings (a program's `[model]` and `[data]` as TOML), which name the measurements kept
+/// between launches together with the config.
+#[derive(Debug, Clone, Copy)]
+pub struct Target<'a> {
+    /// The devices.
+    pub devices: &'a [Device],
+    /// Their accelerator's name (`cpu`, `cuda`, …).
+    pub accelerator: &'a str,
+    /// Whether the model draws random numbers in its forward.
+    pub draws: bool,
+    /// The workload's own settings.
+    pub workload: &'a str,
+}
+
+/// What every process plans with: process 0's kept measurements (its bytes before any rank
+/// measured now where none were kept) and its memory limit, so that every process of a run
+/// predicts the same and decides the same.
+#[derive(Serialize, Deserialize)]
+struct Known {
+    entry: Entry,
+    limit: Option<f64>,
+    source: String,
+}
+
+/// Plans `workload` under `config` on `target`'s devices.
+///
+/// The measurements a prediction rests on are process 0's, read back from the entry an
+/// earlier launch of the same model, settings and machine kept ([`super::kept`]) or measured
+/// now and kept; every process uses the same, so one rule decides the same way on every
+/// process and every launch. Each probe key is measured at the smallest and largest
+/// micro-batch of every candidate with that key, whatever the scope: a candidate's prediction
+/// does not depend on which others were weighed beside it.
 pub fn plan<W: Workload>(
     workload: &W,
     config: &RootConfig,
-    devices: &[Device],
-    accelerator: &str,
+    target: &Target,
     scope: Scope,
-    draws: bool,
 ) -> Result<Plan> {
     let started = Instant::now();
+    let (devices, accelerator) = (target.devices, target.accelerator);
     crate::heap::release_free();
     let base_heap = crate::heap::live().unwrap_or(0) as f64;
-    let base_outside_heap = (resident_bytes() - base_heap).max(0.0);
+    let floor_now = (base_heap, (resident_bytes() - base_heap).max(0.0));
     let cpu = accelerator.starts_with("cpu");
     let model = kiln_models::with_rng(|| {
         kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
@@ -89,27 +122,22 @@ pub fn plan<W: Workload>(
     let world = devices.len() * crate::comm::processes().count;
     let own = settings_for(config, devices, accelerator, &facts);
     let samples = sampler(workload.train_len(), &own)?.samples_per_step();
-    let list = listed(config, world, samples, &facts, scope);
-    // The candidates the settings' checks allow, with their trainer settings.
-    let mut allowed = Vec::new();
-    let mut refused = Vec::new();
-    for c in list {
-        let s = settings_for(&c.config, devices, accelerator, &facts);
-        match refusal(workload, &model, &s) {
-            Ok(()) => allowed.push((c, s)),
-            Err(e) => {
-                // One line per refusal, however many of its variants were weighed.
-                let row = (c.strategy_words(), e.to_string());
-                if !refused.contains(&row) {
-                    refused.push(row);
-                }
-            }
-        }
-    }
+    // Every candidate the settings' checks allow (the probe's micro-batches come from them),
+    // and those of the scope.
+    let every = allowed_of(workload, &model, config, target, samples, &facts, Scope::All);
+    let (allowed, refused) = if scope == Scope::All {
+        every.clone()
+    } else {
+        allowed_of(workload, &model, config, target, samples, &facts, scope)
+    };
+    let batches = probe_batches(every.0.iter().chain(&allowed));
     drop(model);
+    let signature = || signature(config, target, &facts, workload.train_len());
+    let (mut kept, known) = known(config, signature, floor_now, cpu)?;
+    let (base_heap, base_outside_heap) = known.entry.floor.unwrap_or_default();
+    let limit_bytes = known.limit;
     // A candidate whose held state alone is over the limit is not probed (its probe would
     // need that memory): it does not fit, by at least that much.
-    let (limit_bytes, limit_source) = limit(config, cpu);
     let floor = if cpu {
         base_heap + base_outside_heap
     } else {
@@ -126,25 +154,26 @@ pub fn plan<W: Workload>(
         }
     }
     let cores = config.hardware.cores();
-    let fits = probed(workload, &held, cpu.then_some(cores), draws)?;
-    let links = links::measure(
-        crate::comm::world_group(own.parallel.devices.len())?,
-        facts.layout.total(),
-    )?;
+    let how = (cpu.then_some(cores), target.draws, facts.layout.total());
+    let fresh = fresh(workload, &held, &batches, &known.entry, how, &own)?;
     let measured = Measured {
         base_heap,
         base_outside_heap,
         cpu,
         cores,
         probe_threads: own.parallel.devices.len(),
-        fits,
-        links,
+        fits: fits(&held, &batches, &fresh, &known.entry),
+        links: fresh
+            .links
+            .or(known.entry.links)
+            .unwrap_or_else(|| links::Links::none(facts.layout.total())),
+        kept: kept.store(&fresh),
     };
     let mut plan = Plan {
         samples_per_step: samples,
         memory: if cpu { "process" } else { "device" }.to_string(),
         limit_bytes,
-        limit_source,
+        limit_source: known.source,
         fitting: Vec::new(),
         over: unfit,
         refused,
@@ -174,6 +203,184 @@ pub fn plan<W: Workload>(
     Ok(plan)
 }
 
+/// Process 0's kept measurements (opened by `signature` where `hardware.plan_cache` keeps
+/// them) with its bytes before any rank (`floor_now`) where none were kept, and its memory
+/// limit, on every process.
+fn known(
+    config: &RootConfig,
+    signature: impl FnOnce() -> String,
+    floor_now: (f64, f64),
+    cpu: bool,
+) -> Result<(Kept, Known)> {
+    let kept = if crate::comm::processes().index > 0 {
+        Kept::off(None)
+    } else if config.hardware.plan_cache {
+        Kept::open(&signature())
+    } else {
+        Kept::off(Some("hardware.plan_cache = false: measured now, not kept".into()))
+    };
+    let known: Known = agreed(|| {
+        let mut entry = kept.entry().clone();
+        entry.floor.get_or_insert(floor_now);
+        let (limit, source) = limit(config, cpu);
+        Ok(Known {
+            entry,
+            limit,
+            source,
+        })
+    })?;
+    Ok((kept, known))
+}
+
+/// What `known` lacks, measured now on every process ([`measure`]; the probes' collectives
+/// span them all), and process 0's measurements on every process.
+fn fresh<W: Workload>(
+    workload: &W,
+    held: &[(Prediction, TrainerSettings)],
+    batches: &BTreeMap<String, (usize, usize)>,
+    known: &Entry,
+    how: (Option<usize>, bool, usize),
+    own: &TrainerSettings,
+) -> Result<Entry> {
+    let mut failed = None;
+    let here = match measure(workload, held, batches, known, how, own) {
+        Ok(entry) => entry,
+        Err(e) => {
+            failed = Some(e);
+            Entry::default()
+        }
+    };
+    let fresh: Entry = agreed(|| match failed.take() {
+        Some(e) => Err(e),
+        None => Ok(here),
+    })?;
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(fresh),
+    }
+}
+
+/// Each probe key's line through its two points (kept or `fresh`), probed with the settings
+/// of its first candidate in `held`.
+fn fits(
+    held: &[(Prediction, TrainerSettings)],
+    batches: &BTreeMap<String, (usize, usize)>,
+    fresh: &Entry,
+    known: &Entry,
+) -> BTreeMap<String, Fit> {
+    let point = |s: &TrainerSettings, batch: usize| {
+        let id = point_id_of(s, batch);
+        fresh.points.get(&id).or_else(|| known.points.get(&id)).copied()
+    };
+    let mut fits = BTreeMap::new();
+    for (_, s) in held {
+        let key = fit_key(s);
+        if fits.contains_key(&key) {
+            continue;
+        }
+        let (lo, hi) = batches[&key];
+        if let (Some(lo), Some(hi)) = (point(s, lo), point(s, hi)) {
+            fits.insert(key, Fit { lo, hi });
+        }
+    }
+    fits
+}
+
+/// Candidates of `scope` with their trainer settings, those the settings' checks allow, and
+/// one line per refused strategy.
+type Allowed = (Vec<(Candidate, TrainerSettings)>, Vec<(String, String)>);
+
+/// The candidates `scope` weighs that the settings' checks allow, and the refusals.
+fn allowed_of<W: Workload>(
+    workload: &W,
+    model: &W::Model,
+    config: &RootConfig,
+    target: &Target,
+    samples: usize,
+    facts: &ModelFacts,
+    scope: Scope,
+) -> Allowed {
+    let world = target.devices.len() * crate::comm::processes().count;
+    let mut allowed = Vec::new();
+    let mut refused = Vec::new();
+    for c in listed(config, world, samples, facts, scope) {
+        let s = settings_for(&c.config, target.devices, target.accelerator, facts);
+        match refusal(workload, model, &s) {
+            Ok(()) => allowed.push((c, s)),
+            Err(e) => {
+                // One line per refusal, however many of its variants were weighed.
+                let row = (c.strategy_words(), e.to_string());
+                if !refused.contains(&row) {
+                    refused.push(row);
+                }
+            }
+        }
+    }
+    (allowed, refused)
+}
+
+/// `decide` on process 0, its answer (through JSON) on every process: process 0 parses the
+/// same text the others do, so every process holds the same bits.
+fn agreed<T: Serialize + serde::de::DeserializeOwned>(
+    decide: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let text = crate::comm::agree(|| {
+        decide().map(|v| serde_json::to_string(&v).expect("planner values serialise"))
+    })?;
+    serde_json::from_str(&text)
+        .map_err(|e| crate::error::Error::Worker(format!("the planner's measurements: {e}")))
+}
+
+/// The text that names a plan's kept measurements: the build, the machine, the devices and
+/// processes, the model's parameters, and every setting the measurements depend on (those a
+/// candidate changes — strategy, precision, recompute, micro-batch — are in each point's own
+/// name; those that change no measurement — the run's name, length, logging, limit — are left
+/// out, so that a longer run or another limit reads the same entry).
+fn signature(config: &RootConfig, target: &Target, facts: &ModelFacts, train_len: usize) -> String {
+    let mut c = config.clone();
+    c.run = Default::default();
+    c.train = crate::config::TrainConfig {
+        grad_clip: c.train.grad_clip,
+        ..Default::default()
+    };
+    c.monitor = Default::default();
+    c.export = Default::default();
+    c.schedule = Default::default();
+    c.hardware.memory_limit_mib = None;
+    c.hardware.memory_limit_force = false;
+    c.strategy.name = StrategyKind::Auto;
+    c.pipeline = crate::config::PipelineConfig {
+        cuts: c.pipeline.cuts.clone(),
+        ..Default::default()
+    };
+    c.precision.mode = PrecisionMode::F32;
+    c.recompute.mode = crate::config::RecomputeMode::None;
+    let layout: String = facts
+        .layout
+        .entries
+        .iter()
+        .map(|e| format!("{} {:?}\n", e.path, e.shape))
+        .collect();
+    let layout = Sha256::digest(layout.as_bytes());
+    let layout: String = layout[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}\n{}\n{} devices of {} ({:?}), {} process(es)\nmodel: {} parameters in {} tensors \
+         (layout {layout}), {} blocks, draws {}; {train_len} training samples\n{}\n{}",
+        build_identity(),
+        machine_identity(),
+        target.devices.len(),
+        target.accelerator,
+        target.devices,
+        crate::comm::processes().count,
+        facts.layout.total(),
+        facts.layout.entries.len(),
+        facts.blocks,
+        target.draws,
+        target.workload,
+        c.to_toml()
+    )
+}
+
 /// The candidates `scope` weighs for `config` on `world` ranks with `samples` per step.
 fn listed(
     config: &RootConfig,
@@ -201,57 +408,114 @@ fn listed(
     }
 }
 
-/// The probe's two points for every key among the `allowed` candidates: the smallest and
-/// largest micro-batch of the candidates it serves, so that every prediction lies between two
-/// measurements.
+/// What `known` lacks, measured now on every process: each key's probe points (see
+/// [`probed`]) and the collectives' seconds over the run's ranks (`own`); `how`: the
+/// machine's cores when the devices are the CPU's, whether the model draws random numbers, and
+/// the model's trainable floats.
+fn measure<W: Workload>(
+    workload: &W,
+    held: &[(Prediction, TrainerSettings)],
+    batches: &BTreeMap<String, (usize, usize)>,
+    known: &Entry,
+    how: (Option<usize>, bool, usize),
+    own: &TrainerSettings,
+) -> Result<Entry> {
+    let (cpu_cores, draws, floats) = how;
+    let mut fresh = Entry {
+        floor: known.floor,
+        ..Entry::default()
+    };
+    probed(
+        workload,
+        held,
+        batches,
+        known,
+        (cpu_cores, draws),
+        &mut fresh,
+    )?;
+    if known.links.is_none() {
+        let ranks = own.parallel.devices.len();
+        fresh.links = Some(links::measure(crate::comm::world_group(ranks)?, floats)?);
+    }
+    Ok(fresh)
+}
+
+/// Each probe key's two micro-batches among `candidates`: the largest, and the smallest but
+/// at most half the largest (two points make a line), so that every prediction lies between
+/// two measurements.
+fn probe_batches<'a>(
+    candidates: impl Iterator<Item = &'a (Candidate, TrainerSettings)>,
+) -> BTreeMap<String, (usize, usize)> {
+    let mut out: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    for (_, s) in candidates {
+        let b = s.train.batch_size;
+        let e = out.entry(fit_key(s)).or_insert((b, b));
+        *e = (e.0.min(b), e.1.max(b));
+    }
+    for (lo, hi) in out.values_mut() {
+        *lo = (*lo).min(*hi / 2).max(1);
+    }
+    out
+}
+
+/// The name of the probe point of `settings`' key at `batch` (its ranks' shape included).
+fn point_id_of(s: &TrainerSettings, batch: usize) -> String {
+    let cuts = match &s.parallel.pipeline.cuts {
+        Some(c) => format!(" cuts={c:?}"),
+        None => String::new(),
+    };
+    point_id(
+        &fit_key(s),
+        batch,
+        s.parallel.devices.len(),
+        s.parallel.sub_replicas.max(1),
+        &cuts,
+    )
+}
+
+/// Probes each key of `held` — with its first candidate's settings — at its two micro-batches
+/// (`batches`) where `known` lacks the point, into `fresh`; `how`: the machine's cores when the
+/// devices are the CPU's, and whether the model draws random numbers.
 fn probed<W: Workload>(
     workload: &W,
-    allowed: &[(Prediction, TrainerSettings)],
-    cpu_cores: Option<usize>,
-    draws: bool,
-) -> Result<BTreeMap<String, Fit>> {
+    held: &[(Prediction, TrainerSettings)],
+    batches: &BTreeMap<String, (usize, usize)>,
+    known: &Entry,
+    how: (Option<usize>, bool),
+    fresh: &mut Entry,
+) -> Result<()> {
     crate::panics::quiet_worker_panics();
-    let mut fits = BTreeMap::new();
-    for (_, settings) in allowed {
+    let (cpu_cores, draws) = how;
+    let mut keys = std::collections::BTreeSet::new();
+    let mut first = true;
+    for (_, settings) in held {
         let key = fit_key(settings);
-        if fits.contains_key(&key) {
+        if !keys.insert(key.clone()) {
             continue;
         }
-        let batches = allowed
-            .iter()
-            .filter(|(_, o)| fit_key(o) == key)
-            .map(|(_, o)| o.train.batch_size);
-        let hi = batches.clone().max().unwrap_or(1);
-        let lo = batches.min().unwrap_or(1).min(hi / 2).max(1);
-        let setup = |batch: usize| {
+        let (lo, hi) = batches[&key];
+        for batch in [hi, lo] {
+            let id = point_id_of(settings, batch);
+            if known.points.contains_key(&id) || fresh.points.contains_key(&id) {
+                continue;
+            }
             let mut s = settings.clone();
             s.train.batch_size = batch;
             s.train.accumulate = 1;
             // A pipeline is probed with one micro-batch per stage under 1F1B.
             s.parallel.pipeline.microbatches = s.parallel.pipeline.stages;
             s.parallel.pipeline.schedule = crate::config::PipelineSchedule::OneFOneB;
-            ProbeSetup {
+            let setup = ProbeSetup {
                 settings: s,
                 cpu_cores,
                 draws,
-            }
-        };
-        let first = fits.is_empty();
-        let hi_point = probe(workload, &setup(hi), hi, first)?;
-        let lo_point = if lo < hi {
-            probe(workload, &setup(lo), lo, false)?
-        } else {
-            hi_point
-        };
-        fits.insert(
-            key,
-            Fit {
-                lo: lo_point,
-                hi: hi_point,
-            },
-        );
+            };
+            let point = probe(workload, &setup, batch, first)?;
+            first = false;
+            fresh.points.insert(id, point);
+        }
     }
-    Ok(fits)
+    Ok(())
 }
 
 /// The memory limit in bytes and where it comes from: `hardware.memory_limit_mib`, or on the

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::candidates::Candidate;
+use super::kept::Keeping;
 use super::links::Links;
 use super::probe::Point;
 use crate::config::{PipelineSchedule, RootConfig, StrategyKind, name_of};
@@ -58,6 +59,9 @@ pub struct Measured {
     pub fits: BTreeMap<String, Fit>,
     /// The collectives on the run's ranks.
     pub links: Links,
+    /// Whether these measurements were read back from an earlier launch's, and where they are
+    /// kept.
+    pub kept: Keeping,
 }
 
 /// The key of a candidate's probe: the strategy its ranks run (a pipeline with its stage

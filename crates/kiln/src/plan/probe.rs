@@ -34,7 +34,7 @@ pub(crate) struct ProbeSetup {
 
 /// One probe point: bytes per thread; seconds of a step's slowest thread, the median over the
 /// timed steps.
-#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
 pub struct Point {
     /// Samples per micro-batch.
     pub batch: usize,

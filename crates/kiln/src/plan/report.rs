@@ -233,6 +233,7 @@ impl Plan {
              as given)",
             self.samples_per_step, self.seconds
         );
+        println!("{}", self.measured.kept.words());
         println!(
             "{:>3}  {:<20} {:<10} {:<9} {:>9} {:>28} {:>10} {:>9} {:>9}",
             "#",
@@ -318,6 +319,41 @@ impl Plan {
             p.step_seconds * 1000.0,
             p.samples_per_sec
         )
+    }
+}
+
+impl super::kept::Keeping {
+    /// One line on where the plan's measurements come from and go.
+    pub fn words(&self) -> String {
+        let file = self.file.as_ref().map(|f| f.display().to_string());
+        match (file, &self.notice) {
+            (_, Some(notice)) => format!("measurements: {notice}"),
+            (Some(file), None) if self.reused => {
+                let age = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs())
+                    .saturating_sub(self.since);
+                format!(
+                    "measurements: read back from {file} (measured {} ago; \
+                     hardware.plan_cache = false measures again)",
+                    age_words(age)
+                )
+            }
+            (Some(file), None) => {
+                format!("measurements: measured now where not kept, kept in {file}")
+            }
+            (None, None) => "measurements: measured now".to_string(),
+        }
+    }
+}
+
+/// `age` seconds in the largest unit that fits (`3 d`, `5 h`, `12 min`, `40 s`).
+fn age_words(age: u64) -> String {
+    match age {
+        a if a >= 86_400 => format!("{} d", a / 86_400),
+        a if a >= 3600 => format!("{} h", a / 3600),
+        a if a >= 60 => format!("{} min", a / 60),
+        a => format!("{a} s"),
     }
 }
 

@@ -47,3 +47,16 @@ pub struct RunInfo {
     /// built-in recipes' `data.drop_last`).
     pub drop_last: bool,
 }
+
+impl RunInfo {
+    /// The workload in words for the planner's kept measurements, which it names beside the
+    /// config: the model's name and the workload's own sections.
+    pub(crate) fn about(&self) -> String {
+        let sections: String = self
+            .sections
+            .iter()
+            .map(|(name, value)| format!("[{name}] {value}\n"))
+            .collect();
+        format!("{}: {sections}", self.model)
+    }
+}

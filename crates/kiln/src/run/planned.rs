@@ -2,12 +2,10 @@
 //! fastest plan that fits, and every run records its own plan and is refused when that plan
 //! needs more than its memory limit.
 
-use burn::prelude::*;
-
 use crate::config::RootConfig;
 use crate::error::Result;
 use crate::metrics::{PlanRecord, Summary};
-use crate::plan::{Choice, Scope, plan};
+use crate::plan::{Choice, Scope, Target, plan};
 use crate::trainer::Workload;
 
 use super::info::RunResult;
@@ -16,12 +14,11 @@ use super::info::RunResult;
 pub(super) fn print<W: Workload>(
     workload: &W,
     config: &RootConfig,
-    devices: &[Device],
-    accelerator: &str,
-    draws: bool,
+    target: &Target,
     json: bool,
 ) -> Result<RunResult> {
-    let all = plan(workload, config, devices, accelerator, Scope::All, draws)?;
+    let (devices, accelerator) = (target.devices, target.accelerator);
+    let all = plan(workload, config, target, Scope::All)?;
     if crate::comm::processes().index == 0 {
         if json {
             println!(
@@ -57,28 +54,19 @@ pub(super) fn print<W: Workload>(
 fn auto<W: Workload>(
     workload: &W,
     config: &RootConfig,
-    devices: &[Device],
-    accelerator: &str,
-    draws: bool,
+    target: &Target,
     buffers: bool,
 ) -> Result<Option<Choice>> {
-    let world = devices.len() * crate::comm::processes().count;
+    let world = target.devices.len() * crate::comm::processes().count;
     if !crate::plan::is_auto(config) || world < 2 {
         return Ok(None);
     }
     // The plan asked first (one probe): where it fits, it runs.
-    let asked = plan(workload, config, devices, accelerator, Scope::Own, draws)?;
+    let asked = plan(workload, config, target, Scope::Own)?;
     if let Some(choice) = asked.asked_fits(config) {
         return Ok(Some(choice));
     }
-    let all = plan(
-        workload,
-        config,
-        devices,
-        accelerator,
-        Scope::SamePrecision,
-        draws,
-    )?;
+    let all = plan(workload, config, target, Scope::SamePrecision)?;
     all.choose(config, buffers).map(Some)
 }
 
@@ -97,17 +85,14 @@ pub(super) struct Settled {
 
 /// The plan a run trains with: under `--strategy auto` on several ranks, [`auto`]'s choice;
 /// otherwise the config's own plan, refused over its limit ([`own`]); nothing for an
-/// evaluation. `model`: whether the model draws random numbers, whether it has BatchNorm
-/// statistics.
+/// evaluation. `buffers`: the model has BatchNorm statistics.
 pub(super) fn settle<W: Workload>(
     workload: &W,
     config: &RootConfig,
-    devices: &[Device],
-    accelerator: &str,
-    model: (bool, bool),
+    target: &Target,
+    buffers: bool,
     evaluate: bool,
 ) -> Result<Settled> {
-    let (draws, buffers) = model;
     let mut settled = Settled {
         config: None,
         remade: false,
@@ -117,17 +102,17 @@ pub(super) fn settle<W: Workload>(
     if evaluate {
         return Ok(settled);
     }
-    match auto(workload, config, devices, accelerator, draws, buffers)? {
+    match auto(workload, config, target, buffers)? {
         Some(choice) => {
             let mut resolved = config.clone();
-            let world = devices.len() * crate::comm::processes().count;
+            let world = target.devices.len() * crate::comm::processes().count;
             resolved.strategy.name = resolved.strategy.name.resolve(world);
             settled.remade = choice.config != resolved;
             settled.config = Some(choice.config);
             settled.record = Some(choice.record);
             settled.words = Some(choice.words);
         }
-        None => settled.record = own(workload, config, devices, accelerator, draws)?,
+        None => settled.record = own(workload, config, target)?,
     }
     Ok(settled)
 }
@@ -137,14 +122,12 @@ pub(super) fn settle<W: Workload>(
 fn own<W: Workload>(
     workload: &W,
     config: &RootConfig,
-    devices: &[Device],
-    accelerator: &str,
-    draws: bool,
+    target: &Target,
 ) -> Result<Option<PlanRecord>> {
-    // The run's own devices: `devices` are the user's (the core split is the planner's).
-    let mine = plan(workload, config, devices, accelerator, Scope::Own, draws)?;
+    // The run's own devices: the target's are the user's (the core split is the planner's).
+    let mine = plan(workload, config, target, Scope::Own)?;
     if mine.over_limit(config) {
-        let all = plan(workload, config, devices, accelerator, Scope::All, draws)?;
+        let all = plan(workload, config, target, Scope::All)?;
         return Err(mine.refusal(config, &all));
     }
     Ok(mine.record())

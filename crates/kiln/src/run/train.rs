@@ -66,22 +66,22 @@ where
         )
     };
     let (mut settings, mut facts, mut checked) = ready(config)?;
+    let about = info.about();
+    let target = crate::plan::Target {
+        devices: &devices,
+        accelerator: &accelerator,
+        draws: checked.draws(),
+        workload: &about,
+    };
     if let Some(json) = options.plan {
-        let draws = checked.draws();
-        return super::planned::print(workload, config, &devices, &accelerator, draws, json);
+        return super::planned::print(workload, config, &target, json);
     }
     // `--strategy auto` on several ranks: ddp as asked where it fits, else the fastest plan
     // that fits (made and checked again); any other run keeps the plan of its settings, and is
     // refused over its limit.
     let mut info = info;
-    let settled = super::planned::settle(
-        workload,
-        config,
-        &devices,
-        &accelerator,
-        (checked.draws(), facts.buffers),
-        options.evaluate,
-    )?;
+    let settled =
+        super::planned::settle(workload, config, &target, facts.buffers, options.evaluate)?;
     info.rows
         .extend(settled.words.map(|w| ("plan".to_string(), w)));
     let plan = settled.record;

@@ -20,7 +20,7 @@ mod shared;
 mod watchdog;
 mod watched;
 
-pub use recorder::{Recorder, describe};
+pub use recorder::{Recorder, describe, hostname};
 pub use remote::Remote;
 pub use shared::WatchConfig;
 pub use watchdog::{Watchdog, watched};

@@ -200,7 +200,8 @@ impl Recorder {
     }
 }
 
-pub(super) fn hostname() -> String {
+/// This machine's host name (`unknown` where the system does not say).
+pub fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: the buffer is writable for its length; gethostname NUL-terminates within it or
     // truncates, and we read up to the first NUL.
