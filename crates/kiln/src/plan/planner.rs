@@ -124,7 +124,15 @@ pub fn plan<W: Workload>(
     let samples = sampler(workload.train_len(), &own)?.samples_per_step();
     // Every candidate the settings' checks allow (the probe's micro-batches come from them),
     // and those of the scope.
-    let every = allowed_of(workload, &model, config, target, samples, &facts, Scope::All);
+    let every = allowed_of(
+        workload,
+        &model,
+        config,
+        target,
+        samples,
+        &facts,
+        Scope::All,
+    );
     let (allowed, refused) = if scope == Scope::All {
         every.clone()
     } else {
@@ -217,7 +225,9 @@ fn known(
     } else if config.hardware.plan_cache {
         Kept::open(&signature())
     } else {
-        Kept::off(Some("hardware.plan_cache = false: measured now, not kept".into()))
+        Kept::off(Some(
+            "hardware.plan_cache = false: measured now, not kept".into(),
+        ))
     };
     let known: Known = agreed(|| {
         let mut entry = kept.entry().clone();
@@ -270,7 +280,11 @@ fn fits(
 ) -> BTreeMap<String, Fit> {
     let point = |s: &TrainerSettings, batch: usize| {
         let id = point_id_of(s, batch);
-        fresh.points.get(&id).or_else(|| known.points.get(&id)).copied()
+        fresh
+            .points
+            .get(&id)
+            .or_else(|| known.points.get(&id))
+            .copied()
     };
     let mut fits = BTreeMap::new();
     for (_, s) in held {
