@@ -1,4 +1,5 @@
-//! Models for kiln (ConvNet, MLP, GPT): plain Burn modules with no parallelism imports.
+//! Models for kiln (ConvNet, MLP, GPT, and the Hugging Face families Llama and GPT-2): plain
+//! Burn modules with no parallelism imports.
 //!
 //! Every model implements [`TrainStep`] ("batch in, loss and outputs out") so that kiln's
 //! trainer can drive it, and exposes an ordinary `forward` for inference. A model is described
@@ -9,6 +10,10 @@
 pub mod blocks;
 pub mod convnet;
 pub mod gpt;
+pub mod gpt2;
+pub mod hf;
+pub mod llama;
+pub mod lm;
 pub mod load;
 pub mod metric;
 pub mod mlp;
@@ -16,6 +21,10 @@ pub mod mlp;
 pub use blocks::{Activation, BlockStack};
 pub use convnet::{ConvNet, ConvNetConfig};
 pub use gpt::{Gpt, GptConfig, TokenBatch};
+pub use gpt2::{Gpt2, Gpt2Config};
+pub use hf::{HfArchitecture, HfLoaded};
+pub use llama::{Llama, LlamaConfig};
+pub use lm::KvCache;
 pub use load::{
     Classifier, LoadError, ModelKind, ModelSection, ModelSpec, load_classifier, load_gpt_run,
     load_run, read_spec, save_safetensors,
@@ -65,6 +74,32 @@ pub fn param_ids<M: Module>(module: &M) -> Vec<burn::module::ParamId> {
     let mut ids = Ids(Vec::new());
     module.visit(&mut ids);
     ids.0
+}
+
+/// The path of every float parameter of `module` (`model.layers.0.self_attn.q_proj.weight`),
+/// in module order, as weight files name them.
+pub fn param_paths<M: Module>(module: &M) -> Vec<String> {
+    struct Paths {
+        at: Vec<String>,
+        out: Vec<String>,
+    }
+    impl burn::module::ModuleVisitor for Paths {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.at.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.at.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _param: &burn::module::Param<Tensor<D>>) {
+            self.out.push(self.at.join("."));
+        }
+    }
+    let mut paths = Paths {
+        at: Vec::new(),
+        out: Vec::new(),
+    };
+    module.visit(&mut paths);
+    paths.out
 }
 
 /// A batch of images with their class labels.

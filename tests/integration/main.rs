@@ -14,6 +14,7 @@ mod fuzz;
 mod generative;
 mod gpt;
 mod heal;
+mod hf;
 mod monitor;
 #[cfg(feature = "mpi")]
 mod mpi;

@@ -1,0 +1,429 @@
+//! GPT-2 with its modules named as Hugging Face's `GPT2LMHeadModel` names them
+//! (`transformer.h.N.attn.c_attn`, …): learned positions, LayerNorm with biases, the fused
+//! `c_attn` projection, the tanh GELU (`gelu_new`), and the head tied to the token embedding.
+//! Its projections are [`Conv1D`]s, which store their weight `[in, out]` as GPT-2's checkpoints
+//! do (Burn's layout already: nothing is transposed when they load).
+
+use burn::module::Param;
+use burn::nn::{
+    Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+};
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::gpt::TokenBatch;
+use crate::lm::{KvCache, causal_mask, lm_loss};
+use crate::{Activation, BlockStack, StepOutput, TrainStep};
+
+/// GPT-2's MLP activation (`activation_function`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Gpt2Activation {
+    /// The tanh approximation of GELU (`gelu_new`, `gelu_pytorch_tanh`).
+    #[serde(rename = "gelu_new", alias = "gelu_pytorch_tanh")]
+    GeluTanh,
+    /// The exact GELU (`gelu`).
+    #[serde(rename = "gelu")]
+    Gelu,
+    /// `relu`.
+    #[serde(rename = "relu")]
+    Relu,
+}
+
+/// Architecture of a [`Gpt2`]: the fields of a Hugging Face `config.json` of GPT-2 (read by
+/// [`crate::hf`]), or a `[model.gpt2]` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Gpt2Config {
+    /// Vocabulary size; 0 takes it from the data's tokenizer. Default 0.
+    pub vocab_size: usize,
+    /// Longest context (learned positions). Default 256.
+    pub n_positions: usize,
+    /// Width of the residual stream. Default 256.
+    pub n_embd: usize,
+    /// Blocks. Default 4.
+    pub n_layer: usize,
+    /// Attention heads. Default 4.
+    pub n_head: usize,
+    /// Width of the MLP; 0 means 4 · `n_embd`. Default 0.
+    pub n_inner: usize,
+    /// LayerNorm's epsilon. Default 1e-5.
+    pub layer_norm_epsilon: f64,
+    /// The MLP's activation. Default `gelu_new`.
+    pub activation_function: Gpt2Activation,
+    /// The head shares the token embedding's weights. Default true.
+    pub tie_word_embeddings: bool,
+}
+
+impl Default for Gpt2Config {
+    fn default() -> Self {
+        Self {
+            vocab_size: 0,
+            n_positions: 256,
+            n_embd: 256,
+            n_layer: 4,
+            n_head: 4,
+            n_inner: 0,
+            layer_norm_epsilon: 1e-5,
+            activation_function: Gpt2Activation::GeluTanh,
+            tie_word_embeddings: true,
+        }
+    }
+}
+
+impl Gpt2Config {
+    /// Width of the MLP.
+    pub fn inner(&self) -> usize {
+        if self.n_inner == 0 {
+            4 * self.n_embd
+        } else {
+            self.n_inner
+        }
+    }
+
+    /// Checks the configuration, with the vocabulary size resolved; `key` names the section.
+    pub fn validate(&self, key: &str) -> Result<(), String> {
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("n_positions", self.n_positions),
+            ("n_embd", self.n_embd),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+        ] {
+            if v == 0 {
+                return Err(format!("{key}.{name} must be at least 1, got 0"));
+            }
+        }
+        if !self.n_embd.is_multiple_of(self.n_head) {
+            return Err(format!(
+                "{key}.n_embd ({}) must be a multiple of {key}.n_head ({})",
+                self.n_embd, self.n_head
+            ));
+        }
+        Ok(())
+    }
+
+    /// Builds the model on `device` with GPT-2's initialisation: N(0, 0.02) weights, residual
+    /// projections scaled by 1/√(2·n_layer), zero biases, unit LayerNorm gains.
+    pub fn init(&self, device: &Device) -> Gpt2 {
+        let c = self.n_embd;
+        let conv = |i: usize, o: usize, std: f64| Conv1D {
+            weight: Initializer::Normal { mean: 0.0, std }.init([i, o], device),
+            bias: Initializer::Zeros.init([o], device),
+        };
+        let residual = 0.02 / (2.0 * self.n_layer as f64).sqrt();
+        let ln = || {
+            LayerNormConfig::new(c)
+                .with_epsilon(self.layer_norm_epsilon)
+                .init(device)
+        };
+        let h = (0..self.n_layer)
+            .map(|_| Gpt2Block {
+                ln_1: ln(),
+                attn: Gpt2Attention {
+                    c_attn: conv(c, 3 * c, 0.02),
+                    c_proj: conv(c, c, residual),
+                },
+                ln_2: ln(),
+                mlp: Gpt2Mlp {
+                    c_fc: conv(c, self.inner(), 0.02),
+                    c_proj: conv(self.inner(), c, residual),
+                },
+            })
+            .collect();
+        let normal = Initializer::Normal {
+            mean: 0.0,
+            std: 0.02,
+        };
+        Gpt2 {
+            transformer: Gpt2Model {
+                wte: EmbeddingConfig::new(self.vocab_size, c)
+                    .with_initializer(normal.clone())
+                    .init(device),
+                wpe: EmbeddingConfig::new(self.n_positions, c)
+                    .with_initializer(normal.clone())
+                    .init(device),
+                h,
+                ln_f: ln(),
+            },
+            lm_head: (!self.tie_word_embeddings).then(|| {
+                LinearConfig::new(c, self.vocab_size)
+                    .with_bias(false)
+                    .with_initializer(normal)
+                    .init(device)
+            }),
+            config: self.clone(),
+        }
+    }
+
+    /// Parameters of the model this config builds.
+    pub fn num_params(&self) -> usize {
+        let (c, f) = (self.n_embd, self.inner());
+        let block = 4 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * f + f) + (f * c + c);
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            c * self.vocab_size
+        };
+        (self.vocab_size + self.n_positions) * c + self.n_layer * block + 2 * c + head
+    }
+
+    /// Training FLOPs per token: 6·N (N without the embeddings) + 12·L·H·Q·T at a context of
+    /// `context` tokens.
+    pub fn flops_per_token(&self, context: usize) -> f64 {
+        let n = (self.num_params() - (self.vocab_size + self.n_positions) * self.n_embd) as f64;
+        let (l, h, q) = (
+            self.n_layer as f64,
+            self.n_head as f64,
+            (self.n_embd / self.n_head) as f64,
+        );
+        6.0 * n + 12.0 * l * h * q * context as f64
+    }
+}
+
+/// GPT-2's projection: `x · weight + bias` with `weight` stored `[in, out]`.
+#[derive(Module, Debug)]
+pub struct Conv1D {
+    /// `[in, out]`.
+    pub weight: Param<Tensor<2>>,
+    /// `[out]`.
+    pub bias: Param<Tensor<1>>,
+}
+
+impl Conv1D {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        burn::tensor::module::linear(x, self.weight.val(), Some(self.bias.val()))
+    }
+}
+
+/// Causal self-attention with the fused q/k/v projection.
+#[derive(Module, Debug)]
+pub struct Gpt2Attention {
+    c_attn: Conv1D,
+    c_proj: Conv1D,
+}
+
+impl Gpt2Attention {
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        heads: usize,
+        mask: Option<Tensor<2, Bool>>,
+        cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
+    ) -> Tensor<3> {
+        let [b, t, c] = x.dims();
+        let d = c / heads;
+        let qkv = self.c_attn.forward(x);
+        let split = |i: usize| {
+            qkv.clone()
+                .slice([0..b, 0..t, i * c..(i + 1) * c])
+                .reshape([b, t, heads, d])
+                .swap_dims(1, 2)
+        };
+        let (q, mut k, mut v) = (split(0), split(1), split(2));
+        if let Some((ck, cv)) = cache {
+            if let Some(old) = ck.take() {
+                k = Tensor::cat(vec![old, k], 2);
+            }
+            if let Some(old) = cv.take() {
+                v = Tensor::cat(vec![old, v], 2);
+            }
+            *ck = Some(k.clone());
+            *cv = Some(v.clone());
+        }
+        let s = k.dims()[2];
+        let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((d as f64).sqrt());
+        let scores = match mask {
+            Some(m) => scores.mask_fill(
+                m.reshape([1, 1, t, s]).expand([b, heads, t, s]),
+                f32::NEG_INFINITY,
+            ),
+            None => scores,
+        };
+        let weights = burn::tensor::activation::softmax(scores, 3);
+        let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, c]);
+        self.c_proj.forward(y)
+    }
+}
+
+/// The MLP: `c_proj(act(c_fc(x)))`.
+#[derive(Module, Debug)]
+pub struct Gpt2Mlp {
+    c_fc: Conv1D,
+    c_proj: Conv1D,
+}
+
+/// One pre-LayerNorm block.
+#[derive(Module, Debug)]
+pub struct Gpt2Block {
+    ln_1: LayerNorm,
+    attn: Gpt2Attention,
+    ln_2: LayerNorm,
+    mlp: Gpt2Mlp,
+}
+
+impl Gpt2Block {
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        config: &Gpt2Config,
+        mask: Option<Tensor<2, Bool>>,
+        cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
+    ) -> Tensor<3> {
+        let a = self
+            .attn
+            .forward(self.ln_1.forward(x.clone()), config.n_head, mask, cache);
+        let x = x + a;
+        let h = self.mlp.c_fc.forward(self.ln_2.forward(x.clone()));
+        let h = match config.activation_function {
+            Gpt2Activation::GeluTanh => burn::tensor::activation::gelu_approximate(h),
+            Gpt2Activation::Gelu => burn::tensor::activation::gelu(h),
+            Gpt2Activation::Relu => burn::tensor::activation::relu(h),
+        };
+        x + self.mlp.c_proj.forward(h)
+    }
+}
+
+/// The transformer: embeddings, blocks and the final LayerNorm (`GPT2Model`).
+#[derive(Module, Debug)]
+pub struct Gpt2Model {
+    /// Token embedding (also the head when tied).
+    pub wte: Embedding,
+    /// Learned position embedding.
+    pub wpe: Embedding,
+    /// The blocks, exposed so that recomputation and pipelines can split them.
+    pub h: Vec<Gpt2Block>,
+    /// The final LayerNorm.
+    pub ln_f: LayerNorm,
+}
+
+/// GPT-2 with its language-modelling head (`GPT2LMHeadModel`).
+#[derive(Module, Debug)]
+pub struct Gpt2 {
+    /// The transformer.
+    pub transformer: Gpt2Model,
+    /// The head; `None` when tied to the token embedding.
+    pub lm_head: Option<Linear>,
+    #[module(skip)]
+    config: Gpt2Config,
+}
+
+impl Gpt2 {
+    /// The architecture.
+    pub fn config(&self) -> &Gpt2Config {
+        &self.config
+    }
+
+    /// Token and position embeddings of `tokens` at positions `start..`.
+    fn embed(&self, tokens: Tensor<2, Int>, start: usize) -> Tensor<3> {
+        let [b, t] = tokens.dims();
+        let positions =
+            Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &tokens.device())
+                .reshape([1, t])
+                .expand([b, t]);
+        self.transformer.wte.forward(tokens) + self.transformer.wpe.forward(positions)
+    }
+
+    /// The final LayerNorm and the head: `[b, t, c]` → logits `[b, t, vocab]`.
+    pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = self.transformer.ln_f.forward(x);
+        match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => {
+                let [b, t, c] = x.dims();
+                let weight = self.transformer.wte.weight.val();
+                let vocab = weight.dims()[0];
+                x.reshape([b * t, c])
+                    .matmul(weight.transpose())
+                    .reshape([b, t, vocab])
+            }
+        }
+    }
+
+    /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let t = tokens.dims()[1];
+        let mask = (t > 1).then(|| causal_mask(0, t, None, &tokens.device()));
+        let mut x = self.embed(tokens, 0);
+        for block in &self.transformer.h {
+            x = block.forward(x, &self.config, mask.clone(), None);
+        }
+        self.head(x)
+    }
+
+    /// Logits of `tokens` following the positions `cache` holds, which takes their keys and
+    /// values.
+    pub fn forward_cached(&self, tokens: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
+        let t = tokens.dims()[1];
+        let start = cache.len;
+        let device = tokens.device();
+        let mask = (t > 1).then(|| causal_mask(start, t, None, &device));
+        cache.layers.resize(self.transformer.h.len(), (None, None));
+        let mut x = self.embed(tokens, start);
+        for (block, kv) in self.transformer.h.iter().zip(cache.layers.iter_mut()) {
+            x = block.forward(x, &self.config, mask.clone(), Some(kv));
+        }
+        cache.len += t;
+        self.head(x)
+    }
+
+    /// Continues `prompt` by `tokens` ids with a key/value cache (see
+    /// [`crate::llama::Llama::generate`]).
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        uniform: impl FnMut() -> f64,
+    ) -> Vec<u32> {
+        let device = self.transformer.wte.weight.val().device();
+        crate::lm::generate(
+            prompt,
+            tokens,
+            (temperature, top_k, self.config.n_positions),
+            &device,
+            |ids, cache| self.forward_cached(ids, cache),
+            uniform,
+        )
+    }
+}
+
+impl BlockStack<TokenBatch> for Gpt2 {
+    fn num_blocks(&self) -> usize {
+        self.transformer.h.len()
+    }
+
+    fn stem(&self, batch: &TokenBatch) -> Activation {
+        Activation::Rank3(self.embed(batch.inputs.clone(), 0))
+    }
+
+    fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
+        crate::param_ids(&self.transformer.h[i])
+    }
+
+    fn block(&self, i: usize, x: Activation) -> Activation {
+        let x: Tensor<3> = x.into_rank();
+        let t = x.dims()[1];
+        let mask = (t > 1).then(|| causal_mask(0, t, None, &x.device()));
+        Activation::Rank3(self.transformer.h[i].forward(x, &self.config, mask, None))
+    }
+
+    fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
+        let samples = batch.inputs.dims()[0];
+        StepOutput::new(
+            lm_loss(Gpt2::head(self, x.into_rank()), batch.targets.clone()),
+            samples,
+        )
+    }
+
+    fn blocks_deterministic(&self) -> bool {
+        true
+    }
+}
+
+impl TrainStep<TokenBatch> for Gpt2 {
+    fn step(&self, batch: TokenBatch) -> StepOutput {
+        let samples = batch.inputs.dims()[0];
+        StepOutput::new(lm_loss(self.forward(batch.inputs), batch.targets), samples)
+    }
+}

@@ -1,0 +1,599 @@
+//! The Llama family — Llama 2 and 3, SmolLM, Mistral, Qwen2 — with its modules named as Hugging
+//! Face's `LlamaForCausalLM` names them (`model.layers.N.self_attn.q_proj`, …), so that a
+//! checkpoint's tensors load by name: RMSNorm, rotary position embedding in the half-split
+//! layout (`rotate_half`), grouped-query attention, a SwiGLU MLP, optional attention and MLP
+//! biases (Qwen2's on q, k and v only), a tied or untied head, and decoding with a key/value
+//! cache.
+
+use burn::nn::{
+    Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig, RmsNorm, RmsNormConfig,
+};
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::gpt::TokenBatch;
+use crate::lm::{KvCache, causal_mask, lm_loss};
+use crate::{Activation, BlockStack, StepOutput, TrainStep};
+
+/// How a checkpoint stretches its rotary frequencies beyond the context it was trained on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Every frequency divided by `factor`.
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, those between
+    /// blended.
+    Llama3 {
+        /// The divisor of the low frequencies.
+        factor: f64,
+        /// Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are
+        /// divided.
+        low_freq_factor: f64,
+        /// Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` are
+        /// kept.
+        high_freq_factor: f64,
+        /// The context the checkpoint was first trained on.
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// Architecture of a [`Llama`]: the fields of a Hugging Face `config.json` of this family
+/// (read by [`crate::hf`]), or a `[model.llama]` section for a model trained from scratch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LlamaConfig {
+    /// Vocabulary size; 0 takes it from the data's tokenizer. Default 0.
+    pub vocab_size: usize,
+    /// Width of the residual stream. Default 256.
+    pub hidden_size: usize,
+    /// Width of the MLP's gate and up projections. Default 688.
+    pub intermediate_size: usize,
+    /// Decoder layers. Default 4.
+    pub num_hidden_layers: usize,
+    /// Query heads. Default 4.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention); 0 means as many as query heads. Default 0.
+    pub num_key_value_heads: usize,
+    /// Width of a head; 0 means `hidden_size / num_attention_heads`. Default 0.
+    pub head_dim: usize,
+    /// Longest context, in tokens. Default 256.
+    pub max_position_embeddings: usize,
+    /// RMSNorm's epsilon. Default 1e-5.
+    pub rms_norm_eps: f64,
+    /// The rotary embedding's base. Default 10000.
+    pub rope_theta: f64,
+    /// How the rotary frequencies are stretched, if at all. Default none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Biases on the q, k, v and o projections (Llama's `attention_bias`). Default false.
+    pub attention_bias: bool,
+    /// Biases on the q, k and v projections only (Qwen2). Default false.
+    pub qkv_bias: bool,
+    /// Biases on the MLP's projections. Default false.
+    pub mlp_bias: bool,
+    /// The head shares the token embedding's weights. Default true.
+    pub tie_word_embeddings: bool,
+    /// Mistral's sliding window: a position attends to at most this many positions back.
+    /// Default none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
+}
+
+impl Default for LlamaConfig {
+    fn default() -> Self {
+        Self {
+            vocab_size: 0,
+            hidden_size: 256,
+            intermediate_size: 688,
+            num_hidden_layers: 4,
+            num_attention_heads: 4,
+            num_key_value_heads: 0,
+            head_dim: 0,
+            max_position_embeddings: 256,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            attention_bias: false,
+            qkv_bias: false,
+            mlp_bias: false,
+            tie_word_embeddings: true,
+            sliding_window: None,
+        }
+    }
+}
+
+impl LlamaConfig {
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        if self.num_key_value_heads == 0 {
+            self.num_attention_heads
+        } else {
+            self.num_key_value_heads
+        }
+    }
+
+    /// Width of one head.
+    pub fn head_width(&self) -> usize {
+        if self.head_dim == 0 {
+            self.hidden_size / self.num_attention_heads.max(1)
+        } else {
+            self.head_dim
+        }
+    }
+
+    /// Checks the configuration, with the vocabulary size resolved; `key` names the section.
+    pub fn validate(&self, key: &str) -> Result<(), String> {
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return Err(format!("{key}.{name} must be at least 1, got 0"));
+            }
+        }
+        if self.head_dim == 0 && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+            return Err(format!(
+                "{key}.hidden_size ({}) must be a multiple of {key}.num_attention_heads ({}) \
+                 unless {key}.head_dim is set",
+                self.hidden_size, self.num_attention_heads
+            ));
+        }
+        if !self.head_width().is_multiple_of(2) {
+            return Err(format!(
+                "{key}: a head's width ({}) must be even for the rotary embedding",
+                self.head_width()
+            ));
+        }
+        if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
+            return Err(format!(
+                "{key}.num_attention_heads ({}) must be a multiple of \
+                 {key}.num_key_value_heads ({})",
+                self.num_attention_heads,
+                self.kv_heads()
+            ));
+        }
+        if !(self.rope_theta > 0.0 && self.rms_norm_eps > 0.0) {
+            return Err(format!(
+                "{key}.rope_theta and {key}.rms_norm_eps must be positive, got {} and {}",
+                self.rope_theta, self.rms_norm_eps
+            ));
+        }
+        Ok(())
+    }
+
+    /// The rotary embedding's inverse frequencies, one per pair of a head's dimensions, as
+    /// Hugging Face computes them (in f32), stretched as `rope_scaling` says.
+    pub fn inv_freq(&self) -> Vec<f32> {
+        let d = self.head_width();
+        let base = self.rope_theta as f32;
+        let plain: Vec<f32> = (0..d / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
+            .collect();
+        match &self.rope_scaling {
+            None => plain,
+            Some(RopeScaling::Linear { factor }) => {
+                plain.iter().map(|f| f / *factor as f32).collect()
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                let old = *original_max_position_embeddings as f32;
+                let (factor, low, high) = (
+                    *factor as f32,
+                    *low_freq_factor as f32,
+                    *high_freq_factor as f32,
+                );
+                let (low_wavelen, high_wavelen) = (old / low, old / high);
+                plain
+                    .iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        if wavelen > low_wavelen {
+                            f / factor
+                        } else if wavelen < high_wavelen {
+                            f
+                        } else {
+                            let smooth = (old / wavelen - low) / (high - low);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Builds the model on `device`: N(0, 0.02) weights, zero biases, unit norm gains.
+    pub fn init(&self, device: &Device) -> Llama {
+        let normal = Initializer::Normal {
+            mean: 0.0,
+            std: 0.02,
+        };
+        let linear = |i: usize, o: usize, bias: bool| {
+            let mut l = LinearConfig::new(i, o)
+                .with_bias(bias)
+                .with_initializer(normal.clone())
+                .init(device);
+            if let Some(b) = l.bias.take() {
+                l.bias = Some(b.map(|b| b.zeros_like()));
+            }
+            l
+        };
+        let norm = || {
+            RmsNormConfig::new(self.hidden_size)
+                .with_epsilon(self.rms_norm_eps)
+                .init(device)
+        };
+        let (c, d) = (self.hidden_size, self.head_width());
+        let (h, kv) = (self.num_attention_heads, self.kv_heads());
+        let qkv = self.attention_bias || self.qkv_bias;
+        let layers = (0..self.num_hidden_layers)
+            .map(|_| DecoderLayer {
+                input_layernorm: norm(),
+                self_attn: Attention {
+                    q_proj: linear(c, h * d, qkv),
+                    k_proj: linear(c, kv * d, qkv),
+                    v_proj: linear(c, kv * d, qkv),
+                    o_proj: linear(h * d, c, self.attention_bias),
+                },
+                post_attention_layernorm: norm(),
+                mlp: SwiGlu {
+                    gate_proj: linear(c, self.intermediate_size, self.mlp_bias),
+                    up_proj: linear(c, self.intermediate_size, self.mlp_bias),
+                    down_proj: linear(self.intermediate_size, c, self.mlp_bias),
+                },
+            })
+            .collect();
+        Llama {
+            model: LlamaModel {
+                embed_tokens: EmbeddingConfig::new(self.vocab_size, c)
+                    .with_initializer(normal.clone())
+                    .init(device),
+                layers,
+                norm: norm(),
+            },
+            lm_head: (!self.tie_word_embeddings).then(|| linear(c, self.vocab_size, false)),
+            config: self.clone(),
+        }
+    }
+
+    /// Parameters of the model this config builds.
+    pub fn num_params(&self) -> usize {
+        let (c, d, f) = (self.hidden_size, self.head_width(), self.intermediate_size);
+        let (h, kv) = (self.num_attention_heads, self.kv_heads());
+        let qkv = usize::from(self.attention_bias || self.qkv_bias);
+        let o = usize::from(self.attention_bias);
+        let m = usize::from(self.mlp_bias);
+        let attention = c * h * d + 2 * c * kv * d + h * d * c + qkv * (h * d + 2 * kv * d) + o * c;
+        let mlp = 3 * c * f + m * (2 * f + c);
+        let layer = attention + mlp + 2 * c;
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            c * self.vocab_size
+        };
+        self.vocab_size * c + self.num_hidden_layers * layer + c + head
+    }
+
+    /// Training FLOPs per token: 6·N (N without the embedding) + 12·L·H·D·T at a context of
+    /// `context` tokens.
+    pub fn flops_per_token(&self, context: usize) -> f64 {
+        let n = (self.num_params() - self.vocab_size * self.hidden_size) as f64;
+        let (l, h, d) = (
+            self.num_hidden_layers as f64,
+            self.num_attention_heads as f64,
+            self.head_width() as f64,
+        );
+        6.0 * n + 12.0 * l * h * d * context as f64
+    }
+}
+
+/// Grouped-query self-attention with rotary positions.
+#[derive(Module, Debug)]
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+}
+
+/// The rotary embedding's tables for positions `start..start + t`: `cos` and `sin`, `[t, d]`,
+/// each frequency twice (the half-split layout).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor<2>,
+    sin: Tensor<2>,
+}
+
+impl Rope {
+    /// The tables of `inv_freq` for positions `start..start + t` on `device`.
+    pub fn new(inv_freq: &[f32], start: usize, t: usize, device: &Device) -> Self {
+        let half = inv_freq.len();
+        let mut angles = Vec::with_capacity(t * 2 * half);
+        for p in start..start + t {
+            for _ in 0..2 {
+                angles.extend(inv_freq.iter().map(|f| p as f32 * f));
+            }
+        }
+        let angles = Tensor::<2>::from_data(TensorData::new(angles, [t, 2 * half]), device);
+        Self {
+            cos: angles.clone().cos(),
+            sin: angles.sin(),
+        }
+    }
+
+    /// `x` (`[b, heads, t, d]`) rotated: `x·cos + rotate_half(x)·sin`, with `rotate_half(x) =
+    /// [-x₂, x₁]` for the halves x₁, x₂ of each head.
+    fn apply(&self, x: Tensor<4>) -> Tensor<4> {
+        let [b, h, t, d] = x.dims();
+        let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
+        let x2 = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        let cos = self.cos.clone().reshape([1, 1, t, d]);
+        let sin = self.sin.clone().reshape([1, 1, t, d]);
+        x * cos + rotated * sin
+    }
+}
+
+impl Attention {
+    /// `[b, t, c]` → `[b, t, c]` at positions given by `rope`; with a `cache`, the keys and
+    /// values of earlier positions are read from it and this call's appended (then `mask`
+    /// covers the cached positions too).
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &Rope,
+        mask: Option<Tensor<2, Bool>>,
+        heads: (usize, usize),
+        cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
+    ) -> Tensor<3> {
+        let [b, t, _] = x.dims();
+        let (h, kv) = heads;
+        let split = |y: Tensor<3>, n: usize| {
+            let d = y.dims()[2] / n;
+            y.reshape([b, t, n, d]).swap_dims(1, 2)
+        };
+        let q = rope.apply(split(self.q_proj.forward(x.clone()), h));
+        let mut k = rope.apply(split(self.k_proj.forward(x.clone()), kv));
+        let mut v = split(self.v_proj.forward(x), kv);
+        if let Some((ck, cv)) = cache {
+            if let Some(old) = ck.take() {
+                k = Tensor::cat(vec![old, k], 2);
+            }
+            if let Some(old) = cv.take() {
+                v = Tensor::cat(vec![old, v], 2);
+            }
+            *ck = Some(k.clone());
+            *cv = Some(v.clone());
+        }
+        let d = q.dims()[3];
+        let s = k.dims()[2];
+        // Each key/value head serves h / kv query heads.
+        let repeat = |y: Tensor<4>| {
+            if h == kv {
+                return y;
+            }
+            y.reshape([b, kv, 1, s, d])
+                .expand([b, kv, h / kv, s, d])
+                .reshape([b, h, s, d])
+        };
+        let (k, v) = (repeat(k), repeat(v));
+        let scores = q
+            .matmul(k.swap_dims(2, 3))
+            .mul_scalar(1.0 / (d as f64).sqrt());
+        let scores = match mask {
+            Some(m) => scores.mask_fill(
+                m.reshape([1, 1, t, s]).expand([b, h, t, s]),
+                f32::NEG_INFINITY,
+            ),
+            None => scores,
+        };
+        let weights = burn::tensor::activation::softmax(scores, 3);
+        let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, h * d]);
+        self.o_proj.forward(y)
+    }
+}
+
+/// The SwiGLU MLP: `down(silu(gate(x)) · up(x))`.
+#[derive(Module, Debug)]
+pub struct SwiGlu {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl SwiGlu {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let gate = burn::tensor::activation::silu(self.gate_proj.forward(x.clone()));
+        self.down_proj.forward(gate * self.up_proj.forward(x))
+    }
+}
+
+/// One pre-norm decoder layer.
+#[derive(Module, Debug)]
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: SwiGlu,
+}
+
+impl DecoderLayer {
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &Rope,
+        mask: Option<Tensor<2, Bool>>,
+        heads: (usize, usize),
+        cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
+    ) -> Tensor<3> {
+        let a = self.self_attn.forward(
+            self.input_layernorm.forward(x.clone()),
+            rope,
+            mask,
+            heads,
+            cache,
+        );
+        let x = x + a;
+        x.clone() + self.mlp.forward(self.post_attention_layernorm.forward(x))
+    }
+}
+
+/// The decoder: the token embedding, the layers and the final norm (`LlamaModel`).
+#[derive(Module, Debug)]
+pub struct LlamaModel {
+    /// The token embedding (also the head when tied).
+    pub embed_tokens: Embedding,
+    /// The decoder layers, exposed so that recomputation and pipelines can split them.
+    pub layers: Vec<DecoderLayer>,
+    /// The final RMSNorm.
+    pub norm: RmsNorm,
+}
+
+/// A Llama-family causal language model (`LlamaForCausalLM`).
+#[derive(Module, Debug)]
+pub struct Llama {
+    /// The decoder.
+    pub model: LlamaModel,
+    /// The output head; `None` when tied to the token embedding.
+    pub lm_head: Option<Linear>,
+    #[module(skip)]
+    config: LlamaConfig,
+}
+
+impl Llama {
+    /// The architecture.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    fn heads(&self) -> (usize, usize) {
+        (self.config.num_attention_heads, self.config.kv_heads())
+    }
+
+    /// The rotary tables and the attention mask of `t` new positions after `start` cached ones.
+    fn positions(
+        &self,
+        start: usize,
+        t: usize,
+        device: &Device,
+    ) -> (Rope, Option<Tensor<2, Bool>>) {
+        let rope = Rope::new(&self.config.inv_freq(), start, t, device);
+        let mask = (t > 1 || self.config.sliding_window.is_some())
+            .then(|| causal_mask(start, t, self.config.sliding_window, device));
+        (rope, mask)
+    }
+
+    /// The final norm and the head: `[b, t, c]` → logits `[b, t, vocab]`.
+    pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = self.model.norm.forward(x);
+        match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => {
+                let [b, t, c] = x.dims();
+                let weight = self.model.embed_tokens.weight.val();
+                let vocab = weight.dims()[0];
+                x.reshape([b * t, c])
+                    .matmul(weight.transpose())
+                    .reshape([b, t, vocab])
+            }
+        }
+    }
+
+    /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let t = tokens.dims()[1];
+        let (rope, mask) = self.positions(0, t, &tokens.device());
+        let mut x = self.model.embed_tokens.forward(tokens);
+        for layer in &self.model.layers {
+            x = layer.forward(x, &rope, mask.clone(), self.heads(), None);
+        }
+        self.head(x)
+    }
+
+    /// Logits `[batch, time, vocab]` of `tokens` following the positions `cache` holds, which
+    /// takes their keys and values.
+    pub fn forward_cached(&self, tokens: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
+        let t = tokens.dims()[1];
+        let start = cache.len;
+        let (rope, mask) = self.positions(start, t, &tokens.device());
+        cache.layers.resize(self.model.layers.len(), (None, None));
+        let mut x = self.model.embed_tokens.forward(tokens);
+        for (layer, kv) in self.model.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward(x, &rope, mask.clone(), self.heads(), Some(kv));
+        }
+        cache.len += t;
+        self.head(x)
+    }
+
+    /// Continues `prompt` by `tokens` ids, each the most likely (`temperature` 0) or drawn as
+    /// [`crate::gpt::sample`] draws, with a key/value cache: the prompt once, then one
+    /// position per new token.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        uniform: impl FnMut() -> f64,
+    ) -> Vec<u32> {
+        let device = self.model.embed_tokens.weight.val().device();
+        crate::lm::generate(
+            prompt,
+            tokens,
+            (temperature, top_k, self.config.max_position_embeddings),
+            &device,
+            |ids, cache| self.forward_cached(ids, cache),
+            uniform,
+        )
+    }
+}
+
+impl BlockStack<TokenBatch> for Llama {
+    fn num_blocks(&self) -> usize {
+        self.model.layers.len()
+    }
+
+    fn stem(&self, batch: &TokenBatch) -> Activation {
+        Activation::Rank3(self.model.embed_tokens.forward(batch.inputs.clone()))
+    }
+
+    fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
+        crate::param_ids(&self.model.layers[i])
+    }
+
+    fn block(&self, i: usize, x: Activation) -> Activation {
+        let x: Tensor<3> = x.into_rank();
+        let t = x.dims()[1];
+        let (rope, mask) = self.positions(0, t, &x.device());
+        Activation::Rank3(self.model.layers[i].forward(x, &rope, mask, self.heads(), None))
+    }
+
+    fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
+        let samples = batch.inputs.dims()[0];
+        StepOutput::new(
+            lm_loss(Llama::head(self, x.into_rank()), batch.targets.clone()),
+            samples,
+        )
+    }
+
+    fn blocks_deterministic(&self) -> bool {
+        true
+    }
+}
+
+impl TrainStep<TokenBatch> for Llama {
+    fn step(&self, batch: TokenBatch) -> StepOutput {
+        let samples = batch.inputs.dims()[0];
+        StepOutput::new(lm_loss(self.forward(batch.inputs), batch.targets), samples)
+    }
+}

@@ -1,0 +1,314 @@
+//! The models people bring: Hugging Face checkpoints made by `transformers`
+//! (`tests/fixtures/hf`, written by `xtask/reference/hf_fixtures.py` with their reference
+//! logits, loss and greedy continuation) read by kiln's Llama and GPT-2: the same logits within
+//! 1e-4 of their scale, the same loss within 1e-5, the same 32 greedy tokens — from a single
+//! file, shards and bf16 alike — and decoding with a key/value cache equal to decoding without.
+
+use std::path::{Path, PathBuf};
+
+use burn::prelude::*;
+use kiln_models::hf::{self, HfArchitecture};
+use kiln_models::{Gpt2, Llama};
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/hf")
+        .join(name)
+}
+
+/// A fixture's reference outputs.
+struct Reference {
+    ids: Vec<u32>,
+    logits: Vec<f32>,
+    loss: f64,
+    continuation: Vec<u32>,
+}
+
+fn reference(dir: &Path) -> Reference {
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let nums = |key: &str| -> Vec<f64> {
+        v[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    Reference {
+        ids: nums("ids").iter().map(|&x| x as u32).collect(),
+        logits: nums("logits").iter().map(|&x| x as f32).collect(),
+        loss: v["loss"].as_f64().unwrap(),
+        continuation: nums("continuation").iter().map(|&x| x as u32).collect(),
+    }
+}
+
+/// A model of either family, as the fixture's config.json says.
+enum Lm {
+    Llama(Llama),
+    Gpt2(Gpt2),
+}
+
+impl Lm {
+    fn load(dir: &Path) -> Lm {
+        let device = Device::flex();
+        match hf::read_config(dir).unwrap() {
+            HfArchitecture::Llama(c) => Lm::Llama(hf::load_llama(dir, &c, &device).unwrap().0),
+            HfArchitecture::Gpt2(c) => Lm::Gpt2(hf::load_gpt2(dir, &c, &device).unwrap().0),
+        }
+    }
+
+    fn forward(&self, ids: &[u32]) -> Tensor<3> {
+        let device = Device::flex();
+        let t = ids.len();
+        let input = Tensor::<2, Int>::from_data(
+            TensorData::new(ids.iter().map(|&i| i64::from(i)).collect(), [1, t]),
+            &device,
+        );
+        match self {
+            Lm::Llama(m) => m.forward(input),
+            Lm::Gpt2(m) => m.forward(input),
+        }
+    }
+
+    fn generate(&self, prompt: &[u32], tokens: usize) -> Vec<u32> {
+        match self {
+            Lm::Llama(m) => m.generate(prompt, tokens, 0.0, None, || 0.0),
+            Lm::Gpt2(m) => m.generate(prompt, tokens, 0.0, None, || 0.0),
+        }
+    }
+}
+
+/// Greedy decoding by a whole forward per token (no cache).
+fn greedy_without_cache(model: &Lm, prompt: &[u32], tokens: usize) -> Vec<u32> {
+    let mut ids = prompt.to_vec();
+    for _ in 0..tokens {
+        let logits: Vec<f32> = model.forward(&ids).into_data().try_to_vec().unwrap();
+        let v = logits.len() / ids.len();
+        let last = &logits[logits.len() - v..];
+        ids.push(kiln_models::gpt::sample(last, 0.0, None, 0.0));
+    }
+    ids
+}
+
+fn check(name: &str) {
+    let dir = fixture(name);
+    let r = reference(&dir);
+    let model = Lm::load(&dir);
+    let logits = model.forward(&r.ids);
+    let ours: Vec<f32> = logits.clone().into_data().try_to_vec().unwrap();
+    assert_eq!(ours.len(), r.logits.len(), "{name}");
+    let scale = r.logits.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let diff = ours
+        .iter()
+        .zip(&r.logits)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    println!(
+        "{name}: logits max |kiln - transformers| / max |transformers| = {:.2e}",
+        diff / scale
+    );
+    assert!(
+        diff / scale < 1e-4,
+        "{name}: logits differ by {diff} (scale {scale})"
+    );
+    // The loss of the prompt predicting itself shifted by one.
+    let t = r.ids.len();
+    let targets = Tensor::<2, Int>::from_data(
+        TensorData::new(
+            r.ids[1..].iter().map(|&i| i64::from(i)).collect(),
+            [1, t - 1],
+        ),
+        &Device::flex(),
+    );
+    let v = logits.dims()[2];
+    let loss: f32 =
+        kiln_models::lm::lm_loss(logits.slice([0..1, 0..t - 1, 0..v]), targets).into_scalar();
+    println!("{name}: loss {loss} against {}", r.loss);
+    assert!(
+        (f64::from(loss) - r.loss).abs() < 1e-5 * r.loss.abs().max(1.0),
+        "{name}: loss {loss} against {}",
+        r.loss
+    );
+    let cached = model.generate(&r.ids, r.continuation.len());
+    assert_eq!(
+        &cached[t..],
+        r.continuation.as_slice(),
+        "{name}: greedy continuation"
+    );
+    let plain = greedy_without_cache(&model, &r.ids, r.continuation.len());
+    assert_eq!(cached, plain, "{name}: the cache changes the tokens");
+}
+
+#[test]
+fn a_llama_checkpoint_gives_transformers_logits_loss_and_greedy_tokens() {
+    check("llama");
+}
+
+#[test]
+fn a_sharded_llama_checkpoint_reads_as_the_single_file() {
+    check("llama-sharded");
+}
+
+#[test]
+fn a_bf16_llama_checkpoint_is_cast_to_f32() {
+    check("llama-bf16");
+}
+
+#[test]
+fn a_gpt2_checkpoint_gives_transformers_logits_loss_and_greedy_tokens() {
+    check("gpt2");
+}
+
+#[test]
+fn an_original_gpt2_layout_without_prefix_and_with_mask_buffers_reads_the_same() {
+    check("gpt2-legacy");
+    let dir = fixture("gpt2-legacy");
+    let HfArchitecture::Gpt2(c) = hf::read_config(&dir).unwrap() else {
+        panic!("gpt2")
+    };
+    let (_, loaded) = hf::load_gpt2(&dir, &c, &Device::flex()).unwrap();
+    assert_eq!(
+        loaded.ignored,
+        ["transformer.h.0.attn.bias", "transformer.h.1.attn.bias"]
+    );
+}
+
+/// A copy of fixture `name` in a fresh folder, changed by `change`.
+fn altered(name: &str, change: impl FnOnce(&Path)) -> PathBuf {
+    let dir = crate::common::temp_dir(&format!("hf-{name}"));
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    change(&dir);
+    dir
+}
+
+/// `config.json` of `dir` with `edit` applied.
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let path = dir.join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn what_kiln_does_not_read_is_refused_in_one_line_naming_file_and_key() {
+    let one_line = |e: String, needles: &[&str]| {
+        assert_eq!(e.lines().count(), 1, "{e}");
+        for n in needles {
+            assert!(e.contains(n), "{e:?} lacks {n:?}");
+        }
+    };
+    // An architecture kiln lacks.
+    let dir = altered("gpt2", |d| {
+        edit_config(d, |v| v["model_type"] = "falcon".into())
+    });
+    one_line(
+        hf::read_config(&dir).unwrap_err(),
+        &["config.json", "model_type", "\"falcon\"", "llama"],
+    );
+    // A rotary scaling kiln lacks, in transformers 5's and 4's keys.
+    let dir = altered("llama", |d| {
+        edit_config(d, |v| v["rope_parameters"]["rope_type"] = "yarn".into())
+    });
+    one_line(
+        hf::read_config(&dir).unwrap_err(),
+        &[
+            "config.json",
+            "rope_parameters.rope_type",
+            "\"yarn\"",
+            "llama3",
+        ],
+    );
+    let dir = altered("llama", |d| {
+        edit_config(d, |v| {
+            let o = v.as_object_mut().unwrap();
+            o.remove("rope_parameters");
+            o.insert("rope_theta".into(), 500000.0.into());
+            o.insert(
+                "rope_scaling".into(),
+                serde_json::json!({"type": "dynamic", "factor": 2.0}),
+            );
+        })
+    });
+    one_line(
+        hf::read_config(&dir).unwrap_err(),
+        &["rope_scaling.rope_type", "\"dynamic\""],
+    );
+    // A missing shard, named with the index that lists it.
+    let dir = altered("llama-sharded", |d| {
+        std::fs::remove_file(d.join("model-00002-of-00003.safetensors")).unwrap()
+    });
+    one_line(
+        hf::weight_files(&dir).unwrap_err(),
+        &[
+            "model.safetensors.index.json",
+            "model-00002-of-00003.safetensors",
+            "missing",
+        ],
+    );
+    // Weights of another shape than config.json says.
+    let dir = altered("llama", |d| {
+        edit_config(d, |v| v["intermediate_size"] = 128.into())
+    });
+    let HfArchitecture::Llama(c) = hf::read_config(&dir).unwrap() else {
+        panic!("llama")
+    };
+    let e = hf::load_llama(&dir, &c, &Device::flex()).unwrap_err();
+    println!("{e}");
+    one_line(e, &["model.safetensors", "mlp", "shape"]);
+}
+
+#[test]
+fn transformers_4_configs_read_as_5_s() {
+    // The same model described with transformers 4's keys: rope_theta at the top, llama3
+    // scaling in rope_scaling, no head_dim.
+    let json = serde_json::json!({
+        "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "rope_theta": 500000.0, "tie_word_embeddings": true,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    });
+    let HfArchitecture::Llama(c) = hf::parse_config(&json).unwrap() else {
+        panic!("llama")
+    };
+    assert_eq!(
+        (c.rope_theta, c.head_width(), c.kv_heads()),
+        (500000.0, 4, 1)
+    );
+    assert!(c.tie_word_embeddings && c.rope_scaling.is_some());
+    // Qwen2: biases on q, k and v only.
+    let json = serde_json::json!({
+        "model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 1000000.0
+    });
+    let HfArchitecture::Llama(c) = hf::parse_config(&json).unwrap() else {
+        panic!("qwen2")
+    };
+    assert!(c.qkv_bias && !c.attention_bias);
+}
+
+#[test]
+fn llama3_rope_scaling_divides_the_low_frequencies_and_keeps_the_high() {
+    let mut c = kiln_models::LlamaConfig {
+        hidden_size: 128,
+        num_attention_heads: 1,
+        rope_theta: 500000.0,
+        ..Default::default()
+    };
+    let plain = c.inv_freq();
+    c.rope_scaling = Some(kiln_models::llama::RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    });
+    let scaled = c.inv_freq();
+    assert_eq!(scaled[0], plain[0], "the highest frequency is kept");
+    let last = plain.len() - 1;
+    assert!((scaled[last] - plain[last] / 8.0).abs() <= 1e-12 * plain[last].abs().max(1e-30));
+}
