@@ -13,6 +13,7 @@ mod error;
 pub mod folder;
 mod idx;
 pub mod rng;
+pub mod subword;
 pub mod table;
 pub mod text;
 pub mod tokens;

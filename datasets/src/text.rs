@@ -380,6 +380,20 @@ fn split_with(
 
 /// A text file's name (its stem) and its text, checked to be non-empty UTF-8; errors name
 /// the file.
+/// The text of the UTF-8 file `path` (checked as [`TextData::from_file`] checks it) and the
+/// name it goes by (its file stem).
+pub fn read_text_file(path: &Path) -> Result<(String, String), DatasetError> {
+    read_text(path)
+}
+
+/// The byte offset in `text` of the character that starts its second part when its first
+/// `fraction` of characters (rounded) is the first part.
+pub fn char_boundary(text: &str, fraction: f64) -> usize {
+    let chars = text.chars().count();
+    let keep = train_len(chars, fraction);
+    text.char_indices().nth(keep).map_or(text.len(), |(i, _)| i)
+}
+
 fn read_text(path: &Path) -> Result<(String, String), DatasetError> {
     let name = path.file_stem().map_or_else(
         || path.display().to_string(),
@@ -411,7 +425,7 @@ fn check_text(bytes: &[u8]) -> Result<&str, String> {
 }
 
 /// Writes `contents` to `path` via a temporary sibling file and a rename.
-fn write_atomically(path: &Path, contents: &[u8]) -> Result<(), DatasetError> {
+pub(crate) fn write_atomically(path: &Path, contents: &[u8]) -> Result<(), DatasetError> {
     let mut partial_name = path.as_os_str().to_owned();
     partial_name.push(".partial");
     let partial = PathBuf::from(partial_name);

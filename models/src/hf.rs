@@ -340,21 +340,49 @@ fn misfit(e: &burn::store::ApplyError) -> String {
     }
 }
 
+/// Which of a file's tensors are left out on purpose.
+type Ignored = Box<dyn Fn(&str) -> bool>;
+
+/// How a family's weight files name their tensors: the prefix the files may lack, and the
+/// tensors left out on purpose (GPT-2's mask buffers, a tied head's copy, old rotary
+/// frequency buffers).
+fn naming(arch: &HfArchitecture) -> (KeyRemapper, Ignored) {
+    match arch {
+        HfArchitecture::Llama(c) => {
+            let tied = c.tie_word_embeddings;
+            (
+                KeyRemapper::new()
+                    .add_pattern(r"^(embed_tokens|layers|norm)\.", "model.$1.")
+                    .expect("a valid pattern"),
+                Box::new(move |name: &str| {
+                    name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
+                }),
+            )
+        }
+        HfArchitecture::Gpt2(c) => {
+            let tied = c.tie_word_embeddings;
+            (
+                KeyRemapper::new()
+                    .add_pattern(r"^(wte|wpe|h|ln_f)\.", "transformer.$1.")
+                    .expect("a valid pattern"),
+                Box::new(move |name: &str| {
+                    name.ends_with(".attn.bias")
+                        || name.ends_with(".attn.masked_bias")
+                        || (tied && name == "lm_head.weight")
+                }),
+            )
+        }
+    }
+}
+
 /// A Llama-family model of `config` on `device` with the weights of `dir`.
 pub fn load_llama(
     dir: &Path,
     config: &LlamaConfig,
     device: &Device,
 ) -> Result<(Llama, HfLoaded), String> {
-    let model = config.init(device);
-    let remap = KeyRemapper::new()
-        .add_pattern(r"^(embed_tokens|layers|norm)\.", "model.$1.")
-        .expect("a valid pattern");
-    let ignore = |name: &str| {
-        name.ends_with("rotary_emb.inv_freq")
-            || (config.tie_word_embeddings && name == "lm_head.weight")
-    };
-    load_weights(model, dir, remap, &ignore)
+    let (remap, ignore) = naming(&HfArchitecture::Llama(config.clone()));
+    load_weights(config.init(device), dir, remap, &*ignore)
 }
 
 /// GPT-2 of `config` on `device` with the weights of `dir`.
@@ -363,16 +391,23 @@ pub fn load_gpt2(
     config: &Gpt2Config,
     device: &Device,
 ) -> Result<(Gpt2, HfLoaded), String> {
-    let model = config.init(device);
-    let remap = KeyRemapper::new()
-        .add_pattern(r"^(wte|wpe|h|ln_f)\.", "transformer.$1.")
-        .expect("a valid pattern");
-    let ignore = |name: &str| {
-        name.ends_with(".attn.bias")
-            || name.ends_with(".attn.masked_bias")
-            || (config.tie_word_embeddings && name == "lm_head.weight")
-    };
-    load_weights(model, dir, remap, &ignore)
+    let (remap, ignore) = naming(&HfArchitecture::Gpt2(config.clone()));
+    load_weights(config.init(device), dir, remap, &*ignore)
+}
+
+/// `model` — built as `dir`'s `config.json` describes, by whoever calls — with `dir`'s
+/// weights, named as its family names them.
+pub fn load_into<M: Module>(model: M, dir: &Path) -> Result<(M, HfLoaded), String> {
+    let (remap, ignore) = naming(&read_config(dir)?);
+    load_weights(model, dir, remap, &*ignore)
+}
+
+/// Whether `dir` is a Hugging Face model directory: a `config.json` beside SafeTensors
+/// weights (one file or an index).
+pub fn is_model_dir(dir: &Path) -> bool {
+    dir.join("config.json").is_file()
+        && (dir.join("model.safetensors").is_file()
+            || dir.join("model.safetensors.index.json").is_file())
 }
 
 /// `model` with every tensor of `dir`'s weight files, renamed by `remap`: Linear weights

@@ -24,10 +24,10 @@ pub use gpt::{Gpt, GptConfig, TokenBatch};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use hf::{HfArchitecture, HfLoaded};
 pub use llama::{Llama, LlamaConfig};
-pub use lm::KvCache;
+pub use lm::{CausalLm, KvCache};
 pub use load::{
-    Classifier, LoadError, ModelKind, ModelSection, ModelSpec, load_classifier, load_gpt_run,
-    load_run, read_spec, save_safetensors,
+    Classifier, LanguageModel, LoadError, ModelKind, ModelSection, ModelSpec, load_classifier,
+    load_gpt_run, load_lm_run, load_run, read_spec, save_safetensors,
 };
 pub use metric::{Combine, SetMetric};
 pub use mlp::{Mlp, MlpConfig};

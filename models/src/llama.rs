@@ -338,8 +338,10 @@ impl Rope {
         let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
         let x2 = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
         let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        let cos = self.cos.clone().reshape([1, 1, t, d]);
-        let sin = self.sin.clone().reshape([1, 1, t, d]);
+        // The tables are f32; the activations may be bf16 or f16 (mixed precision).
+        let dtype = x.dtype();
+        let cos = self.cos.clone().cast(dtype).reshape([1, 1, t, d]);
+        let sin = self.sin.clone().cast(dtype).reshape([1, 1, t, d]);
         x * cos + rotated * sin
     }
 }

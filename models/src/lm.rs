@@ -83,6 +83,131 @@ pub fn generate(
     ids
 }
 
+/// A causal language model kiln trains on token windows and decodes from: kiln's GPT, and the
+/// Hugging Face families [`crate::Llama`] and [`crate::Gpt2`].
+pub trait CausalLm:
+    crate::TrainStep<crate::TokenBatch> + crate::BlockStack<crate::TokenBatch> + Sized
+{
+    /// Its architecture.
+    type Config: Clone + std::fmt::Debug + Send + Sync + 'static;
+
+    /// A freshly initialised model of `config` on `device`.
+    fn init(config: &Self::Config, device: &Device) -> Self;
+
+    /// The longest context `config` allows, in tokens.
+    fn context(config: &Self::Config) -> usize;
+
+    /// Training FLOPs per token at a context of `context` tokens.
+    fn flops_per_token(config: &Self::Config, context: usize) -> f64;
+
+    /// Logits `[batch, time, vocab]` of token ids `[batch, time]`.
+    fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3>;
+
+    /// `prompt` continued by `tokens` ids (temperature 0: the most likely each time).
+    fn continue_ids(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        uniform: &mut dyn FnMut() -> f64,
+    ) -> Vec<u32>;
+}
+
+impl CausalLm for crate::Gpt {
+    type Config = crate::GptConfig;
+
+    fn init(config: &Self::Config, device: &Device) -> Self {
+        config.init(device)
+    }
+
+    fn context(config: &Self::Config) -> usize {
+        config.block_size
+    }
+
+    fn flops_per_token(config: &Self::Config, _context: usize) -> f64 {
+        config.flops_per_token()
+    }
+
+    fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward(tokens)
+    }
+
+    fn continue_ids(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        uniform: &mut dyn FnMut() -> f64,
+    ) -> Vec<u32> {
+        let block = self.wpe.weight.val().dims()[0];
+        self.generate(prompt, tokens, temperature, top_k, block, uniform)
+    }
+}
+
+impl CausalLm for crate::Llama {
+    type Config = crate::LlamaConfig;
+
+    fn init(config: &Self::Config, device: &Device) -> Self {
+        config.init(device)
+    }
+
+    fn context(config: &Self::Config) -> usize {
+        config.max_position_embeddings
+    }
+
+    fn flops_per_token(config: &Self::Config, context: usize) -> f64 {
+        config.flops_per_token(context)
+    }
+
+    fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward(tokens)
+    }
+
+    fn continue_ids(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        uniform: &mut dyn FnMut() -> f64,
+    ) -> Vec<u32> {
+        self.generate(prompt, tokens, temperature, top_k, uniform)
+    }
+}
+
+impl CausalLm for crate::Gpt2 {
+    type Config = crate::Gpt2Config;
+
+    fn init(config: &Self::Config, device: &Device) -> Self {
+        config.init(device)
+    }
+
+    fn context(config: &Self::Config) -> usize {
+        config.n_positions
+    }
+
+    fn flops_per_token(config: &Self::Config, context: usize) -> f64 {
+        config.flops_per_token(context)
+    }
+
+    fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward(tokens)
+    }
+
+    fn continue_ids(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        uniform: &mut dyn FnMut() -> f64,
+    ) -> Vec<u32> {
+        self.generate(prompt, tokens, temperature, top_k, uniform)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,6 +9,8 @@ use burn::store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 
 use crate::gpt::{Gpt, GptConfig};
+use crate::gpt2::{Gpt2, Gpt2Config};
+use crate::llama::{Llama, LlamaConfig};
 use crate::{
     Activation, BlockStack, ConvNet, ConvNetConfig, ImageBatch, InputSpec, Mlp, MlpConfig,
     StepOutput, TrainStep,
@@ -24,6 +26,23 @@ pub enum ModelKind {
     Mlp,
     /// [`Gpt`].
     Gpt,
+    /// [`Llama`], from the `[model.llama]` section.
+    Llama,
+    /// [`Gpt2`], from the `[model.gpt2]` section.
+    Gpt2,
+    /// A Hugging Face checkpoint's architecture, read from the `config.json` of the directory
+    /// `init.from` names (a run records the family it resolved to).
+    Hf,
+}
+
+impl ModelKind {
+    /// Whether the kind is a causal language model (it trains on text).
+    pub fn is_language_model(self) -> bool {
+        matches!(
+            self,
+            ModelKind::Gpt | ModelKind::Llama | ModelKind::Gpt2 | ModelKind::Hf
+        )
+    }
 }
 
 /// The `[model]` section of a config: the architecture and each architecture's settings.
@@ -38,6 +57,10 @@ pub struct ModelSection {
     pub mlp: MlpConfig,
     /// Settings used when `kind = "gpt"`.
     pub gpt: GptConfig,
+    /// Settings used when `kind = "llama"` (Hugging Face's `LlamaConfig` names).
+    pub llama: LlamaConfig,
+    /// Settings used when `kind = "gpt2"` (Hugging Face's `GPT2Config` names).
+    pub gpt2: Gpt2Config,
 }
 
 impl Default for ModelSection {
@@ -47,6 +70,8 @@ impl Default for ModelSection {
             convnet: ConvNetConfig::default(),
             mlp: MlpConfig::default(),
             gpt: GptConfig::default(),
+            llama: LlamaConfig::default(),
+            gpt2: Gpt2Config::default(),
         }
     }
 }
@@ -74,6 +99,13 @@ impl ModelSpec {
             ModelKind::Convnet => self.model.convnet.validate(&input()?),
             ModelKind::Mlp => input().and_then(|_| self.model.mlp.validate()),
             ModelKind::Gpt => self.model.gpt.validate(),
+            ModelKind::Llama => self.model.llama.validate("model.llama"),
+            ModelKind::Gpt2 => self.model.gpt2.validate("model.gpt2"),
+            ModelKind::Hf => Err(
+                "model.kind = \"hf\" is resolved from init.from's config.json before a model \
+                 is built"
+                    .into(),
+            ),
         }
     }
 
@@ -85,7 +117,10 @@ impl ModelSpec {
         match self.model.kind {
             ModelKind::Convnet => Ok(Classifier::ConvNet(self.model.convnet.init(&input, device))),
             ModelKind::Mlp => Ok(Classifier::Mlp(self.model.mlp.init(&input, device))),
-            ModelKind::Gpt => Err("model.kind = \"gpt\" is not an image classifier".into()),
+            kind => Err(format!(
+                "model.kind = {:?} is a language model, not an image classifier",
+                format!("{kind:?}").to_lowercase()
+            )),
         }
     }
 
@@ -297,6 +332,78 @@ pub fn load_gpt_run(run_dir: &Path, device: &Device) -> Result<(Gpt, GptConfig),
         .try_load_file(&weights)
         .map_err(|e| LoadError::Weights(weights.clone(), one_line(&e)))?;
     Ok((model, spec.model.gpt))
+}
+
+/// Any of the causal language models, as a run directory holds it.
+#[derive(Debug)]
+pub enum LanguageModel {
+    /// kiln's GPT.
+    Gpt(Gpt),
+    /// A Llama-family model.
+    Llama(Llama),
+    /// GPT-2.
+    Gpt2(Gpt2),
+}
+
+impl LanguageModel {
+    /// `prompt` continued by `tokens` ids (see [`crate::lm::CausalLm::continue_ids`]).
+    pub fn continue_ids(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        uniform: &mut dyn FnMut() -> f64,
+    ) -> Vec<u32> {
+        use crate::lm::CausalLm;
+        match self {
+            LanguageModel::Gpt(m) => m.continue_ids(prompt, tokens, temperature, top_k, uniform),
+            LanguageModel::Llama(m) => m.continue_ids(prompt, tokens, temperature, top_k, uniform),
+            LanguageModel::Gpt2(m) => m.continue_ids(prompt, tokens, temperature, top_k, uniform),
+        }
+    }
+
+    /// Logits `[batch, time, vocab]` of token ids `[batch, time]`.
+    pub fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        match self {
+            LanguageModel::Gpt(m) => m.forward(tokens),
+            LanguageModel::Llama(m) => m.forward(tokens),
+            LanguageModel::Gpt2(m) => m.forward(tokens),
+        }
+    }
+}
+
+/// Loads the final language model of a kiln run directory (`model.toml` + `model.bpk`): a
+/// GPT, a Llama-family model or GPT-2.
+pub fn load_lm_run(run_dir: &Path, device: &Device) -> Result<LanguageModel, LoadError> {
+    let spec_path = run_dir.join(SPEC_FILE);
+    let spec = read_spec(&spec_path)?;
+    let weights = run_dir.join(WEIGHTS_FILE);
+    let fail = |e: &dyn fmt::Display| LoadError::Weights(weights.clone(), one_line(e));
+    let m = &spec.model;
+    Ok(match m.kind {
+        ModelKind::Gpt => LanguageModel::Gpt(
+            crate::with_rng(|| m.gpt.init(device))
+                .try_load_file(&weights)
+                .map_err(|e| fail(&e))?,
+        ),
+        ModelKind::Llama => LanguageModel::Llama(
+            crate::with_rng(|| m.llama.init(device))
+                .try_load_file(&weights)
+                .map_err(|e| fail(&e))?,
+        ),
+        ModelKind::Gpt2 => LanguageModel::Gpt2(
+            crate::with_rng(|| m.gpt2.init(device))
+                .try_load_file(&weights)
+                .map_err(|e| fail(&e))?,
+        ),
+        kind => {
+            return Err(LoadError::Spec(
+                spec_path,
+                format!("{kind:?} is not a language model"),
+            ));
+        }
+    })
 }
 
 /// Writes `model` as SafeTensors to `path`.

@@ -312,3 +312,193 @@ fn llama3_rope_scaling_divides_the_low_frequencies_and_keeps_the_high() {
     let last = plain.len() - 1;
     assert!((scaled[last] - plain[last] / 8.0).abs() <= 1e-12 * plain[last].abs().max(1e-30));
 }
+
+/// A run of the `[model] kind = "hf"` fine-tune of fixture `name` on the test text, with
+/// `extra` settings, into `dir/run`.
+fn hf_config(dir: &Path, run: &str, name: &str, extra: &[&str]) -> kiln::builtin::Config {
+    let text = crate::gpt::text_file(dir);
+    let from = fixture(name).display().to_string();
+    let mut o: Vec<String> = vec![
+        "data.dataset=\"text\"".into(),
+        format!("data.path={:?}", text.display().to_string()),
+        "data.eval_windows=16".into(),
+        "data.context=16".into(),
+        "model.kind=\"hf\"".into(),
+        format!("init.from={from:?}"),
+        format!("data.tokenizer={from:?}"),
+        "train.epochs=0".into(),
+        "train.max_steps=10".into(),
+        "train.checkpoint_every=10".into(),
+        "train.batch_size=8".into(),
+        "train.log_every=5".into(),
+        "optim.lr=0.003".into(),
+        format!("run.dir={:?}", dir.join(run).display().to_string()),
+    ];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    kiln::builtin::load(None, &o).unwrap()
+}
+
+#[test]
+fn lora_on_the_llama_checkpoint_under_ddp_zero3_and_pipeline_equals_one_device() {
+    use kiln::weights::read_tensors;
+    let dir = crate::common::temp_dir("hf-lora");
+    let lora = [
+        "finetune.lora.rank=4",
+        "finetune.lora.alpha=8.0",
+        "finetune.lora.targets=[\"**.q_proj\", \"**.v_proj\", \"**.down_proj\"]",
+    ];
+    let run = |name: &str, extra: &[&str]| {
+        let mut all: Vec<&str> = lora.to_vec();
+        all.extend(extra);
+        let r = kiln::builtin::train(
+            &hf_config(&dir, name, "llama", &all),
+            &kiln::run::RunOptions::default(),
+        )
+        .unwrap();
+        read_tensors(&r.dir.join("checkpoints/step-00000010/model.bpk")).unwrap()
+    };
+    let one = run("one", &[]);
+    let split = |t: &std::collections::BTreeMap<String, kiln::weights::Stored>, lora: bool| {
+        t.iter()
+            .filter(|(k, _)| k.contains(".lora.") == lora)
+            .map(|(k, (_, v))| (k.clone(), v.clone()))
+            .collect::<Vec<_>>()
+    };
+    let (one_ad, one_base) = (split(&one, true), split(&one, false));
+    assert_eq!(one_ad.len(), 2 * 3 * 2, "A and B of 3 targets × 2 layers");
+    // Every factor trained away from zero (B starts at zero): equal runs are not idle ones.
+    for (k, v) in &one_ad {
+        assert!(v.iter().any(|x| *x != 0.0), "{k} is all zero");
+    }
+    // The frozen base is the checkpoint's, bit for bit.
+    let HfArchitecture::Llama(c) = hf::read_config(&fixture("llama")).unwrap() else {
+        panic!("llama")
+    };
+    let (start, _) = hf::load_llama(&fixture("llama"), &c, &Device::flex()).unwrap();
+    let start_file = dir.join("start.safetensors");
+    kiln_models::save_safetensors(&start, &start_file).unwrap();
+    let start = read_tensors(&start_file).unwrap();
+    assert_eq!(one_base.len(), start.len());
+    for (k, v) in &one_base {
+        assert!(
+            v.iter()
+                .zip(&start[k].1)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{k} moved"
+        );
+    }
+    let two = ["hardware.devices=2", "train.batch_size=4"];
+    for (strategy, extra) in [
+        ("ddp", vec!["strategy.name=\"ddp\""]),
+        ("zero3", vec!["strategy.name=\"zero3\""]),
+        (
+            "pipeline",
+            vec![
+                "strategy.name=\"pipeline\"",
+                "pipeline.stages=2",
+                "pipeline.microbatches=2",
+            ],
+        ),
+    ] {
+        let mut all = two.to_vec();
+        all.extend(extra);
+        let got = run(strategy, &all);
+        let (ad, base) = (split(&got, true), split(&got, false));
+        let diff = crate::common::max_relative_diff(
+            &ad.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
+            &one_ad.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
+        );
+        println!("{strategy}: adapters within {diff:.2e} of one device");
+        assert!(diff < 1e-5, "{strategy}: {diff}");
+        assert_eq!(base, one_base, "{strategy}: the frozen base moved");
+    }
+}
+
+#[test]
+fn a_gpt2_checkpoint_fine_tunes_from_the_cli_and_samples() {
+    let dir = crate::common::temp_dir("hf-cli");
+    let text = crate::gpt::text_file(&dir);
+    let from = fixture("gpt2").display().to_string();
+    let run = dir.join("run");
+    let sets = [
+        "data.dataset=\"text\"".to_string(),
+        format!("data.path={:?}", text.display().to_string()),
+        "data.eval_windows=8".into(),
+        "data.context=16".into(),
+        "model.kind=\"hf\"".into(),
+        format!("init.from={from:?}"),
+        format!("data.tokenizer={from:?}"),
+        "train.epochs=0".into(),
+        "train.max_steps=6".into(),
+        "train.batch_size=4".into(),
+    ];
+    let mut args: Vec<String> = Vec::new();
+    for s in &sets {
+        args.push("--set".into());
+        args.push(s.clone());
+    }
+    args.extend(["--devices", "2", "--run-dir"].map(String::from));
+    args.push(run.display().to_string());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = crate::common::train_bin(&dir, &args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("28 tensors from"), "{stdout}");
+    assert!(stdout.contains("vocabulary 384"), "{stdout}");
+    // The run records the family it resolved, and samples with a key/value cache.
+    let spec = std::fs::read_to_string(run.join("model.toml")).unwrap();
+    assert!(spec.contains("kind = \"gpt2\""), "{spec}");
+    let sample = crate::common::train_bin(
+        &dir,
+        &[
+            "sample",
+            "--run",
+            run.to_str().unwrap(),
+            "--prompt",
+            "the whale",
+            "--tokens",
+            "12",
+            "--temperature",
+            "0",
+        ],
+    );
+    let said = String::from_utf8_lossy(&sample.stdout);
+    assert!(
+        sample.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sample.stderr)
+    );
+    assert!(
+        said.starts_with("the whale") && said.len() > "the whale".len(),
+        "{said:?}"
+    );
+    // A tokenizer larger than the checkpoint's vocabulary is refused in one line.
+    let big = dir.join("big");
+    std::fs::create_dir_all(&big).unwrap();
+    let mut sets2 = sets.to_vec();
+    sets2[6] = format!("data.tokenizer={:?}", big.display().to_string());
+    let trained = kiln_datasets::subword::SubwordTokenizer::train_byte_level(
+        &std::fs::read_to_string(&text).unwrap().repeat(3),
+        600,
+    )
+    .unwrap();
+    if trained.vocab_size() > 384 {
+        trained.save(&big.join("tokenizer.json")).unwrap();
+        let mut a: Vec<String> = Vec::new();
+        for s in &sets2 {
+            a.push("--set".into());
+            a.push(s.clone());
+        }
+        a.extend([
+            "--run-dir".to_string(),
+            dir.join("never").display().to_string(),
+        ]);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let out = crate::common::train_bin(&dir, &a);
+        crate::common::assert_one_line_error(&out, &["data.tokenizer", "vocab_size", "384"]);
+    }
+}

@@ -30,7 +30,8 @@ pub enum DatasetKind {
     Mnist,
     /// Fashion-MNIST IDX files in `data.dir`.
     FashionMnist,
-    /// A UTF-8 text file in `data.path`, tokenised by character (for `model.kind = "gpt"`).
+    /// A UTF-8 text file in `data.path`, tokenised by character, by a `tokenizer.json` or by a
+    /// BPE trained on it (for the language models: `gpt`, `llama`, `gpt2`, `hf`).
     Text,
     /// PNG/JPEG images in `data.dir`: `train/` and `test/` (or `val/`), one sub-folder per
     /// class (torchvision's ImageFolder layout), decoded as batches need them.
@@ -83,6 +84,15 @@ pub struct DataConfig {
     /// Not with `on_disk`. Default: the text's own.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<PathBuf>,
+    /// `text`: tokens per training and validation window for `llama`, `gpt2` and `hf` models
+    /// (a GPT's is its `block_size`). Default: the model's longest context.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context: Option<usize>,
+    /// `text`: train a byte-level BPE tokenizer of this many ids on the text's training part
+    /// at the start (Hugging Face's `tokenizers`, saved in the run as `tokenizer.json`)
+    /// instead of one id per character. Default: characters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bpe_vocab: Option<usize>,
     /// `csv`: the target column (classes numbered from 0). Default `label`.
     pub target: String,
     /// `csv`: the feature columns. Default: every column but the target.
@@ -109,6 +119,8 @@ impl Default for DataConfig {
             augment: false,
             on_disk: false,
             tokenizer: None,
+            context: None,
+            bpe_vocab: None,
             target: "label".to_string(),
             features: Vec::new(),
             eval_path: None,
@@ -159,6 +171,25 @@ impl DataConfig {
                 "key `data.channels`: must be 1 (grey) or 3 (RGB), got {c}"
             )));
         }
+        if self.context == Some(0) {
+            return Err(Error::config(
+                "key `data.context`: must be at least 1, got 0",
+            ));
+        }
+        if let Some(n) = self.bpe_vocab
+            && n <= 257
+        {
+            return Err(Error::config(format!(
+                "key `data.bpe_vocab`: {n} ids leave no room for merges (a byte-level BPE holds \
+                 the 256 bytes and one special token); ask for more than 257"
+            )));
+        }
+        if self.bpe_vocab.is_some() && self.tokenizer.is_some() {
+            return Err(Error::config(
+                "key `data.bpe_vocab`: trains a tokenizer, and data.tokenizer names one; set one \
+                 of them",
+            ));
+        }
         if let Some([h, w]) = self.image_size
             && (h == 0 || w == 0)
         {
@@ -174,12 +205,12 @@ impl DataConfig {
 /// an image model on images).
 pub fn check(config: &Config) -> Result<()> {
     config.data.check()?;
-    let text_model = config.model.kind == ModelKind::Gpt;
+    let text_model = config.model.kind.is_language_model();
     let text_data = config.data.dataset == DatasetKind::Text;
     if text_model != text_data {
         return Err(Error::config(format!(
-            "key `data.dataset`: {:?} does not fit model.kind = {:?} (gpt trains on \"text\", \
-             image models on image datasets)",
+            "key `data.dataset`: {:?} does not fit model.kind = {:?} (gpt, llama, gpt2 and hf \
+             train on \"text\", image models on image datasets)",
             name_of(&config.data.dataset),
             name_of(&config.model.kind)
         )));

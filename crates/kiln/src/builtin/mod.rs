@@ -1,9 +1,11 @@
 //! kiln's own `train` program: the built-in workloads — an image classifier ([`image`]) and a
-//! character-level GPT ([`text`]) — with their `[model]` and `[data]` sections, built on
+//! language model on a text ([`text`]: kiln's GPT, Llama, GPT-2, a Hugging Face checkpoint) —
+//! with their `[model]` and `[data]` sections, built on
 //! [`App`](crate::App) exactly as a program of one's own is. The engine below knows none of
 //! this: it trains whatever [`Workload`] it is handed.
 //!
-//! `[model]` is `kiln_models::ModelSection` (`kind` = `convnet`, `mlp` or `gpt`); `[data]` is
+//! `[model]` is `kiln_models::ModelSection` (`kind` = `convnet`, `mlp`, `gpt`, `llama`, `gpt2`
+//! or `hf`); `[data]` is
 //! [`DataConfig`]. The `train` binary is
 //! ```ignore
 //! kiln::App::new("train", "…")
@@ -18,6 +20,7 @@ pub mod image;
 mod launch;
 pub mod table;
 pub mod text;
+mod vocab;
 
 pub use config::{Config, DataConfig, DatasetKind, RECIPE, RECIPE_ORIGIN, check, load};
 
@@ -29,12 +32,12 @@ use crate::run::{RunOptions, RunResult};
 /// Trains the workload `config` describes: an image classifier or a GPT on text.
 pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
     match config.model.kind {
-        ModelKind::Gpt => text::train(config, options),
+        kind if kind.is_language_model() => text::train(config, options),
         _ if config.data.dataset == DatasetKind::Csv => table::train(config, options),
         ModelKind::Convnet | ModelKind::Mlp if config.data.dataset == DatasetKind::ImageFolder => {
             folder::train(config, options)
         }
-        ModelKind::Convnet | ModelKind::Mlp => image::train(config, options),
+        _ => image::train(config, options),
     }
 }
 

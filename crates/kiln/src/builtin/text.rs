@@ -1,21 +1,24 @@
-//! Character-level language modelling: a GPT on random windows of a text, and `train sample`.
+//! Language modelling on a text: kiln's GPT, or a Llama-family model or GPT-2 — from scratch
+//! or from a Hugging Face checkpoint — on random windows of a text tokenised by character, by
+//! a checkpoint's `tokenizer.json`, or by a byte-level BPE trained on the text; and `train
+//! sample`.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use burn::prelude::*;
-use kiln_datasets::text::TextData;
-use kiln_datasets::tokens::TokenFile;
-use kiln_models::{Gpt, GptConfig, ModelSpec, TokenBatch};
+use kiln_models::hf::HfArchitecture;
+use kiln_models::{CausalLm, Gpt, Gpt2, Llama, ModelKind, ModelSpec, TokenBatch};
 
 use super::config::Config;
 use super::launch::launch;
+pub use super::vocab::{TOKENIZER_FILE, Tokens, Vocab, token_file};
+use super::vocab::{TextParts, read_text};
 use crate::error::{Error, Result};
 use crate::run::{RunOptions, RunResult};
 use crate::trainer::Workload;
 
-/// Trains the GPT `config` describes on its text.
+/// Trains the language model `config` describes on its text.
 pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
     let path = config.data.resolved_path();
     if config.data.download && crate::comm::processes().local_index == 0 && !path.exists() {
@@ -32,41 +35,130 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
             path.display()
         )));
     }
-    let (tokenizer, train, val, name, dropped) = read_text(config, &path)?;
-    let mut gpt = config.model.gpt.clone();
-    let vocab = tokenizer.vocab_size();
-    if gpt.vocab_size == 0 {
-        gpt.vocab_size = vocab;
-    } else if gpt.vocab_size < vocab {
+    let text = read_text(config, &path)?;
+    let vocab = text.vocab.size();
+    let mut model = config.model.clone();
+    match config.model.kind {
+        ModelKind::Gpt => {
+            model.gpt.vocab_size = resolve_vocab("model.gpt", model.gpt.vocab_size, vocab, &path)?;
+            let context = model.gpt.block_size;
+            language::<Gpt>(config, options, text, model.gpt.clone(), context, model)
+        }
+        ModelKind::Llama => {
+            let c = &mut model.llama;
+            c.vocab_size = resolve_vocab("model.llama", c.vocab_size, vocab, &path)?;
+            let context = config.data.context.unwrap_or(c.max_position_embeddings);
+            let c = c.clone();
+            language::<Llama>(config, options, text, c, context, model)
+        }
+        ModelKind::Gpt2 => {
+            let c = &mut model.gpt2;
+            c.vocab_size = resolve_vocab("model.gpt2", c.vocab_size, vocab, &path)?;
+            let context = config.data.context.unwrap_or(c.n_positions);
+            let c = c.clone();
+            language::<Gpt2>(config, options, text, c, context, model)
+        }
+        ModelKind::Hf => {
+            let dir = config.kiln.init.from.clone().ok_or_else(|| {
+                Error::config(
+                    "key `model.kind`: \"hf\" takes its architecture from the Hugging Face \
+                     directory init.from names; set init.from",
+                )
+            })?;
+            let arch = kiln_models::hf::read_config(&dir)
+                .map_err(|e| Error::config(format!("key `init.from`: {e}")))?;
+            if vocab > arch.vocab_size() {
+                return Err(Error::config(format!(
+                    "key `data.tokenizer`: its {vocab} ids do not fit the {} of {}'s \
+                     config.json (vocab_size); use the checkpoint's own tokenizer.json",
+                    arch.vocab_size(),
+                    dir.display()
+                )));
+            }
+            match arch {
+                HfArchitecture::Llama(c) => {
+                    model.kind = ModelKind::Llama;
+                    model.llama = c.clone();
+                    let context = config.data.context.unwrap_or(c.max_position_embeddings);
+                    language::<Llama>(config, options, text, c, context, model)
+                }
+                HfArchitecture::Gpt2(c) => {
+                    model.kind = ModelKind::Gpt2;
+                    model.gpt2 = c.clone();
+                    let context = config.data.context.unwrap_or(c.n_positions);
+                    language::<Gpt2>(config, options, text, c, context, model)
+                }
+            }
+        }
+        kind => Err(Error::config(format!(
+            "key `model.kind`: {:?} does not train on text",
+            crate::config::name_of(&kind)
+        ))),
+    }
+}
+
+/// The model's vocabulary: `size` as configured (0: the tokenizer's `vocab`), at least the
+/// tokenizer's.
+fn resolve_vocab(section: &str, size: usize, vocab: usize, path: &Path) -> Result<usize> {
+    if size == 0 {
+        return Ok(vocab);
+    }
+    if size < vocab {
         return Err(Error::config(format!(
-            "key `model.gpt.vocab_size`: {} is smaller than the {vocab} characters of {}",
-            gpt.vocab_size,
+            "key `{section}.vocab_size`: {size} is smaller than the {vocab} ids of {}'s \
+             tokenizer",
             path.display()
         )));
     }
-    let block = gpt.block_size;
-    for (part, len) in [("training", train.len()), ("validation", val.len())] {
-        if len <= block + 1 {
+    Ok(size)
+}
+
+/// Trains `M` of `model_config` on `text`'s windows of `context` tokens; `model` is the
+/// `[model]` section the run's `model.toml` records (a checkpoint's family resolved).
+fn language<M>(
+    config: &Config,
+    options: &RunOptions,
+    text: TextParts,
+    model_config: M::Config,
+    context: usize,
+    model: kiln_models::ModelSection,
+) -> Result<RunResult>
+where
+    M: CausalLm + 'static,
+{
+    let longest = M::context(&model_config);
+    if context == 0 || context > longest {
+        return Err(Error::config(format!(
+            "key `data.context`: {context} tokens per window; the model takes 1 to {longest}"
+        )));
+    }
+    let path = config.data.resolved_path();
+    for (part, len) in [
+        ("training", text.train.len()),
+        ("validation", text.val.len()),
+    ] {
+        if len <= context + 1 {
             return Err(Error::data(format!(
-                "{}: the {part} part holds {len} characters, fewer than one window of \
-                 model.gpt.block_size + 1 = {}",
+                "{}: the {part} part holds {len} {}, fewer than one window of {} + 1",
                 path.display(),
-                block + 1
+                text.vocab.unit(),
+                context
             )));
         }
     }
-    let mut model = config.model.clone();
-    model.gpt = gpt.clone();
     let spec = ModelSpec { model, input: None };
     spec.validate().map_err(Error::config)?;
     let rows = vec![
         (
             "data",
             format!(
-                "{name}: {} train / {} val characters, vocabulary {vocab}{}",
-                train.len(),
-                val.len(),
-                dropped.map_or(String::new(), |n| format!(
+                "{}: {} train / {} val {}, vocabulary {}{}; windows of {context}",
+                text.name,
+                text.train.len(),
+                text.val.len(),
+                text.vocab.unit(),
+                text.vocab.size(),
+                text.dropped.map_or(String::new(), |n| format!(
                     " (from {}; {n} characters outside it left out)",
                     config.data.tokenizer.as_ref().expect("set").display()
                 ))
@@ -74,185 +166,55 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
         ),
         (
             "model flops",
-            format!("{:.3e} per token (6N + 12LHQT)", gpt.flops_per_token()),
+            format!(
+                "{:.3e} per token (6N + 12LHQT)",
+                M::flops_per_token(&model_config, context)
+            ),
         ),
     ];
-    let eval =
-        kiln_datasets::text::eval_starts(val.len(), block, EVAL_SEED, config.data.eval_windows);
-    let workload = TextWorkload {
-        train,
-        val,
-        config: gpt,
+    let eval = kiln_datasets::text::eval_starts(
+        text.val.len(),
+        context,
+        EVAL_SEED,
+        config.data.eval_windows,
+    );
+    let workload = TextWorkload::<M> {
+        train: text.train,
+        val: text.val,
+        config: model_config,
+        context,
         seed: config.kiln.run.seed,
         eval,
     };
+    let vocab = text.vocab;
     launch(config, options, &workload, &spec, rows, |dir| {
-        Ok(tokenizer.save(&dir.join(TOKENIZER_FILE))?)
+        vocab.save(&dir.join(TOKENIZER_FILE))
     })
-}
-
-/// The text of `path` as tokens: its tokenizer, the training and validation parts, its name,
-/// and — with `data.tokenizer` — how many characters the trained vocabulary left out.
-fn read_text(
-    config: &Config,
-    path: &Path,
-) -> Result<(
-    kiln_datasets::text::CharTokenizer,
-    Tokens,
-    Tokens,
-    String,
-    Option<usize>,
-)> {
-    let mut dropped = None;
-    let (tokenizer, train, val, name) = if let Some(from) = &config.data.tokenizer {
-        if config.data.on_disk {
-            return Err(Error::config(
-                "key `data.tokenizer`: a trained vocabulary reads the text in memory; set \
-                 data.on_disk = false"
-                    .to_string(),
-            ));
-        }
-        let file = if from.is_dir() {
-            from.join(TOKENIZER_FILE)
-        } else {
-            from.clone()
-        };
-        let trained = kiln_datasets::text::CharTokenizer::load(&file).map_err(|e| {
-            Error::config(format!(
-                "key `data.tokenizer`: {}",
-                crate::config::one_line(&e)
-            ))
-        })?;
-        let (data, left_out) = TextData::from_file_with(path, config.data.train_fraction, trained)?;
-        dropped = Some(left_out);
-        (
-            data.tokenizer,
-            Tokens::Memory(data.train),
-            Tokens::Memory(data.val),
-            data.name,
-        )
-    } else if config.data.on_disk {
-        let cache = token_file(path);
-        // One process per machine writes the token file; the others wait for it.
-        let file = if crate::comm::processes().local_index == 0 {
-            let file = TokenFile::prepare(path, &cache);
-            crate::comm::process_barrier();
-            file?
-        } else {
-            crate::comm::process_barrier();
-            TokenFile::prepare(path, &cache)?
-        };
-        let tokenizer = file.tokenizer().clone();
-        let cut = kiln_datasets::text::train_part(file.len(), config.data.train_fraction);
-        let file = Arc::new(file);
-        let name = format!("{} (read from {})", stem(path), cache.display());
-        (
-            tokenizer,
-            Tokens::Disk {
-                file: file.clone(),
-                start: 0,
-                len: cut,
-            },
-            Tokens::Disk {
-                start: cut,
-                len: file.len() - cut,
-                file,
-            },
-            name,
-        )
-    } else {
-        let data = TextData::from_file(path, config.data.train_fraction)?;
-        (
-            data.tokenizer,
-            Tokens::Memory(data.train),
-            Tokens::Memory(data.val),
-            data.name,
-        )
-    };
-    Ok((tokenizer, train, val, name, dropped))
 }
 
 /// Seed of the fixed validation windows: the same for every run seed, so that runs are
 /// scored on the same text.
 const EVAL_SEED: u64 = 0x0e7a_1000;
 
-/// File of the tokenizer inside a text run's directory.
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
-
-/// The token file of the text at `path`: beside it, `<path>.kiln-tokens`.
-pub fn token_file(path: &Path) -> PathBuf {
-    let mut name = path.as_os_str().to_owned();
-    name.push(".kiln-tokens");
-    PathBuf::from(name)
-}
-
-fn stem(path: &Path) -> String {
-    path.file_stem().map_or_else(
-        || path.display().to_string(),
-        |s| s.to_string_lossy().into_owned(),
-    )
-}
-
-/// Where a part of a text's tokens is read from.
-pub enum Tokens {
-    /// Held in memory.
-    Memory(Vec<u32>),
-    /// Read from a token file window by window: its tokens `start .. start + len`.
-    Disk {
-        /// The token file.
-        file: Arc<TokenFile>,
-        /// The part's first token in the file.
-        start: usize,
-        /// The part's tokens.
-        len: usize,
-    },
-}
-
-impl Tokens {
-    /// Number of tokens.
-    pub fn len(&self) -> usize {
-        match self {
-            Tokens::Memory(t) => t.len(),
-            Tokens::Disk { len, .. } => *len,
-        }
-    }
-
-    /// Whether the part holds no tokens.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Appends tokens `at .. at + n` of the part to `out`.
-    fn extend(&self, at: usize, n: usize, out: &mut Vec<u32>) -> Result<()> {
-        match self {
-            Tokens::Memory(t) => out.extend_from_slice(&t[at..at + n]),
-            Tokens::Disk { file, start, .. } => {
-                let from = out.len();
-                out.resize(from + n, 0);
-                file.read(start + at, &mut out[from..])?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Character-level language modelling: a [`Gpt`] on random windows of a text.
-pub struct TextWorkload {
+/// Language modelling: a [`CausalLm`] on random windows of a text.
+pub struct TextWorkload<M: CausalLm> {
     /// The training part of the tokenised text.
     pub train: Tokens,
     /// The validation part, which follows it.
     pub val: Tokens,
     /// The model (vocabulary size resolved).
-    pub config: GptConfig,
+    pub config: M::Config,
+    /// Tokens per window.
+    pub context: usize,
     /// Seed of the window sampling.
     pub seed: u64,
     /// Start offsets of the fixed validation windows.
     pub eval: Vec<usize>,
 }
 
-impl TextWorkload {
+impl<M: CausalLm> TextWorkload<M> {
     fn windows(&self, tokens: &Tokens, starts: &[usize], device: &Device) -> Result<TokenBatch> {
-        let t = self.config.block_size;
+        let t = self.context;
         let mut window = Vec::with_capacity(t + 1);
         let mut inputs = Vec::with_capacity(starts.len() * t);
         let mut targets = Vec::with_capacity(starts.len() * t);
@@ -270,17 +232,17 @@ impl TextWorkload {
     }
 }
 
-impl Workload for TextWorkload {
-    type Model = Gpt;
+impl<M: CausalLm + 'static> Workload for TextWorkload<M> {
+    type Model = M;
     type Batch = TokenBatch;
 
-    fn init_model(&self, device: &Device) -> Gpt {
-        self.config.init(device)
+    fn init_model(&self, device: &Device) -> M {
+        M::init(&self.config, device)
     }
 
     /// One "epoch" is as many windows as the training text has blocks.
     fn train_len(&self) -> usize {
-        (self.train.len() / self.config.block_size).max(1)
+        (self.train.len() / self.context).max(1)
     }
 
     /// kiln calls [`Workload::try_train_batch`]; this form panics on a token file that
@@ -323,7 +285,7 @@ impl Workload for TextWorkload {
         // The step's windows, then this slot's part of them.
         let all = kiln_datasets::text::window_starts(
             self.train.len(),
-            self.config.block_size,
+            self.context,
             self.seed,
             step as u64,
             slots * batch,
@@ -332,11 +294,11 @@ impl Workload for TextWorkload {
     }
 
     fn tokens_per_sample(&self) -> Option<usize> {
-        Some(self.config.block_size)
+        Some(self.context)
     }
 
     fn flops_per_sample(&self) -> Option<f64> {
-        Some(self.config.flops_per_token() * self.config.block_size as f64)
+        Some(M::flops_per_token(&self.config, self.context) * self.context as f64)
     }
 }
 
@@ -369,7 +331,8 @@ pub fn sample(args: SampleArgs) -> Result<()> {
     Ok(())
 }
 
-/// Generates text from a trained GPT run; returns prompt + continuation.
+/// Generates text from a trained language-model run (kiln's GPT, Llama, GPT-2); returns
+/// prompt + continuation.
 pub fn generate(args: &SampleArgs) -> Result<String> {
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         return Err(Error::config(format!(
@@ -383,29 +346,30 @@ pub fn generate(args: &SampleArgs) -> Result<String> {
     let tokenizer_path = args.run.join(TOKENIZER_FILE);
     if !tokenizer_path.is_file() {
         return Err(Error::checkpoint(format!(
-            "{}: not found; is {} a GPT run directory?",
+            "{}: not found; is {} a language-model run directory?",
             tokenizer_path.display(),
             args.run.display()
         )));
     }
-    let tokenizer = kiln_datasets::text::CharTokenizer::load(&tokenizer_path)?;
+    let vocab = Vocab::load(&tokenizer_path)?;
     let device = burn::prelude::Device::flex();
-    let (model, config) = kiln_models::load_gpt_run(&args.run, &device)
+    let model = kiln_models::load_lm_run(&args.run, &device)
         .map_err(|e| Error::checkpoint(e.to_string()))?;
-    let prompt = tokenizer
+    let prompt = vocab
         .encode(&args.prompt)
         .map_err(|e| Error::config(format!("--prompt: {e}")))?;
     if prompt.is_empty() {
         return Err(Error::config("--prompt: must not be empty".to_string()));
     }
     let mut rng = kiln_datasets::rng::SplitMix64::new(args.seed);
-    let ids = model.generate(
+    let ids = model.continue_ids(
         &prompt,
         args.tokens,
         args.temperature,
         args.top_k,
-        config.block_size,
-        || rng.next_f64(),
+        &mut || rng.next_f64(),
     );
-    Ok(tokenizer.decode(&ids))
+    vocab
+        .decode(&ids)
+        .map_err(|e| Error::checkpoint(format!("{}: {e}", tokenizer_path.display())))
 }

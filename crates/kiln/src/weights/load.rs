@@ -105,6 +105,19 @@ pub fn load<M: Module>(mut model: M, init: &InitConfig) -> Result<(M, Loaded)> {
     let Some(from) = &init.from else {
         return Ok((model, Loaded::default()));
     };
+    // A Hugging Face model directory: its family's names, shards and dtypes.
+    if kiln_models::hf::is_model_dir(from) {
+        let (model, hf) = kiln_models::hf::load_into(model, from)
+            .map_err(|e| Error::config(format!("key `init.from`: {e}")))?;
+        return Ok((
+            model,
+            Loaded {
+                file: from.clone(),
+                applied: hf.tensors,
+                ..Loaded::default()
+            },
+        ));
+    }
     let file = resolve(from)?;
     let remapper = init
         .rename
