@@ -251,6 +251,108 @@ fn gpt2_config(c: &Keys) -> Result<Gpt2Config, String> {
     })
 }
 
+/// The `config.json` `transformers` reads for `arch`, its weights in float32: Llama's (Qwen2's
+/// where the biases are on q, k and v only, Mistral's with a sliding window) or GPT-2's.
+pub fn config_json(arch: &HfArchitecture) -> Value {
+    match arch {
+        HfArchitecture::Llama(c) => {
+            let (model_type, architecture) = if c.qkv_bias && !c.attention_bias {
+                ("qwen2", "Qwen2ForCausalLM")
+            } else if c.sliding_window.is_some() {
+                ("mistral", "MistralForCausalLM")
+            } else {
+                ("llama", "LlamaForCausalLM")
+            };
+            let mut rope = serde_json::json!({"rope_theta": c.rope_theta, "rope_type": "default"});
+            match &c.rope_scaling {
+                None => {}
+                Some(RopeScaling::Linear { factor }) => {
+                    rope["rope_type"] = "linear".into();
+                    rope["factor"] = (*factor).into();
+                }
+                Some(RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                }) => {
+                    rope["rope_type"] = "llama3".into();
+                    rope["factor"] = (*factor).into();
+                    rope["low_freq_factor"] = (*low_freq_factor).into();
+                    rope["high_freq_factor"] = (*high_freq_factor).into();
+                    rope["original_max_position_embeddings"] =
+                        (*original_max_position_embeddings).into();
+                }
+            }
+            let mut json = serde_json::json!({
+                "architectures": [architecture],
+                "model_type": model_type,
+                "vocab_size": c.vocab_size,
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size,
+                "num_hidden_layers": c.num_hidden_layers,
+                "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.kv_heads(),
+                "head_dim": c.head_width(),
+                "max_position_embeddings": c.max_position_embeddings,
+                "rms_norm_eps": c.rms_norm_eps,
+                "hidden_act": "silu",
+                "rope_theta": c.rope_theta,
+                "rope_parameters": rope,
+                "tie_word_embeddings": c.tie_word_embeddings,
+                "dtype": "float32",
+            });
+            if model_type != "qwen2" {
+                json["attention_bias"] = c.attention_bias.into();
+                json["mlp_bias"] = c.mlp_bias.into();
+            }
+            if let Some(w) = c.sliding_window {
+                json["sliding_window"] = w.into();
+            }
+            json
+        }
+        HfArchitecture::Gpt2(c) => serde_json::json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": c.vocab_size,
+            "n_positions": c.n_positions,
+            "n_embd": c.n_embd,
+            "n_layer": c.n_layer,
+            "n_head": c.n_head,
+            "n_inner": if c.n_inner == 0 { Value::Null } else { c.n_inner.into() },
+            "layer_norm_epsilon": c.layer_norm_epsilon,
+            "activation_function": match c.activation_function {
+                Gpt2Activation::GeluTanh => "gelu_new",
+                Gpt2Activation::Gelu => "gelu",
+                Gpt2Activation::Relu => "relu",
+            },
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "tie_word_embeddings": c.tie_word_embeddings,
+            "dtype": "float32",
+        }),
+    }
+}
+
+/// A checkpoint's own `config.json` (`original`) made to describe float32 weights: every
+/// field it has kept, so that token ids and generation settings stay as they were.
+pub fn config_json_from(original: &Path) -> Result<Value, String> {
+    let path = original.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("{}: cannot read it: {e}", path.display()))?;
+    let mut json: Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
+    let o = json
+        .as_object_mut()
+        .ok_or_else(|| format!("{}: not a JSON object", path.display()))?;
+    o.insert("dtype".into(), "float32".into());
+    if o.contains_key("torch_dtype") {
+        o.insert("torch_dtype".into(), "float32".into());
+    }
+    Ok(json)
+}
+
 /// What a load read.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HfLoaded {

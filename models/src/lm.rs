@@ -103,6 +103,9 @@ pub trait CausalLm:
     /// Logits `[batch, time, vocab]` of token ids `[batch, time]`.
     fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3>;
 
+    /// The Hugging Face architecture `config` is, if it is one (not kiln's GPT).
+    fn hf_architecture(config: &Self::Config) -> Option<crate::hf::HfArchitecture>;
+
     /// `prompt` continued by `tokens` ids (temperature 0: the most likely each time).
     fn continue_ids(
         &self,
@@ -133,6 +136,10 @@ impl CausalLm for crate::Gpt {
         self.forward(tokens)
     }
 
+    fn hf_architecture(_config: &Self::Config) -> Option<crate::hf::HfArchitecture> {
+        None
+    }
+
     fn continue_ids(
         &self,
         prompt: &[u32],
@@ -148,6 +155,10 @@ impl CausalLm for crate::Gpt {
 
 impl CausalLm for crate::Llama {
     type Config = crate::LlamaConfig;
+
+    fn hf_architecture(config: &Self::Config) -> Option<crate::hf::HfArchitecture> {
+        Some(crate::hf::HfArchitecture::Llama(config.clone()))
+    }
 
     fn init(config: &Self::Config, device: &Device) -> Self {
         config.init(device)
@@ -179,6 +190,10 @@ impl CausalLm for crate::Llama {
 
 impl CausalLm for crate::Gpt2 {
     type Config = crate::Gpt2Config;
+
+    fn hf_architecture(config: &Self::Config) -> Option<crate::hf::HfArchitecture> {
+        Some(crate::hf::HfArchitecture::Gpt2(config.clone()))
+    }
 
     fn init(config: &Self::Config, device: &Device) -> Self {
         config.init(device)

@@ -260,6 +260,60 @@ fn what_kiln_does_not_read_is_refused_in_one_line_naming_file_and_key() {
     let e = hf::load_llama(&dir, &c, &Device::flex()).unwrap_err();
     println!("{e}");
     one_line(e, &["model.safetensors", "mlp", "shape"]);
+    // An export kiln cannot write, refused before the run: a model with no Hugging Face
+    // architecture, a shard size that is none.
+    let e = kiln::builtin::load(None, &["export.format=\"hf\"".into()]).unwrap_err();
+    one_line(e.to_string(), &["export.format", "\"convnet\"", "pytorch"]);
+    let e = kiln::builtin::load(None, &["export.shard_mb=0".into()]).unwrap_err();
+    one_line(e.to_string(), &["export.shard_mb", "0"]);
+}
+
+/// The `config.json` kiln writes for a model it trained from scratch reads back as the same
+/// architecture, for each family and variant it names.
+#[test]
+fn written_configs_read_back_as_the_same_architecture() {
+    use kiln_models::llama::{LlamaConfig, RopeScaling};
+    let llama = LlamaConfig {
+        vocab_size: 50,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 4,
+        attention_bias: true,
+        rope_scaling: Some(RopeScaling::Linear { factor: 2.0 }),
+        ..Default::default()
+    };
+    let qwen2 = LlamaConfig {
+        qkv_bias: true,
+        attention_bias: false,
+        rope_scaling: None,
+        ..llama.clone()
+    };
+    let mistral = LlamaConfig {
+        sliding_window: Some(8),
+        tie_word_embeddings: true,
+        ..llama.clone()
+    };
+    let gpt2 = kiln_models::gpt2::Gpt2Config {
+        vocab_size: 50,
+        n_embd: 16,
+        n_head: 2,
+        n_layer: 1,
+        ..Default::default()
+    };
+    for (want_type, arch) in [
+        ("llama", HfArchitecture::Llama(llama)),
+        ("qwen2", HfArchitecture::Llama(qwen2)),
+        ("mistral", HfArchitecture::Llama(mistral)),
+        ("gpt2", HfArchitecture::Gpt2(gpt2)),
+    ] {
+        let json = hf::config_json(&arch);
+        assert_eq!(json["model_type"], want_type);
+        let back = hf::parse_config(&json).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{arch:?}"), "{want_type}");
+    }
 }
 
 #[test]
@@ -500,5 +554,216 @@ fn a_gpt2_checkpoint_fine_tunes_from_the_cli_and_samples() {
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
         let out = crate::common::train_bin(&dir, &a);
         crate::common::assert_one_line_error(&out, &["data.tokenizer", "vocab_size", "384"]);
+    }
+}
+
+/// The tensors of a Hugging Face directory's weights files, from their headers: name → (file,
+/// dtype, shape, bytes), and each file's metadata.
+#[allow(clippy::type_complexity)]
+fn layout(
+    dir: &Path,
+) -> (
+    std::collections::BTreeMap<String, (String, String, Vec<usize>, usize)>,
+    Vec<serde_json::Map<String, Value>>,
+) {
+    use std::io::Read;
+    let mut tensors = std::collections::BTreeMap::new();
+    let mut metadata = Vec::new();
+    for file in hf::weight_files(dir).unwrap() {
+        let mut f = std::fs::File::open(&file).unwrap();
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).unwrap();
+        let mut header = vec![0u8; u64::from_le_bytes(len) as usize];
+        f.read_exact(&mut header).unwrap();
+        let header: serde_json::Map<String, Value> = serde_json::from_slice(&header).unwrap();
+        let name = file.file_name().unwrap().to_str().unwrap().to_string();
+        for (k, v) in header {
+            if k == "__metadata__" {
+                metadata.push(v.as_object().unwrap().clone());
+                continue;
+            }
+            let shape: Vec<usize> = v["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as usize)
+                .collect();
+            let offsets = v["data_offsets"].as_array().unwrap();
+            let bytes = (offsets[1].as_u64().unwrap() - offsets[0].as_u64().unwrap()) as usize;
+            let dtype = v["dtype"].as_str().unwrap().to_string();
+            tensors.insert(k, (name.clone(), dtype, shape, bytes));
+        }
+    }
+    (tensors, metadata)
+}
+
+/// `export.format = "hf"` writes a directory `transformers` loads: the fixture's tensor names,
+/// shapes and dtypes, metadata `format = "pt"`, the tied head left out, shards with an index
+/// past `export.shard_mb`, the checkpoint's config and tokenizer; read back by kiln it gives
+/// the run's own model's logits bit for bit. The test leaves `reference.json` (the prompt's ids
+/// and the run's logits) in the directory, so `xtask/reference/hf_fixtures.py --check DIR`
+/// loads it in `transformers` and compares.
+#[test]
+fn the_hf_export_has_the_checkpoints_layout_and_the_runs_logits() {
+    use burn::store::{ModuleSnapshot, SafetensorsStore};
+    let dir = crate::common::temp_dir("hf-export");
+    for (name, extra, shards) in [
+        (
+            "llama",
+            vec![
+                "finetune.lora.rank=4",
+                "finetune.lora.alpha=8.0",
+                "finetune.lora.targets=[\"**.q_proj\", \"**.down_proj\"]",
+                "export.shard_mb=0.05",
+                "export.adapters=true",
+            ],
+            7,
+        ),
+        ("gpt2", vec![], 1),
+    ] {
+        let mut all = vec![
+            "export.format=\"hf\"",
+            "train.max_steps=4",
+            "train.checkpoint_every=4",
+        ];
+        all.extend(extra);
+        let r = kiln::builtin::train(
+            &hf_config(&dir, name, name, &all),
+            &kiln::run::RunOptions::default(),
+        )
+        .unwrap();
+        let out = r.dir.join("hf");
+        let (got, meta) = layout(&out);
+        let (want, _) = layout(&fixture(name));
+        let strip =
+            |m: &std::collections::BTreeMap<String, (String, String, Vec<usize>, usize)>| {
+                m.iter()
+                    .map(|(k, (_, d, s, _))| (k.clone(), d.clone(), s.clone()))
+                    .collect::<Vec<_>>()
+            };
+        assert_eq!(strip(&got), strip(&want), "{name}: names, dtypes, shapes");
+        assert_eq!(meta.len(), shards, "{name}: files");
+        for m in &meta {
+            assert_eq!(m.get("format"), Some(&Value::from("pt")), "{name}: {m:?}");
+        }
+        if shards > 1 {
+            let index: Value = serde_json::from_str(
+                &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+            )
+            .unwrap();
+            let map = index["weight_map"].as_object().unwrap();
+            assert_eq!(map.len(), got.len(), "{name}: index");
+            for (k, (file, _, _, _)) in &got {
+                assert_eq!(map[k].as_str(), Some(file.as_str()), "{name}: {k}");
+            }
+            let total: usize = got.values().map(|v| v.3).sum();
+            assert_eq!(index["metadata"]["total_size"].as_u64(), Some(total as u64));
+        } else {
+            assert!(!out.join("model.safetensors.index.json").exists());
+        }
+        // The checkpoint's config (as f32) and tokenizer.
+        assert_eq!(
+            format!("{:?}", hf::read_config(&out).unwrap()),
+            format!("{:?}", hf::read_config(&fixture(name)).unwrap()),
+        );
+        assert_eq!(
+            std::fs::read(out.join("tokenizer.json")).unwrap(),
+            std::fs::read(fixture(name).join("tokenizer.json")).unwrap()
+        );
+        // Read back by kiln: the run's model (its own layout, adapters folded), bit for bit.
+        let ids = reference(&fixture(name)).ids;
+        let exported = Lm::load(&out).forward(&ids);
+        let mut store = SafetensorsStore::from_file(r.dir.join("model.safetensors"));
+        let device = Device::flex();
+        let run = match hf::read_config(&out).unwrap() {
+            HfArchitecture::Llama(c) => {
+                let mut m = c.init(&device);
+                m.load_from(&mut store).unwrap();
+                Lm::Llama(m)
+            }
+            HfArchitecture::Gpt2(c) => {
+                let mut m = c.init(&device);
+                m.load_from(&mut store).unwrap();
+                Lm::Gpt2(m)
+            }
+        };
+        let ours: Vec<f32> = run.forward(&ids).into_data().try_to_vec().unwrap();
+        let back: Vec<f32> = exported.into_data().try_to_vec().unwrap();
+        assert_eq!(ours, back, "{name}: logits of the export read back");
+        let theirs = reference(&fixture(name)).logits;
+        assert!(
+            ours.iter().zip(&theirs).any(|(a, b)| a != b),
+            "{name}: the run trained nothing"
+        );
+        let reference = serde_json::json!({"ids": ids, "logits": ours});
+        std::fs::write(out.join("reference.json"), reference.to_string()).unwrap();
+        if name == "llama" {
+            peft_adapters_fold_into_the_export(&r.dir, &fixture(name), 8.0 / 4.0);
+            std::fs::write(
+                r.dir.join("hf-adapter/reference.json"),
+                reference.to_string(),
+            )
+            .unwrap();
+        }
+        println!(
+            "{name}: {} tensors in {shards} file(s), {}",
+            got.len(),
+            out.display()
+        );
+    }
+}
+
+/// The PEFT adapters of a run (`hf-adapter/`): `lora_A [r, in]` and `lora_B [out, r]` of each
+/// adapted module, and the checkpoint's weight plus `scale · B A` is the exported merged one.
+fn peft_adapters_fold_into_the_export(run: &Path, base: &Path, scale: f32) {
+    use kiln::weights::read_tensors;
+    let adapters = read_tensors(&run.join("hf-adapter/adapter_model.safetensors")).unwrap();
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(run.join("hf-adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["r"], 4);
+    assert_eq!(config["peft_type"], "LORA");
+    let original = read_tensors(&base.join("model.safetensors")).unwrap();
+    let mut merged = std::collections::BTreeMap::new();
+    for i in 1..=7 {
+        let f = run.join(format!("hf/model-{i:05}-of-00007.safetensors"));
+        merged.extend(read_tensors(&f).unwrap());
+    }
+    assert_eq!(adapters.len(), 2 * 2 * 2, "A and B of 2 targets × 2 layers");
+    for (key, (shape_a, a)) in adapters
+        .iter()
+        .filter(|(k, _)| k.ends_with("lora_A.weight"))
+    {
+        let module = key
+            .strip_prefix("base_model.model.")
+            .unwrap()
+            .strip_suffix(".lora_A.weight")
+            .unwrap();
+        let (shape_b, b) = &adapters[&format!("base_model.model.{module}.lora_B.weight")];
+        let weight = format!("{module}.weight");
+        let (shape_w, w) = &original[&weight];
+        let (out, inp, r) = (shape_w[0], shape_w[1], shape_a[0]);
+        assert_eq!(
+            (shape_a.as_slice(), shape_b.as_slice()),
+            (&[r, inp][..], &[out, r][..])
+        );
+        let m = &merged[&weight].1;
+        let mut worst = 0.0f32;
+        for o in 0..out {
+            for i in 0..inp {
+                let delta: f32 = (0..r).map(|k| b[o * r + k] * a[k * inp + i]).sum();
+                let want = w[o * inp + i] + scale * delta;
+                worst = worst.max((m[o * inp + i] - want).abs());
+            }
+        }
+        let moved = m
+            .iter()
+            .zip(w)
+            .fold(0.0f32, |x, (p, q)| x.max((p - q).abs()));
+        assert!(
+            worst < 1e-6 && moved > 1e-4,
+            "{module}: off by {worst}, moved {moved}"
+        );
     }
 }

@@ -24,7 +24,8 @@ whose continuation could flip on rounding is rejected (a seed is chosen until it
 
 `--check DIR` instead loads a Hugging Face directory kiln exported into `transformers` (strict:
 no missing or unexpected key) and prints its logits of the reference prompt beside kiln's
-(`reference.json` that kiln wrote there), failing when they differ by more than 1e-5.
+(`reference.json` that kiln wrote there), failing when they differ by more than 1e-5; a PEFT
+adapter directory (`hf-adapter/`) is loaded by `peft` onto the checkpoint it names instead.
 """
 
 import argparse
@@ -171,6 +172,8 @@ def main():
 
 
 def check(directory):
+    if os.path.exists(os.path.join(directory, "adapter_config.json")):
+        return check_adapter(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
                                                  dtype=torch.float32)
     from safetensors.torch import load_file
@@ -194,6 +197,29 @@ def check(directory):
     print(f"{directory}: {len(names)} tensors, missing {sorted(missing)}, unexpected "
           f"{sorted(unexpected)}; logits max |transformers - kiln| / max |kiln| = {diff:.2e}")
     if missing or unexpected or diff > 1e-5:
+        sys.exit(1)
+
+
+def check_adapter(directory):
+    """A PEFT adapter directory kiln exported: loaded by `peft` onto the checkpoint its
+    adapter_config.json names, it must give kiln's logits of the merged model."""
+    from peft import PeftModel
+    with open(os.path.join(directory, "adapter_config.json")) as f:
+        base_dir = json.load(f)["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager",
+                                                dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, directory)
+    adapted = [n for n, _ in model.named_parameters() if "lora_" in n]
+    with open(os.path.join(directory, "reference.json")) as f:
+        ref = json.load(f)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ref["ids"]])).logits[0].flatten()
+    kiln = torch.tensor(ref["logits"])
+    diff = float((logits - kiln).abs().max()) / float(kiln.abs().max())
+    print(f"{directory}: {len(adapted)} adapter tensors onto {base_dir}; logits max "
+          f"|peft - kiln| / max |kiln| = {diff:.2e}")
+    if not adapted or diff > 1e-5:
         sys.exit(1)
 
 

@@ -215,6 +215,18 @@ pub fn check(config: &Config) -> Result<()> {
             name_of(&config.model.kind)
         )));
     }
+    if config.kiln.export.format == crate::config::ExportFormat::Hf
+        && !matches!(
+            config.model.kind,
+            ModelKind::Llama | ModelKind::Gpt2 | ModelKind::Hf
+        )
+    {
+        return Err(Error::config(format!(
+            "key `export.format`: \"hf\" writes the llama, gpt2 and hf models, not {:?}, which \
+             has no Hugging Face architecture (\"pytorch\" writes its PyTorch layout)",
+            name_of(&config.model.kind)
+        )));
+    }
     if config.data.dataset == DatasetKind::Csv && config.model.kind != ModelKind::Mlp {
         return Err(Error::config(format!(
             "key `model.kind`: the csv dataset trains the \"mlp\", not {:?} (a table's rows \

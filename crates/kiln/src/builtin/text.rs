@@ -148,6 +148,7 @@ where
     }
     let spec = ModelSpec { model, input: None };
     spec.validate().map_err(Error::config)?;
+    let hf = hf_config::<M>(config, &model_config)?;
     let rows = vec![
         (
             "data",
@@ -188,8 +189,47 @@ where
     };
     let vocab = text.vocab;
     launch(config, options, &workload, &spec, rows, |dir| {
-        vocab.save(&dir.join(TOKENIZER_FILE))
+        vocab.save(&dir.join(TOKENIZER_FILE))?;
+        if let Some(json) = hf {
+            // The Hugging Face directory's config and tokenizer now; its weights at the end.
+            let hf_dir = dir.join(crate::weights::HF_DIR);
+            std::fs::create_dir_all(&hf_dir).map_err(|e| Error::io(&hf_dir, e))?;
+            crate::files::write_atomic(
+                &hf_dir.join("config.json"),
+                serde_json::to_string_pretty(&json)
+                    .expect("a config serialises")
+                    .as_bytes(),
+            )?;
+            if let Vocab::Subword(_) = vocab {
+                vocab.save(&hf_dir.join(TOKENIZER_FILE))?;
+            }
+        }
+        Ok(())
     })
+}
+
+/// With `export.format = "hf"`, the `config.json` of the run's Hugging Face directory: a
+/// checkpoint's own (`model.kind = "hf"`), else one written for the architecture; refused for
+/// kiln's GPT, which has none.
+fn hf_config<M: CausalLm>(
+    config: &Config,
+    model_config: &M::Config,
+) -> Result<Option<serde_json::Value>> {
+    if config.kiln.export.format != crate::config::ExportFormat::Hf {
+        return Ok(None);
+    }
+    let arch = M::hf_architecture(model_config).ok_or_else(|| {
+        Error::config(
+            "key `export.format`: \"hf\" writes the Llama and GPT-2 families; kiln's GPT has no \
+             Hugging Face architecture (\"pytorch\" writes its PyTorch layout)",
+        )
+    })?;
+    let json = match (&config.model.kind, &config.kiln.init.from) {
+        (ModelKind::Hf, Some(dir)) => kiln_models::hf::config_json_from(dir)
+            .map_err(|e| Error::config(format!("key `init.from`: {e}")))?,
+        _ => kiln_models::hf::config_json(&arch),
+    };
+    Ok(Some(json))
 }
 
 /// Seed of the fixed validation windows: the same for every run seed, so that runs are

@@ -3,7 +3,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::init::WeightsFormat;
 use super::names::bad;
 use crate::error::Result;
 
@@ -118,23 +117,64 @@ fn check_pattern(key: &str, pattern: &str) -> Result<()> {
     )
 }
 
+/// How `model.safetensors` names and lays out the final weights (`export.format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExportFormat {
+    /// kiln's and Burn's: the module's paths, linear weights `[in, out]`.
+    #[default]
+    Kiln,
+    /// PyTorch's `state_dict`: linear weights `[out, in]`, normalisation `weight`/`bias`.
+    Pytorch,
+    /// Also a Hugging Face model directory, `hf/` in the run: `config.json`,
+    /// `model.safetensors` (or shards over `export.shard_mb` with their index; the tied head
+    /// left out), `tokenizer.json` — what `transformers`' `from_pretrained` loads (the
+    /// built-in `llama`, `gpt2` and `hf` models).
+    Hf,
+}
+
 /// `[export]`: the final weights a run writes (`model.bpk`, `model.safetensors`).
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExportConfig {
     /// Names and layouts of `model.safetensors`: `"kiln"` (the model's paths, linear weights
-    /// `[in, out]`) or `"pytorch"` (`[out, in]`, normalisation `weight`/`bias`), which loads
-    /// into the equivalent PyTorch module with `load_state_dict(..., strict=True)`.
-    /// `model.bpk` is always kiln's.
-    pub format: WeightsFormat,
+    /// `[in, out]`), `"pytorch"` (`[out, in]`, normalisation `weight`/`bias`), which loads
+    /// into the equivalent PyTorch module with `load_state_dict(..., strict=True)`, or `"hf"`
+    /// (kiln's files and a Hugging Face directory `hf/`). `model.bpk` is always kiln's.
+    /// Default `"kiln"`.
+    pub format: ExportFormat,
     /// Also write the LoRA adapters alone (`adapters.safetensors`); the model files hold them
-    /// folded into the base weights.
+    /// folded into the base weights. Default false.
     pub adapters: bool,
+    /// With `format = "hf"`: the largest weights file, in MiB; more weights go into shards
+    /// listed by `model.safetensors.index.json`. Default 5000 (transformers' 5 GB).
+    pub shard_mb: f64,
+}
+
+impl Default for ExportConfig {
+    fn default() -> Self {
+        Self {
+            format: ExportFormat::Kiln,
+            adapters: false,
+            shard_mb: 5000.0,
+        }
+    }
 }
 
 impl ExportConfig {
     /// Whether the export is kiln's, without adapters.
     pub fn is_default(&self) -> bool {
         self == &Self::default()
+    }
+
+    /// Rejects a shard size that is not a positive number of MiB.
+    pub fn check(&self) -> Result<()> {
+        if !(self.shard_mb > 0.0 && self.shard_mb.is_finite()) {
+            return bad(
+                "export.shard_mb",
+                format!("{} is not a size: expected MiB above 0", self.shard_mb),
+            );
+        }
+        Ok(())
     }
 }

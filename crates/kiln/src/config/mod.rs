@@ -15,7 +15,7 @@ mod precision;
 mod root;
 mod train;
 
-pub use finetune::{ExportConfig, FinetuneConfig, LoraConfig, QuantBits};
+pub use finetune::{ExportConfig, ExportFormat, FinetuneConfig, LoraConfig, QuantBits};
 pub use hardware::{Accelerator, CpuSplit, DeviceList, HardwareConfig, MonitorConfig, SinkKind};
 pub use init::{InitConfig, WeightsFormat};
 pub(crate) use names::refusal;

@@ -132,6 +132,7 @@ impl RootConfig {
         self.loader.check()?;
         self.init.check()?;
         self.finetune.check()?;
+        self.export.check()?;
         self.run.check()
     }
 

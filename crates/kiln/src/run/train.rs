@@ -129,7 +129,7 @@ where
     let (mut summary, model) = fit_checked(workload, &settings, checked)?;
     summary.plan = plan;
     if first {
-        crate::weights::export(&run_dir, &model, &config.export)?;
+        crate::weights::export(&run_dir, &model, config)?;
         let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");
         write_atomic(&run_dir.join("summary.json"), &json)?;
     }

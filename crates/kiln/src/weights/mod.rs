@@ -4,10 +4,12 @@
 
 mod export;
 mod load;
+mod peft;
 mod read;
 mod tune;
 
-pub use export::{ADAPTERS_FILE, export};
+pub use export::{ADAPTERS_FILE, HF_DIR, export};
 pub use load::{Loaded, load, resolve};
+pub use peft::PEFT_DIR;
 pub use read::{Stored, read_tensors};
 pub use tune::{ParamInfo, apply, count_params, matches, param_infos};
