@@ -540,7 +540,8 @@ fn a_gpt2_checkpoint_fine_tunes_from_the_cli_and_samples() {
         600,
     )
     .unwrap();
-    if trained.vocab_size() > 384 {
+    assert!(trained.vocab_size() > 384, "{}", trained.vocab_size());
+    {
         trained.save(&big.join("tokenizer.json")).unwrap();
         let mut a: Vec<String> = Vec::new();
         for s in &sets2 {
@@ -555,6 +556,160 @@ fn a_gpt2_checkpoint_fine_tunes_from_the_cli_and_samples() {
         let out = crate::common::train_bin(&dir, &a);
         crate::common::assert_one_line_error(&out, &["data.tokenizer", "vocab_size", "384"]);
     }
+}
+
+/// Both families under what the rest of kiln offers: recompute equals no recompute bit for
+/// bit (f32), bf16-mixed under zero2, DiLoCo's islands, and QLoRA (8-bit bases) each train to
+/// a finite validation loss below the checkpoint's.
+#[test]
+fn both_families_take_recompute_mixed_precision_diloco_and_qlora() {
+    use kiln::weights::read_tensors;
+    let dir = crate::common::temp_dir("hf-modes");
+    for (name, target) in [("llama", "**.q_proj"), ("gpt2", "**.c_attn")] {
+        let qlora = format!("finetune.lora.targets=[{target:?}]");
+        let start = kiln::builtin::train(
+            &hf_config(&dir, &format!("{name}-start"), name, &[]),
+            &kiln::run::RunOptions {
+                evaluate: true,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+        .summary
+        .val_loss
+        .unwrap();
+        let mut params = Vec::new();
+        for (label, extra) in [
+            ("plain", vec![]),
+            ("recompute", vec!["recompute.mode=\"blocks\""]),
+            (
+                "bf16-zero2",
+                vec![
+                    "precision.mode=\"bf16-mixed\"",
+                    "strategy.name=\"zero2\"",
+                    "hardware.devices=2",
+                    "train.batch_size=4",
+                ],
+            ),
+            (
+                "diloco",
+                vec![
+                    "strategy.name=\"diloco\"",
+                    "diloco.inner_steps=2",
+                    "hardware.devices=2",
+                    "train.batch_size=4",
+                ],
+            ),
+            (
+                "qlora",
+                vec![
+                    "finetune.lora.rank=4",
+                    "finetune.lora.quantize=\"q8\"",
+                    qlora.as_str(),
+                ],
+            ),
+        ] {
+            let run = format!("{name}-{label}");
+            let mut all = vec!["train.max_steps=6", "train.checkpoint_every=6"];
+            all.extend(extra);
+            let r = kiln::builtin::train(
+                &hf_config(&dir, &run, name, &all),
+                &kiln::run::RunOptions::default(),
+            )
+            .unwrap();
+            let val = r.summary.val_loss.unwrap();
+            println!("{run}: val loss {val:.7} (the checkpoint's {start:.4})");
+            assert!(val.is_finite() && val < start, "{run}: {val} from {start}");
+            if label == "plain" || label == "recompute" {
+                params.push(read_tensors(&r.dir.join("model.safetensors")).unwrap());
+            }
+        }
+        assert_eq!(
+            params[0], params[1],
+            "{name}: recompute changed the parameters"
+        );
+    }
+}
+
+/// The shipped recipes `configs/llama-finetune.toml` and `configs/gpt2-finetune.toml` take
+/// another checkpoint of their family by `--set init.from=DIR --set data.tokenizer=DIR` alone
+/// (here the sharded Llama and GPT-2's original layout), under zero3 and the pipeline; the
+/// run's `train eval` and the recipe's `train plan` take them too.
+#[test]
+fn the_shipped_hf_recipes_take_another_checkpoint_by_set() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = crate::common::temp_dir("hf-recipes");
+    let text = crate::gpt::text_file(&dir).display().to_string();
+    let argv = |recipe: &str, from: &str, extra: &[&str]| -> Vec<String> {
+        let from = fixture(from).display().to_string();
+        let mut a: Vec<String> = vec!["--config".into(), format!("configs/{recipe}.toml")];
+        for s in [
+            format!("init.from={from:?}"),
+            format!("data.tokenizer={from:?}"),
+            format!("data.path={text:?}"),
+            "data.eval_windows=4".into(),
+            "data.context=16".into(),
+        ] {
+            a.push("--set".into());
+            a.push(s);
+        }
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let run = |args: &[String]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = crate::common::train_bin(&root, &args);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+    let llama = dir.join("llama").display().to_string();
+    let steps = ["--max-steps", "3", "--batch-size", "2", "--devices", "2"];
+    let mut a = argv("llama-finetune", "llama-sharded", &steps);
+    a.extend(["--strategy", "zero3", "--run-dir", &llama].map(String::from));
+    let out = run(&a);
+    assert!(out.contains("35 tensors from"), "{out}");
+    let adapter: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("llama/hf-adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        adapter["base_model_name_or_path"]
+            .as_str()
+            .unwrap()
+            .ends_with("llama-sharded"),
+        "{adapter}"
+    );
+    assert!(dir.join("llama/hf/model.safetensors").is_file());
+    let out = run(&["eval", "--run", &llama].map(String::from));
+    assert!(out.contains("val loss"), "{out}");
+    let mut a = vec!["plan".to_string()];
+    a.extend(argv("llama-finetune", "llama", &["--devices", "2"]));
+    let out = run(&a);
+    assert!(out.contains("zero3") && out.contains("ddp"), "{out}");
+    let gpt2 = dir.join("gpt2").display().to_string();
+    let mut a = argv("gpt2-finetune", "gpt2-legacy", &steps);
+    a.extend(
+        [
+            "--strategy",
+            "pipeline",
+            "--set",
+            "pipeline.microbatches=2",
+            "--run-dir",
+            &gpt2,
+        ]
+        .map(String::from),
+    );
+    let out = run(&a);
+    assert!(out.contains("28 tensors from"), "{out}");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("gpt2/hf/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["model_type"], "gpt2");
 }
 
 /// The tensors of a Hugging Face directory's weights files, from their headers: name → (file,

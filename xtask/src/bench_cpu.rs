@@ -1,8 +1,10 @@
-//! `cargo xtask bench cpu`: one CPU device, the GPT recipe (batch 24) and the MNIST ConvNet,
-//! with the per-core schedule (`hardware.cpu_split = "auto"`) and without it (`"off"`), and,
-//! given a Python with PyTorch (`--reference PYTHON`), the same GPT recipe in PyTorch
-//! (`xtask/reference/gpt_char_torch.py`). Within a round every run alternates; medians over
-//! rounds are compared side by side.
+//! `cargo xtask bench cpu`: one CPU device, the GPT recipe (batch 24), the Llama text recipe
+//! and the MNIST ConvNet, with the per-core schedule (`hardware.cpu_split = "auto"`) and
+//! without it (`"off"`), and, given a Python with PyTorch (`--reference PYTHON`), the same GPT
+//! recipe in PyTorch (`xtask/reference/gpt_char_torch.py`) and the same Llama in PyTorch +
+//! `transformers` (`xtask/reference/llama_text_torch.py`, its config and tokenizer from
+//! kiln's run of the round). Within a round every run alternates; medians over rounds are
+//! compared side by side.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -41,22 +43,56 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
     Ok(o)
 }
 
-/// A recipe: its name, `train`'s arguments, the data it needs, and its samples per step.
+/// A recipe: its name, `train`'s arguments, the data it needs, its samples per step, and its
+/// PyTorch twin.
 struct Recipe {
     name: &'static str,
     args: &'static [&'static str],
     data: &'static str,
     fetch: &'static str,
     batch: usize,
+    reference: Option<Reference>,
 }
 
-const RECIPES: [Recipe; 2] = [
+/// A PyTorch script timing the same recipe: its arguments, and whether it also reads kiln's
+/// run of the round (`--run DIR`: the model's config and tokenizer).
+struct Reference {
+    script: &'static str,
+    args: &'static [&'static str],
+    with_run: bool,
+}
+
+const RECIPES: [Recipe; 3] = [
     Recipe {
         name: "GPT (configs/gpt-text.toml, batch 24)",
         args: &["--config", "configs/gpt-text.toml", "--batch-size", "24"],
         data: "data/text/moby-dick.txt",
         fetch: "text",
         batch: 24,
+        reference: Some(Reference {
+            script: "xtask/reference/gpt_char_torch.py",
+            args: &["--data", "data/text/moby-dick.txt", "--batch", "24"],
+            with_run: false,
+        }),
+    },
+    Recipe {
+        name: "Llama (configs/llama-text.toml, batch 12)",
+        args: &["--config", "configs/llama-text.toml"],
+        data: "data/text/moby-dick.txt",
+        fetch: "text",
+        batch: 12,
+        reference: Some(Reference {
+            script: "xtask/reference/llama_text_torch.py",
+            args: &[
+                "--data",
+                "data/text/moby-dick.txt",
+                "--batch",
+                "12",
+                "--context",
+                "64",
+            ],
+            with_run: true,
+        }),
     },
     Recipe {
         name: "ConvNet (configs/mnist-convnet.toml, batch 64)",
@@ -64,6 +100,7 @@ const RECIPES: [Recipe; 2] = [
         data: "data/mnist",
         fetch: "mnist",
         batch: 64,
+        reference: None,
     },
 ];
 
@@ -87,14 +124,14 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         o.steps,
         o.rounds,
         if o.reference.is_some() {
-            ", and PyTorch on the GPT"
+            ", and PyTorch on the GPT and the Llama"
         } else {
             ""
         }
     );
     // ms/step per recipe and schedule, and PyTorch's.
     let mut kiln: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); SCHEDULES.len()]; RECIPES.len()];
-    let mut torch = Vec::new();
+    let mut torch: Vec<Vec<f64>> = vec![Vec::new(); RECIPES.len()];
     for round in 0..o.rounds {
         for (i, r) in RECIPES.iter().enumerate() {
             for (j, schedule) in SCHEDULES.iter().enumerate() {
@@ -135,28 +172,59 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             }
         }
         if let Some(python) = &o.reference {
-            let out = Command::new(python)
-                .arg("xtask/reference/gpt_char_torch.py")
-                .args(["--data", "data/text/moby-dick.txt", "--batch", "24"])
-                .args(["--steps", &o.steps.to_string()])
-                .current_dir(root)
-                .stderr(Stdio::piped())
-                .output()
-                .map_err(|e| format!("cannot run {python}: {e}"))?;
-            let text = String::from_utf8_lossy(&out.stdout);
-            let ms = json_number(&text, "ms_per_step").ok_or_else(|| {
-                format!(
-                    "the PyTorch reference printed no ms_per_step: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                )
-            })?;
-            println!(
-                "  round {round} {:<46} {:>12.1} ms/step",
-                "PyTorch, the GPT recipe", ms
-            );
-            torch.push(ms);
+            for (i, r) in RECIPES.iter().enumerate() {
+                let Some(reference) = &r.reference else {
+                    continue;
+                };
+                let run_dir = temp.path().join(format!("{i}-auto-{round}"));
+                let ms = reference_ms(root, python, reference, o.steps, &run_dir)?;
+                println!(
+                    "  round {round} {:<46} {:>12.1} ms/step",
+                    format!("PyTorch, {}", r.name),
+                    ms
+                );
+                torch[i].push(ms);
+            }
         }
     }
+    print_table(&kiln, &torch, cores);
+    Ok(())
+}
+
+/// The PyTorch twin's median ms/step (`run_dir`: kiln's run of the round, for a twin that
+/// reads it).
+fn reference_ms(
+    root: &Path,
+    python: &str,
+    reference: &Reference,
+    steps: usize,
+    run_dir: &Path,
+) -> Result<f64> {
+    let mut command = Command::new(python);
+    command
+        .arg(reference.script)
+        .args(reference.args)
+        .args(["--steps", &steps.to_string()]);
+    if reference.with_run {
+        command.arg("--run").arg(run_dir);
+    }
+    let out = command
+        .current_dir(root)
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| format!("cannot run {python}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    json_number(&text, "ms_per_step").ok_or_else(|| {
+        format!(
+            "{} printed no ms_per_step: {}",
+            reference.script,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+    })
+}
+
+/// The medians side by side: ms/step per recipe and schedule, and PyTorch's.
+fn print_table(kiln: &[Vec<Vec<f64>>], torch: &[Vec<f64>], cores: usize) {
     println!();
     println!(
         "| recipe | one device | ms/step | samples/s | speed ÷ cpu_split off | speed ÷ PyTorch |"
@@ -166,8 +234,8 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         let off = median(&kiln[i][1]);
         for (j, schedule) in SCHEDULES.iter().enumerate() {
             let ms = median(&kiln[i][j]);
-            let vs_torch = if i == 0 && !torch.is_empty() {
-                format!("{:.2}", median(&torch) / ms)
+            let vs_torch = if !torch[i].is_empty() {
+                format!("{:.2}", median(&torch[i]) / ms)
             } else {
                 "–".to_string()
             };
@@ -179,13 +247,16 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             );
         }
     }
-    if !torch.is_empty() {
-        let ms = median(&torch);
+    for (i, r) in RECIPES.iter().enumerate() {
+        let (Some(reference), false) = (&r.reference, torch[i].is_empty()) else {
+            continue;
+        };
+        let ms = median(&torch[i]);
         println!(
-            "| GPT in PyTorch (xtask/reference/gpt_char_torch.py) | {cores} threads | {ms:.1} | \
-             {:.1} | – | 1.00 |",
-            24.0 * 1e3 / ms
+            "| {} in PyTorch ({}) | {cores} threads | {ms:.1} | {:.1} | – | 1.00 |",
+            r.name,
+            reference.script,
+            r.batch as f64 * 1e3 / ms
         );
     }
-    Ok(())
 }

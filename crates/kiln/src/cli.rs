@@ -120,9 +120,12 @@ impl EvalArgs {
             .and_then(|f| f.as_str())
             .unwrap_or("kiln")
             .to_string();
-        if flags.config.is_none() {
-            flags.config = Some(config);
-        }
+        // `model.safetensors` of an "hf" export is kiln's layout (the PyTorch one is in hf/).
+        let format = if format == "hf" {
+            "kiln".into()
+        } else {
+            format
+        };
         // The run's own starting point is replaced by what it exported.
         let mut set = vec![
             format!("init.from={:?}", run.display().to_string()),
@@ -130,6 +133,23 @@ impl EvalArgs {
             "init.rename=[]".to_string(),
             "init.partial=false".to_string(),
         ];
+        // A Hugging Face checkpoint's architecture was read from its config.json: the run
+        // kept what it resolved (`model.toml`), which describes the exported weights.
+        let kind = table.get("model").and_then(|m| m.get("kind"));
+        if flags.config.is_none() && kind.and_then(|k| k.as_str()) == Some("hf") {
+            let (spec, _) = crate::config::read_table(Some(&run.join("model.toml")), &[])?;
+            let model = spec.get("model").and_then(|m| m.as_table());
+            let resolved = model.and_then(|m| m.get("kind")).and_then(|k| k.as_str());
+            if let (Some(model), Some(resolved)) = (model, resolved) {
+                set.push(format!("model.kind={resolved:?}"));
+                if let Some(shape) = model.get(resolved) {
+                    set.push(format!("model.{resolved}={shape}"));
+                }
+            }
+        }
+        if flags.config.is_none() {
+            flags.config = Some(config);
+        }
         set.append(&mut flags.set);
         flags.set = set;
         Ok(flags)

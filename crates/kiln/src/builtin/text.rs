@@ -153,11 +153,14 @@ where
         (
             "data",
             format!(
-                "{}: {} train / {} val {}, vocabulary {}{}; windows of {context}",
+                "{}: {} train / {} val {}{}, vocabulary {}{}; windows of {context}",
                 text.name,
                 text.train.len(),
                 text.val.len(),
                 text.vocab.unit(),
+                text.chars_per_token.map_or(String::new(), |c| format!(
+                    " ({c:.3} characters per token on val)"
+                )),
                 text.vocab.size(),
                 text.dropped.map_or(String::new(), |n| format!(
                     " (from {}; {n} characters outside it left out)",

@@ -85,6 +85,9 @@ pub(super) struct TextParts {
     pub val: Tokens,
     pub name: String,
     pub dropped: Option<usize>,
+    /// Subword tokens: the validation part's characters per token (a loss per token in
+    /// nats, divided by this and ln 2, is bits per character).
+    pub chars_per_token: Option<f64>,
 }
 
 /// The text of `path` as [`TextParts`], tokenised as `[data]` says: `data.tokenizer` (a
@@ -122,7 +125,9 @@ pub(super) fn read_text(config: &Config, path: &Path) -> Result<TextParts> {
                 .map_err(|e| Error::data(format!("{}: cannot tokenise it: {e}", path.display())))
         };
         let (train, val) = (encode(train_text)?, encode(val_text)?);
+        let chars_per_token = val_text.chars().count() as f64 / val.len().max(1) as f64;
         return Ok(TextParts {
+            chars_per_token: Some(chars_per_token),
             vocab: Vocab::Subword(Box::new(tokenizer)),
             train: Tokens::Memory(train),
             val: Tokens::Memory(val),
@@ -202,6 +207,7 @@ pub(super) fn read_text(config: &Config, path: &Path) -> Result<TextParts> {
         val,
         name,
         dropped,
+        chars_per_token: None,
     })
 }
 
