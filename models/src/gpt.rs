@@ -70,7 +70,7 @@ impl CausalSelfAttention {
         let [b, t, c] = x.dims();
         let h = self.n_head;
         let d = c / h;
-        let qkv = self.qkv.forward(x);
+        let qkv = crate::linear_rows(&self.qkv, x);
         let split = |i: usize| {
             qkv.clone()
                 .slice([0..b, 0..t, i * c..(i + 1) * c])
@@ -86,7 +86,7 @@ impl CausalSelfAttention {
             burn::tensor::activation::softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
         let weights = self.dropout.forward(weights);
         let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, c]);
-        self.dropout.forward(self.proj.forward(y))
+        self.dropout.forward(crate::linear_rows(&self.proj, y))
     }
 }
 
@@ -102,8 +102,8 @@ pub struct Mlp {
 impl Mlp {
     /// Applies the MLP to every position.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = self.activation.forward(self.fc.forward(x));
-        self.dropout.forward(self.proj.forward(x))
+        let x = self.activation.forward(crate::linear_rows(&self.fc, x));
+        self.dropout.forward(crate::linear_rows(&self.proj, x))
     }
 }
 

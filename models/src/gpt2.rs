@@ -191,7 +191,15 @@ pub struct Conv1D {
 
 impl Conv1D {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        burn::tensor::module::linear(x, self.weight.val(), Some(self.bias.val()))
+        // One matrix product over the B·T rows (see `crate::linear_rows`).
+        let [b, t, c] = x.dims();
+        let y = burn::tensor::module::linear(
+            x.reshape([b * t, c]),
+            self.weight.val(),
+            Some(self.bias.val()),
+        );
+        let n = y.dims()[1];
+        y.reshape([b, t, n])
     }
 }
 
@@ -327,7 +335,7 @@ impl Gpt2 {
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let x = self.transformer.ln_f.forward(x);
         match &self.lm_head {
-            Some(head) => head.forward(x),
+            Some(head) => crate::linear_rows(head, x),
             None => {
                 let [b, t, c] = x.dims();
                 let weight = self.transformer.wte.weight.val();

@@ -47,6 +47,17 @@ pub fn with_rng<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// `linear` on `[B, T, C]` as one matrix product over the `B·T` rows. Burn's `linear` keeps
+/// a batched product when T is a multiple of its row tile — one gemm per batch row, each
+/// packing the same weight again; flattened first, it is one gemm whatever B. Each output
+/// element sums over C in the same order either way.
+pub fn linear_rows(linear: &burn::nn::Linear, x: Tensor<3>) -> Tensor<3> {
+    let [b, t, c] = x.dims();
+    let y = linear.forward(x.reshape([b * t, c]));
+    let n = y.dims()[1];
+    y.reshape([b, t, n])
+}
+
 /// Forces the initialisation of every parameter of `module`.
 ///
 /// Burn initialises parameters lazily, on first use; drawing their random values here, inside

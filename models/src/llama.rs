@@ -364,9 +364,9 @@ impl Attention {
             let d = y.dims()[2] / n;
             y.reshape([b, t, n, d]).swap_dims(1, 2)
         };
-        let q = rope.apply(split(self.q_proj.forward(x.clone()), h));
-        let mut k = rope.apply(split(self.k_proj.forward(x.clone()), kv));
-        let mut v = split(self.v_proj.forward(x), kv);
+        let q = rope.apply(split(crate::linear_rows(&self.q_proj, x.clone()), h));
+        let mut k = rope.apply(split(crate::linear_rows(&self.k_proj, x.clone()), kv));
+        let mut v = split(crate::linear_rows(&self.v_proj, x), kv);
         if let Some((ck, cv)) = cache {
             if let Some(old) = ck.take() {
                 k = Tensor::cat(vec![old, k], 2);
@@ -401,7 +401,7 @@ impl Attention {
         };
         let weights = burn::tensor::activation::softmax(scores, 3);
         let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, h * d]);
-        self.o_proj.forward(y)
+        crate::linear_rows(&self.o_proj, y)
     }
 }
 
@@ -415,8 +415,8 @@ pub struct SwiGlu {
 
 impl SwiGlu {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let gate = burn::tensor::activation::silu(self.gate_proj.forward(x.clone()));
-        self.down_proj.forward(gate * self.up_proj.forward(x))
+        let gate = burn::tensor::activation::silu(crate::linear_rows(&self.gate_proj, x.clone()));
+        crate::linear_rows(&self.down_proj, gate * crate::linear_rows(&self.up_proj, x))
     }
 }
 
@@ -499,7 +499,7 @@ impl Llama {
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let x = self.model.norm.forward(x);
         match &self.lm_head {
-            Some(head) => head.forward(x),
+            Some(head) => crate::linear_rows(head, x),
             None => {
                 let [b, t, c] = x.dims();
                 let weight = self.model.embed_tokens.weight.val();

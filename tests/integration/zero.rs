@@ -16,8 +16,12 @@ use kiln::trainer::parameter_values;
 use crate::common::{max_relative_diff, small_config, temp_dir, train_bin, train_losses};
 use crate::gpt::{gpt_config, text_file};
 
-/// ZeRO against `ddp` on the same ranks: the same sums, partly in another order.
-const ZERO_PARITY: f64 = 1e-6;
+/// ZeRO against `ddp` on the same ranks: the same sums, partly in another order. Most cases
+/// stay near 1e-7; with gradient accumulation the micro-batches' shards are added in another
+/// order than ddp's whole gradients, and AdamW turns those last-bit differences into
+/// relative ones of a few 1e-6 (1.9e-6 on the GPT at 2 ranks once its Linears run as one
+/// matrix product over the batch's rows) — still half of what one device allows.
+const ZERO_PARITY: f64 = 5e-6;
 /// Any strategy against one device with the whole batch: f32 sums of the same numbers over
 /// other partitions (the bound the `ddp` parity tests hold).
 const SINGLE_PARITY: f64 = 1e-5;

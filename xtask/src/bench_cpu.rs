@@ -226,6 +226,7 @@ fn reference_ms(
 /// The medians side by side: ms/step per recipe and schedule, and PyTorch's.
 fn print_table(kiln: &[Vec<Vec<f64>>], torch: &[Vec<f64>], cores: usize) {
     println!();
+    println!("CPU: {}", cpu_description());
     println!(
         "| recipe | one device | ms/step | samples/s | speed ÷ cpu_split off | speed ÷ PyTorch |"
     );
@@ -259,4 +260,33 @@ fn print_table(kiln: &[Vec<Vec<f64>>], torch: &[Vec<f64>], cores: usize) {
             r.batch as f64 * 1e3 / ms
         );
     }
+}
+
+/// The CPU's model and the vector extensions that choose kiln's and PyTorch's kernels (from
+/// `/proc/cpuinfo`; "unknown" elsewhere).
+fn cpu_description() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let model = field("model name").unwrap_or_else(|| "unknown".into());
+    let flags = field("flags").unwrap_or_default();
+    let wanted = [
+        "sse4_2",
+        "avx",
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512_bf16",
+    ];
+    let have: Vec<&str> = wanted
+        .into_iter()
+        .filter(|w| flags.split_whitespace().any(|f| f == *w))
+        .collect();
+    format!("{model}; vector extensions: {}", have.join(" "))
 }
