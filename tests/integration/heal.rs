@@ -287,6 +287,53 @@ fn the_launcher_restarts_a_failed_run_which_ends_as_the_uninterrupted_one() {
     ok(&flight);
 }
 
+/// A failure before the first checkpoint: the launcher starts the run over in the same
+/// directory (the failed attempt's files kept under `restarts/attempt-1/run/`), and the run
+/// ends as the uninterrupted one, bit for bit.
+#[test]
+fn a_failure_before_the_first_checkpoint_starts_the_run_over() {
+    let base = temp_dir("launch-over");
+    let train = [&TRAIN[..], &["--set", "train.checkpoint_every=30"]].concat();
+    ok(&train_bin(
+        &base,
+        &[&["--run-dir", "plain"][..], &train].concat(),
+    ));
+    let out = launch(
+        &base,
+        &["--run-dir", "over", "--restarts", "2", "--backoff-s", "0.1"],
+        &train,
+        &[(kiln::trainer::FAULT_VAR, "0:5")],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("restart 1 of 2 after exit 4") && stderr.contains("from the start"),
+        "{stderr}"
+    );
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(base.join("over").join(kiln::launcher::RESTARTS_FILE))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["started_over"], true);
+    assert!(lines[0]["resumed_from_step"].is_null());
+    let kept = base.join("over/restarts/attempt-1/run");
+    assert!(kept.join("config.toml").is_file(), "{}", kept.display());
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(base.join("over/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        (summary["restarts"].clone(), summary["steps"].clone()),
+        (1.into(), 8.into())
+    );
+    assert!(
+        tensors(&base.join("over/model.safetensors"))
+            == tensors(&base.join("plain/model.safetensors"))
+    );
+}
+
 #[test]
 fn the_launcher_passes_a_refusal_and_a_stop_through_and_gives_up_after_its_restarts() {
     let base = temp_dir("launch-final");

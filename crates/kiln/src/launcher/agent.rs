@@ -139,6 +139,14 @@ impl<'a> Agent<'a> {
                 return exit::FAILED;
             }
             let newest = checkpoint::newest_whole(self.run_dir()).ok();
+            // No whole checkpoint yet: the run starts over, its failed attempt kept aside.
+            let set_aside = match newest.is_none().then(|| self.set_aside(attempt)) {
+                Some(Err(e)) => {
+                    eprintln!("error: train launch: {e}");
+                    return exit::FAILED;
+                }
+                kept => kept.and_then(Result::ok),
+            };
             let state = newest
                 .as_ref()
                 .and_then(|n| checkpoint::read_state(&n.dir).ok());
@@ -161,6 +169,7 @@ impl<'a> Agent<'a> {
                 "hosts_before": hosts,
                 "hosts_after": after,
                 "resumed_from_step": newest.as_ref().map(|n| n.step),
+                "started_over": set_aside.is_some(),
                 "samples_per_step": state.as_ref().map(|s| s.samples_per_step),
                 "batch_size": split.map(|s| s.batch),
                 "accumulate": split.map(|s| s.accumulate),
@@ -175,7 +184,15 @@ impl<'a> Agent<'a> {
                 ended.code,
                 describe_hosts(&hosts),
                 describe_hosts(&after),
-                newest.map_or(String::new(), |n| format!(", from step {}", n.step)),
+                match (&newest, &set_aside) {
+                    (Some(n), _) => format!(", from step {}", n.step),
+                    (None, Some(d)) => format!(
+                        ", from the start: no checkpoint yet (the failed attempt's files are in \
+                         {})",
+                        d.display()
+                    ),
+                    (None, None) => String::new(),
+                },
             );
             hosts = after;
             attempt += 1;
@@ -376,6 +393,28 @@ impl<'a> Agent<'a> {
             }
             Err(_) => error,
         }
+    }
+
+    /// Moves what failed attempt `attempt` (0 the first) wrote into the run directory — its
+    /// config, logs, metrics, unfinished checkpoints — to `restarts/attempt-N/run/`, so that
+    /// the next attempt starts the run over in the same directory; `restarts.jsonl` and the
+    /// earlier attempts' records stay. Returns where they went.
+    fn set_aside(&self, attempt: usize) -> Result<PathBuf> {
+        let run_dir = self.run_dir();
+        let kept = run_dir
+            .join("restarts")
+            .join(format!("attempt-{}", attempt + 1))
+            .join("run");
+        std::fs::create_dir_all(&kept).map_err(|e| Error::io(&kept, e))?;
+        for entry in std::fs::read_dir(run_dir).map_err(|e| Error::io(run_dir, e))? {
+            let path = entry.map_err(|e| Error::io(run_dir, e))?.path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if name == RESTARTS_FILE || name == "restarts" {
+                continue;
+            }
+            std::fs::rename(&path, kept.join(name)).map_err(|e| Error::io(&path, e))?;
+        }
+        Ok(kept)
     }
 
     fn record(&self, line: &serde_json::Value) {
