@@ -192,14 +192,9 @@ pub struct Conv1D {
 impl Conv1D {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         // One matrix product over the B·T rows (see `crate::linear_rows`).
-        let [b, t, c] = x.dims();
-        let y = burn::tensor::module::linear(
-            x.reshape([b * t, c]),
-            self.weight.val(),
-            Some(self.bias.val()),
-        );
-        let n = y.dims()[1];
-        y.reshape([b, t, n])
+        crate::on_rows(x, |rows| {
+            burn::tensor::module::linear(rows, self.weight.val(), Some(self.bias.val()))
+        })
     }
 }
 

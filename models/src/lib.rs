@@ -52,8 +52,13 @@ pub fn with_rng<R>(f: impl FnOnce() -> R) -> R {
 /// packing the same weight again; flattened first, it is one gemm whatever B. Each output
 /// element sums over C in the same order either way.
 pub fn linear_rows(linear: &burn::nn::Linear, x: Tensor<3>) -> Tensor<3> {
+    on_rows(x, |rows| linear.forward(rows))
+}
+
+/// `f` on `[B, T, C]` seen as its `[B·T, C]` rows, the result back as `[B, T, N]`.
+pub fn on_rows(x: Tensor<3>, f: impl FnOnce(Tensor<2>) -> Tensor<2>) -> Tensor<3> {
     let [b, t, c] = x.dims();
-    let y = linear.forward(x.reshape([b * t, c]));
+    let y = f(x.reshape([b * t, c]));
     let n = y.dims()[1];
     y.reshape([b, t, n])
 }

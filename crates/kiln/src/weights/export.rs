@@ -126,13 +126,14 @@ fn hf_weights<M: Module + ModuleSnapshot>(dir: &Path, model: &M, shard_mb: f64) 
             .with_to_adapter(BurnToPyTorchAdapter)
             .skip_enum_variants(true)
             .metadata("format", "pt");
+        // The shard holds the names collected for it (the store filters on the same names).
+        for tensor in &paths {
+            weight_map.insert(tensor.clone(), name.clone().into());
+        }
         if n > 1 {
             store = store.with_full_paths(paths);
         }
         save(model, &mut store, &tmp, &file)?;
-        for tensor in safetensors_names(&file)? {
-            weight_map.insert(tensor, name.clone().into());
-        }
         total += bytes;
     }
     if n > 1 {
@@ -148,26 +149,6 @@ fn hf_weights<M: Module + ModuleSnapshot>(dir: &Path, model: &M, shard_mb: f64) 
         )?;
     }
     Ok(())
-}
-
-/// The tensor names of a SafeTensors file, from its header.
-fn safetensors_names(file: &Path) -> Result<Vec<String>> {
-    use std::io::Read;
-    let bad = |why: &str| Error::checkpoint(format!("{}: {why}", file.display()));
-    let mut f = std::fs::File::open(file).map_err(|e| Error::io(file, e))?;
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(|e| Error::io(file, e))?;
-    let mut header = vec![0u8; u64::from_le_bytes(len) as usize];
-    f.read_exact(&mut header).map_err(|e| Error::io(file, e))?;
-    let header: serde_json::Value =
-        serde_json::from_slice(&header).map_err(|_| bad("its header is not JSON"))?;
-    Ok(header
-        .as_object()
-        .ok_or_else(|| bad("its header is not a JSON object"))?
-        .keys()
-        .filter(|k| *k != "__metadata__")
-        .cloned()
-        .collect())
 }
 
 /// Whether `path` is a LoRA factor's.
