@@ -141,3 +141,13 @@ pub fn wait_for_records(run: &Path, records: usize) {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// A safetensors file's tensors: their entries (names, dtypes, shapes, offsets) and bytes,
+/// without the free-form metadata, whose key order is not fixed.
+pub fn tensors(path: &Path) -> (serde_json::Value, Vec<u8>) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header.as_object_mut().unwrap().remove("__metadata__");
+    (header, bytes[8 + n..].to_vec())
+}

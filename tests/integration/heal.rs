@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::Output;
 
-use crate::common::{assert_one_line_error, temp_dir, train_bin, train_losses};
+use crate::common::{assert_one_line_error, temp_dir, tensors, train_bin, train_losses};
 
 /// A small digits run's flags: the ConvNet at its smallest, `steps` steps.
 fn run_args<'a>(dir: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -30,16 +30,6 @@ fn ok(out: &Output) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-/// A safetensors file's tensors: their entries (names, dtypes, shapes, offsets) and bytes,
-/// without the free-form metadata, whose key order is not fixed.
-fn tensors(path: &Path) -> (serde_json::Value, Vec<u8>) {
-    let bytes = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    header.as_object_mut().unwrap().remove("__metadata__");
-    (header, bytes[8 + n..].to_vec())
 }
 
 fn copy_dir(from: &Path, to: &Path) {

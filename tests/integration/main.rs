@@ -22,5 +22,6 @@ mod pipeline;
 mod plan;
 mod policies;
 mod robust;
+mod runlock;
 mod training;
 mod zero;

@@ -49,6 +49,7 @@ pub mod plan;
 pub mod plot;
 pub mod precision;
 pub mod run;
+pub mod runlock;
 pub mod signal;
 pub mod sinks;
 pub mod state;

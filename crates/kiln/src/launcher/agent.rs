@@ -14,6 +14,7 @@ use super::split::{Split, keep_samples};
 use crate::checkpoint;
 use crate::error::{Error, Result, exit};
 use crate::files::write_atomic;
+use crate::runlock::{HELD_VAR, LOCK_FILE, RunLock};
 use crate::trainer::{ATTEMPT_VAR, FAULT_ATTEMPTS_VAR, FAULT_VAR};
 
 /// The agent used to check hosts when none is given (and `mpirun`'s own default).
@@ -82,6 +83,27 @@ impl<'a> Agent<'a> {
 
     fn run(self) -> i32 {
         crate::signal::install();
+        // The job holds its run directory from here to its end, across every attempt; the
+        // trainers it starts come in with the lock's token.
+        let held = std::fs::create_dir_all(self.run_dir())
+            .map_err(|e| Error::io(self.run_dir(), e))
+            .and_then(|()| RunLock::acquire(self.run_dir(), "train launch"));
+        let lock = match held {
+            Ok(lock) => lock,
+            Err(e) => {
+                eprintln!("error: train launch: {e}");
+                return e.exit_code();
+            }
+        };
+        if let Some((holder, why)) = &lock.took_over {
+            eprintln!(
+                "train launch: took {} over from {}: {why}",
+                self.run_dir().display(),
+                holder.describe()
+            );
+        }
+        // SAFETY: the launcher sets it before it starts any thread that reads the environment.
+        unsafe { std::env::set_var(HELD_VAR, lock.token()) };
         let mut hosts = self.answering();
         if !self.hosts.is_empty() && hosts.is_empty() {
             eprintln!(
@@ -286,7 +308,7 @@ impl<'a> Agent<'a> {
             if let Some(agent) = &self.args.rsh_agent {
                 c.args(["--mca", "plm_rsh_agent", agent]);
             }
-            for var in [ATTEMPT_VAR, FAULT_VAR, FAULT_ATTEMPTS_VAR] {
+            for var in [ATTEMPT_VAR, FAULT_VAR, FAULT_ATTEMPTS_VAR, HELD_VAR] {
                 c.args(["-x", var]);
             }
             c.arg(&self.exe).args(&train);
@@ -398,7 +420,7 @@ impl<'a> Agent<'a> {
     /// Moves what failed attempt `attempt` (0 the first) wrote into the run directory — its
     /// config, logs, metrics, unfinished checkpoints — to `restarts/attempt-N/run/`, so that
     /// the next attempt starts the run over in the same directory; `restarts.jsonl` and the
-    /// earlier attempts' records stay. Returns where they went.
+    /// earlier attempts' records and the job's lock stay. Returns where they went.
     fn set_aside(&self, attempt: usize) -> Result<PathBuf> {
         let run_dir = self.run_dir();
         let kept = run_dir
@@ -409,7 +431,10 @@ impl<'a> Agent<'a> {
         for entry in std::fs::read_dir(run_dir).map_err(|e| Error::io(run_dir, e))? {
             let path = entry.map_err(|e| Error::io(run_dir, e))?.path();
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            if name == RESTARTS_FILE || name == "restarts" {
+            if name == RESTARTS_FILE
+                || name == "restarts"
+                || name.trim_start_matches('.').starts_with(LOCK_FILE)
+            {
                 continue;
             }
             std::fs::rename(&path, kept.join(name)).map_err(|e| Error::io(&path, e))?;

@@ -131,6 +131,10 @@ pub(super) fn check_resume<W: Workload>(
 /// holds a run — the first free `<name>-N`, so that no earlier run is overwritten.
 pub(super) fn choose_run_dir(config: &RootConfig, options: &RunOptions) -> Result<PathBuf> {
     let dir = config.run_dir();
+    // A directory a live run holds is refused by name, whether resumed or named.
+    if options.resume_from.is_some() || options.explicit_dir || config.run.dir.is_some() {
+        crate::runlock::RunLock::check(&dir)?;
+    }
     if options.resume_from.is_some() || !holds_run(&dir) {
         return Ok(dir);
     }

@@ -6,6 +6,7 @@ use crate::config::RootConfig;
 use crate::cores::CoreSplit;
 use crate::error::{Error, Result};
 use crate::files::write_atomic;
+use crate::runlock::RunLock;
 use crate::strategy::{ModelFacts, Setup};
 use crate::trainer::{TrainerSettings, Workload, fit_checked};
 
@@ -102,10 +103,19 @@ where
     if options.evaluate {
         return super::eval::evaluate(workload, settings, checked, options.verbose && first);
     }
-    // Process 0 chooses the run directory and writes the run's files; the others follow it.
+    // Process 0 chooses the run directory, holds it for the run (one directory, one run) and
+    // writes the run's files; the others follow it.
+    let mut lock = None;
     let run_dir = PathBuf::from(crate::comm::agree(|| {
         let run_dir = choose_run_dir(config, options)?;
         std::fs::create_dir_all(&run_dir).map_err(|e| Error::io(&run_dir, e))?;
+        let held = lock.insert(RunLock::acquire(&run_dir, "train")?);
+        if let Some((holder, why)) = &held.took_over {
+            info.rows.push((
+                "run lock".to_string(),
+                format!("taken over from {}: {why}", holder.describe()),
+            ));
+        }
         let table = saved_table(config, &info, &run_dir);
         let text = toml::to_string_pretty(&table).expect("a table serialises");
         write_atomic(&run_dir.join("config.toml"), text.as_bytes())?;
@@ -133,6 +143,8 @@ where
         let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");
         write_atomic(&run_dir.join("summary.json"), &json)?;
     }
+    // The run is over: its directory is free.
+    drop(lock);
     Ok(RunResult {
         dir: run_dir,
         summary,

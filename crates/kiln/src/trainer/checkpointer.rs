@@ -58,6 +58,14 @@ impl Checkpointer {
         let model = strategy.full_model()?;
         let optim = strategy.optimizer_states()?;
         if let Some(optim) = optim.filter(|_| comm.rank() == 0) {
+            if let Some(holder) = crate::runlock::lost(&self.run_dir) {
+                return Err(crate::error::Error::checkpoint(format!(
+                    "{}: {} took this run's directory over (its lease had lapsed): this run \
+                     stops rather than write into it",
+                    self.run_dir.join(crate::runlock::LOCK_FILE).display(),
+                    holder.describe()
+                )));
+            }
             let score = self.best.as_deref().and_then(|metric| {
                 let value = val.score(metric, state.step)?;
                 Some(checkpoint::Score { metric, value })
