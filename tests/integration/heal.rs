@@ -406,3 +406,70 @@ fn the_launcher_passes_a_refusal_and_a_stop_through_and_gives_up_after_its_resta
             .exists()
     );
 }
+
+/// Checkpoints off the step's path: while step 20's checkpoint is being written (a writer
+/// made slow), the steps go on; a SIGKILL then leaves step 10's the newest whole one, and the
+/// resume from it ends bit for bit as the run alone.
+#[test]
+fn a_kill_during_a_background_write_resumes_from_the_checkpoint_before_it() {
+    let base = temp_dir("async-kill");
+    let train = [
+        "--max-steps",
+        "40",
+        "--set",
+        "train.checkpoint_every=10",
+        "--set",
+        "train.keep_checkpoints=10",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "model.convnet.channels=[2, 2]",
+    ];
+    ok(&train_bin(
+        &base,
+        &[&["--run-dir", "alone"][..], &train].concat(),
+    ));
+    let alone: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(base.join("alone/summary.json")).unwrap())
+            .unwrap();
+    // Four checkpoints, each with its time on the step's path.
+    assert_eq!(alone["checkpoint_stall_s"].as_array().unwrap().len(), 4);
+    let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--run-dir", "killed"])
+        .args(train)
+        .current_dir(&base)
+        .env(kiln::trainer::FAULT_VAR, "0:20:slow-write=30000")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let dir = base.join("killed");
+    let started = std::time::Instant::now();
+    // The last training step logged (a line being written is not read yet).
+    let logged = || {
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|r| r["split"] == "train")
+            .filter_map(|r| r["step"].as_u64())
+            .max()
+            .unwrap_or(0)
+    };
+    while logged() < 25 {
+        assert!(started.elapsed().as_secs() < 60, "no steps past 25");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // The run is five steps past a checkpoint that is not on disk yet.
+    let whole: Vec<usize> = kiln::checkpoint::list(&dir).iter().map(|c| c.0).collect();
+    assert_eq!(whole, [10]);
+    run.kill().unwrap();
+    run.wait().unwrap();
+    let out = train_bin(&base, &[&["--resume", "killed"][..], &train].concat());
+    ok(&out);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("from step 10"), "{said}");
+    assert!(
+        tensors(&base.join("killed/model.safetensors"))
+            == tensors(&base.join("alone/model.safetensors"))
+    );
+}

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+mod bench_checkpoint;
 mod bench_cpu;
 mod bench_data;
 mod bench_links;
@@ -48,6 +49,10 @@ commands:
   bench zero [--steps N] [--rounds N] [--devices 2,4] [--config FILE] [--set KEY=VALUE ...]
                                         step time and bytes per rank of ddp, zero1, zero2 and
                                         zero3 (default: configs/gpt-text.toml, 20 steps, N = 2 and 4)
+  bench checkpoint [--steps N] [--every N] [--rounds N] [--config FILE] [--set KEY=VALUE ...]
+                                        each checkpoint's stall on the step's path, written
+                                        synchronously and in the background, on a ~50 M GPT
+                                        under ddp and zero3 on 2 devices
   bench pipeline [--steps N] [--rounds N] [--micro 1,2,4,8] [--config FILE] [--set KEY=VALUE ...]
                                         step time, measured bubble and activation memory of a
                                         2-stage pipeline (GPipe, 1F1B) against one device
@@ -113,6 +118,7 @@ enum Task {
     Bench { args: Vec<String> },
     BenchPolicies(bench_policies::Options),
     BenchZero(bench_zero::Options),
+    BenchCheckpoint(bench_checkpoint::Options),
     BenchData(bench_data::Options),
     BenchCpu(bench_cpu::Options),
     BenchLinks(bench_links::Options),
@@ -225,6 +231,9 @@ fn main() -> ExitCode {
         Task::Bench { args } => workspace_root().and_then(|root| bench(&root, &args)),
         Task::BenchPolicies(o) => workspace_root().and_then(|root| bench_policies::run(&root, &o)),
         Task::BenchZero(o) => workspace_root().and_then(|root| bench_zero::run(&root, &o)),
+        Task::BenchCheckpoint(o) => {
+            workspace_root().and_then(|root| bench_checkpoint::run(&root, &o))
+        }
         Task::BenchData(o) => workspace_root().and_then(|root| bench_data::run(&root, &o)),
         Task::BenchCpu(o) => workspace_root().and_then(|root| bench_cpu::run(&root, &o)),
         Task::BenchLinks(o) => workspace_root().and_then(|root| bench_links::run(&root, &o)),
@@ -262,6 +271,9 @@ fn parse_args(args: &[String]) -> Result<Task> {
         }),
         ["bench", "policies", rest @ ..] => bench_policies::parse(rest).map(Task::BenchPolicies),
         ["bench", "zero", rest @ ..] => bench_zero::parse(rest).map(Task::BenchZero),
+        ["bench", "checkpoint", rest @ ..] => {
+            bench_checkpoint::parse(rest).map(Task::BenchCheckpoint)
+        }
         ["bench", "data", rest @ ..] => bench_data::parse(rest).map(Task::BenchData),
         ["bench", "cpu", rest @ ..] => bench_cpu::parse(rest).map(Task::BenchCpu),
         ["bench", "links", rest @ ..] => bench_links::parse(rest).map(Task::BenchLinks),

@@ -221,6 +221,11 @@ pub struct Summary {
     /// measured `peak_rss_mib` and `step_seconds`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<PlanRecord>,
+    /// Each checkpoint's seconds on the step's path in this attempt of the run (gathering the
+    /// state, and writing it unless `train.checkpoint_async` writes it in the background), in
+    /// order; not counted in `step_seconds`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checkpoint_stall_s: Vec<f64>,
 }
 
 /// The planner's figures for a run's own settings, kept in its `summary.json` beside what

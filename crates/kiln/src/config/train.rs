@@ -67,6 +67,11 @@ pub struct TrainConfig {
     pub checkpoint_every: Option<usize>,
     /// How many step checkpoints to keep (oldest are deleted). Default 3.
     pub keep_checkpoints: usize,
+    /// Write each checkpoint (but the run's last one) in the background: the step hands the
+    /// gathered model and optimizer state to a writer and goes on, and the next checkpoint
+    /// waits only for a write still going. A crash mid-write leaves the checkpoint before it
+    /// the newest whole one. Default true.
+    pub checkpoint_async: bool,
     /// Clip gradients to this global L2 norm. Default: unset (no clipping).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grad_clip: Option<f64>,
@@ -102,6 +107,7 @@ impl Default for TrainConfig {
             val_every: None,
             checkpoint_every: None,
             keep_checkpoints: 3,
+            checkpoint_async: true,
             grad_clip: None,
             skip_nonfinite: 0,
             checkpoint_on_signal: true,

@@ -83,27 +83,13 @@ impl<'a> Agent<'a> {
 
     fn run(self) -> i32 {
         crate::signal::install();
-        // The job holds its run directory from here to its end, across every attempt; the
-        // trainers it starts come in with the lock's token.
-        let held = std::fs::create_dir_all(self.run_dir())
-            .map_err(|e| Error::io(self.run_dir(), e))
-            .and_then(|()| RunLock::acquire(self.run_dir(), "train launch"));
-        let lock = match held {
+        let _lock = match self.hold() {
             Ok(lock) => lock,
             Err(e) => {
                 eprintln!("error: train launch: {e}");
                 return e.exit_code();
             }
         };
-        if let Some((holder, why)) = &lock.took_over {
-            eprintln!(
-                "train launch: took {} over from {}: {why}",
-                self.run_dir().display(),
-                holder.describe()
-            );
-        }
-        // SAFETY: the launcher sets it before it starts any thread that reads the environment.
-        unsafe { std::env::set_var(HELD_VAR, lock.token()) };
         let mut hosts = self.answering();
         if !self.hosts.is_empty() && hosts.is_empty() {
             eprintln!(
@@ -206,19 +192,29 @@ impl<'a> Agent<'a> {
                 ended.code,
                 describe_hosts(&hosts),
                 describe_hosts(&after),
-                match (&newest, &set_aside) {
-                    (Some(n), _) => format!(", from step {}", n.step),
-                    (None, Some(d)) => format!(
-                        ", from the start: no checkpoint yet (the failed attempt's files are in \
-                         {})",
-                        d.display()
-                    ),
-                    (None, None) => String::new(),
-                },
+                from_where(newest.as_ref().map(|n| n.step), set_aside.as_deref()),
             );
             hosts = after;
             attempt += 1;
         }
+    }
+
+    /// Holds the run directory from here to the job's end, across every attempt; the trainers
+    /// it starts come in with the lock's token.
+    fn hold(&self) -> Result<RunLock> {
+        let dir = self.run_dir();
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let lock = RunLock::acquire(dir, "train launch")?;
+        if let Some((holder, why)) = &lock.took_over {
+            eprintln!(
+                "train launch: took {} over from {}: {why}",
+                dir.display(),
+                holder.describe()
+            );
+        }
+        // SAFETY: the launcher sets it before it starts a thread that reads the environment.
+        unsafe { std::env::set_var(HELD_VAR, lock.token()) };
+        Ok(lock)
     }
 
     fn answering(&self) -> Vec<String> {
@@ -550,6 +546,19 @@ fn pass_through(child: &mut Child) -> std::thread::JoinHandle<Option<String>> {
         }
         last
     })
+}
+
+/// Where a restart starts: `, from step N`, or from the start with where the failed
+/// attempt's files went.
+fn from_where(step: Option<usize>, set_aside: Option<&Path>) -> String {
+    match (step, set_aside) {
+        (Some(step), _) => format!(", from step {step}"),
+        (None, Some(d)) => format!(
+            ", from the start: no checkpoint yet (the failed attempt's files are in {})",
+            d.display()
+        ),
+        (None, None) => String::new(),
+    }
 }
 
 fn describe_hosts(hosts: &[String]) -> String {

@@ -103,26 +103,7 @@ where
     if options.evaluate {
         return super::eval::evaluate(workload, settings, checked, options.verbose && first);
     }
-    // Process 0 chooses the run directory, holds it for the run (one directory, one run) and
-    // writes the run's files; the others follow it.
-    let mut lock = None;
-    let run_dir = PathBuf::from(crate::comm::agree(|| {
-        let run_dir = choose_run_dir(config, options)?;
-        std::fs::create_dir_all(&run_dir).map_err(|e| Error::io(&run_dir, e))?;
-        let held = lock.insert(RunLock::acquire(&run_dir, "train")?);
-        if let Some((holder, why)) = &held.took_over {
-            info.rows.push((
-                "run lock".to_string(),
-                format!("taken over from {}: {why}", holder.describe()),
-            ));
-        }
-        let table = saved_table(config, &info, &run_dir);
-        let text = toml::to_string_pretty(&table).expect("a table serialises");
-        write_atomic(&run_dir.join("config.toml"), text.as_bytes())?;
-        save_extra(&run_dir)?;
-        Ok(run_dir.display().to_string())
-    })?);
-
+    let (run_dir, lock) = hold_run_dir(config, options, &mut info, save_extra)?;
     settings.output.run_dir = run_dir.clone();
     settings.output.progress = options.verbose && first;
     if options.verbose && first {
@@ -150,6 +131,35 @@ where
         summary,
         evaluated: false,
     })
+}
+
+/// The run directory, chosen and held (one directory, one run) by process 0, which writes the
+/// run's files there; the other processes follow it. A lock taken over from a gone holder is a
+/// row of the start-up table.
+fn hold_run_dir(
+    config: &RootConfig,
+    options: &RunOptions,
+    info: &mut RunInfo,
+    save_extra: impl FnOnce(&Path) -> Result<()>,
+) -> Result<(PathBuf, Option<RunLock>)> {
+    let mut lock = None;
+    let run_dir = PathBuf::from(crate::comm::agree(|| {
+        let run_dir = choose_run_dir(config, options)?;
+        std::fs::create_dir_all(&run_dir).map_err(|e| Error::io(&run_dir, e))?;
+        let held = lock.insert(RunLock::acquire(&run_dir, "train")?);
+        if let Some((holder, why)) = &held.took_over {
+            info.rows.push((
+                "run lock".to_string(),
+                format!("taken over from {}: {why}", holder.describe()),
+            ));
+        }
+        let table = saved_table(config, info, &run_dir);
+        let text = toml::to_string_pretty(&table).expect("a table serialises");
+        write_atomic(&run_dir.join("config.toml"), text.as_bytes())?;
+        save_extra(&run_dir)?;
+        Ok(run_dir.display().to_string())
+    })?);
+    Ok((run_dir, lock))
 }
 
 /// The trainer's settings for `config` on `devices` (of `accelerator`), every refusal checked

@@ -1,7 +1,10 @@
 //! Checkpoints and snapshots: when they are due, and writing them from the whole model
 //! (gathered by every rank, written by rank 0).
 
+use std::cell::RefCell;
 use std::path::PathBuf;
+use std::thread::JoinHandle;
+use std::time::Instant;
 
 use burn::module::Module;
 
@@ -10,18 +13,26 @@ use super::workload::Workload;
 use crate::checkpoint;
 use crate::comm::Collective;
 use crate::config::TrainConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::precision::Policy;
 use crate::state::LoopState;
 use crate::strategy::Strategy;
 
-/// When checkpoints are taken and where they go.
+/// When checkpoints are taken, where they go, and the write in flight.
 pub(super) struct Checkpointer {
     run_dir: PathBuf,
     every: Option<usize>,
     keep: usize,
     /// The validation metric that picks the best checkpoint (every checkpoint is scored).
     best: Option<String>,
+    /// Whether checkpoints but the last are written in the background
+    /// (`train.checkpoint_async`).
+    background: bool,
+    /// The background write in flight (rank 0): its step and its thread.
+    writing: RefCell<Option<(usize, JoinHandle<Result<PathBuf>>)>>,
+    /// Each checkpoint's time on the step's path (gathering, waiting for the write before it,
+    /// writing where that is not in the background), in seconds.
+    stalls: RefCell<Vec<f64>>,
 }
 
 impl Checkpointer {
@@ -31,6 +42,9 @@ impl Checkpointer {
             every: train.checkpoint_every,
             keep: train.keep_checkpoints,
             best: train.best_metric.clone(),
+            background: train.checkpoint_async,
+            writing: RefCell::new(None),
+            stalls: RefCell::new(Vec::new()),
         }
     }
 
@@ -45,34 +59,81 @@ impl Checkpointer {
         self.best.is_some()
     }
 
-    /// Writes the checkpoint of `state` (on rank 0) from the strategy's whole model and
-    /// optimizer states, scored by `val` when it validated at this step; every rank takes
-    /// part, and none runs ahead of a checkpoint that has not landed.
-    pub fn save<M: burn::module::Module, B>(
+    /// Takes the checkpoint of `state` from the strategy's whole model and optimizer states,
+    /// scored by `val` when it validated at this step; every rank takes part in gathering
+    /// them. Rank 0 writes them: in the background (`train.checkpoint_async`), after the write
+    /// before it has landed, or — for the run's `last` checkpoint, and with the setting off —
+    /// before any rank goes on.
+    pub fn save<M: burn::module::Module + 'static, B>(
         &self,
         strategy: &mut dyn Strategy<M, B>,
         state: &LoopState,
         val: &Validator,
         comm: &dyn Collective,
+        last: bool,
     ) -> Result<()> {
+        let t0 = Instant::now();
         let model = strategy.full_model()?;
         let optim = strategy.optimizer_states()?;
         if let Some(optim) = optim.filter(|_| comm.rank() == 0) {
             if let Some(holder) = crate::runlock::lost(&self.run_dir) {
-                return Err(crate::error::Error::checkpoint(format!(
+                return Err(Error::checkpoint(format!(
                     "{}: {} took this run's directory over (its lease had lapsed): this run \
                      stops rather than write into it",
                     self.run_dir.join(crate::runlock::LOCK_FILE).display(),
                     holder.describe()
                 )));
             }
-            let score = self.best.as_deref().and_then(|metric| {
-                let value = val.score(metric, state.step)?;
-                Some(checkpoint::Score { metric, value })
+            self.wait()?;
+            let score = self.best.clone().and_then(|metric| {
+                let value = val.score(&metric, state.step)?;
+                Some((metric, value))
             });
-            checkpoint::save(&self.run_dir, &model, &optim, state, self.keep, score)?;
+            let step = state.step;
+            let (run_dir, keep, state) = (self.run_dir.clone(), self.keep, state.clone());
+            let write = move || {
+                if let Some(delay) = super::faults::write_delay(state.step) {
+                    std::thread::sleep(delay);
+                }
+                let score = score.as_ref().map(|(metric, value)| checkpoint::Score {
+                    metric,
+                    value: *value,
+                });
+                checkpoint::save(&run_dir, &model, &optim, &state, keep, score)
+            };
+            if self.background && !last {
+                let writer = std::thread::Builder::new()
+                    .name(format!("kiln-checkpoint-{step}"))
+                    .spawn(write)
+                    .map_err(|e| Error::io(&self.run_dir, e))?;
+                *self.writing.borrow_mut() = Some((step, writer));
+            } else {
+                write()?;
+            }
         }
-        comm.barrier()
+        comm.barrier()?;
+        self.stalls.borrow_mut().push(t0.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    /// Waits for the background write in flight, if one is; its error is the run's.
+    pub fn wait(&self) -> Result<()> {
+        let Some((step, writer)) = self.writing.borrow_mut().take() else {
+            return Ok(());
+        };
+        match writer.join() {
+            Ok(written) => written.map(|_| ()),
+            Err(panic) => Err(Error::checkpoint(format!(
+                "{}: the writer of step {step}'s checkpoint failed: {}",
+                self.run_dir.display(),
+                crate::panics::panic_message(&panic)
+            ))),
+        }
+    }
+
+    /// Each checkpoint's seconds on the step's path, in order.
+    pub fn stalls(&self) -> Vec<f64> {
+        self.stalls.borrow().clone()
     }
 
     /// Whether `workload`'s snapshot is due after `step`.
@@ -97,5 +158,15 @@ impl Checkpointer {
             workload.snapshot(step, &model.valid(), &self.run_dir)?;
         }
         Ok(())
+    }
+}
+
+impl Drop for Checkpointer {
+    /// A run that fails while a checkpoint is being written still lands it: only a crash
+    /// loses the write in flight, and then the checkpoint before it is the newest whole one.
+    fn drop(&mut self) {
+        if let Err(e) = self.wait() {
+            eprintln!("warning: {e}");
+        }
     }
 }

@@ -16,7 +16,9 @@ pub(super) fn is_abort_echo(e: &Error) -> bool {
 /// step, `rank:step:hang` stops making progress after it, `rank:step:slow=MS` adds MS
 /// milliseconds of compute to every step from that one on (a straggler), and
 /// `rank:step:loader-hang` / `rank:step:loader-panic` make a loader thread of the rank
-/// (`data.workers` > 0) hang or panic building that step's batch.
+/// (`data.workers` > 0) hang or panic building that step's batch, and `0:step:slow-write=MS`
+/// makes the checkpoint writer wait MS milliseconds before writing each checkpoint from that
+/// step on (a slow disk; the run's numbers do not change).
 pub const FAULT_VAR: &str = "KILN_FAULT_INJECT";
 
 /// The attempt of a run the launcher (`train launch`) started: 0 for the first, then one more
@@ -37,6 +39,17 @@ pub(super) enum Fault {
     LoaderHang,
     /// A loader thread of the rank panics building the step's batch.
     LoaderPanic,
+    /// The checkpoint writer waits this long before each write.
+    SlowWrite(Duration),
+}
+
+/// How long the checkpoint writer waits before writing the checkpoint of `step`, by the
+/// injected fault.
+pub(super) fn write_delay(step: usize) -> Option<Duration> {
+    match injected_fault()? {
+        (0, at, Fault::SlowWrite(d)) if step >= at => Some(d),
+        _ => None,
+    }
 }
 
 /// The fault injected into `rank`'s loader threads as they build the batches of step `step`
@@ -66,6 +79,10 @@ pub(super) fn injected_fault() -> Option<(usize, usize, Fault)> {
             Some("hang") => Fault::Hang,
             Some("loader-hang") => Fault::LoaderHang,
             Some("loader-panic") => Fault::LoaderPanic,
+            Some(write) if write.starts_with("slow-write=") => {
+                let ms = write.strip_prefix("slow-write=")?.parse().ok()?;
+                Fault::SlowWrite(Duration::from_millis(ms))
+            }
             Some(slow) => {
                 let ms = slow.strip_prefix("slow=")?.parse().ok()?;
                 Fault::Slow(Duration::from_millis(ms))

@@ -79,6 +79,7 @@ impl<W: Workload> Worker<'_, W> {
                 .collect(),
             frozen_bytes_per_rank: per_rank(5),
             plan: None,
+            checkpoint_stall_s: ran.checkpoint_stalls,
             processes: s.parallel.processes.count,
             stopped_by: ran.stopped_by,
             stopped_early: ran.stopped_early,

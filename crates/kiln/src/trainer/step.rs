@@ -5,6 +5,7 @@ use burn::prelude::*;
 use kiln_models::StepOutput;
 
 use super::faults::Fault;
+use super::checkpointer::Checkpointer;
 use super::loader::Feed;
 use super::log::Logger;
 use super::worker::Worker;
@@ -28,6 +29,7 @@ impl<W: Workload> Worker<'_, W> {
         feed: &mut Feed<'_, W>,
         strategy: &mut dyn Strategy<W::Model, W::Batch>,
         log: &mut Logger,
+        saver: &Checkpointer,
     ) -> Result<()> {
         let t = &self.settings.train;
         if state.step_in_epoch == self.sampler.steps_per_epoch() {
@@ -94,7 +96,7 @@ impl<W: Workload> Worker<'_, W> {
             };
             log.add(phase, lr, &outs, times);
             if strategy.nonfinite() {
-                self.nonfinite(state.step + 1, phase, &outs, log)?;
+                self.nonfinite(state.step + 1, phase, &outs, log, saver)?;
             }
         }
         state.step += 1;
@@ -127,6 +129,7 @@ impl<W: Workload> Worker<'_, W> {
         phase: usize,
         outs: &[StepOutput],
         log: &mut Logger,
+        saver: &Checkpointer,
     ) -> Result<()> {
         let allowed = self.settings.train.skip_nonfinite;
         if log.skipped < allowed {
@@ -152,6 +155,8 @@ impl<W: Workload> Worker<'_, W> {
         if let Some(group) = self.groups.get(phase) {
             what = format!("{what} in parameter group {group:?}");
         }
+        // The checkpoint being written lands first: the newest is then the one named.
+        saver.wait()?;
         let kept = checkpoint::list(&self.settings.output.run_dir)
             .pop()
             .map_or("none was written".to_string(), |(_, d)| {

@@ -182,7 +182,7 @@ impl<W: Workload> Worker<'_, W> {
         let (wall, started) = (state.wall_seconds, Instant::now());
         let (mut stopped_by, mut stopped_early) = (None, None);
         while state.step < self.total {
-            self.train_step(&mut state, feed, strategy, &mut log)?;
+            self.train_step(&mut state, feed, strategy, &mut log, &saver)?;
             let last = state.step == self.total;
             if log.due(state.step, last) {
                 let logged = log.log(&state, strategy)?;
@@ -213,7 +213,8 @@ impl<W: Workload> Worker<'_, W> {
             if save || (early.is_some() && !last) {
                 let t0 = Instant::now();
                 state.wall_seconds = wall + started.elapsed().as_secs_f64();
-                saver.save(strategy, &state, &val, self.comm.as_ref())?;
+                let final_one = last || signal.is_some() || early.is_some();
+                saver.save(strategy, &state, &val, self.comm.as_ref(), final_one)?;
                 log.exclude(t0.elapsed().as_secs_f64());
             }
             if Checkpointer::snapshot_due(self.workload, state.step, last) {
@@ -238,6 +239,8 @@ impl<W: Workload> Worker<'_, W> {
                 break;
             }
         }
+        // A write in flight lands before the run ends.
+        saver.wait()?;
         let ran = Ran {
             val,
             wall,
@@ -245,6 +248,7 @@ impl<W: Workload> Worker<'_, W> {
             start_rss_mib,
             stopped_by,
             stopped_early,
+            checkpoint_stalls: saver.stalls(),
         };
         self.finish(strategy, state, log, ran)
     }
@@ -418,4 +422,6 @@ pub(super) struct Ran {
     pub(super) stopped_by: Option<String>,
     /// Why early stopping ended the run, if it did.
     pub(super) stopped_early: Option<String>,
+    /// Each checkpoint's seconds on the step's path.
+    pub(super) checkpoint_stalls: Vec<f64>,
 }

@@ -1,0 +1,208 @@
+//! `cargo xtask bench checkpoint`: how long a checkpoint holds the steps up, written on the
+//! step's path (`train.checkpoint_async = false`) and in the background (`true`), on a GPT
+//! widened to ~50 M parameters, under ddp and zero3 on 2 devices. Every measurement is its own
+//! `train` process; within a round the settings alternate; the stall of a run is the median of
+//! its checkpoints but the last (which every run writes before it ends).
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::bench_policies::built_train;
+use crate::{Result, TempDir, each_flag, json_number, median, positive, run_quietly};
+
+/// What to measure.
+pub struct Options {
+    steps: usize,
+    every: usize,
+    rounds: usize,
+    config: String,
+    sets: Vec<String>,
+}
+
+/// The GPT recipe widened: 16 layers of width 512 (50.4 M parameters), a short context.
+const WIDE: [&str; 6] = [
+    "model.gpt.n_layer=16",
+    "model.gpt.n_embd=512",
+    "model.gpt.n_head=8",
+    "model.gpt.block_size=32",
+    "train.batch_size=2",
+    "train.val_every=100000",
+];
+
+pub fn parse(rest: &[&str]) -> Result<Options> {
+    let mut o = Options {
+        steps: 16,
+        every: 4,
+        rounds: 2,
+        config: "configs/gpt-text.toml".into(),
+        sets: Vec::new(),
+    };
+    each_flag(rest, |flag, value| {
+        match flag {
+            "--steps" => o.steps = positive(flag, &value()?)?,
+            "--every" => o.every = positive(flag, &value()?)?,
+            "--rounds" => o.rounds = positive(flag, &value()?)?,
+            "--config" => o.config = value()?,
+            "--set" => o.sets.push(value()?),
+            other => {
+                return Err(format!(
+                    "bench checkpoint: unknown argument {other:?} (expected --steps N, --every \
+                     N, --rounds N, --config FILE, --set KEY=VALUE)"
+                ));
+            }
+        }
+        Ok(())
+    })?;
+    if o.steps < 2 * o.every {
+        return Err(format!(
+            "bench checkpoint: --steps {} must be at least twice --every {} (a checkpoint \
+             before the last one)",
+            o.steps, o.every
+        ));
+    }
+    Ok(o)
+}
+
+const STRATEGIES: [&str; 2] = ["ddp", "zero3"];
+const MODES: [(&str, &str); 2] = [
+    ("on the step's path", "false"),
+    ("in the background", "true"),
+];
+
+/// One run's figures.
+#[derive(Clone)]
+struct Figures {
+    /// The stall of each checkpoint but the last, seconds.
+    stalls: Vec<f64>,
+    step_seconds: f64,
+    wall_seconds: f64,
+}
+
+pub fn run(root: &Path, o: &Options) -> Result<()> {
+    let train = built_train(root)?;
+    let temp = TempDir::new("bench-checkpoint")?;
+    let sets: Vec<&str> = WIDE
+        .iter()
+        .copied()
+        .chain(o.sets.iter().map(String::as_str))
+        .collect();
+    println!(
+        "bench checkpoint: {} --set {} for {} steps, a checkpoint every {}, {} rounds, 2 devices",
+        o.config,
+        sets.join(" --set "),
+        o.steps,
+        o.every,
+        o.rounds
+    );
+    let mut results = vec![vec![Vec::<Figures>::new(); MODES.len()]; STRATEGIES.len()];
+    for round in 0..o.rounds {
+        for (s, strategy) in STRATEGIES.iter().enumerate() {
+            for (m, (mode, value)) in MODES.iter().enumerate() {
+                let dir = temp.path().join(format!("{strategy}-{value}-r{round}"));
+                run_quietly(
+                    Command::new(&train)
+                        .args(["--config", &o.config])
+                        .args(["--max-steps", &o.steps.to_string()])
+                        .args(["--devices", "2", "--strategy", strategy])
+                        .arg("--run-dir")
+                        .arg(&dir)
+                        .args(["--set", &format!("train.checkpoint_every={}", o.every)])
+                        .args(["--set", &format!("train.checkpoint_async={value}")])
+                        .args(["--set", "train.log_every=2"])
+                        .args(sets.iter().flat_map(|s| ["--set", s]))
+                        .current_dir(root),
+                    &format!("{strategy}, checkpoints {mode}"),
+                )?;
+                let f = read_figures(&dir.join("summary.json"))?;
+                let shown: Vec<String> = f.stalls.iter().map(|s| format!("{s:.3}")).collect();
+                println!(
+                    "  round {round} {strategy:<5} {mode:<19} stalls [{}] s, {:.1} ms/step, \
+                     {:.1} s in all",
+                    shown.join(", "),
+                    f.step_seconds * 1e3,
+                    f.wall_seconds
+                );
+                results[s][m].push(f);
+            }
+            // Each run's checkpoints take disk space: drop them once read.
+            let _ = std::fs::remove_dir_all(temp.path());
+            std::fs::create_dir_all(temp.path()).map_err(|e| e.to_string())?;
+        }
+    }
+    println!();
+    println!(
+        "| strategy | checkpoint written | stall per checkpoint (s) | ms/step | run (s) | stall \
+         ÷ on the path |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (s, strategy) in STRATEGIES.iter().enumerate() {
+        let stall = |m: usize| {
+            let all: Vec<f64> = results[s][m]
+                .iter()
+                .flat_map(|f| f.stalls.clone())
+                .collect();
+            median(&all)
+        };
+        let base = stall(0);
+        for (m, (mode, _)) in MODES.iter().enumerate() {
+            let med =
+                |f: fn(&Figures) -> f64| median(&results[s][m].iter().map(f).collect::<Vec<_>>());
+            println!(
+                "| {strategy} | {mode} | {:.3} | {:.1} | {:.1} | {:.3} |",
+                stall(m),
+                med(|f| f.step_seconds) * 1e3,
+                med(|f| f.wall_seconds),
+                stall(m) / base
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Every number of the JSON array under `key`.
+fn numbers_of_array(text: &str, key: &str) -> Option<Vec<f64>> {
+    let at = text.find(&format!("\"{key}\""))? + key.len() + 2;
+    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
+    let rest = rest.strip_prefix('[')?;
+    let inside = &rest[..rest.find(']')?];
+    inside
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(|n| n.parse().ok())
+        .collect()
+}
+
+fn read_figures(path: &Path) -> Result<Figures> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    let missing = |key: &str| format!("{}: no number for {key:?}", path.display());
+    let mut stalls = numbers_of_array(&text, "checkpoint_stall_s")
+        .ok_or_else(|| missing("checkpoint_stall_s"))?;
+    // The last checkpoint is written before the run ends, in either setting.
+    stalls.pop();
+    Ok(Figures {
+        stalls,
+        step_seconds: json_number(&text, "step_seconds").ok_or_else(|| missing("step_seconds"))?,
+        wall_seconds: json_number(&text, "wall_seconds").ok_or_else(|| missing("wall_seconds"))?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_arguments_and_reads_the_stalls() {
+        let o = parse(&["--steps", "12", "--every", "3"]).unwrap();
+        assert_eq!((o.steps, o.every), (12, 3));
+        assert!(parse(&["--steps", "5", "--every", "3"]).is_err());
+        assert!(parse(&["--bogus"]).is_err());
+        let text = "{\n  \"checkpoint_stall_s\": [\n    1.5,\n    0.25\n  ],\n  \"x\": 1\n}";
+        assert_eq!(
+            numbers_of_array(text, "checkpoint_stall_s"),
+            Some(vec![1.5, 0.25])
+        );
+        assert_eq!(numbers_of_array(text, "nothing"), None);
+    }
+}
