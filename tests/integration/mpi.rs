@@ -777,6 +777,152 @@ fn a_lost_host_is_left_and_the_run_goes_on_with_the_same_samples() {
     assert_eq!(b["restarts"], 1);
 }
 
+/// The lines of a run's `restarts.jsonl`.
+fn restarts(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("restarts.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Two hosts × one device under `train launch`, 400 steps (each slowed to ~0.1 s by a fault
+/// that changes no number): host B lost at step ~100 and back at ~200. The launcher restarts
+/// on A alone, takes B back at a checkpoint once it answers again, and the run finishes on
+/// both hosts, its final validation loss within 0.2 % of the uninterrupted run's.
+#[test]
+#[ignore = "needs root (network namespaces): CI runs it, `-- --ignored mpi::a_lost_host`"]
+fn a_lost_host_that_answers_again_is_taken_back_at_a_checkpoint() {
+    let dir = temp_dir("mpi-readmit");
+    let text = text_file(&dir);
+    let steps = 400;
+    let train: Vec<String> = [
+        "--config",
+        "/dev/null",
+        "--devices",
+        "1",
+        "--max-steps",
+        &steps.to_string(),
+        "--set",
+        "data.dataset=\"text\"",
+        "--set",
+        &format!("data.path={:?}", text.display().to_string()),
+        "--set",
+        "model.kind=\"gpt\"",
+        "--set",
+        "model.gpt.n_layer=2",
+        "--set",
+        "model.gpt.n_embd=32",
+        "--set",
+        "model.gpt.n_head=2",
+        "--set",
+        "model.gpt.block_size=16",
+        "--set",
+        "train.epochs=0",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.checkpoint_every=25",
+        "--set",
+        "monitor.interval_s=0",
+        "--set",
+        "dist.timeout_s=20",
+    ]
+    .map(String::from)
+    .to_vec();
+    let bed = Bed::up();
+    let out = bed
+        .launch(&dir, &["--run-dir", "ref"], &train)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let healed = dir.join("healed");
+    let started = Instant::now();
+    let child = bed
+        .launch(&dir, &["--run-dir", "healed", "--backoff-s", "1"], &train)
+        .env(kiln::trainer::FAULT_VAR, "0:1:slow=100")
+        .env(kiln::trainer::FAULT_ATTEMPTS_VAR, "100")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_records(&healed, 100);
+    let lost_at = started.elapsed();
+    assert!(bed.run(&["kill", "b"]).status.success());
+    assert!(bed.run(&["cut"]).status.success());
+    // The restart on A alone, then B back once ~100 more steps are logged.
+    let until = Instant::now() + Duration::from_secs(120);
+    while restarts(&healed).is_empty() {
+        assert!(Instant::now() < until, "no restart after the loss");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let resumed = restarts(&healed)[0]["resumed_from_step"].as_u64().unwrap() as usize;
+    wait_for_records(&healed, 200 + (100 - resumed.min(100)) + 1);
+    let back_at = started.elapsed();
+    assert!(bed.run(&["heal"]).status.success());
+    let (out, took) = finish_within(child, Duration::from_secs(400));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let lines = restarts(&healed);
+    println!(
+        "lost at {lost_at:?}, back at {back_at:?}, done at {took:?}: {}",
+        lines
+            .iter()
+            .map(|l| l.to_string())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(lines.len(), 2, "{stderr}");
+    let (lost, back) = (&lines[0], &lines[1]);
+    assert_eq!(
+        lost["hosts_after"],
+        serde_json::json!(["10.231.7.1"]),
+        "{lost}"
+    );
+    assert_eq!(lost["accumulate"], 2, "{lost}");
+    assert_eq!(
+        back["readmitted"],
+        serde_json::json!(["10.231.7.2"]),
+        "{back}"
+    );
+    assert_eq!(
+        back["hosts_after"],
+        serde_json::json!(["10.231.7.1", "10.231.7.2"]),
+        "{back}"
+    );
+    assert!(back["failure"].is_null(), "{back}");
+    // On both hosts again: the run's own split (batch 8, no accumulation).
+    assert_eq!(
+        (back["batch_size"].as_u64(), back["accumulate"].as_u64()),
+        (Some(8), Some(1)),
+        "{back}"
+    );
+    assert!(back["resumed_from_step"].as_u64().unwrap() > 200, "{back}");
+    let summary = |run: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap()
+    };
+    let (a, b) = (summary(&dir.join("ref")), summary(&healed));
+    assert_eq!(
+        (b["steps"].as_u64(), b["processes"].as_u64()),
+        (Some(400), Some(2))
+    );
+    let (va, vb) = (
+        a["val_loss"].as_f64().unwrap(),
+        b["val_loss"].as_f64().unwrap(),
+    );
+    println!(
+        "val loss {vb} vs uninterrupted {va}: {:.4} %",
+        (vb - va).abs() / va * 100.0
+    );
+    assert!((vb - va).abs() / va < 0.002, "val loss {vb} vs {va}");
+}
+
 #[test]
 fn a_lora_fine_tune_across_processes_matches_one_process() {
     let dir = temp_dir("mpi-lora");

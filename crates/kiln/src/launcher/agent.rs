@@ -1,20 +1,21 @@
 //! The launcher's loop: start the run, wait for it with an ear for signals, decide from its
 //! exit code, and start it again on the hosts that answer.
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::json;
 
-use super::args::{LaunchArgs, RESTARTS_FILE};
+use super::args::LaunchArgs;
+use super::child::{END_WITHIN, Health, pass_through, send};
 use super::hosts::{answering, configured};
+use super::readmit::{Readmission, Returns, leave_out_flapping, with_back};
+use super::record::{count_restarts, record, set_aside};
 use super::split::{Split, keep_samples};
 use crate::checkpoint;
 use crate::error::{Error, Result, exit};
-use crate::files::write_atomic;
-use crate::runlock::{HELD_VAR, LOCK_FILE, RunLock};
+use crate::runlock::{HELD_VAR, RunLock};
 use crate::trainer::{ATTEMPT_VAR, FAULT_ATTEMPTS_VAR, FAULT_VAR};
 
 /// The agent used to check hosts when none is given (and `mpirun`'s own default).
@@ -42,6 +43,33 @@ struct Ended {
     error: Option<String>,
     /// Whether the launcher forwarded a stop signal to it.
     signalled: bool,
+    /// The hosts that answered again while it ran, for which the launcher stopped it (a
+    /// planned restart on the larger world).
+    readmit: Option<Vec<String>>,
+    /// The host whose loss ended it, if one did.
+    lost: Option<String>,
+}
+
+/// What a restart's lines say.
+struct Restart<'r> {
+    /// The attempt that ended (0 the first).
+    attempt: usize,
+    ended: &'r Ended,
+    /// The failure's diagnosis, or the hosts that answer again.
+    why: &'r str,
+    before: &'r [String],
+    after: &'r [String],
+    /// The step it resumes from (none: from the start).
+    newest: Option<usize>,
+    /// Where the failed attempt's files went, when the run starts over.
+    set_aside: Option<&'r Path>,
+    samples: Option<usize>,
+    split: Option<Split>,
+    backoff: f64,
+    /// Seconds from the end of the attempt to the restart.
+    down: f64,
+    /// Failures so far.
+    failures: usize,
 }
 
 struct Agent<'a> {
@@ -102,9 +130,11 @@ impl<'a> Agent<'a> {
         let mut failures = Vec::new();
         let mut split = None;
         let mut attempt = 0;
+        let mut readmission = Readmission::new(Duration::from_secs_f64(self.args.readmit_after_s));
         loop {
             let resume = checkpoint::newest_whole(self.run_dir()).is_ok();
-            let ended = match self.attempt(attempt, &hosts, resume, split) {
+            let left_out = readmission.left_out().to_vec();
+            let ended = match self.attempt(attempt, &hosts, resume, split, &left_out) {
                 Ok(ended) => ended,
                 Err(e) => {
                     eprintln!("error: train launch: {e}");
@@ -115,40 +145,35 @@ impl<'a> Agent<'a> {
             match ended.code {
                 _ if ended.signalled => return ended.code,
                 exit::DONE => {
-                    self.count_restarts(attempt);
+                    count_restarts(self.run_dir(), attempt);
                     return exit::DONE;
                 }
+                // A planned stop to take hosts back ends as a signal's stop does.
+                _ if ended.readmit.is_some() => {}
                 exit::REFUSED | exit::DIVERGED | exit::STOPPED => return ended.code,
                 _ => {}
             }
-            let why = self.diagnosis(&ended, attempt);
-            failures.push(format!(
-                "attempt {} exited {}: {why}",
-                attempt + 1,
-                ended.code
-            ));
-            if attempt >= self.args.restarts {
-                eprintln!(
-                    "error: train launch: gave up after {attempt} restart(s): {}",
-                    failures.join("; ")
-                );
-                return exit::FAILED;
-            }
-            let backoff = (self.args.backoff_s * 2f64.powi(attempt as i32)).min(MAX_BACKOFF);
-            if self.sleep_unless_signalled(backoff) {
-                return exit::STOPPED;
-            }
-            let after = self.answering();
-            if !self.hosts.is_empty() && after.is_empty() {
-                eprintln!(
-                    "error: train launch: no host answers any more; failures: {}",
-                    failures.join("; ")
-                );
-                return exit::FAILED;
-            }
+            let (why, after, backoff) = match &ended.readmit {
+                Some(back) => {
+                    readmission.taken_back(back);
+                    let why = format!("{} answer again", back.join(", "));
+                    (why, with_back(&self.hosts, &hosts, back), 0.0)
+                }
+                None => match self.after_failure(&ended, attempt, &mut failures) {
+                    Ok((why, after, backoff)) => {
+                        let lost: Vec<&String> = hosts
+                            .iter()
+                            .filter(|h| !after.contains(h) || ended.lost.as_ref() == Some(h))
+                            .collect();
+                        let after = leave_out_flapping(&lost, after, &mut readmission);
+                        (why, after, backoff)
+                    }
+                    Err(code) => return code,
+                },
+            };
             let newest = checkpoint::newest_whole(self.run_dir()).ok();
             // No whole checkpoint yet: the run starts over, its failed attempt kept aside.
-            let set_aside = match newest.is_none().then(|| self.set_aside(attempt)) {
+            let set_aside = match newest.is_none().then(|| set_aside(self.run_dir(), attempt)) {
                 Some(Err(e)) => {
                     eprintln!("error: train launch: {e}");
                     return exit::FAILED;
@@ -167,36 +192,98 @@ impl<'a> Agent<'a> {
                     }
                 }
             }
-            let record = json!({
-                "restart": attempt + 1,
-                "at_unix_s": SystemTime::now()
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64()),
-                "exit": ended.code,
-                "failure": why,
-                "hosts_before": hosts,
-                "hosts_after": after,
-                "resumed_from_step": newest.as_ref().map(|n| n.step),
-                "started_over": set_aside.is_some(),
-                "samples_per_step": state.as_ref().map(|s| s.samples_per_step),
-                "batch_size": split.map(|s| s.batch),
-                "accumulate": split.map(|s| s.accumulate),
-                "backoff_s": backoff,
-                "seconds_down": failed_at.elapsed().as_secs_f64(),
+            self.announce(Restart {
+                attempt,
+                ended: &ended,
+                why: &why,
+                before: &hosts,
+                after: &after,
+                newest: newest.as_ref().map(|n| n.step),
+                set_aside: set_aside.as_deref(),
+                samples: state.as_ref().map(|s| s.samples_per_step),
+                split,
+                backoff,
+                down: failed_at.elapsed().as_secs_f64(),
+                failures: failures.len(),
             });
-            self.record(&record);
-            eprintln!(
-                "train launch: restart {} of {} after exit {} ({why}); hosts {} → {}{}",
-                attempt + 1,
-                self.args.restarts,
-                ended.code,
-                describe_hosts(&hosts),
-                describe_hosts(&after),
-                from_where(newest.as_ref().map(|n| n.step), set_aside.as_deref()),
-            );
             hosts = after;
             attempt += 1;
         }
+    }
+
+    /// A restart's line of `restarts.jsonl` and its line on standard error.
+    fn announce(&self, r: Restart<'_>) {
+        let line = json!({
+            "restart": r.attempt + 1,
+            "at_unix_s": SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+            "exit": r.ended.code,
+            "failure": r.ended.readmit.is_none().then_some(r.why),
+            "readmitted": r.ended.readmit,
+            "hosts_before": r.before,
+            "hosts_after": r.after,
+            "resumed_from_step": r.newest,
+            "started_over": r.set_aside.is_some(),
+            "samples_per_step": r.samples,
+            "batch_size": r.split.map(|s| s.batch),
+            "accumulate": r.split.map(|s| s.accumulate),
+            "backoff_s": r.backoff,
+            "seconds_down": r.down,
+        });
+        record(self.run_dir(), &line);
+        let what = match &r.ended.readmit {
+            Some(_) => format!("a planned restart: {}", r.why),
+            None => format!(
+                "restart {} of {} after exit {} ({})",
+                r.failures, self.args.restarts, r.ended.code, r.why
+            ),
+        };
+        eprintln!(
+            "train launch: {what}; hosts {} → {}{}",
+            describe_hosts(r.before),
+            describe_hosts(r.after),
+            from_where(r.newest, r.set_aside),
+        );
+    }
+
+    /// After attempt `attempt` failed: its diagnosis, the hosts that answer after the
+    /// back-off, and the back-off; `Err` with the launcher's exit code where it ends (the
+    /// restarts ran out, a signal, no host answers).
+    fn after_failure(
+        &self,
+        ended: &Ended,
+        attempt: usize,
+        failures: &mut Vec<String>,
+    ) -> std::result::Result<(String, Vec<String>, f64), i32> {
+        let why = self.diagnosis(ended, attempt);
+        failures.push(format!(
+            "attempt {} exited {}: {why}",
+            attempt + 1,
+            ended.code
+        ));
+        if failures.len() > self.args.restarts {
+            eprintln!(
+                "error: train launch: gave up after {} restart(s) after failures: {}",
+                failures.len() - 1,
+                failures.join("; ")
+            );
+            return Err(exit::FAILED);
+        }
+        let n = failures.len() - 1;
+        let backoff = (self.args.backoff_s * 2f64.powi(n as i32)).min(MAX_BACKOFF);
+        if self.sleep_unless_signalled(backoff) {
+            return Err(exit::STOPPED);
+        }
+        let after = self.answering();
+        if !self.hosts.is_empty() && after.is_empty() {
+            eprintln!(
+                "error: train launch: no host answers any more; failures: {}",
+                failures.join("; ")
+            );
+            return Err(exit::FAILED);
+        }
+        Ok((why, after, backoff))
     }
 
     /// Holds the run directory from here to the job's end, across every attempt; the trainers
@@ -242,15 +329,32 @@ impl<'a> Agent<'a> {
         keep_samples(samples, devices, now).map(Some)
     }
 
-    /// The run's devices per process and its batch and accumulation, from its `config.toml`.
-    fn run_settings(&self) -> Result<(usize, Split)> {
+    /// The run's kiln settings, from its `config.toml`.
+    fn run_config(&self) -> Result<crate::config::RootConfig> {
         let path = self.run_dir().join("config.toml");
-        let config = crate::config::RootConfig::load(Some(&path), &[]).or_else(|_| {
+        crate::config::RootConfig::load(Some(&path), &[]).or_else(|_| {
             // A program's own sections are not kiln's: read kiln's from the table alone.
             let (mut table, origin) = crate::config::read_table(Some(&path), &[])?;
             table.retain(|k, _| k != "model" && k != "data");
             crate::config::RootConfig::from_table(table, &origin)
-        })?;
+        })
+    }
+
+    /// The step of the newest checkpoint listed in the run (0 with none; not verified).
+    fn newest_listed(&self) -> usize {
+        checkpoint::list(self.run_dir()).last().map_or(0, |c| c.0)
+    }
+
+    /// Whether the run writes a checkpoint when a signal stops it
+    /// (`train.checkpoint_on_signal`, from its `config.toml`).
+    fn stops_with_checkpoint(&self) -> bool {
+        self.run_config()
+            .map_or(true, |c| c.train.checkpoint_on_signal)
+    }
+
+    /// The run's devices per process and its batch and accumulation, from its `config.toml`.
+    fn run_settings(&self) -> Result<(usize, Split)> {
+        let config = self.run_config()?;
         if config.strategy.name == crate::config::StrategyKind::Pipeline {
             return Err(Error::config(
                 "a pipeline's stages need their devices: train launch keeps a pipeline on the \
@@ -267,15 +371,15 @@ impl<'a> Agent<'a> {
         ))
     }
 
-    /// Starts attempt `attempt` (0 the first) on `hosts` (none: here) and waits for it,
-    /// forwarding a stop signal to it.
-    fn attempt(
+    /// The command of attempt `attempt` on `hosts` (none: one process here): `train` with its
+    /// arguments, `--resume` or `--run-dir`, the split where it changed, under `mpirun`.
+    fn command(
         &self,
         attempt: usize,
         hosts: &[String],
         resume: bool,
         split: Option<Split>,
-    ) -> Result<Ended> {
+    ) -> Command {
         let dir = self.run_dir().display().to_string();
         let mut train: Vec<String> = self.args.train.clone();
         if resume {
@@ -317,6 +421,20 @@ impl<'a> Agent<'a> {
                 command.env(var, "");
             }
         }
+        command
+    }
+
+    /// Starts attempt `attempt` (0 the first) on `hosts` (none: here) and waits for it,
+    /// forwarding a stop signal to it.
+    fn attempt(
+        &self,
+        attempt: usize,
+        hosts: &[String],
+        resume: bool,
+        split: Option<Split>,
+        left_out: &[String],
+    ) -> Result<Ended> {
+        let mut command = self.command(attempt, hosts, resume, split);
         let mut child = command
             .stderr(Stdio::piped())
             .spawn()
@@ -325,6 +443,8 @@ impl<'a> Agent<'a> {
         let mut signalled = false;
         let mut health = Health::new(hosts);
         let mut lost: Option<(String, Instant)> = None;
+        let mut returns = Returns::new(&self.hosts, hosts, left_out);
+        let (mut back, mut readmit) = (None, None);
         let status = loop {
             if let Some(status) = child.try_wait().map_err(|e| Error::Worker(e.to_string()))? {
                 break status;
@@ -347,6 +467,29 @@ impl<'a> Agent<'a> {
                 Some((_, since)) if since.elapsed() > END_WITHIN => send(&child, libc::SIGKILL),
                 Some(_) => {}
             }
+            // A missing host that answers again is taken back at the job's next checkpoint: the
+            // stop's own (SIGTERM), or with `train.checkpoint_on_signal = false` the next
+            // periodic one.
+            if lost.is_none() && !signalled && readmit.is_none() {
+                if back.is_none() {
+                    back = returns
+                        .check(&self.agent)
+                        .map(|b| (b, self.newest_listed()));
+                }
+                if let Some((hosts_back, at)) = &back
+                    && (self.stops_with_checkpoint() || self.newest_listed() > *at)
+                {
+                    eprintln!(
+                        "train launch: {} answer{} again; stopping the job at a checkpoint to \
+                         take {} back",
+                        hosts_back.join(", "),
+                        if hosts_back.len() == 1 { "s" } else { "" },
+                        if hosts_back.len() == 1 { "it" } else { "them" },
+                    );
+                    send(&child, libc::SIGTERM);
+                    readmit = back.take().map(|(b, _)| b);
+                }
+            }
             std::thread::sleep(Duration::from_millis(100));
         };
         use std::os::unix::process::ExitStatusExt;
@@ -367,6 +510,8 @@ impl<'a> Agent<'a> {
             code,
             error,
             signalled,
+            readmit,
+            lost: lost.map(|(host, _)| host),
         })
     }
 
@@ -413,61 +558,6 @@ impl<'a> Agent<'a> {
         }
     }
 
-    /// Moves what failed attempt `attempt` (0 the first) wrote into the run directory — its
-    /// config, logs, metrics, unfinished checkpoints — to `restarts/attempt-N/run/`, so that
-    /// the next attempt starts the run over in the same directory; `restarts.jsonl` and the
-    /// earlier attempts' records and the job's lock stay. Returns where they went.
-    fn set_aside(&self, attempt: usize) -> Result<PathBuf> {
-        let run_dir = self.run_dir();
-        let kept = run_dir
-            .join("restarts")
-            .join(format!("attempt-{}", attempt + 1))
-            .join("run");
-        std::fs::create_dir_all(&kept).map_err(|e| Error::io(&kept, e))?;
-        for entry in std::fs::read_dir(run_dir).map_err(|e| Error::io(run_dir, e))? {
-            let path = entry.map_err(|e| Error::io(run_dir, e))?.path();
-            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            if name == RESTARTS_FILE
-                || name == "restarts"
-                || name.trim_start_matches('.').starts_with(LOCK_FILE)
-            {
-                continue;
-            }
-            std::fs::rename(&path, kept.join(name)).map_err(|e| Error::io(&path, e))?;
-        }
-        Ok(kept)
-    }
-
-    fn record(&self, line: &serde_json::Value) {
-        let path = self.run_dir().join(RESTARTS_FILE);
-        let written = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .and_then(|mut f| writeln!(f, "{line}"));
-        if let Err(e) = written {
-            eprintln!(
-                "warning: train launch: cannot write {}: {e}",
-                path.display()
-            );
-        }
-    }
-
-    /// `summary.json` of a finished run counts its restarts.
-    fn count_restarts(&self, restarts: usize) {
-        let path = self.run_dir().join("summary.json");
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            return;
-        };
-        if let Ok(serde_json::Value::Object(mut summary)) = serde_json::from_str(&text) {
-            summary.insert("restarts".into(), json!(restarts));
-            let bytes = serde_json::to_vec_pretty(&summary).expect("a summary serialises");
-            if let Err(e) = write_atomic(&path, &bytes) {
-                eprintln!("warning: train launch: {e}");
-            }
-        }
-    }
-
     /// Sleeps `seconds`; returns early, with `true`, when a stop signal arrives.
     fn sleep_unless_signalled(&self, seconds: f64) -> bool {
         let until = Instant::now() + Duration::from_secs_f64(seconds.max(0.0));
@@ -479,73 +569,6 @@ impl<'a> Agent<'a> {
         }
         crate::signal::requested().is_some()
     }
-}
-
-/// How often the hosts of a running job are asked whether they answer, how many misses in a
-/// row mean a host is gone, and how long a job that lost one has to end before it is killed.
-const HEALTH_EVERY: Duration = Duration::from_secs(5);
-const MISSES: usize = 2;
-const END_WITHIN: Duration = Duration::from_secs(5);
-
-/// The hosts of a running job, asked every [`HEALTH_EVERY`] whether they still answer.
-struct Health<'h> {
-    hosts: &'h [String],
-    last: Instant,
-    misses: Vec<usize>,
-}
-
-impl<'h> Health<'h> {
-    fn new(hosts: &'h [String]) -> Self {
-        Self {
-            hosts,
-            last: Instant::now(),
-            misses: vec![0; hosts.len()],
-        }
-    }
-
-    /// The first host that missed [`MISSES`] checks in a row, once one has.
-    fn check(&mut self, agent: &str) -> Option<String> {
-        if self.hosts.is_empty() || self.last.elapsed() < HEALTH_EVERY {
-            return None;
-        }
-        self.last = Instant::now();
-        let up = answering(self.hosts, agent);
-        for (i, host) in self.hosts.iter().enumerate() {
-            self.misses[i] = if up.contains(host) {
-                0
-            } else {
-                self.misses[i] + 1
-            };
-            if self.misses[i] >= MISSES {
-                return Some(host.clone());
-            }
-        }
-        None
-    }
-}
-
-/// Sends `signal` to the child.
-fn send(child: &Child, signal: libc::c_int) {
-    // SAFETY: kill(2) on the child's own pid.
-    unsafe { libc::kill(child.id() as libc::pid_t, signal) };
-}
-
-/// Copies the child's standard error to the launcher's, keeping its last `error:` line.
-fn pass_through(child: &mut Child) -> std::thread::JoinHandle<Option<String>> {
-    let stderr = child.stderr.take();
-    std::thread::spawn(move || {
-        let mut last = None;
-        for line in BufReader::new(stderr?)
-            .lines()
-            .map_while(std::result::Result::ok)
-        {
-            eprintln!("{line}");
-            if let Some(e) = line.strip_prefix("error: ") {
-                last = Some(e.to_string());
-            }
-        }
-        last
-    })
 }
 
 /// Where a restart starts: `, from step N`, or from the start with where the failed

@@ -32,6 +32,10 @@ pub struct LaunchArgs {
     /// Seconds before the first restart, doubled at each (at most 60).
     #[arg(long, default_value_t = 2.0, value_name = "S")]
     pub backoff_s: f64,
+    /// A host lost, taken back when it answered again, and lost again within this many
+    /// seconds is left out for the rest of the job.
+    #[arg(long = "readmit-after", default_value_t = 600.0, value_name = "S")]
+    pub readmit_after_s: f64,
     /// `train`'s arguments: the config, flags and `--set`s of the run.
     #[arg(last = true, value_name = "TRAIN_ARGS")]
     pub train: Vec<String>,

@@ -5,12 +5,16 @@
 //! the per-device batch and the accumulation are recomputed for the devices left, so the run
 //! goes on with the same global batch and the same mathematics. Refusals and divergences are
 //! never retried; a signal to the launcher stops the run with its checkpoint. Every restart is
-//! a line of `restarts.jsonl` in the run directory, and `summary.json` counts them. `train`
-//! itself stays a single attempt that ends cleanly.
+//! a line of `restarts.jsonl` in the run directory, and `summary.json` counts them. A host lost
+//! and answering again while the job runs on the others is taken back with a planned restart
+//! at a checkpoint (`readmit.rs`). `train` itself stays a single attempt that ends cleanly.
 
 mod agent;
 mod args;
+mod child;
 mod hosts;
+mod readmit;
+mod record;
 mod split;
 
 pub use agent::run;

@@ -4,8 +4,8 @@
 use burn::prelude::*;
 use kiln_models::StepOutput;
 
-use super::faults::Fault;
 use super::checkpointer::Checkpointer;
+use super::faults::Fault;
 use super::loader::Feed;
 use super::log::Logger;
 use super::worker::Worker;
