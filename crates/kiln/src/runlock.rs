@@ -157,7 +157,7 @@ impl RunLock {
                     let (file, token) = (path.clone(), me.token.clone());
                     let renewer = std::thread::Builder::new()
                         .name("kiln-run-lock".into())
-                        .spawn(move || renew(&file, me, &stopped))
+                        .spawn(move || renew(&file, me, &stopped, RENEW_EVERY))
                         .map_err(|e| Error::io(&path, e))?;
                     return Ok(Self {
                         path,
@@ -318,11 +318,11 @@ fn take_over(run_dir: &Path, gone: &Holder) -> Result<bool> {
     Ok(removed)
 }
 
-/// The renewer: rewrites the lease every [`RENEW_EVERY`] until told to stop; a lock that names
+/// The renewer: rewrites the lease `every` ([`RENEW_EVERY`]) until told to stop; a lock that names
 /// another holder (which took a lapsed lease over) is recorded in [`LOST`] and left alone.
-fn renew(path: &Path, mut me: Holder, stop: &Receiver<()>) {
+fn renew(path: &Path, mut me: Holder, stop: &Receiver<()>, every: Duration) {
     loop {
-        match stop.recv_timeout(RENEW_EVERY) {
+        match stop.recv_timeout(every) {
             Err(RecvTimeoutError::Timeout) => {}
             _ => return,
         }
@@ -466,6 +466,36 @@ mod tests {
         write(&d, &far);
         let taken = RunLock::acquire(&d, "train").unwrap();
         assert!(taken.took_over.as_ref().unwrap().1.contains("lease"));
+    }
+
+    #[test]
+    fn a_holder_whose_lock_was_taken_over_knows_it() {
+        let d = dir("lost");
+        let me = Holder::me("train");
+        create(&d.join(LOCK_FILE), &me).unwrap();
+        let (stop, stopped) = channel();
+        let (file, mine) = (d.join(LOCK_FILE), me.clone());
+        let renewer =
+            std::thread::spawn(move || renew(&file, mine, &stopped, Duration::from_millis(20)));
+        // Renewed while it is its own.
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(lost(&d).is_none());
+        let mut other = me.clone();
+        other.token = "another".into();
+        // Written until the renewer has read it (a renewal may land over one write).
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while lost(&d).is_none() {
+            assert!(
+                std::time::Instant::now() < until,
+                "the renewer never saw it"
+            );
+            write(&d, &other);
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        // The renewer stops: it never writes over the holder that took the lock.
+        renewer.join().unwrap();
+        drop(stop);
+        assert_eq!(lost(&d).unwrap().token, "another");
     }
 
     #[test]
