@@ -333,3 +333,41 @@ fn a_reader_that_goes_away_costs_the_lines_not_the_run() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(dir.join("run").join("summary.json").exists());
 }
+
+/// The command line's conventions: `--version` with the commit, completion scripts for the
+/// shells clap knows, and a manual page.
+#[test]
+fn version_completions_and_manual_page() {
+    let dir = temp_dir("cli-conventions");
+    let out = train_bin(&dir, &["--version"]);
+    assert!(out.status.success());
+    let version = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        version.starts_with(&format!("train {} (", env!("CARGO_PKG_VERSION")))
+            && (version.contains("commit ") || version.contains("no commit")),
+        "{version}"
+    );
+    let script = |shell: &str| {
+        let out = train_bin(&dir, &["completions", shell]);
+        assert!(out.status.success(), "{shell}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let bash = script("bash");
+    assert!(
+        bash.contains("_train()") && bash.contains("complete -F _train"),
+        "{bash}"
+    );
+    // Every subcommand and flag is offered, the program's own `sample` among them.
+    for word in ["launch", "plan", "sample", "--resume", "--strategy"] {
+        assert!(bash.contains(word), "bash completion lacks {word}");
+    }
+    assert!(script("zsh").contains("#compdef train"));
+    assert!(script("fish").contains("complete -c train"));
+    let out = train_bin(&dir, &["completions", "tcsh"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tcsh"));
+    let out = train_bin(&dir, &["man"]);
+    assert!(out.status.success());
+    let man = String::from_utf8_lossy(&out.stdout);
+    assert!(man.contains(".TH train") && man.contains("launch"), "{man}");
+}

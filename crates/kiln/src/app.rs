@@ -233,6 +233,15 @@ pub enum AppCommand {
     /// Run training and start it again after a failure, on the hosts that answer, with the
     /// same samples per step (`train launch --run-dir DIR [--hosts ...] -- TRAIN_ARGS`).
     Launch(crate::launcher::LaunchArgs),
+    /// Print a completion script for a shell: `source <(train completions bash)`, or write it
+    /// where the shell looks (`train completions zsh > ~/.zfunc/_train`).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff): `train man > train.1; man ./train.1`.
+    Man,
 }
 
 /// A program's parsed command line.
@@ -322,13 +331,35 @@ impl<'a> App<'a> {
             command = command.subcommand(own.clone().display_order(i));
         }
         let first = self.commands.len();
-        for (i, name) in ["devices", "plot", "flight", "checkpoints", "launch"]
-            .into_iter()
-            .enumerate()
+        for (i, name) in [
+            "devices",
+            "plot",
+            "flight",
+            "checkpoints",
+            "launch",
+            "completions",
+            "man",
+        ]
+        .into_iter()
+        .enumerate()
         {
             command = command.mut_subcommand(name, |c| c.display_order(first + i));
         }
         command
+    }
+
+    /// Writes the program's manual page (roff) to standard output.
+    fn print_man(&self) -> i32 {
+        let man = clap_mangen::Man::new(self.command_line());
+        match man.render(&mut std::io::stdout()) {
+            Ok(()) => 0,
+            // A reader that went away (`train man | head`) ends it.
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => 0,
+            Err(e) => {
+                eprintln!("error: cannot write the manual page: {e}");
+                2
+            }
+        }
     }
 
     /// Parses `args` (the program's name first).
@@ -479,6 +510,13 @@ impl<'a> App<'a> {
             Some(AppCommand::Flight(flight)) => return crate::cli::print_flight(flight),
             Some(AppCommand::Checkpoints(run)) => return crate::cli::print_checkpoints(&run.run),
             Some(AppCommand::Launch(launch)) => return crate::launcher::run(launch),
+            Some(AppCommand::Completions { shell }) => {
+                let mut command = self.command_line();
+                let mut out = std::io::stdout();
+                clap_complete::generate(*shell, &mut command, self.name, &mut out);
+                return 0;
+            }
+            Some(AppCommand::Man) => return self.print_man(),
             Some(AppCommand::Eval(eval)) => {
                 return crate::cli::run_training(|| {
                     let flags = eval.flags()?;

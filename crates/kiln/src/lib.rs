@@ -58,6 +58,10 @@ pub mod trainer;
 pub mod weights;
 
 pub use app::{App, UserConfig};
+
+/// kiln's version and the commit it was built from: `0.1.0 (commit 1a2b3c4d5e6f)` (`+` after
+/// the commit when the checkout's files differed from it; `no commit` outside a checkout).
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("KILN_COMMIT"), ")");
 pub use burn_data::{BurnData, BurnWorkload};
 pub use config::RootConfig;
 pub use data::sample_rng;

@@ -5,7 +5,7 @@ static ALLOCATOR: kiln::Allocator = kiln::Allocator;
 
 fn main() {
     kiln::App::new("train", env!("CARGO_PKG_DESCRIPTION"))
-        .version(env!("CARGO_PKG_VERSION"))
+        .version(kiln::VERSION)
         .recipe(kiln::builtin::RECIPE)
         .recipe_origin(kiln::builtin::RECIPE_ORIGIN)
         .command(
