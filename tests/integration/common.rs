@@ -151,3 +151,17 @@ pub fn tensors(path: &Path) -> (serde_json::Value, Vec<u8>) {
     header.as_object_mut().unwrap().remove("__metadata__");
     (header, bytes[8 + n..].to_vec())
 }
+
+/// The lines of a run's `restarts.jsonl` (none without the file).
+pub fn restarts(run: &Path) -> Vec<Value> {
+    std::fs::read_to_string(run.join(kiln::launcher::RESTARTS_FILE))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// A run's `summary.json`.
+pub fn summary(run: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap()
+}

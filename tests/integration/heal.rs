@@ -4,7 +4,9 @@
 use std::path::Path;
 use std::process::Output;
 
-use crate::common::{assert_one_line_error, temp_dir, tensors, train_bin, train_losses};
+use crate::common::{
+    assert_one_line_error, restarts, summary, temp_dir, tensors, train_bin, train_losses,
+};
 
 /// A small digits run's flags: the ConvNet at its smallest, `steps` steps.
 fn run_args<'a>(dir: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -252,19 +254,12 @@ fn the_launcher_restarts_a_failed_run_which_ends_as_the_uninterrupted_one() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(stderr.contains("restart 1 of 2 after exit 4"), "{stderr}");
     assert!(stderr.contains("injected failure after step 5"), "{stderr}");
-    let lines: Vec<serde_json::Value> =
-        std::fs::read_to_string(base.join("healed").join(kiln::launcher::RESTARTS_FILE))
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+    let lines = restarts(&base.join("healed"));
     assert_eq!(lines.len(), 1);
     assert_eq!(lines[0]["exit"], 4);
     assert_eq!(lines[0]["resumed_from_step"], 4);
     assert!(lines[0]["failure"].as_str().unwrap().contains("rank 0"));
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(base.join("healed/summary.json")).unwrap())
-            .unwrap();
+    let summary = summary(&base.join("healed"));
     assert_eq!(summary["restarts"], 1);
     assert_eq!(summary["steps"], 8);
     // The same run: the restart resumed bit for bit.
@@ -300,20 +295,13 @@ fn a_failure_before_the_first_checkpoint_starts_the_run_over() {
         stderr.contains("restart 1 of 2 after exit 4") && stderr.contains("from the start"),
         "{stderr}"
     );
-    let lines: Vec<serde_json::Value> =
-        std::fs::read_to_string(base.join("over").join(kiln::launcher::RESTARTS_FILE))
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+    let lines = restarts(&base.join("over"));
     assert_eq!(lines.len(), 1);
     assert_eq!(lines[0]["started_over"], true);
     assert!(lines[0]["resumed_from_step"].is_null());
     let kept = base.join("over/restarts/attempt-1/run");
     assert!(kept.join("config.toml").is_file(), "{}", kept.display());
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(base.join("over/summary.json")).unwrap())
-            .unwrap();
+    let summary = summary(&base.join("over"));
     assert_eq!(
         (summary["restarts"].clone(), summary["steps"].clone()),
         (1.into(), 8.into())
@@ -429,9 +417,7 @@ fn a_kill_during_a_background_write_resumes_from_the_checkpoint_before_it() {
         &base,
         &[&["--run-dir", "alone"][..], &train].concat(),
     ));
-    let alone: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(base.join("alone/summary.json")).unwrap())
-            .unwrap();
+    let alone = summary(&base.join("alone"));
     // Four checkpoints, each with its time on the step's path.
     assert_eq!(alone["checkpoint_stall_s"].as_array().unwrap().len(), 4);
     let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_train"))

@@ -10,8 +10,8 @@ use burn::prelude::*;
 use kiln::trainer::parameter_values;
 
 use crate::common::{
-    finish_within, max_relative_diff, records_logged, temp_dir, train_bin, train_losses,
-    wait_for_records,
+    finish_within, max_relative_diff, records_logged, restarts, summary, temp_dir, train_bin,
+    train_losses, wait_for_records,
 };
 use crate::gpt::text_file;
 
@@ -663,6 +663,34 @@ impl Drop for Bed {
     }
 }
 
+/// `train`'s arguments on the bed: a 2-layer GPT of width 32 on `text`, one device a host,
+/// batch 8, every step logged, a checkpoint every `every` steps, a 20 s deadline.
+fn bed_args(text: &Path, steps: usize, every: usize) -> Vec<String> {
+    let sets = [
+        "data.dataset=\"text\"".to_string(),
+        format!("data.path={:?}", text.display().to_string()),
+        "model.kind=\"gpt\"".to_string(),
+        "model.gpt.n_layer=2".to_string(),
+        "model.gpt.n_embd=32".to_string(),
+        "model.gpt.n_head=2".to_string(),
+        "model.gpt.block_size=16".to_string(),
+        "train.epochs=0".to_string(),
+        "train.batch_size=8".to_string(),
+        "train.log_every=1".to_string(),
+        format!("train.checkpoint_every={every}"),
+        "monitor.interval_s=0".to_string(),
+        "dist.timeout_s=20".to_string(),
+    ];
+    let mut args: Vec<String> = ["--config", "/dev/null", "--devices", "1", "--max-steps"]
+        .map(String::from)
+        .to_vec();
+    args.push(steps.to_string());
+    for set in sets {
+        args.extend(["--set".to_string(), set]);
+    }
+    args
+}
+
 /// Two hosts × one device under `train launch`; one host lost mid-run (its rank killed, its
 /// link down): the launcher ends the job, restarts on the host left with the same samples per
 /// step (accumulation doubled), and the run ends as the uninterrupted one does.
@@ -672,42 +700,7 @@ fn a_lost_host_is_left_and_the_run_goes_on_with_the_same_samples() {
     let dir = temp_dir("mpi-heal");
     let text = text_file(&dir);
     let steps = 40;
-    let train: Vec<String> = [
-        "--config",
-        "/dev/null",
-        "--devices",
-        "1",
-        "--max-steps",
-        &steps.to_string(),
-        "--set",
-        "data.dataset=\"text\"",
-        "--set",
-        &format!("data.path={:?}", text.display().to_string()),
-        "--set",
-        "model.kind=\"gpt\"",
-        "--set",
-        "model.gpt.n_layer=2",
-        "--set",
-        "model.gpt.n_embd=32",
-        "--set",
-        "model.gpt.n_head=2",
-        "--set",
-        "model.gpt.block_size=16",
-        "--set",
-        "train.epochs=0",
-        "--set",
-        "train.batch_size=8",
-        "--set",
-        "train.log_every=1",
-        "--set",
-        "train.checkpoint_every=10",
-        "--set",
-        "monitor.interval_s=0",
-        "--set",
-        "dist.timeout_s=20",
-    ]
-    .map(String::from)
-    .to_vec();
+    let train = bed_args(&text, steps, 10);
     let bed = Bed::up();
     let out = bed
         .launch(&dir, &["--run-dir", "ref"], &train)
@@ -732,13 +725,9 @@ fn a_lost_host_is_left_and_the_run_goes_on_with_the_same_samples() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     println!("healed in {took:?}");
-    let restarts: Vec<serde_json::Value> = std::fs::read_to_string(healed.join("restarts.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(restarts.len(), 1, "{restarts:?}");
-    let r = &restarts[0];
+    let lines = restarts(&healed);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let r = &lines[0];
     assert_eq!(r["hosts_after"], serde_json::json!(["10.231.7.1"]), "{r}");
     assert_eq!(
         (r["batch_size"].as_u64(), r["accumulate"].as_u64()),
@@ -765,9 +754,6 @@ fn a_lost_host_is_left_and_the_run_goes_on_with_the_same_samples() {
         let d = (l - reference[s]).abs() / reference[s].abs();
         assert!(d < 1e-4, "step {s}: {l} vs {} ({d:e})", reference[s]);
     }
-    let summary = |run: &Path| -> serde_json::Value {
-        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap()
-    };
     let (a, b) = (summary(&dir.join("ref")), summary(&healed));
     let (va, vb) = (
         a["val_loss"].as_f64().unwrap(),
@@ -775,15 +761,6 @@ fn a_lost_host_is_left_and_the_run_goes_on_with_the_same_samples() {
     );
     assert!((vb - va).abs() / va < 0.002, "val loss {vb} vs {va}");
     assert_eq!(b["restarts"], 1);
-}
-
-/// The lines of a run's `restarts.jsonl`.
-fn restarts(run: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run.join("restarts.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 /// Two hosts × one device under `train launch`, 400 steps (each slowed to ~0.1 s by a fault
@@ -796,42 +773,7 @@ fn a_lost_host_that_answers_again_is_taken_back_at_a_checkpoint() {
     let dir = temp_dir("mpi-readmit");
     let text = text_file(&dir);
     let steps = 400;
-    let train: Vec<String> = [
-        "--config",
-        "/dev/null",
-        "--devices",
-        "1",
-        "--max-steps",
-        &steps.to_string(),
-        "--set",
-        "data.dataset=\"text\"",
-        "--set",
-        &format!("data.path={:?}", text.display().to_string()),
-        "--set",
-        "model.kind=\"gpt\"",
-        "--set",
-        "model.gpt.n_layer=2",
-        "--set",
-        "model.gpt.n_embd=32",
-        "--set",
-        "model.gpt.n_head=2",
-        "--set",
-        "model.gpt.block_size=16",
-        "--set",
-        "train.epochs=0",
-        "--set",
-        "train.batch_size=8",
-        "--set",
-        "train.log_every=1",
-        "--set",
-        "train.checkpoint_every=25",
-        "--set",
-        "monitor.interval_s=0",
-        "--set",
-        "dist.timeout_s=20",
-    ]
-    .map(String::from)
-    .to_vec();
+    let train = bed_args(&text, steps, 25);
     let bed = Bed::up();
     let out = bed
         .launch(&dir, &["--run-dir", "ref"], &train)
@@ -904,9 +846,6 @@ fn a_lost_host_that_answers_again_is_taken_back_at_a_checkpoint() {
         "{back}"
     );
     assert!(back["resumed_from_step"].as_u64().unwrap() > 200, "{back}");
-    let summary = |run: &Path| -> serde_json::Value {
-        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap()
-    };
     let (a, b) = (summary(&dir.join("ref")), summary(&healed));
     assert_eq!(
         (b["steps"].as_u64(), b["processes"].as_u64()),

@@ -20,7 +20,8 @@ const TRAIN: [&str; 10] = [
     "train.log_every=10",
 ];
 
-/// `train` into `dir`, each step slowed by `slow_ms` (a fault that changes no number).
+/// `train FIRST... TRAIN...` in `base`, each step slowed by `slow_ms` (a fault that changes no
+/// number).
 fn start(base: &Path, first: &[&str], slow_ms: u64) -> Child {
     Command::new(env!("CARGO_BIN_EXE_train"))
         .args(first)
@@ -77,15 +78,7 @@ fn a_second_trainer_into_a_live_run_is_refused_and_a_killed_holder_is_taken_over
 
     // A launched job holds its directory for every attempt: a trainer or a second launcher
     // into it is refused, naming the launcher, and its own trainers come in.
-    let mut job = Command::new(env!("CARGO_BIN_EXE_train"))
-        .args(["launch", "--run-dir", "job", "--"])
-        .args(TRAIN)
-        .current_dir(&base)
-        .env(kiln::trainer::FAULT_VAR, "0:1:slow=150")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut job = start(&base, &["launch", "--run-dir", "job", "--"], 150);
     wait_for(&base.join("job/checkpoints/step-00000010/state.json"));
     let launcher = format!("train launch on host {}, process {}", kiln_host(), job.id());
     let out = train_bin(&base, &[&["--resume", "job"][..], &TRAIN].concat());

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, each_flag, json_number, median, positive, run_quietly};
+use crate::{Result, TempDir, each_flag, json_array, json_number, median, positive, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -159,26 +159,12 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     Ok(())
 }
 
-/// Every number of the JSON array under `key`.
-fn numbers_of_array(text: &str, key: &str) -> Option<Vec<f64>> {
-    let at = text.find(&format!("\"{key}\""))? + key.len() + 2;
-    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
-    let rest = rest.strip_prefix('[')?;
-    let inside = &rest[..rest.find(']')?];
-    inside
-        .split(',')
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-        .map(|n| n.parse().ok())
-        .collect()
-}
-
 fn read_figures(path: &Path) -> Result<Figures> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
     let missing = |key: &str| format!("{}: no number for {key:?}", path.display());
-    let mut stalls = numbers_of_array(&text, "checkpoint_stall_s")
-        .ok_or_else(|| missing("checkpoint_stall_s"))?;
+    let mut stalls =
+        json_array(&text, "checkpoint_stall_s").ok_or_else(|| missing("checkpoint_stall_s"))?;
     // The last checkpoint is written before the run ends, in either setting.
     stalls.pop();
     Ok(Figures {
@@ -200,9 +186,9 @@ mod tests {
         assert!(parse(&["--bogus"]).is_err());
         let text = "{\n  \"checkpoint_stall_s\": [\n    1.5,\n    0.25\n  ],\n  \"x\": 1\n}";
         assert_eq!(
-            numbers_of_array(text, "checkpoint_stall_s"),
+            json_array(text, "checkpoint_stall_s"),
             Some(vec![1.5, 0.25])
         );
-        assert_eq!(numbers_of_array(text, "nothing"), None);
+        assert_eq!(json_array(text, "nothing"), None);
     }
 }

@@ -7,7 +7,9 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, each_flag, json_number, median, positive, positives, run_quietly};
+use crate::{
+    Result, TempDir, each_flag, json_array, json_number, median, positive, positives, run_quietly,
+};
 
 /// What to measure.
 pub struct Options {
@@ -151,13 +153,7 @@ fn mib(bytes: f64) -> f64 {
 
 /// The first number of the JSON array under `key`.
 fn first_of_array(text: &str, key: &str) -> Option<f64> {
-    let at = text.find(&format!("\"{key}\""))? + key.len() + 2;
-    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
-    let rest = rest.strip_prefix('[')?.trim_start();
-    let end = rest
-        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
-        .unwrap_or(rest.len());
-    rest[..end].parse().ok()
+    json_array(text, key)?.first().copied()
 }
 
 fn read_figures(path: &Path) -> Result<Figures> {

@@ -783,6 +783,20 @@ fn json_number(text: &str, key: &str) -> Option<f64> {
     rest[..end].parse().ok()
 }
 
+/// Every number of the JSON array under `key` (`None` where there is none, or a member is not a
+/// number).
+fn json_array(text: &str, key: &str) -> Option<Vec<f64>> {
+    let at = text.find(&format!("\"{key}\""))? + key.len() + 2;
+    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
+    let rest = rest.strip_prefix('[')?;
+    rest[..rest.find(']')?]
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(|n| n.parse().ok())
+        .collect()
+}
+
 /// Walks a bench's `--flag VALUE` arguments: `each` gets every flag and a function that takes
 /// its value (an error naming the flag when there is none).
 fn each_flag(

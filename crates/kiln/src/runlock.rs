@@ -136,12 +136,12 @@ impl RunLock {
     /// that `train launch` started, which holds the directory, gets it without a lock of its own.
     pub fn acquire(run_dir: &Path, program: &str) -> Result<Self> {
         let path = run_dir.join(LOCK_FILE);
-        if let (Ok(token), Some(holder)) = (std::env::var(HELD_VAR), read(&path)?)
-            && holder.token == token
+        if let Some(holder) = read(&path)?
+            && started_by(&holder)
         {
             return Ok(Self {
                 path,
-                token,
+                token: holder.token,
                 inherited: true,
                 stop: None,
                 renewer: None,
@@ -197,7 +197,7 @@ impl RunLock {
         let Some(holder) = read(&path)? else {
             return Ok(());
         };
-        if std::env::var(HELD_VAR).is_ok_and(|t| t == holder.token) {
+        if started_by(&holder) {
             return Ok(());
         }
         match holder.gone(&crate::comm::watch::hostname(), now_s()) {
@@ -230,6 +230,11 @@ impl Drop for RunLock {
             let _ = std::fs::remove_file(&self.path);
         }
     }
+}
+
+/// Whether `holder` is the launcher that started this process ([`HELD_VAR`] is its token).
+fn started_by(holder: &Holder) -> bool {
+    std::env::var(HELD_VAR).is_ok_and(|t| t == holder.token)
 }
 
 fn refusal(run_dir: &Path, holder: &Holder) -> Error {

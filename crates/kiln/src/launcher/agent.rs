@@ -8,9 +8,9 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::json;
 
 use super::args::LaunchArgs;
-use super::child::{END_WITHIN, Health, pass_through, send};
+use super::child::{END_WITHIN, Streaks, pass_through, send};
 use super::hosts::{answering, configured};
-use super::readmit::{Readmission, Returns, leave_out_flapping, with_back};
+use super::readmit::{Readmission, leave_out_flapping, missing, with_back};
 use super::record::{count_restarts, record, set_aside};
 use super::split::{Split, keep_samples};
 use crate::checkpoint;
@@ -133,8 +133,8 @@ impl<'a> Agent<'a> {
         let mut readmission = Readmission::new(Duration::from_secs_f64(self.args.readmit_after_s));
         loop {
             let resume = checkpoint::newest_whole(self.run_dir()).is_ok();
-            let left_out = readmission.left_out().to_vec();
-            let ended = match self.attempt(attempt, &hosts, resume, split, &left_out) {
+            let left_out = readmission.left_out();
+            let ended = match self.attempt(attempt, &hosts, resume, split, left_out) {
                 Ok(ended) => ended,
                 Err(e) => {
                     eprintln!("error: train launch: {e}");
@@ -441,9 +441,9 @@ impl<'a> Agent<'a> {
             .map_err(|e| Error::config(format!("cannot start {command:?}: {e}")))?;
         let errors = pass_through(&mut child);
         let mut signalled = false;
-        let mut health = Health::new(hosts);
+        let mut health = Streaks::misses(hosts);
         let mut lost: Option<(String, Instant)> = None;
-        let mut returns = Returns::new(&self.hosts, hosts, left_out);
+        let mut returns = Streaks::answers(missing(&self.hosts, hosts, left_out));
         let (mut back, mut readmit) = (None, None);
         let status = loop {
             if let Some(status) = child.try_wait().map_err(|e| Error::Worker(e.to_string()))? {
@@ -456,7 +456,7 @@ impl<'a> Agent<'a> {
             }
             match &lost {
                 None => {
-                    if let Some(gone) = health.check(&self.agent) {
+                    if let Some(gone) = health.check(&self.agent).into_iter().next() {
                         // A machine of the job is gone: mpirun may wait for its daemon there
                         // until TCP gives up. The job is over; end it.
                         eprintln!("train launch: {gone} stopped answering; ending the job");
@@ -472,12 +472,13 @@ impl<'a> Agent<'a> {
             // periodic one.
             if lost.is_none() && !signalled && readmit.is_none() {
                 if back.is_none() {
-                    back = returns
-                        .check(&self.agent)
-                        .map(|b| (b, self.newest_listed()));
+                    let answered = returns.check(&self.agent);
+                    // The run's setting is read once, when a host is back.
+                    back = (!answered.is_empty())
+                        .then(|| (answered, self.newest_listed(), self.stops_with_checkpoint()));
                 }
-                if let Some((hosts_back, at)) = &back
-                    && (self.stops_with_checkpoint() || self.newest_listed() > *at)
+                if let Some((hosts_back, at, on_signal)) = &back
+                    && (*on_signal || self.newest_listed() > *at)
                 {
                     eprintln!(
                         "train launch: {} answer{} again; stopping the job at a checkpoint to \
@@ -487,7 +488,7 @@ impl<'a> Agent<'a> {
                         if hosts_back.len() == 1 { "it" } else { "them" },
                     );
                     send(&child, libc::SIGTERM);
-                    readmit = back.take().map(|(b, _)| b);
+                    readmit = back.take().map(|(b, _, _)| b);
                 }
             }
             std::thread::sleep(Duration::from_millis(100));

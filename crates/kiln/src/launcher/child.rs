@@ -7,46 +7,64 @@ use std::time::{Duration, Instant};
 
 use super::hosts::answering;
 
-/// How often the hosts of a running job are asked whether they answer, how many misses in a
-/// row mean a host is gone, and how long a job that lost one has to end before it is killed.
-pub(super) const HEALTH_EVERY: Duration = Duration::from_secs(5);
-pub(super) const MISSES: usize = 2;
+/// How often hosts are asked whether they answer, and how many answers (or misses) in a row
+/// take one back (or count it as gone).
+pub(super) const ASK_EVERY: Duration = Duration::from_secs(5);
+pub(super) const IN_A_ROW: usize = 2;
+/// How long a job that lost a host has to end before it is killed.
 pub(super) const END_WITHIN: Duration = Duration::from_secs(5);
 
-/// The hosts of a running job, asked every [`HEALTH_EVERY`] whether they still answer.
-pub(super) struct Health<'h> {
-    hosts: &'h [String],
+/// Hosts asked every [`ASK_EVERY`] whether they answer, each one's streak counted: of misses
+/// for a running job's hosts (gone after [`IN_A_ROW`]), of answers for the hosts it misses
+/// (back after [`IN_A_ROW`]).
+pub(super) struct Streaks {
+    hosts: Vec<String>,
+    /// Whether answers are counted (else misses).
+    answers: bool,
+    counts: Vec<usize>,
     last: Instant,
-    misses: Vec<usize>,
 }
 
-impl<'h> Health<'h> {
-    pub(super) fn new(hosts: &'h [String]) -> Self {
+impl Streaks {
+    /// The streaks of misses of `hosts`, which a job runs on.
+    pub(super) fn misses(hosts: &[String]) -> Self {
+        Self::new(hosts.to_vec(), false)
+    }
+
+    /// The streaks of answers of `hosts`, which a job misses.
+    pub(super) fn answers(hosts: Vec<String>) -> Self {
+        Self::new(hosts, true)
+    }
+
+    fn new(hosts: Vec<String>, answers: bool) -> Self {
         Self {
+            counts: vec![0; hosts.len()],
             hosts,
+            answers,
             last: Instant::now(),
-            misses: vec![0; hosts.len()],
         }
     }
 
-    /// The first host that missed [`MISSES`] checks in a row, once one has.
-    pub(super) fn check(&mut self, agent: &str) -> Option<String> {
-        if self.hosts.is_empty() || self.last.elapsed() < HEALTH_EVERY {
-            return None;
+    /// The hosts whose streak has reached [`IN_A_ROW`], at a check (none between checks).
+    pub(super) fn check(&mut self, agent: &str) -> Vec<String> {
+        if self.hosts.is_empty() || self.last.elapsed() < ASK_EVERY {
+            return Vec::new();
         }
         self.last = Instant::now();
-        let up = answering(self.hosts, agent);
-        for (i, host) in self.hosts.iter().enumerate() {
-            self.misses[i] = if up.contains(host) {
-                0
+        let up = answering(&self.hosts, agent);
+        for (host, count) in self.hosts.iter().zip(&mut self.counts) {
+            *count = if up.contains(host) == self.answers {
+                *count + 1
             } else {
-                self.misses[i] + 1
+                0
             };
-            if self.misses[i] >= MISSES {
-                return Some(host.clone());
-            }
         }
-        None
+        self.hosts
+            .iter()
+            .zip(&self.counts)
+            .filter(|(_, n)| **n >= IN_A_ROW)
+            .map(|(h, _)| h.clone())
+            .collect()
     }
 }
 
@@ -72,4 +90,32 @@ pub(super) fn pass_through(child: &mut Child) -> std::thread::JoinHandle<Option<
         }
         last
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A check, due now.
+    fn ask(streaks: &mut Streaks, agent: &str) -> Vec<String> {
+        streaks.last = Instant::now() - ASK_EVERY * 2;
+        streaks.check(agent)
+    }
+
+    #[test]
+    fn a_streak_of_two_answers_or_two_misses_names_the_host() {
+        let hosts = vec!["h".to_string()];
+        // `true HOST true` answers; `false HOST true` does not.
+        let mut back = Streaks::answers(hosts.clone());
+        assert!(ask(&mut back, "true").is_empty());
+        assert!(ask(&mut back, "false").is_empty());
+        assert!(ask(&mut back, "true").is_empty());
+        assert_eq!(ask(&mut back, "true"), hosts);
+        // Between checks nothing is asked.
+        assert!(back.check("true").is_empty());
+        let mut gone = Streaks::misses(&hosts);
+        assert!(ask(&mut gone, "false").is_empty());
+        assert_eq!(ask(&mut gone, "false"), hosts);
+        assert!(ask(&mut Streaks::answers(Vec::new()), "true").is_empty());
+    }
 }

@@ -1,17 +1,12 @@
 //! Hosts that come back: while a job runs on fewer hosts than it was given, the launcher asks
-//! the missing ones whether they answer again; one that answers two checks in a row is taken
+//! the missing ones whether they answer again (`child::Streaks`); one that answers two checks
+//! in a row is taken
 //! back with a planned restart (the job stops with its checkpoint and starts again on the
 //! larger world, the samples of every step kept). A host that fails again within
 //! `--readmit-after` seconds of being taken back is left out for the rest of the job.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
-
-use super::hosts::answering;
-
-/// How often the missing hosts are asked, and how many answers in a row take one back.
-const ASK_EVERY: Duration = Duration::from_secs(5);
-const ANSWERS: usize = 2;
 
 /// Which hosts were taken back when, and which are left out.
 #[derive(Debug, Default)]
@@ -64,51 +59,17 @@ impl Readmission {
     }
 }
 
-/// The hosts a running job misses, asked every [`ASK_EVERY`] whether they answer again.
-pub(super) struct Returns {
-    missing: Vec<String>,
-    answers: Vec<usize>,
-    last: Instant,
-}
-
-impl Returns {
-    /// The configured hosts that are neither `running` nor left out.
-    pub(super) fn new(configured: &[String], running: &[String], left_out: &[String]) -> Self {
-        let missing: Vec<String> = configured
-            .iter()
-            .filter(|h| !running.contains(h) && !left_out.contains(h))
-            .cloned()
-            .collect();
-        Self {
-            answers: vec![0; missing.len()],
-            missing,
-            last: Instant::now(),
-        }
-    }
-
-    /// The missing hosts that have answered [`ANSWERS`] checks in a row, once any has.
-    pub(super) fn check(&mut self, agent: &str) -> Option<Vec<String>> {
-        if self.missing.is_empty() || self.last.elapsed() < ASK_EVERY {
-            return None;
-        }
-        self.last = Instant::now();
-        let up = answering(&self.missing, agent);
-        for (i, host) in self.missing.iter().enumerate() {
-            self.answers[i] = if up.contains(host) {
-                self.answers[i] + 1
-            } else {
-                0
-            };
-        }
-        let back: Vec<String> = self
-            .missing
-            .iter()
-            .zip(&self.answers)
-            .filter(|(_, n)| **n >= ANSWERS)
-            .map(|(h, _)| h.clone())
-            .collect();
-        (!back.is_empty()).then_some(back)
-    }
+/// The configured hosts a job running on `running` misses, those left out excepted.
+pub(super) fn missing(
+    configured: &[String],
+    running: &[String],
+    left_out: &[String],
+) -> Vec<String> {
+    configured
+        .iter()
+        .filter(|h| !running.contains(h) && !left_out.contains(h))
+        .cloned()
+        .collect()
 }
 
 /// `running` and `back` in the order of `configured` (the order ranks are placed in).
@@ -166,15 +127,15 @@ mod tests {
     #[test]
     fn the_missing_hosts_are_the_configured_ones_not_running_nor_left_out() {
         let all = hosts(&["a", "b", "c", "d"]);
-        let returns = Returns::new(&all, &hosts(&["a"]), &hosts(&["d"]));
-        assert_eq!(returns.missing, hosts(&["b", "c"]));
+        assert_eq!(
+            missing(&all, &hosts(&["a"]), &hosts(&["d"])),
+            hosts(&["b", "c"])
+        );
         assert_eq!(
             with_back(&all, &hosts(&["a", "c"]), &hosts(&["b"])),
             hosts(&["a", "b", "c"])
         );
-        // With every host running, nothing is asked.
-        let mut none = Returns::new(&all[..1], &all[..1], &[]);
-        none.last = Instant::now() - ASK_EVERY * 2;
-        assert_eq!(none.check("false"), None);
+        // With every host running, none is missing.
+        assert!(missing(&all, &all, &[]).is_empty());
     }
 }

@@ -36,6 +36,7 @@ pub(super) fn set_aside(run_dir: &Path, attempt: usize) -> Result<PathBuf> {
     Ok(kept)
 }
 
+/// Appends `line` to the run's `restarts.jsonl` (a warning where it cannot).
 pub(super) fn record(run_dir: &Path, line: &serde_json::Value) {
     let path = run_dir.join(RESTARTS_FILE);
     let written = std::fs::OpenOptions::new()

@@ -63,7 +63,7 @@ impl Checkpointer {
     /// scored by `val` when it validated at this step; every rank takes part in gathering
     /// them. Rank 0 writes them: in the background (`train.checkpoint_async`), after the write
     /// before it has landed, or — for the run's `last` checkpoint, and with the setting off —
-    /// before any rank goes on.
+    /// before any rank goes on. Returns the seconds the checkpoint held the step up.
     pub fn save<M: burn::module::Module + 'static, B>(
         &self,
         strategy: &mut dyn Strategy<M, B>,
@@ -71,7 +71,7 @@ impl Checkpointer {
         val: &Validator,
         comm: &dyn Collective,
         last: bool,
-    ) -> Result<()> {
+    ) -> Result<f64> {
         let t0 = Instant::now();
         let model = strategy.full_model()?;
         let optim = strategy.optimizer_states()?;
@@ -112,8 +112,9 @@ impl Checkpointer {
             }
         }
         comm.barrier()?;
-        self.stalls.borrow_mut().push(t0.elapsed().as_secs_f64());
-        Ok(())
+        let stall = t0.elapsed().as_secs_f64();
+        self.stalls.borrow_mut().push(stall);
+        Ok(stall)
     }
 
     /// Waits for the background write in flight, if one is; its error is the run's.

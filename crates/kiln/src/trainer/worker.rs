@@ -211,11 +211,10 @@ impl<W: Workload> Worker<'_, W> {
             }
             // Early stopping ends the run with a checkpoint.
             if save || (early.is_some() && !last) {
-                let t0 = Instant::now();
                 state.wall_seconds = wall + started.elapsed().as_secs_f64();
                 let final_one = last || signal.is_some() || early.is_some();
-                saver.save(strategy, &state, &val, self.comm.as_ref(), final_one)?;
-                log.exclude(t0.elapsed().as_secs_f64());
+                let stall = saver.save(strategy, &state, &val, self.comm.as_ref(), final_one)?;
+                log.exclude(stall);
             }
             if Checkpointer::snapshot_due(self.workload, state.step, last) {
                 let t0 = Instant::now();
