@@ -27,7 +27,8 @@ fn main() {
     }
 }
 
-/// `KILN_COMMIT`: the checkout's commit, `+` when files differ from it; rebuilt when HEAD moves.
+/// `KILN_COMMIT`: the checkout's commit, `+` when tracked files differ from it; asked again
+/// when HEAD, the index or kiln's sources change.
 fn commit() {
     let git = |args: &[&str]| {
         std::process::Command::new("git")
@@ -38,6 +39,8 @@ fn commit() {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     let commit = git(&["rev-parse", "--short=12", "HEAD"]);
+    // An edit to kiln's sources not yet staged changes no git file: the `+` follows it too.
+    println!("cargo:rerun-if-changed=src");
     if let Some(dir) = git(&["rev-parse", "--absolute-git-dir"]) {
         println!("cargo:rerun-if-changed={dir}/HEAD");
         println!("cargo:rerun-if-changed={dir}/index");
