@@ -355,12 +355,8 @@ impl<'a> Agent<'a> {
     /// The run's devices per process and its batch and accumulation, from its `config.toml`.
     fn run_settings(&self) -> Result<(usize, Split)> {
         let config = self.run_config()?;
-        if config.strategy.name == crate::config::StrategyKind::Pipeline {
-            return Err(Error::config(
-                "a pipeline's stages need their devices: train launch keeps a pipeline on the \
-                 devices it started with"
-                    .to_string(),
-            ));
+        if let Some(why) = crate::strategy::rules(config.strategy.name).fixed_devices() {
+            return Err(Error::config(why.to_string()));
         }
         Ok((
             config.hardware.devices.indices().len(),

@@ -2,16 +2,16 @@
 //! precision × recompute × micro-batch and accumulation that gives the run's samples per
 //! step on its ranks, each as the config that would run it.
 
-use crate::config::{
-    PipelineSchedule, PrecisionMode, RecomputeMode, RootConfig, StrategyKind, name_of,
-};
-use crate::strategy::ModelFacts;
+use crate::config::{PrecisionMode, RecomputeMode, RootConfig, name_of};
+use crate::strategy::{ModelFacts, Room, all_rules};
 
 /// One way to run the step, as the config that runs it.
 #[derive(Debug, Clone)]
 pub(crate) struct Candidate {
     /// The config (the user's, with this candidate's keys).
     pub config: RootConfig,
+    /// Its strategy's words (a pipeline's stages, micro-batches and schedule).
+    pub words: String,
 }
 
 impl Candidate {
@@ -69,16 +69,7 @@ impl Candidate {
 
     /// The candidate's words: strategy (a pipeline's stages, micro-batches and schedule).
     pub fn strategy_words(&self) -> String {
-        let c = &self.config;
-        match c.strategy.name {
-            StrategyKind::Pipeline => format!(
-                "pipeline {}×{} {}",
-                c.pipeline.stages,
-                c.pipeline.microbatches,
-                name_of(&c.pipeline.schedule)
-            ),
-            s => name_of(&s),
-        }
+        self.words.clone()
     }
 }
 
@@ -92,31 +83,14 @@ pub(crate) fn candidates(
     facts: &ModelFacts,
     precisions: &[PrecisionMode],
 ) -> Vec<Candidate> {
-    let mut strategies: Vec<(StrategyKind, usize, usize, PipelineSchedule)> = Vec::new();
-    let one = PipelineSchedule::OneFOneB;
-    if world == 1 {
-        strategies.push((StrategyKind::Single, 1, 1, one));
-    } else {
-        for s in [
-            StrategyKind::Ddp,
-            StrategyKind::Zero1,
-            StrategyKind::Zero2,
-            StrategyKind::Zero3,
-        ] {
-            strategies.push((s, 1, 1, one));
-        }
-        if processes > 1 {
-            strategies.push((StrategyKind::Diloco, 1, 1, one));
-        }
-        let devices = world / processes.max(1);
-        for stages in (2..=world).filter(|s| devices.is_multiple_of(*s) && *s <= facts.blocks) {
-            for schedule in [PipelineSchedule::OneFOneB, PipelineSchedule::Gpipe] {
-                for m in [stages, 2 * stages] {
-                    strategies.push((StrategyKind::Pipeline, stages, m, schedule));
-                }
-            }
-        }
-    }
+    // Each strategy says where it runs and in which variants; the planner names none.
+    let room = Room {
+        world,
+        processes,
+        devices: world / processes.max(1),
+        blocks: facts.blocks,
+    };
+    let variants: Vec<_> = all_rules().iter().flat_map(|r| r.variants(&room)).collect();
     let recomputes = if facts.blocks > 0 && facts.deterministic {
         let mut r = vec![base.recompute.mode];
         for m in [RecomputeMode::None, RecomputeMode::Blocks] {
@@ -129,9 +103,10 @@ pub(crate) fn candidates(
         vec![base.recompute.mode]
     };
     let mut out = Vec::new();
-    for &(kind, stages, m, schedule) in &strategies {
+    for v in &variants {
+        let m = v.microbatches;
         // Samples each replica of the model takes per step (a pipeline's stages share one).
-        let replicas = world / stages;
+        let replicas = world / v.stages;
         if !samples.is_multiple_of(replicas) {
             continue;
         }
@@ -144,19 +119,16 @@ pub(crate) fn candidates(
             for &precision in precisions {
                 for &recompute in &recomputes {
                     let mut c = base.clone();
-                    c.strategy.name = kind;
-                    c.pipeline.stages = stages;
-                    c.pipeline.microbatches = m;
-                    c.pipeline.schedule = schedule;
-                    if kind != StrategyKind::Pipeline {
-                        c.pipeline = crate::config::PipelineConfig::default();
-                    }
-                    c.pipeline.cuts = None;
+                    c.strategy.name = v.kind;
+                    c.pipeline = v.pipeline.clone();
                     c.train.batch_size = batch;
                     c.train.accumulate = accumulate;
                     c.precision.mode = precision;
                     c.recompute.mode = recompute;
-                    out.push(Candidate { config: c });
+                    out.push(Candidate {
+                        config: c,
+                        words: v.words.clone(),
+                    });
                 }
             }
         }
@@ -188,6 +160,7 @@ fn accumulations(base: &RootConfig, per_rank: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::StrategyKind;
     use crate::params::FlatLayout;
 
     fn facts(blocks: usize) -> ModelFacts {

@@ -15,7 +15,7 @@ use super::predict::{Fit, Measured, Prediction, fit_key, predict, settings_for, 
 use super::probe::{ProbeSetup, probe, resident_bytes};
 use crate::config::{PrecisionMode, RootConfig, StrategyKind};
 use crate::error::Result;
-use crate::strategy::ModelFacts;
+use crate::strategy::{ModelFacts, Setup};
 use crate::trainer::{TrainerSettings, Workload, refusal, sampler};
 
 /// The share of a limit kept free for the prediction's error: a plan fits when its need and
@@ -25,6 +25,8 @@ pub const HEADROOM: f64 = 0.10;
 /// The planner's answer for one config.
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
+    /// Ranks of the run, over every process.
+    pub world: usize,
     /// Samples per optimizer step every candidate keeps.
     pub samples_per_step: usize,
     /// What the memory figure that must fit is: `"process"` (the CPU's resident memory) or
@@ -178,6 +180,7 @@ pub fn plan<W: Workload>(
         kept: kept.store(&fresh),
     };
     let mut plan = Plan {
+        world,
         samples_per_step: samples,
         memory: if cpu { "process" } else { "device" }.to_string(),
         limit_bytes,
@@ -418,7 +421,13 @@ fn listed(
             candidates(&resolved, world, processes, samples, facts, &precisions)
         }
         Scope::SamePrecision => candidates(&resolved, world, processes, samples, facts, &[own]),
-        Scope::Own => vec![Candidate { config: resolved }],
+        Scope::Own => {
+            let words = Setup::new(&resolved, world).words();
+            vec![Candidate {
+                config: resolved,
+                words,
+            }]
+        }
     }
 }
 

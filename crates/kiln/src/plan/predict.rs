@@ -12,10 +12,10 @@ use super::candidates::Candidate;
 use super::kept::Keeping;
 use super::links::Links;
 use super::probe::Point;
-use crate::config::{PipelineSchedule, RootConfig, StrategyKind, name_of};
+use crate::config::{RootConfig, StrategyKind, name_of};
 use crate::cores::CoreSplit;
 use crate::error::Result;
-use crate::strategy::ModelFacts;
+use crate::strategy::{ModelFacts, Op, Setup, Traffic};
 use crate::trainer::TrainerSettings;
 
 /// Two probe points of one precision and recompute mode, read as straight lines in the
@@ -67,14 +67,9 @@ pub struct Measured {
 /// The key of a candidate's probe: the strategy its ranks run (a pipeline with its stage
 /// count), its precision and its recompute mode.
 pub(crate) fn fit_key(s: &TrainerSettings) -> String {
-    let p = &s.parallel;
-    // zero1's forward, backward and buffers are ddp's (its shard is in the estimate), as are
-    // DiLoCo's inner steps.
-    let kind = match p.strategy {
-        StrategyKind::Pipeline => format!("pipeline-{}", p.pipeline.stages),
-        StrategyKind::Zero1 | StrategyKind::Diloco => "ddp".to_string(),
-        k => name_of(&k),
-    };
+    // A strategy that steps as another (zero1's forward, backward and buffers are ddp's)
+    // names that one's probe.
+    let kind = s.setup().rules().probe_as(&s.setup());
     format!(
         "{kind}/{}/{}",
         name_of(&s.precision.mode),
@@ -163,20 +158,12 @@ pub(crate) fn predict(
     let b = settings.train.batch_size;
     let ranks = held.ranks;
     let (stages, flush) = (setup.stages(), setup.flush());
-    let pipeline = setup.kind == StrategyKind::Pipeline;
-    // Bytes: a pipeline stage holds its share of a micro-batch's activations for every
-    // micro-batch in flight (all of a flush under GPipe, at most its stage count under 1F1B).
+    let rules = setup.rules();
+    // Bytes: a rank holds its share of a micro-batch's activations (a pipeline stage's
+    // 1/stages) for every micro-batch in flight (a pipeline's were probed with as many
+    // micro-batches as stages under 1F1B: all of them in flight).
     let step_bytes = fit.at(b, |p| p.step_bytes);
-    let activation = if pipeline {
-        let in_flight = match setup.pipeline.schedule {
-            PipelineSchedule::Gpipe => flush,
-            PipelineSchedule::OneFOneB => flush.min(stages),
-        };
-        // Probed with as many micro-batches as stages under 1F1B: all of them in flight.
-        step_bytes * in_flight as f64 / stages as f64
-    } else {
-        step_bytes
-    };
+    let activation = step_bytes * rules.in_flight(&setup) as f64 / stages as f64;
     let sub = settings.parallel.sub_replicas.max(1);
     // Pages the allocator keeps per rank, in the process's resident memory: the larger of the
     // two probes' (it does not follow the batch closely).
@@ -199,37 +186,23 @@ pub(crate) fn predict(
         1.0
     };
     // A pipeline stage's waits for its neighbours are its schedule's bubbles: they count.
-    let waits = if pipeline {
+    let waits = if rules.waits_are_work() {
         fit.at(b, |p| p.inside_sync_s)
     } else {
         0.0
     };
     let micro = (fit.at(b, |p| p.compute_s) + fit.at(b, |p| p.data_s) + waits) * contention;
     let micros = settings.micro_batches();
-    let compute = if pipeline {
-        // The probe's flush ran `stages` micro-batches through the stages; a flush of `flush`
-        // takes `flush + stages - 1` slots where that one took `2 stages - 1`.
-        let accumulate = micros / flush;
-        let slots = (flush + stages - 1) as f64 / (2 * stages - 1) as f64;
-        accumulate as f64 * slots * micro
-    } else {
-        micros as f64 * micro
-    };
+    // The probe's flush ran `stages` micro-batches through the stages; a flush of `flush`
+    // takes `flush + stages - 1` slots where that one took `2 stages - 1` (one stage, one
+    // micro-batch a flush: a slot per micro-batch).
+    let accumulate = micros / flush;
+    let slots = (flush + stages - 1) as f64 / (2 * stages - 1) as f64;
+    let compute = accumulate as f64 * slots * micro;
     let total = facts.layout.total();
     // The optimizer step does not depend on the batch: the less disturbed of the two.
     let update = fit.lo.update_s.min(fit.hi.update_s) * contention;
-    let comm = if setup.kind == StrategyKind::Diloco {
-        // The islands' ddp inside a process (on the world's links: an upper bound), and the
-        // outer all-reduce once every `inner_steps` steps.
-        let inner = if ranks > 1 {
-            measured.links.all_reduce(total)
-        } else {
-            0.0
-        };
-        inner + measured.links.all_reduce(total) / setup.diloco.inner_steps.max(1) as f64
-    } else {
-        comm_seconds(setup.kind, &measured.links, total, micros, stages)
-    };
+    let comm = comm_seconds(&setup, &measured.links, total, micros, ranks);
     let hidden = if setup.overlap {
         comm.min(compute * 2.0 / 3.0)
     } else {
@@ -287,26 +260,30 @@ pub(crate) fn unprobed(
     })
 }
 
-/// The collectives' seconds of one step of `kind` over `total` parameters.
-fn comm_seconds(kind: StrategyKind, l: &Links, total: usize, micros: usize, stages: usize) -> f64 {
+/// The collectives' seconds of one step under `setup` over `total` parameters, `micros`
+/// micro-batches, `local` of the ranks in this process: each collective the strategy says
+/// its step calls ([`crate::strategy::Rules::traffic`]), timed on the run's links.
+fn comm_seconds(setup: &Setup, l: &Links, total: usize, micros: usize, local: usize) -> f64 {
     if l.ranks < 2 {
         return 0.0;
     }
-    let m = micros as f64;
-    match kind {
-        StrategyKind::Single => 0.0,
-        StrategyKind::Ddp => l.all_reduce(total),
-        // Its outer all-reduce is every `inner_steps` steps: `predict` spreads it.
-        StrategyKind::Diloco => l.all_reduce(total),
-        StrategyKind::Zero1 => l.all_reduce(total) + l.all_gather(total),
-        // The gradients reduce-scattered as each micro-batch's backward ends.
-        StrategyKind::Zero2 => m * l.reduce_scatter(total) + l.all_gather(total),
-        // Each micro-batch gathers every unit for its forward and again for its backward.
-        StrategyKind::Zero3 => m * (2.0 * l.all_gather(total) + l.reduce_scatter(total)),
-        // The replicas of each stage average its gradients.
-        StrategyKind::Pipeline if l.ranks > stages => l.all_reduce(total / stages),
-        StrategyKind::Pipeline | StrategyKind::Auto => 0.0,
-    }
+    let traffic = setup.rules().traffic(setup, total, local);
+    let time = |t: &Traffic| {
+        let one = match t.op {
+            Op::AllReduce => l.all_reduce(t.floats),
+            Op::ReduceScatter => l.reduce_scatter(t.floats),
+            Op::AllGather => l.all_gather(t.floats),
+        };
+        t.times as f64 * one / t.every as f64
+    };
+    let sum = |per_micro: bool| -> f64 {
+        traffic
+            .iter()
+            .filter(|t| t.per_micro_batch == per_micro)
+            .map(time)
+            .fold(0.0, |a, x| a + x)
+    };
+    micros as f64 * sum(true) + sum(false)
 }
 
 /// The trainer's settings for `config` on `devices`, with the core split applied as the
@@ -366,6 +343,14 @@ mod tests {
         assert!((one.at(2, |p| p.step_bytes) - 40.0).abs() < 1e-9);
     }
 
+    fn setup_of(kind: StrategyKind, world: usize) -> Setup {
+        let mut c = RootConfig::default();
+        c.strategy.name = kind;
+        c.pipeline.stages = 2;
+        c.diloco.inner_steps = 7;
+        Setup::new(&c, world)
+    }
+
     #[test]
     fn collectives_per_strategy_follow_their_calls() {
         let l = Links {
@@ -375,16 +360,62 @@ mod tests {
             reduce_scatter_s: 1.0,
             all_gather_s: 1.0,
         };
-        let t = |k| comm_seconds(k, &l, 1000, 2, 2);
+        let t = |k| comm_seconds(&setup_of(k, 2), &l, 1000, 2, 2);
         assert_eq!(t(StrategyKind::Single), 0.0);
         assert_eq!(t(StrategyKind::Ddp), 2.0);
         assert_eq!(t(StrategyKind::Zero1), 3.0);
         assert_eq!(t(StrategyKind::Zero2), 3.0);
         assert_eq!(t(StrategyKind::Zero3), 6.0);
         assert_eq!(t(StrategyKind::Pipeline), 0.0);
+        assert_eq!(t(StrategyKind::Diloco), 2.0 + 2.0 / 7.0);
+        let none = Links::none(1000);
         assert_eq!(
-            comm_seconds(StrategyKind::Ddp, &Links::none(1000), 1000, 1, 1),
+            comm_seconds(&setup_of(StrategyKind::Ddp, 1), &none, 1000, 1, 1),
             0.0
         );
+    }
+
+    /// The strategies' traffic gives, to the bit, what the planner composed itself when it
+    /// named each strategy (the formulas kept here as they were).
+    #[test]
+    fn the_strategies_traffic_is_the_planners_old_arithmetic() {
+        let l = Links {
+            ranks: 4,
+            floats: 12_345,
+            all_reduce_s: 0.0371,
+            reduce_scatter_s: 0.0193,
+            all_gather_s: 0.0217,
+        };
+        let total = 98_765;
+        for micros in [1, 3, 8] {
+            let m = micros as f64;
+            let (ar, rs, ag) = (
+                l.all_reduce(total),
+                l.reduce_scatter(total),
+                l.all_gather(total),
+            );
+            let old = [
+                (StrategyKind::Ddp, ar),
+                (StrategyKind::Zero1, ar + ag),
+                (StrategyKind::Zero2, m * rs + ag),
+                (StrategyKind::Zero3, m * (2.0 * ag + rs)),
+                (StrategyKind::Pipeline, l.all_reduce(total / 2)),
+            ];
+            for (kind, seconds) in old {
+                let new = comm_seconds(&setup_of(kind, 4), &l, total, micros, 4);
+                assert_eq!(
+                    new.to_bits(),
+                    seconds.to_bits(),
+                    "{kind:?}, {micros} micro-batches"
+                );
+            }
+            for local in [1, 2] {
+                let inner = if local > 1 { ar } else { 0.0 };
+                let old = inner + ar / 7.0;
+                let new =
+                    comm_seconds(&setup_of(StrategyKind::Diloco, 4), &l, total, micros, local);
+                assert_eq!(new.to_bits(), old.to_bits(), "diloco, {local} local ranks");
+            }
+        }
     }
 }

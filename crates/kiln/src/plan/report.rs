@@ -4,9 +4,10 @@
 
 use super::planner::{HEADROOM, Plan};
 use super::predict::Prediction;
-use crate::config::{RootConfig, StrategyKind, name_of};
+use crate::config::{RootConfig, name_of};
 use crate::error::{Error, Result};
 use crate::metrics::PlanRecord;
+use crate::strategy::rules;
 
 const MIB: f64 = 1024.0 * 1024.0;
 
@@ -108,9 +109,9 @@ impl Plan {
             .fitting
             .iter()
             .filter(|p| p.config.precision.mode == config.precision.mode)
-            .filter(|p| p.config.strategy.name != StrategyKind::Diloco)
+            .filter(|p| rules(p.config.strategy.name).same_step())
             // A pipeline's micro-batches are BatchNorm's batches.
-            .filter(|p| !same_batch || p.config.strategy.name != StrategyKind::Pipeline)
+            .filter(|p| !same_batch || !rules(p.config.strategy.name).own_micro_batches())
             .filter(|p| {
                 !same_batch
                     || (p.config.train.batch_size == config.train.batch_size
@@ -149,14 +150,16 @@ impl Plan {
     }
 
     /// The choice for `--strategy auto`, or the refusal when nothing fits. The plan asked —
-    /// `ddp` with the config's micro-batch, accumulation and recompute — runs wherever it
+    /// the strategy `auto` is on the run's ranks (`ddp` on several) with the config's
+    /// micro-batch, accumulation and recompute — runs wherever it
     /// fits: a choice by measured speed could differ between two launches of one command, and
     /// kiln keeps a command's numbers the same (the words name a plan predicted faster by more
     /// than [`TIES`], for `--strategy` to take). Where it does not fit, the fastest plan that
     /// does ([`Self::pick`]).
     pub fn choose(&self, config: &RootConfig, buffers: bool) -> Result<Choice> {
+        let plain = config.strategy.name.resolve(self.world);
         let asked = |o: &&Prediction| {
-            o.config.strategy.name == StrategyKind::Ddp
+            o.config.strategy.name == plain
                 && o.config.precision.mode == config.precision.mode
                 && o.config.recompute.mode == config.recompute.mode
                 && o.config.train.batch_size == config.train.batch_size
@@ -179,7 +182,8 @@ impl Plan {
             return Ok(Choice {
                 config: p.config.clone(),
                 words: format!(
-                    "auto → ddp: it fits ({:.0} MiB per {what} predicted, limit {limit:.0}){hint}",
+                    "auto → {}: it fits ({:.0} MiB per {what} predicted, limit {limit:.0}){hint}",
+                    name_of(&plain),
                     self.need(p) / MIB
                 ),
                 record: record_of(p),
@@ -195,7 +199,8 @@ impl Plan {
         };
         let why = match self.over.iter().find(asked) {
             Some(d) => format!(
-                "ddp needs {:.0} MiB per {what}, limit {limit:.0}",
+                "{} needs {:.0} MiB per {what}, limit {limit:.0}",
+                name_of(&plain),
                 self.need(d) / MIB
             ),
             None => format!(
@@ -383,14 +388,7 @@ fn simplicity(p: &Prediction, asked: &RootConfig) -> (usize, usize, usize) {
         c.train.batch_size != asked.train.batch_size
             || c.train.accumulate != asked.train.accumulate,
     );
-    let strategy = match c.strategy.name {
-        StrategyKind::Auto | StrategyKind::Single | StrategyKind::Ddp => 0,
-        StrategyKind::Zero1 => 1,
-        StrategyKind::Zero2 => 2,
-        StrategyKind::Zero3 => 3,
-        StrategyKind::Diloco => 4,
-        StrategyKind::Pipeline => 5,
-    };
+    let strategy = rules(c.strategy.name).simplicity();
     let recompute = usize::from(name_of(&c.recompute.mode) != "none");
     (batch, strategy, recompute)
 }
@@ -398,7 +396,7 @@ fn simplicity(p: &Prediction, asked: &RootConfig) -> (usize, usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::RecomputeMode;
+    use crate::config::{RecomputeMode, StrategyKind};
     use crate::plan::predict::Measured;
 
     fn prediction(kind: StrategyKind, mib: f64, rate: f64) -> Prediction {
@@ -437,6 +435,7 @@ mod tests {
         fitting.sort_by(|a, b| b.samples_per_sec.total_cmp(&a.samples_per_sec));
         over.sort_by(|a, b| a.process_bytes.total_cmp(&b.process_bytes));
         Plan {
+            world: 2,
             samples_per_step: 16,
             memory: "process".into(),
             limit_bytes: Some(limit_mib * MIB),

@@ -8,7 +8,7 @@ use burn::prelude::*;
 
 use super::core::Core;
 use super::replica::{Held, Reduction, Replica, averaged, step_whole};
-use super::rules::{Estimate, Rules, Setup, replicated_estimate};
+use super::rules::{Estimate, Op, Room, Rules, Setup, Traffic, Variant, replicated_estimate};
 use crate::config::OptimConfig;
 use crate::error::Result;
 use crate::params::FlatLayout;
@@ -39,6 +39,24 @@ impl Rules for Ddp {
     ) -> Result<Estimate> {
         let full = layout.total();
         Ok(replicated_estimate(layout, optim, setup, full, full))
+    }
+
+    fn variants(&self, room: &Room) -> Vec<Variant> {
+        several(room, crate::config::StrategyKind::Ddp)
+    }
+
+    /// One all-reduce of the gradients, after the step's last micro-batch.
+    fn traffic(&self, _setup: &Setup, floats: usize, _local: usize) -> Vec<Traffic> {
+        vec![Traffic::once(Op::AllReduce, floats)]
+    }
+}
+
+/// The one way to run a data-parallel strategy: on several ranks.
+pub(crate) fn several(room: &Room, kind: crate::config::StrategyKind) -> Vec<Variant> {
+    if room.world > 1 {
+        vec![Variant::plain(kind)]
+    } else {
+        Vec::new()
     }
 }
 

@@ -37,7 +37,7 @@ use super::ddp::Ddp;
 use super::host::reduce_host;
 use super::memory::Memory;
 use super::replica::Replicated;
-use super::rules::{Estimate, ModelFacts, Rules, Setup};
+use super::rules::{Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant};
 use super::step::{Report, Strategy};
 use crate::comm::{Collective, ReduceOp, pack};
 use crate::config::{DilocoConfig, OptimConfig, ReduceDtype};
@@ -105,6 +105,42 @@ impl Rules for Diloco {
 
     fn own_state(&self) -> Option<&'static str> {
         Some(STATE)
+    }
+
+    /// Weighed across processes only (each an island).
+    fn variants(&self, room: &Room) -> Vec<Variant> {
+        if room.world > 1 && room.processes > 1 {
+            vec![Variant::plain(crate::config::StrategyKind::Diloco)]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Its inner steps are `ddp`'s.
+    fn probe_as(&self, _setup: &Setup) -> String {
+        "ddp".to_string()
+    }
+
+    /// The islands' `ddp` inside a process (timed on the world's links: an upper bound), and
+    /// the outer all-reduce once every `inner_steps` steps.
+    fn traffic(&self, setup: &Setup, floats: usize, local: usize) -> Vec<Traffic> {
+        let mut out = Vec::new();
+        if local > 1 {
+            out.push(Traffic::once(Op::AllReduce, floats));
+        }
+        out.push(Traffic {
+            every: setup.diloco.inner_steps.max(1),
+            ..Traffic::once(Op::AllReduce, floats)
+        });
+        out
+    }
+
+    fn same_step(&self) -> bool {
+        false
+    }
+
+    fn simplicity(&self) -> usize {
+        4
     }
 }
 

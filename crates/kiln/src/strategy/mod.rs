@@ -50,6 +50,6 @@ pub mod zero3;
 
 pub use context::Context;
 pub use memory::{Counter, Memory};
-pub use registry::{build, rules};
-pub use rules::{Estimate, ModelFacts, Rules, Setup, block_ids};
+pub use registry::{all_rules, build, rules};
+pub use rules::{Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, block_ids};
 pub use step::{Report, Strategy};

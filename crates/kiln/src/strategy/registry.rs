@@ -28,6 +28,19 @@ pub fn rules(kind: StrategyKind) -> &'static dyn Rules {
     }
 }
 
+/// Every strategy's rules, in the order the planner lists its candidates: the simplest first.
+pub fn all_rules() -> [&'static dyn Rules; 7] {
+    [
+        &single::Single,
+        &ddp::Ddp,
+        &zero1::Zero1,
+        &zero2::Zero2,
+        &zero3::Zero3,
+        &diloco::Diloco,
+        &pipeline::Pipeline,
+    ]
+}
+
 /// Builds strategy `kind` (resolved: not `auto`) for this rank around `model`, a full replica
 /// in its master dtype with rank 0's weights.
 pub fn build<'a, B: 'a, M>(

@@ -40,6 +40,10 @@ pub trait Rules: Sync {
     }
     /// The start-up table's line: the strategy and what it shards.
     fn describe(&self, setup: &Setup) -> String;
+    /// The planner's words for the strategy with these settings: its name by default.
+    fn words(&self, setup: &Setup) -> String {
+        setup.name()
+    }
     /// The start-up table's words for activation checkpointing under this strategy.
     fn recompute_line(&self, setup: &Setup) -> String {
         let r = &setup.recompute;
@@ -83,6 +87,151 @@ pub trait Rules: Sync {
     /// [`Strategy::load_optimizer_states`] under that name); `None`, the default, for none.
     fn own_state(&self) -> Option<&'static str> {
         None
+    }
+
+    // What the planner (`plan/`) asks of a strategy, so that it composes its predictions
+    // without naming one.
+
+    /// The ways the planner may run this strategy in `room` (none, the default: it is not a
+    /// candidate there).
+    fn variants(&self, room: &Room) -> Vec<Variant> {
+        let _ = room;
+        Vec::new()
+    }
+    /// The probe whose forward, backward and buffers stand for this strategy's: its own name
+    /// by default (a strategy that steps as another, such as `zero1` as `ddp`, names that one).
+    fn probe_as(&self, setup: &Setup) -> String {
+        setup.name()
+    }
+    /// The collectives one optimizer step calls over a model of `floats` trainable floats
+    /// (`local_ranks` of the world in this process), each timed by the planner on the run's
+    /// group; none, the default, for a strategy that calls none.
+    fn traffic(&self, setup: &Setup, floats: usize, local_ranks: usize) -> Vec<Traffic> {
+        let _ = (setup, floats, local_ranks);
+        Vec::new()
+    }
+    /// Micro-batches whose activations a rank holds at once, out of a flush (1 by default; a
+    /// pipeline stage holds those in flight).
+    fn in_flight(&self, setup: &Setup) -> usize {
+        let _ = setup;
+        1
+    }
+    /// Whether a rank's waits for its neighbours belong to its step (a pipeline's bubbles);
+    /// `false` by default.
+    fn waits_are_work(&self) -> bool {
+        false
+    }
+    /// Whether a run under it takes the optimizer step of plain data parallelism (`false`
+    /// for DiLoCo's outer loop), so that `--strategy auto` may choose it.
+    fn same_step(&self) -> bool {
+        true
+    }
+    /// Whether BatchNorm sees micro-batches of the strategy's own (a pipeline's) rather than
+    /// the micro-batch asked; `--strategy auto` keeps such a model off it.
+    fn own_micro_batches(&self) -> bool {
+        false
+    }
+    /// How far it departs from plain data parallelism, for the planner's ties: 0 plain, then
+    /// more shards, then other steps and stages.
+    fn simplicity(&self) -> usize {
+        0
+    }
+    /// Why a launcher may not restart it on other devices; `None`, the default, where it may.
+    fn fixed_devices(&self) -> Option<&'static str> {
+        None
+    }
+}
+
+/// Where the planner would run a strategy: the ranks, the processes, the devices of each
+/// process and the model's blocks.
+#[derive(Debug, Clone, Copy)]
+pub struct Room {
+    /// Ranks in all.
+    pub world: usize,
+    /// Processes.
+    pub processes: usize,
+    /// Devices of each process.
+    pub devices: usize,
+    /// Blocks the model describes.
+    pub blocks: usize,
+}
+
+/// One way to run a strategy, as the planner weighs it.
+#[derive(Debug, Clone)]
+pub struct Variant {
+    /// The strategy.
+    pub kind: StrategyKind,
+    /// Ranks one replica of the model takes.
+    pub stages: usize,
+    /// Micro-batches of one flush.
+    pub microbatches: usize,
+    /// Its `[pipeline]` section (the default for a strategy that has none).
+    pub pipeline: PipelineConfig,
+    /// Its words in the planner's table.
+    pub words: String,
+}
+
+impl Variant {
+    /// The strategy `kind` with no settings of its own.
+    pub fn plain(kind: StrategyKind) -> Self {
+        Self {
+            kind,
+            stages: 1,
+            microbatches: 1,
+            pipeline: PipelineConfig::default(),
+            words: name_of(&kind),
+        }
+    }
+}
+
+/// A collective of a step's traffic (see [`Rules::traffic`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// All-reduce of the floats.
+    AllReduce,
+    /// Reduce-scatter of the floats (each rank keeps its part).
+    ReduceScatter,
+    /// All-gather into the floats (each rank gives its part).
+    AllGather,
+}
+
+/// One collective a step calls: `times` calls of `op` over `floats` floats every `every`
+/// steps, on every micro-batch or once per step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Traffic {
+    /// The collective.
+    pub op: Op,
+    /// Floats per call.
+    pub floats: usize,
+    /// Calls.
+    pub times: usize,
+    /// Every how many steps (1: every step).
+    pub every: usize,
+    /// Whether the calls repeat on every micro-batch of the step.
+    pub per_micro_batch: bool,
+}
+
+impl Traffic {
+    /// `op` over `floats`, once a step.
+    pub fn once(op: Op, floats: usize) -> Self {
+        Self {
+            op,
+            floats,
+            times: 1,
+            every: 1,
+            per_micro_batch: false,
+        }
+    }
+
+    /// `times` calls of `op` over `floats` on every micro-batch.
+    pub fn per_micro_batch(op: Op, floats: usize, times: usize) -> Self {
+        Self {
+            op,
+            floats,
+            times,
+            every: 1,
+            per_micro_batch: true,
+        }
     }
 }
 
@@ -157,6 +306,11 @@ impl Setup {
     /// Micro-batches one accumulation step runs (a pipeline's flush; 1 otherwise).
     pub fn flush(&self) -> usize {
         self.rules().flush(self)
+    }
+
+    /// The planner's words for the strategy (a pipeline's stages, micro-batches and schedule).
+    pub fn words(&self) -> String {
+        self.rules().words(self)
     }
 
     /// The start-up table's line for the strategy.

@@ -6,7 +6,7 @@ use burn::tensor::FloatDType;
 
 use super::core::{Core, cat_or_empty};
 use super::replica::{Held, Reduction, Replica, local, step_whole};
-use super::rules::{Estimate, Rules, Setup, replicated_estimate};
+use super::rules::{Estimate, Room, Rules, Setup, Variant, replicated_estimate};
 use crate::config::OptimConfig;
 use crate::error::{Error, Result};
 use crate::params::FlatLayout;
@@ -47,6 +47,14 @@ impl Rules for Single {
     ) -> Result<Estimate> {
         let full = layout.total();
         Ok(replicated_estimate(layout, optim, setup, full, full))
+    }
+
+    fn variants(&self, room: &Room) -> Vec<Variant> {
+        if room.world == 1 {
+            vec![Variant::plain(crate::config::StrategyKind::Single)]
+        } else {
+            Vec::new()
+        }
     }
 }
 

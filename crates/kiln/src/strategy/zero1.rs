@@ -6,8 +6,9 @@ use burn::module::Module;
 use burn::prelude::*;
 
 use super::core::{Core, Norm};
+use super::ddp::several;
 use super::replica::{Held, Reduction, Replica, averaged, step_shard};
-use super::rules::{Estimate, Rules, Setup, replicated_estimate};
+use super::rules::{Estimate, Op, Room, Rules, Setup, Traffic, Variant, replicated_estimate};
 use crate::config::OptimConfig;
 use crate::error::Result;
 use crate::params::FlatLayout;
@@ -35,6 +36,27 @@ impl Rules for Zero1 {
             layout.total(),
             shard,
         ))
+    }
+
+    fn variants(&self, room: &Room) -> Vec<Variant> {
+        several(room, crate::config::StrategyKind::Zero1)
+    }
+
+    /// Its forward, backward and buffers are `ddp`'s (its shard is in the estimate).
+    fn probe_as(&self, _setup: &Setup) -> String {
+        "ddp".to_string()
+    }
+
+    /// `ddp`'s all-reduce, then the updated shards all-gathered.
+    fn traffic(&self, _setup: &Setup, floats: usize, _local: usize) -> Vec<Traffic> {
+        vec![
+            Traffic::once(Op::AllReduce, floats),
+            Traffic::once(Op::AllGather, floats),
+        ]
+    }
+
+    fn simplicity(&self) -> usize {
+        1
     }
 }
 

@@ -14,8 +14,11 @@
 use burn::module::Module;
 
 use super::core::{Core, Norm};
+use super::ddp::several;
 use super::replica::{Held, Reduction, Replica, SCATTERS_IN_FLIGHT, step_shard};
-use super::rules::{Estimate, ModelFacts, Rules, Setup, replicated_estimate};
+use super::rules::{
+    Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, replicated_estimate,
+};
 use crate::config::OptimConfig;
 use crate::error::{Error, Result};
 use crate::params::FlatLayout;
@@ -62,6 +65,23 @@ impl Rules for Zero2 {
             shard + scattering(setup) * sharded.largest_unit(),
             shard,
         ))
+    }
+
+    fn variants(&self, room: &Room) -> Vec<Variant> {
+        several(room, crate::config::StrategyKind::Zero2)
+    }
+
+    /// The gradients reduce-scattered as each micro-batch's backward ends; the updated
+    /// shards all-gathered once.
+    fn traffic(&self, _setup: &Setup, floats: usize, _local: usize) -> Vec<Traffic> {
+        vec![
+            Traffic::per_micro_batch(Op::ReduceScatter, floats, 1),
+            Traffic::once(Op::AllGather, floats),
+        ]
+    }
+
+    fn simplicity(&self) -> usize {
+        2
     }
 }
 

@@ -34,9 +34,10 @@ use std::collections::VecDeque;
 use super::core::answered_by_core;
 use super::core::{Core, Norm};
 use super::courier::{self, Courier, Job, Ticket};
+use super::ddp::several;
 use super::frozen::FrozenShard;
 use super::replica::{Beside, Scatter, open_shard, overlaps};
-use super::rules::{Estimate, ModelFacts, Rules, Setup, state_tensors};
+use super::rules::{Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, state_tensors};
 use super::step::{Strategy, one_by_one};
 use super::zero2::scattering;
 use crate::config::{OptimConfig, RecomputeMode, name_of};
@@ -127,6 +128,23 @@ impl Rules for Zero3 {
             grads: (shard + scattering(setup) * sharded.largest_unit()) * 4,
             optim: state_tensors(optim) * p.master_bytes(shard),
         })
+    }
+
+    fn variants(&self, room: &Room) -> Vec<Variant> {
+        several(room, crate::config::StrategyKind::Zero3)
+    }
+
+    /// Each micro-batch gathers every unit for its forward and again for its backward, and
+    /// reduce-scatters the gradients.
+    fn traffic(&self, _setup: &Setup, floats: usize, _local: usize) -> Vec<Traffic> {
+        vec![
+            Traffic::per_micro_batch(Op::AllGather, floats, 2),
+            Traffic::per_micro_batch(Op::ReduceScatter, floats, 1),
+        ]
+    }
+
+    fn simplicity(&self) -> usize {
+        3
     }
 }
 

@@ -1,11 +1,13 @@
 //! The pipeline's rules: stages divide the ranks, no more stages than blocks, and what each
 //! stage is expected to hold.
 
-use crate::config::{OptimConfig, name_of};
+use crate::config::{OptimConfig, PipelineConfig, PipelineSchedule, StrategyKind, name_of};
 use crate::error::{Error, Result};
 use crate::params::FlatLayout;
 use crate::strategy::pipeline::partition;
-use crate::strategy::rules::{Estimate, ModelFacts, Rules, Setup, state_tensors};
+use crate::strategy::rules::{
+    Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, state_tensors,
+};
 
 /// The pipeline's rules: stages divide the ranks, and no more stages than blocks.
 pub struct Pipeline;
@@ -79,6 +81,91 @@ impl Rules for Pipeline {
     fn flush(&self, setup: &Setup) -> usize {
         setup.pipeline.microbatches
     }
+
+    /// Each stage count that divides a process's devices (a stage per device, no more stages
+    /// than blocks), under both schedules, with as many and twice as many micro-batches as
+    /// stages.
+    fn variants(&self, room: &Room) -> Vec<Variant> {
+        let mut out = Vec::new();
+        if room.world < 2 {
+            return out;
+        }
+        let fits = |s: &usize| room.devices.is_multiple_of(*s) && *s <= room.blocks;
+        for stages in (2..=room.world).filter(fits) {
+            for schedule in [PipelineSchedule::OneFOneB, PipelineSchedule::Gpipe] {
+                for microbatches in [stages, 2 * stages] {
+                    out.push(Variant {
+                        kind: StrategyKind::Pipeline,
+                        stages,
+                        microbatches,
+                        pipeline: PipelineConfig {
+                            stages,
+                            microbatches,
+                            schedule,
+                            cuts: None,
+                        },
+                        words: words(stages, microbatches, schedule),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    fn words(&self, setup: &Setup) -> String {
+        let p = &setup.pipeline;
+        words(p.stages, p.microbatches, p.schedule)
+    }
+
+    /// Probed per stage count.
+    fn probe_as(&self, setup: &Setup) -> String {
+        format!("pipeline-{}", setup.pipeline.stages)
+    }
+
+    /// The replicas of each stage average its gradients.
+    fn traffic(&self, setup: &Setup, floats: usize, _local: usize) -> Vec<Traffic> {
+        let stages = setup.pipeline.stages;
+        if setup.world > stages {
+            vec![Traffic::once(Op::AllReduce, floats / stages)]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// A stage holds the activations of every micro-batch in flight: all of a flush under
+    /// GPipe, at most its stage count under 1F1B.
+    fn in_flight(&self, setup: &Setup) -> usize {
+        let p = &setup.pipeline;
+        match p.schedule {
+            PipelineSchedule::Gpipe => p.microbatches,
+            PipelineSchedule::OneFOneB => p.microbatches.min(p.stages),
+        }
+    }
+
+    fn waits_are_work(&self) -> bool {
+        true
+    }
+
+    /// A pipeline's micro-batches are BatchNorm's batches.
+    fn own_micro_batches(&self) -> bool {
+        true
+    }
+
+    fn simplicity(&self) -> usize {
+        5
+    }
+
+    fn fixed_devices(&self) -> Option<&'static str> {
+        Some(
+            "a pipeline's stages need their devices: train launch keeps a pipeline on the \
+             devices it started with",
+        )
+    }
+}
+
+/// The planner's words for a pipeline.
+fn words(stages: usize, microbatches: usize, schedule: PipelineSchedule) -> String {
+    format!("pipeline {stages}×{microbatches} {}", name_of(&schedule))
 }
 
 /// The parameter elements of the heaviest stage: its blocks', and on the first and last stage
