@@ -9,8 +9,8 @@ use std::io::Read;
 
 use flate2::read::GzDecoder;
 
+use crate::images::{ImageDataset, ImageSplits};
 use crate::rng::permutation;
-use crate::{ImageDataset, ImageSplits};
 
 /// The gzip-compressed digits file: a 10-byte header, then one record per image.
 static DIGITS_GZ: &[u8] = include_bytes!("../data/digits.bin.gz");

@@ -4,8 +4,9 @@ use std::fs::{self, File};
 use std::io;
 use std::path::Path;
 
+use crate::error::DatasetError;
 use crate::idx::candidate_names;
-use crate::{DatasetError, IdxKind, load_idx_dir};
+use crate::idx::{IdxKind, load_idx_dir};
 
 /// The four files every IDX dataset consists of, as (stem, IDX kind) pairs.
 const FILES: [(&str, &str); 4] = [

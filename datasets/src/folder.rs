@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use image::imageops::FilterType;
 
-use crate::DatasetError;
+use crate::error::DatasetError;
 
 /// The file names an image folder takes (by extension, case-insensitive); other files
 /// (`.DS_Store`, notes) are passed over.
@@ -211,7 +211,7 @@ pub enum Format {
 /// `size × size` (bilinear; `None` keeps the size) and written as `format`. Returns the
 /// number of files written.
 pub fn write_folder(
-    splits: &crate::ImageSplits,
+    splits: &crate::images::ImageSplits,
     root: &Path,
     size: Option<usize>,
     format: Format,

@@ -14,7 +14,8 @@ use std::str::FromStr;
 use flate2::read::MultiGzDecoder;
 use serde::{Deserialize, Serialize};
 
-use crate::{DatasetError, ImageDataset, ImageSplits};
+use crate::error::DatasetError;
+use crate::images::{ImageDataset, ImageSplits};
 
 /// The magic number of an IDX file of unsigned bytes with three dimensions (images).
 pub const IDX_IMAGES_MAGIC: u32 = 0x0000_0803;

@@ -14,7 +14,7 @@ use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer, TokenizerBuilder};
 
-use crate::DatasetError;
+use crate::error::DatasetError;
 
 /// The file name of a tokenizer inside a model directory.
 pub const TOKENIZER_JSON: &str = "tokenizer.json";

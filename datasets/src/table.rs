@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::DatasetError;
+use crate::error::DatasetError;
 
 /// A table of samples: features row-major in `f32`, one target per row.
 #[derive(Debug, Clone, PartialEq)]

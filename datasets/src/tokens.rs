@@ -13,7 +13,7 @@ use std::io::{BufWriter, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::DatasetError;
+use crate::error::DatasetError;
 use crate::text::CharTokenizer;
 
 const MAGIC: &[u8; 8] = b"KILNTOK1";

@@ -10,7 +10,7 @@ use burn::nn::BatchNorm;
 use burn::prelude::*;
 use burn::tensor::{FloatDType, Gradients};
 
-use crate::{StepOutput, TrainStep};
+use crate::step::{StepOutput, TrainStep};
 
 /// The activation that flows between blocks: a float tensor of rank 2, 3 or 4.
 #[derive(Debug, Clone)]
@@ -164,7 +164,7 @@ pub trait BlockStack<B>: TrainStep<B> {
         let _ = (x, batch);
         panic!("BlockStack::head is called only for a model whose num_blocks is above 0")
     }
-    /// The ids of block `i`'s float parameters (see [`crate::param_ids`]), which lets a
+    /// The ids of block `i`'s float parameters (see [`crate::modules::param_ids`]), which lets a
     /// trainer gather, reduce or place one block's parameters on their own. A parameter that
     /// no block claims (embeddings, the head, weights tied between them) belongs to the model
     /// as a whole.

@@ -7,9 +7,8 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    Activation, BlockStack, ImageBatch, InputSpec, StepOutput, TrainStep, classification_output,
-};
+use crate::blocks::{Activation, BlockStack};
+use crate::step::{ImageBatch, InputSpec, StepOutput, TrainStep, classification_output};
 
 /// Architecture of a [`ConvNet`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -149,7 +148,7 @@ impl BlockStack<ImageBatch> for ConvNet {
     }
 
     fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
-        crate::param_ids(&self.blocks[i])
+        crate::modules::param_ids(&self.blocks[i])
     }
 
     fn block(&self, i: usize, x: Activation) -> Activation {

@@ -10,7 +10,8 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 
-use crate::{Activation, BlockStack, StepOutput, TrainStep};
+use crate::blocks::{Activation, BlockStack};
+use crate::step::{StepOutput, TrainStep};
 
 /// Architecture of a [`Gpt`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -70,7 +71,7 @@ impl CausalSelfAttention {
         let [b, t, c] = x.dims();
         let h = self.n_head;
         let d = c / h;
-        let qkv = crate::linear_rows(&self.qkv, x);
+        let qkv = crate::modules::linear_rows(&self.qkv, x);
         let split = |i: usize| {
             qkv.clone()
                 .slice([0..b, 0..t, i * c..(i + 1) * c])
@@ -86,7 +87,8 @@ impl CausalSelfAttention {
             burn::tensor::activation::softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
         let weights = self.dropout.forward(weights);
         let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, c]);
-        self.dropout.forward(crate::linear_rows(&self.proj, y))
+        self.dropout
+            .forward(crate::modules::linear_rows(&self.proj, y))
     }
 }
 
@@ -102,8 +104,11 @@ pub struct Mlp {
 impl Mlp {
     /// Applies the MLP to every position.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = self.activation.forward(crate::linear_rows(&self.fc, x));
-        self.dropout.forward(crate::linear_rows(&self.proj, x))
+        let x = self
+            .activation
+            .forward(crate::modules::linear_rows(&self.fc, x));
+        self.dropout
+            .forward(crate::modules::linear_rows(&self.proj, x))
     }
 }
 
@@ -348,7 +353,7 @@ impl BlockStack<TokenBatch> for Gpt {
     }
 
     fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
-        crate::param_ids(&self.blocks[i])
+        crate::modules::param_ids(&self.blocks[i])
     }
 
     fn block(&self, i: usize, x: Activation) -> Activation {
@@ -457,14 +462,14 @@ mod tests {
         assert_eq!(whole.to_bits(), staged.to_bits(), "{whole} vs {staged}");
         assert!(model.blocks_deterministic());
         // Every parameter belongs to exactly one block, or to none (embeddings, final norm).
-        let all = crate::param_ids(&model);
+        let all = crate::modules::param_ids(&model);
         let mut claimed: Vec<_> = (0..model.num_blocks())
             .flat_map(|i| model.block_params(i))
             .collect();
         let outside = [
-            crate::param_ids(&model.wte),
-            crate::param_ids(&model.wpe),
-            crate::param_ids(&model.ln_f),
+            crate::modules::param_ids(&model.wte),
+            crate::modules::param_ids(&model.wpe),
+            crate::modules::param_ids(&model.ln_f),
         ]
         .concat();
         assert!(claimed.iter().all(|id| !outside.contains(id)));

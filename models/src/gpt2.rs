@@ -11,9 +11,10 @@ use burn::nn::{
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::blocks::{Activation, BlockStack};
 use crate::gpt::TokenBatch;
 use crate::lm::{KvCache, causal_mask, lm_loss};
-use crate::{Activation, BlockStack, StepOutput, TrainStep};
+use crate::step::{StepOutput, TrainStep};
 
 /// GPT-2's MLP activation (`activation_function`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -191,8 +192,8 @@ pub struct Conv1D {
 
 impl Conv1D {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        // One matrix product over the B·T rows (see `crate::linear_rows`).
-        crate::on_rows(x, |rows| {
+        // One matrix product over the B·T rows (see `crate::modules::linear_rows`).
+        crate::modules::on_rows(x, |rows| {
             burn::tensor::module::linear(rows, self.weight.val(), Some(self.bias.val()))
         })
     }
@@ -330,7 +331,7 @@ impl Gpt2 {
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let x = self.transformer.ln_f.forward(x);
         match &self.lm_head {
-            Some(head) => crate::linear_rows(head, x),
+            Some(head) => crate::modules::linear_rows(head, x),
             None => {
                 let [b, t, c] = x.dims();
                 let weight = self.transformer.wte.weight.val();
@@ -401,7 +402,7 @@ impl BlockStack<TokenBatch> for Gpt2 {
     }
 
     fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
-        crate::param_ids(&self.transformer.h[i])
+        crate::modules::param_ids(&self.transformer.h[i])
     }
 
     fn block(&self, i: usize, x: Activation) -> Activation {

@@ -11,9 +11,11 @@ use burn::nn::{
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::blocks::{Activation, BlockStack};
 use crate::gpt::TokenBatch;
 use crate::lm::{KvCache, causal_mask, lm_loss};
-use crate::{Activation, BlockStack, StepOutput, TrainStep};
+use crate::rope::Rope;
+use crate::step::{StepOutput, TrainStep};
 
 /// How a checkpoint stretches its rotary frequencies beyond the context it was trained on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -306,46 +308,6 @@ pub struct Attention {
     o_proj: Linear,
 }
 
-/// The rotary embedding's tables for positions `start..start + t`: `cos` and `sin`, `[t, d]`,
-/// each frequency twice (the half-split layout).
-#[derive(Debug, Clone)]
-pub struct Rope {
-    cos: Tensor<2>,
-    sin: Tensor<2>,
-}
-
-impl Rope {
-    /// The tables of `inv_freq` for positions `start..start + t` on `device`.
-    pub fn new(inv_freq: &[f32], start: usize, t: usize, device: &Device) -> Self {
-        let half = inv_freq.len();
-        let mut angles = Vec::with_capacity(t * 2 * half);
-        for p in start..start + t {
-            for _ in 0..2 {
-                angles.extend(inv_freq.iter().map(|f| p as f32 * f));
-            }
-        }
-        let angles = Tensor::<2>::from_data(TensorData::new(angles, [t, 2 * half]), device);
-        Self {
-            cos: angles.clone().cos(),
-            sin: angles.sin(),
-        }
-    }
-
-    /// `x` (`[b, heads, t, d]`) rotated: `x·cos + rotate_half(x)·sin`, with `rotate_half(x) =
-    /// [-x₂, x₁]` for the halves x₁, x₂ of each head.
-    fn apply(&self, x: Tensor<4>) -> Tensor<4> {
-        let [b, h, t, d] = x.dims();
-        let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
-        let x2 = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
-        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        // The tables are f32; the activations may be bf16 or f16 (mixed precision).
-        let dtype = x.dtype();
-        let cos = self.cos.clone().cast(dtype).reshape([1, 1, t, d]);
-        let sin = self.sin.clone().cast(dtype).reshape([1, 1, t, d]);
-        x * cos + rotated * sin
-    }
-}
-
 impl Attention {
     /// `[b, t, c]` → `[b, t, c]` at positions given by `rope`; with a `cache`, the keys and
     /// values of earlier positions are read from it and this call's appended (then `mask`
@@ -364,9 +326,15 @@ impl Attention {
             let d = y.dims()[2] / n;
             y.reshape([b, t, n, d]).swap_dims(1, 2)
         };
-        let q = rope.apply(split(crate::linear_rows(&self.q_proj, x.clone()), h));
-        let mut k = rope.apply(split(crate::linear_rows(&self.k_proj, x.clone()), kv));
-        let mut v = split(crate::linear_rows(&self.v_proj, x), kv);
+        let q = rope.apply(split(
+            crate::modules::linear_rows(&self.q_proj, x.clone()),
+            h,
+        ));
+        let mut k = rope.apply(split(
+            crate::modules::linear_rows(&self.k_proj, x.clone()),
+            kv,
+        ));
+        let mut v = split(crate::modules::linear_rows(&self.v_proj, x), kv);
         if let Some((ck, cv)) = cache {
             if let Some(old) = ck.take() {
                 k = Tensor::cat(vec![old, k], 2);
@@ -401,7 +369,7 @@ impl Attention {
         };
         let weights = burn::tensor::activation::softmax(scores, 3);
         let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, h * d]);
-        crate::linear_rows(&self.o_proj, y)
+        crate::modules::linear_rows(&self.o_proj, y)
     }
 }
 
@@ -415,8 +383,12 @@ pub struct SwiGlu {
 
 impl SwiGlu {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let gate = burn::tensor::activation::silu(crate::linear_rows(&self.gate_proj, x.clone()));
-        crate::linear_rows(&self.down_proj, gate * crate::linear_rows(&self.up_proj, x))
+        let gate =
+            burn::tensor::activation::silu(crate::modules::linear_rows(&self.gate_proj, x.clone()));
+        crate::modules::linear_rows(
+            &self.down_proj,
+            gate * crate::modules::linear_rows(&self.up_proj, x),
+        )
     }
 }
 
@@ -499,7 +471,7 @@ impl Llama {
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let x = self.model.norm.forward(x);
         match &self.lm_head {
-            Some(head) => crate::linear_rows(head, x),
+            Some(head) => crate::modules::linear_rows(head, x),
             None => {
                 let [b, t, c] = x.dims();
                 let weight = self.model.embed_tokens.weight.val();
@@ -570,7 +542,7 @@ impl BlockStack<TokenBatch> for Llama {
     }
 
     fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
-        crate::param_ids(&self.model.layers[i])
+        crate::modules::param_ids(&self.model.layers[i])
     }
 
     fn block(&self, i: usize, x: Activation) -> Activation {

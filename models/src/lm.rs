@@ -84,9 +84,11 @@ pub fn generate(
 }
 
 /// A causal language model kiln trains on token windows and decodes from: kiln's GPT, and the
-/// Hugging Face families [`crate::Llama`] and [`crate::Gpt2`].
+/// Hugging Face families [`crate::llama::Llama`] and [`crate::gpt2::Gpt2`].
 pub trait CausalLm:
-    crate::TrainStep<crate::TokenBatch> + crate::BlockStack<crate::TokenBatch> + Sized
+    crate::step::TrainStep<crate::gpt::TokenBatch>
+    + crate::blocks::BlockStack<crate::gpt::TokenBatch>
+    + Sized
 {
     /// Its architecture.
     type Config: Clone + std::fmt::Debug + Send + Sync + 'static;
@@ -103,9 +105,6 @@ pub trait CausalLm:
     /// Logits `[batch, time, vocab]` of token ids `[batch, time]`.
     fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3>;
 
-    /// The Hugging Face architecture `config` is, if it is one (not kiln's GPT).
-    fn hf_architecture(config: &Self::Config) -> Option<crate::hf::HfArchitecture>;
-
     /// `prompt` continued by `tokens` ids (temperature 0: the most likely each time).
     fn continue_ids(
         &self,
@@ -115,112 +114,6 @@ pub trait CausalLm:
         top_k: Option<usize>,
         uniform: &mut dyn FnMut() -> f64,
     ) -> Vec<u32>;
-}
-
-impl CausalLm for crate::Gpt {
-    type Config = crate::GptConfig;
-
-    fn init(config: &Self::Config, device: &Device) -> Self {
-        config.init(device)
-    }
-
-    fn context(config: &Self::Config) -> usize {
-        config.block_size
-    }
-
-    fn flops_per_token(config: &Self::Config, _context: usize) -> f64 {
-        config.flops_per_token()
-    }
-
-    fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        self.forward(tokens)
-    }
-
-    fn hf_architecture(_config: &Self::Config) -> Option<crate::hf::HfArchitecture> {
-        None
-    }
-
-    fn continue_ids(
-        &self,
-        prompt: &[u32],
-        tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
-        uniform: &mut dyn FnMut() -> f64,
-    ) -> Vec<u32> {
-        let block = self.wpe.weight.val().dims()[0];
-        self.generate(prompt, tokens, temperature, top_k, block, uniform)
-    }
-}
-
-impl CausalLm for crate::Llama {
-    type Config = crate::LlamaConfig;
-
-    fn hf_architecture(config: &Self::Config) -> Option<crate::hf::HfArchitecture> {
-        Some(crate::hf::HfArchitecture::Llama(config.clone()))
-    }
-
-    fn init(config: &Self::Config, device: &Device) -> Self {
-        config.init(device)
-    }
-
-    fn context(config: &Self::Config) -> usize {
-        config.max_position_embeddings
-    }
-
-    fn flops_per_token(config: &Self::Config, context: usize) -> f64 {
-        config.flops_per_token(context)
-    }
-
-    fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        self.forward(tokens)
-    }
-
-    fn continue_ids(
-        &self,
-        prompt: &[u32],
-        tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
-        uniform: &mut dyn FnMut() -> f64,
-    ) -> Vec<u32> {
-        self.generate(prompt, tokens, temperature, top_k, uniform)
-    }
-}
-
-impl CausalLm for crate::Gpt2 {
-    type Config = crate::Gpt2Config;
-
-    fn hf_architecture(config: &Self::Config) -> Option<crate::hf::HfArchitecture> {
-        Some(crate::hf::HfArchitecture::Gpt2(config.clone()))
-    }
-
-    fn init(config: &Self::Config, device: &Device) -> Self {
-        config.init(device)
-    }
-
-    fn context(config: &Self::Config) -> usize {
-        config.n_positions
-    }
-
-    fn flops_per_token(config: &Self::Config, context: usize) -> f64 {
-        config.flops_per_token(context)
-    }
-
-    fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        self.forward(tokens)
-    }
-
-    fn continue_ids(
-        &self,
-        prompt: &[u32],
-        tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
-        uniform: &mut dyn FnMut() -> f64,
-    ) -> Vec<u32> {
-        self.generate(prompt, tokens, temperature, top_k, uniform)
-    }
 }
 
 #[cfg(test)]

@@ -8,13 +8,13 @@ use burn::prelude::*;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 
+use crate::blocks::{Activation, BlockStack};
+use crate::convnet::{ConvNet, ConvNetConfig};
 use crate::gpt::{Gpt, GptConfig};
 use crate::gpt2::{Gpt2, Gpt2Config};
 use crate::llama::{Llama, LlamaConfig};
-use crate::{
-    Activation, BlockStack, ConvNet, ConvNetConfig, ImageBatch, InputSpec, Mlp, MlpConfig,
-    StepOutput, TrainStep,
-};
+use crate::mlp::{Mlp, MlpConfig};
+use crate::step::{ImageBatch, InputSpec, StepOutput, TrainStep};
 
 /// Which architecture a model section describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -288,7 +288,7 @@ pub fn load_classifier(
             std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
         ));
     }
-    let model = crate::with_rng(|| spec.classifier(device))
+    let model = crate::modules::with_rng(|| spec.classifier(device))
         .map_err(|e| LoadError::Spec(weights.into(), e))?;
     let is_safetensors = weights.extension().is_some_and(|e| e == "safetensors");
     if is_safetensors {
@@ -326,8 +326,8 @@ pub fn load_gpt_run(run_dir: &Path, device: &Device) -> Result<(Gpt, GptConfig),
     let spec_path = run_dir.join(SPEC_FILE);
     let spec = read_spec(&spec_path)?;
     let weights = run_dir.join(WEIGHTS_FILE);
-    let model =
-        crate::with_rng(|| spec.gpt(device)).map_err(|e| LoadError::Spec(spec_path.clone(), e))?;
+    let model = crate::modules::with_rng(|| spec.gpt(device))
+        .map_err(|e| LoadError::Spec(spec_path.clone(), e))?;
     let model = model
         .try_load_file(&weights)
         .map_err(|e| LoadError::Weights(weights.clone(), one_line(&e)))?;
@@ -383,17 +383,17 @@ pub fn load_lm_run(run_dir: &Path, device: &Device) -> Result<LanguageModel, Loa
     let m = &spec.model;
     Ok(match m.kind {
         ModelKind::Gpt => LanguageModel::Gpt(
-            crate::with_rng(|| m.gpt.init(device))
+            crate::modules::with_rng(|| m.gpt.init(device))
                 .try_load_file(&weights)
                 .map_err(|e| fail(&e))?,
         ),
         ModelKind::Llama => LanguageModel::Llama(
-            crate::with_rng(|| m.llama.init(device))
+            crate::modules::with_rng(|| m.llama.init(device))
                 .try_load_file(&weights)
                 .map_err(|e| fail(&e))?,
         ),
         ModelKind::Gpt2 => LanguageModel::Gpt2(
-            crate::with_rng(|| m.gpt2.init(device))
+            crate::modules::with_rng(|| m.gpt2.init(device))
                 .try_load_file(&weights)
                 .map_err(|e| fail(&e))?,
         ),

@@ -4,9 +4,8 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    Activation, BlockStack, ImageBatch, InputSpec, StepOutput, TrainStep, classification_output,
-};
+use crate::blocks::{Activation, BlockStack};
+use crate::step::{ImageBatch, InputSpec, StepOutput, TrainStep, classification_output};
 
 /// Architecture of an [`Mlp`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -90,7 +89,7 @@ impl BlockStack<ImageBatch> for Mlp {
     }
 
     fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
-        crate::param_ids(&self.layers[i])
+        crate::modules::param_ids(&self.layers[i])
     }
 
     fn block(&self, i: usize, x: Activation) -> Activation {

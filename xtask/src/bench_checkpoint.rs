@@ -8,7 +8,9 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, each_flag, json_array, json_number, median, positive, run_quietly};
+use crate::common::{
+    Result, TempDir, each_flag, json_array, json_number, median, positive, run_quietly,
+};
 
 /// What to measure.
 pub struct Options {

@@ -11,7 +11,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::{Result, TempDir, each_flag, json_number, median, positive, run_quietly};
+use crate::common::{Result, TempDir, each_flag, json_number, median, positive, run_quietly};
 
 /// What to measure.
 pub struct Options {

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::{Result, TempDir, json_number, median, run_quietly};
+use crate::common::{Result, TempDir, json_number, median, run_quietly};
 
 /// What to measure.
 pub struct Options {

@@ -7,7 +7,9 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{Result, TempDir, each_flag, json_number, median, positive, positives, run_quietly};
+use crate::common::{
+    Result, TempDir, each_flag, json_number, median, positive, positives, run_quietly,
+};
 
 /// What to measure.
 pub struct Options {

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::{Result, TempDir, each_flag, json_number, median, positive};
+use crate::common::{Result, TempDir, each_flag, json_number, median, positive};
 
 /// What to measure.
 pub struct Options {

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::bench_policies::built_train;
-use crate::{
+use crate::common::{
     Result, TempDir, each_flag, json_array, json_number, median, positive, positives, run_quietly,
 };
 

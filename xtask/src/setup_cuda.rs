@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::Result;
+use crate::common::Result;
 
 /// The PyPI packages (LLVM's static libraries and `llvm-config`; the NVPTX target).
 const PACKAGES: [&str; 2] = [

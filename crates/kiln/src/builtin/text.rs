@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
 use kiln_models::hf::HfArchitecture;
-use kiln_models::{CausalLm, Gpt, Gpt2, Llama, ModelKind, ModelSpec, TokenBatch};
+use kiln_models::{CausalLm, Gpt, Gpt2, HfFamily, Llama, ModelKind, ModelSpec, TokenBatch};
 
 use super::config::Config;
 use super::launch::launch;
@@ -124,7 +124,7 @@ fn language<M>(
     model: kiln_models::ModelSection,
 ) -> Result<RunResult>
 where
-    M: CausalLm + 'static,
+    M: HfFamily + 'static,
 {
     let longest = M::context(&model_config);
     if context == 0 || context > longest {
@@ -214,7 +214,7 @@ where
 /// With `export.format = "hf"`, the `config.json` of the run's Hugging Face directory: a
 /// checkpoint's own (`model.kind = "hf"`), else one written for the architecture; refused for
 /// kiln's GPT, which has none.
-fn hf_config<M: CausalLm>(
+fn hf_config<M: HfFamily>(
     config: &Config,
     model_config: &M::Config,
 ) -> Result<Option<serde_json::Value>> {

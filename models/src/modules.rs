@@ -1,0 +1,88 @@
+//! What kiln does to any Burn module: seeded construction one at a time, a Linear over the
+//! rows of `[B, T, C]`, parameters materialised, their ids and dotted paths.
+
+use burn::prelude::*;
+
+/// Runs `f` — typically seeding a device and building a model — while no other caller of
+/// this function draws random numbers.
+///
+/// Burn's CPU random generator is process-wide, so two threads initialising models at once
+/// (two runs in one process, replicas starting, tests in parallel) would interleave their
+/// draws and make seeded initialisation irreproducible. Every model construction in kiln goes
+/// through here.
+pub fn with_rng<R>(f: impl FnOnce() -> R) -> R {
+    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = RNG.lock().unwrap_or_else(|p| p.into_inner());
+    f()
+}
+
+/// `linear` on `[B, T, C]` as one matrix product over the `B·T` rows. Burn's `linear` keeps
+/// a batched product when T is a multiple of its row tile — one gemm per batch row, each
+/// packing the same weight again; flattened first, it is one gemm whatever B. Each output
+/// element sums over C in the same order either way.
+pub fn linear_rows(linear: &burn::nn::Linear, x: Tensor<3>) -> Tensor<3> {
+    on_rows(x, |rows| linear.forward(rows))
+}
+
+/// `f` on `[B, T, C]` seen as its `[B·T, C]` rows, the result back as `[B, T, N]`.
+pub fn on_rows(x: Tensor<3>, f: impl FnOnce(Tensor<2>) -> Tensor<2>) -> Tensor<3> {
+    let [b, t, c] = x.dims();
+    let y = f(x.reshape([b * t, c]));
+    let n = y.dims()[1];
+    y.reshape([b, t, n])
+}
+
+/// Forces the initialisation of every parameter of `module`.
+///
+/// Burn initialises parameters lazily, on first use; drawing their random values here, inside
+/// [`with_rng`], keeps them reproducible.
+pub fn materialized<M: Module>(module: M) -> M {
+    struct Touch;
+    impl burn::module::ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Touch);
+    module
+}
+
+/// The ids of every float parameter of `module` (trained or not), in module order: what
+/// [`BlockStack::block_params`] returns for a block's sub-module.
+pub fn param_ids<M: Module>(module: &M) -> Vec<burn::module::ParamId> {
+    struct Ids(Vec<burn::module::ParamId>);
+    impl burn::module::ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
+/// The path of every float parameter of `module` (`model.layers.0.self_attn.q_proj.weight`),
+/// in module order, as weight files name them.
+pub fn param_paths<M: Module>(module: &M) -> Vec<String> {
+    struct Paths {
+        at: Vec<String>,
+        out: Vec<String>,
+    }
+    impl burn::module::ModuleVisitor for Paths {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.at.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.at.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _param: &burn::module::Param<Tensor<D>>) {
+            self.out.push(self.at.join("."));
+        }
+    }
+    let mut paths = Paths {
+        at: Vec::new(),
+        out: Vec::new(),
+    };
+    module.visit(&mut paths);
+    paths.out
+}

@@ -1,0 +1,44 @@
+//! Rotary position embeddings in the half-split layout (Llama, Mistral, Qwen2): the tables
+//! of a span of positions, and the rotation of queries and keys by them.
+
+use burn::prelude::*;
+
+/// The rotary embedding's tables for positions `start..start + t`: `cos` and `sin`, `[t, d]`,
+/// each frequency twice (the half-split layout).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor<2>,
+    sin: Tensor<2>,
+}
+
+impl Rope {
+    /// The tables of `inv_freq` for positions `start..start + t` on `device`.
+    pub fn new(inv_freq: &[f32], start: usize, t: usize, device: &Device) -> Self {
+        let half = inv_freq.len();
+        let mut angles = Vec::with_capacity(t * 2 * half);
+        for p in start..start + t {
+            for _ in 0..2 {
+                angles.extend(inv_freq.iter().map(|f| p as f32 * f));
+            }
+        }
+        let angles = Tensor::<2>::from_data(TensorData::new(angles, [t, 2 * half]), device);
+        Self {
+            cos: angles.clone().cos(),
+            sin: angles.sin(),
+        }
+    }
+
+    /// `x` (`[b, heads, t, d]`) rotated: `x·cos + rotate_half(x)·sin`, with `rotate_half(x) =
+    /// [-x₂, x₁]` for the halves x₁, x₂ of each head.
+    pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
+        let [b, h, t, d] = x.dims();
+        let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
+        let x2 = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        // The tables are f32; the activations may be bf16 or f16 (mixed precision).
+        let dtype = x.dtype();
+        let cos = self.cos.clone().cast(dtype).reshape([1, 1, t, d]);
+        let sin = self.sin.clone().cast(dtype).reshape([1, 1, t, d]);
+        x * cos + rotated * sin
+    }
+}

@@ -1,0 +1,427 @@
+//! `cargo xtask tidy`: the shape of the workspace's sources read from their text — the
+//! import circles between the files of each crate, the files past a screenful, the longest
+//! functions, and concrete strategies named outside the strategies.
+//!
+//! The reading is a small Rust lexer (comments, strings, characters and lifetimes told apart),
+//! not a compiler, and it is deliberately literal: a file imports the file whose module a path
+//! names — `use crate::trainer::Plateau` imports `trainer/mod.rs`, wherever `Plateau` is
+//! defined — so a `mod.rs` that re-exports its children and a child that takes a name back
+//! through `super::` form a circle. Code under `#[cfg(test)]` is left out of everything.
+
+mod graph;
+mod read;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+pub use graph::{Circle, circles};
+use read::FileText;
+
+use crate::common::Result;
+
+/// The crate whose files the check reads, from the workspace root.
+pub const KILN_SRC: &str = "crates/kiln/src";
+/// Every tree of sources the house rules reach, from the workspace root: each crate's, and
+/// `xtask`'s own.
+pub const TREES: [&str; 5] = [
+    KILN_SRC,
+    "crates/generative/src",
+    "models/src",
+    "datasets/src",
+    "xtask/src",
+];
+/// A file's non-test part longer than this is listed as past a screenful.
+pub const FILE_LINES: usize = 500;
+/// The longest a file's non-test part may be before `tidy` fails.
+pub const FILE_LIMIT: usize = 600;
+/// The longest a function may be before `tidy` fails.
+pub const FN_LIMIT: usize = 120;
+/// The concrete strategies (`StrategyKind`'s variants but `Auto`): named only by the files of
+/// [`STRATEGY_HOMES`], so that a new strategy is a new file there and nothing else.
+pub const STRATEGIES: [&str; 7] = [
+    "Single", "Ddp", "Zero1", "Zero2", "Zero3", "Pipeline", "Diloco",
+];
+/// Where kiln's files may name a concrete strategy: the strategies themselves and the config
+/// that parses their names.
+pub const STRATEGY_HOMES: [&str; 2] = ["strategy/", "config/"];
+
+/// What `tidy` found in one tree.
+#[derive(Debug, Default)]
+pub struct Shape {
+    /// Each file (relative to the tree) with the files it imports.
+    pub imports: BTreeMap<String, BTreeSet<String>>,
+    /// Each file with the number of lines outside its `#[cfg(test)]` items.
+    pub lines: BTreeMap<String, usize>,
+    /// Every function outside test code: (lines, file, name, first line).
+    pub functions: Vec<(usize, String, String, usize)>,
+    /// Every `StrategyKind::X` outside test code naming a concrete strategy: (file, line, X).
+    pub strategies: Vec<(String, usize, String)>,
+}
+
+/// `cargo xtask tidy`: prints, over every tree of [`TREES`], the import circles, the long
+/// files and the five longest functions, and the concrete strategies kiln names outside
+/// [`STRATEGY_HOMES`]; fails on a circle, a file past [`FILE_LIMIT`], a function past
+/// [`FN_LIMIT`] or a strategy named out of place.
+pub fn run(root: &Path, layers: bool) -> Result<()> {
+    let mut trees = Vec::new();
+    for tree in TREES {
+        trees.push((tree, read_tree(&root.join(tree))?));
+    }
+    if layers {
+        print_layers(&trees[0].1);
+    }
+    let mut faults = Vec::new();
+    let mut functions = Vec::new();
+    let mut long = Vec::new();
+    let mut circle_count = 0;
+    for (tree, shape) in &trees {
+        let found = circles(&shape.imports);
+        println!(
+            "import circles between the files of {tree}: {}",
+            found.len()
+        );
+        for circle in &found {
+            print_circle(shape, circle);
+        }
+        circle_count += found.len();
+        functions.extend(
+            shape
+                .functions
+                .iter()
+                .map(|(n, file, name, line)| (*n, format!("{tree}/{file}"), name.clone(), *line)),
+        );
+        long.extend(
+            shape
+                .lines
+                .iter()
+                .filter(|(_, n)| **n > FILE_LINES)
+                .map(|(file, n)| (*n, format!("{tree}/{file}"))),
+        );
+    }
+    functions.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    println!(
+        "files over {FILE_LINES} lines (tests left out): {}",
+        long.len()
+    );
+    for (n, file) in &long {
+        println!("  {n:5}  {file}");
+    }
+    println!("the five longest functions of the workspace:");
+    for (n, file, name, line) in functions.iter().take(5) {
+        println!("  {n:5}  {file}:{line} {name}");
+    }
+    let misplaced: Vec<_> = trees[0]
+        .1
+        .strategies
+        .iter()
+        .filter(|(file, _, _)| !STRATEGY_HOMES.iter().any(|h| file.starts_with(h)))
+        .collect();
+    println!(
+        "concrete strategies named in {KILN_SRC} outside {}: {}",
+        STRATEGY_HOMES.join(", "),
+        misplaced.len()
+    );
+    for (file, line, name) in &misplaced {
+        println!("  {KILN_SRC}/{file}:{line} StrategyKind::{name}");
+    }
+    if circle_count > 0 {
+        faults.push(format!("{circle_count} import circle(s)"));
+    }
+    let too_long = long.iter().filter(|(n, _)| *n > FILE_LIMIT).count();
+    if too_long > 0 {
+        faults.push(format!("{too_long} file(s) over {FILE_LIMIT} lines"));
+    }
+    let fn_too_long = functions.iter().filter(|f| f.0 > FN_LIMIT).count();
+    if fn_too_long > 0 {
+        faults.push(format!("{fn_too_long} function(s) over {FN_LIMIT} lines"));
+    }
+    if !misplaced.is_empty() {
+        faults.push(format!(
+            "{} concrete strateg(ies) named outside the strategies",
+            misplaced.len()
+        ));
+    }
+    if faults.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("tidy: {}", faults.join(", ")))
+    }
+}
+
+/// One circle: its files, one loop, and what each of its files imports inside it.
+fn print_circle(shape: &Shape, circle: &Circle) {
+    println!(
+        "  {} files; one loop: {}",
+        circle.files.len(),
+        circle.path.join(" -> ")
+    );
+    for file in &circle.files {
+        let inside: Vec<&str> = shape.imports[file]
+            .iter()
+            .filter(|t| circle.files.contains(t))
+            .map(String::as_str)
+            .collect();
+        println!("    {file} imports {}", inside.join(", "));
+    }
+}
+
+/// Each top-level module of the crate (a file, or a folder) with the top-level modules its
+/// files import: the layers as ARCHITECTURE.md draws them.
+fn print_layers(shape: &Shape) {
+    let top = |file: &str| {
+        let first = file.split('/').next().unwrap_or(file);
+        first.trim_end_matches(".rs").to_string()
+    };
+    let mut layers: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (file, targets) in &shape.imports {
+        let from = top(file);
+        let entry = layers.entry(from.clone()).or_default();
+        for t in targets {
+            let to = top(t);
+            if to != from {
+                entry.insert(to);
+            }
+        }
+    }
+    println!("layers of {KILN_SRC} (a module: the modules it imports):");
+    for (module, imports) in &layers {
+        let list: Vec<&str> = imports.iter().map(String::as_str).collect();
+        println!("  {module}: {}", list.join(", "));
+    }
+}
+
+/// Reads every `.rs` file under `dir`: imports between them, non-test lines, functions.
+pub fn read_tree(dir: &Path) -> Result<Shape> {
+    let mut files = Vec::new();
+    collect(dir, dir, &mut files)?;
+    let modules: BTreeMap<Vec<String>, String> = files
+        .iter()
+        .map(|rel| (module_of(rel), rel.clone()))
+        .collect();
+    let mut shape = Shape::default();
+    let mut test_files = BTreeSet::new();
+    let mut read = Vec::new();
+    for rel in &files {
+        let text = fs::read_to_string(dir.join(rel))
+            .map_err(|e| format!("cannot read {}: {e}", dir.join(rel).display()))?;
+        let file = FileText::read(&text);
+        for child in &file.test_mods {
+            let mut path = module_of(rel);
+            path.push(child.clone());
+            if let Some(f) = modules.get(&path) {
+                test_files.insert(f.clone());
+            }
+        }
+        read.push((rel.clone(), file));
+    }
+    for (rel, file) in read {
+        if test_files.contains(&rel) {
+            continue;
+        }
+        let here = module_of(&rel);
+        let imports = shape.imports.entry(rel.clone()).or_default();
+        // A binary's root is a crate of its own: its `crate::` is not this one.
+        if !rel.starts_with("bin/") {
+            for path in &file.paths {
+                if let Some(target) = resolve(&here, path, &file.child_mods, &modules)
+                    && target != rel
+                {
+                    imports.insert(target);
+                }
+            }
+        }
+        shape.lines.insert(rel.clone(), file.lines);
+        for (line, name) in file.strategies {
+            if STRATEGIES.contains(&name.as_str()) {
+                shape.strategies.push((rel.clone(), line, name));
+            }
+        }
+        for (name, line, len) in file.functions {
+            shape.functions.push((len, rel.clone(), name, line));
+        }
+    }
+    Ok(shape)
+}
+
+fn collect(base: &Path, dir: &Path, out: &mut Vec<String>) -> Result<()> {
+    let entries =
+        fs::read_dir(dir).map_err(|e| format!("cannot read directory {}: {e}", dir.display()))?;
+    let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    paths.sort();
+    for path in paths {
+        if path.is_dir() {
+            collect(base, &path, out)?;
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            let rel = path.strip_prefix(base).unwrap_or(&path);
+            out.push(rel.to_string_lossy().replace('\\', "/"));
+        }
+    }
+    Ok(())
+}
+
+/// The module path a file holds: `lib.rs` → [], `a/mod.rs` → [a], `a/b.rs` → [a, b].
+fn module_of(rel: &str) -> Vec<String> {
+    let mut parts: Vec<String> = rel
+        .trim_end_matches(".rs")
+        .split('/')
+        .map(String::from)
+        .collect();
+    if matches!(
+        parts.last().map(String::as_str),
+        Some("mod" | "lib" | "main")
+    ) {
+        parts.pop();
+    }
+    parts
+}
+
+/// The file a path names: the longest prefix of its module path that is a file's module.
+fn resolve(
+    here: &[String],
+    path: &[String],
+    child_mods: &BTreeSet<String>,
+    modules: &BTreeMap<Vec<String>, String>,
+) -> Option<String> {
+    let (mut module, rest): (Vec<String>, &[String]) = match path.first()?.as_str() {
+        "crate" => (Vec::new(), &path[1..]),
+        "self" => (here.to_vec(), &path[1..]),
+        "super" => {
+            let mut m = here.to_vec();
+            let mut i = 0;
+            while path.get(i).is_some_and(|s| s == "super") {
+                m.pop();
+                i += 1;
+            }
+            (m, &path[i..])
+        }
+        name if child_mods.contains(name) => (here.to_vec(), path),
+        _ => return None,
+    };
+    let mut best = modules.get(&module).cloned();
+    for seg in rest {
+        module.push(seg.clone());
+        if let Some(f) = modules.get(&module) {
+            best = Some(f.clone());
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn graph(edges: &[(&str, &str)]) -> BTreeMap<String, BTreeSet<String>> {
+        let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (a, b) in edges {
+            g.entry(a.to_string()).or_default().insert(b.to_string());
+            g.entry(b.to_string()).or_default();
+        }
+        g
+    }
+
+    #[test]
+    fn circles_are_found_and_a_tree_has_none() {
+        let tree = graph(&[("a", "b"), ("b", "c"), ("a", "c")]);
+        assert!(circles(&tree).is_empty());
+        let looped = graph(&[("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]);
+        let found = circles(&looped);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].files, ["a", "b", "c"]);
+        assert_eq!(found[0].path, ["a", "b", "c", "a"]);
+    }
+
+    #[test]
+    fn paths_use_trees_tests_and_functions_are_read() {
+        let text = r##"
+mod child;
+#[cfg(test)]
+mod tests_file;
+use crate::{comm::{Collective, ReduceOp}, params::x as y};
+use super::sibling::Thing;
+// use crate::commented::Out;
+const S: &str = "crate::in_string::No";
+const R: &str = r#"crate::raw::No"#;
+fn long<'a>(x: &'a u8) -> Vec<u8> where u8: Copy {
+    let c = '{';
+    child::go(crate::plain::call());
+    vec![]
+}
+#[cfg(test)]
+mod tests {
+    use crate::only_in_tests::X;
+    fn t() {}
+}
+"##;
+        let f = FileText::read(text);
+        let mut paths: Vec<String> = f.paths.iter().map(|p| p.join("::")).collect();
+        paths.sort();
+        assert_eq!(
+            paths,
+            [
+                "child::go",
+                "crate::comm::Collective",
+                "crate::comm::ReduceOp",
+                "crate::params::x",
+                "crate::plain::call",
+                "super::sibling::Thing"
+            ]
+        );
+        assert_eq!(f.test_mods, BTreeSet::from(["tests_file".to_string()]));
+        assert_eq!(f.functions, vec![("long".to_string(), 10, 5)]);
+        assert_eq!(f.lines, text.lines().count() - 2 - 5);
+    }
+
+    #[test]
+    fn a_path_names_the_deepest_file_module() {
+        let modules: BTreeMap<Vec<String>, String> = [
+            (vec![], "lib.rs"),
+            (vec!["trainer".to_string()], "trainer/mod.rs"),
+            (
+                vec!["trainer".to_string(), "plateau".to_string()],
+                "trainer/plateau.rs",
+            ),
+        ]
+        .into_iter()
+        .map(|(m, f)| (m, f.to_string()))
+        .collect();
+        let p = |s: &str| s.split("::").map(String::from).collect::<Vec<_>>();
+        let none = BTreeSet::new();
+        let here = module_of("trainer/plateau.rs");
+        let at = |path: &str| resolve(&here, &p(path), &none, &modules);
+        assert_eq!(
+            at("crate::trainer::Plateau").as_deref(),
+            Some("trainer/mod.rs")
+        );
+        assert_eq!(
+            at("super::plateau::X").as_deref(),
+            Some("trainer/plateau.rs")
+        );
+        assert_eq!(at("super::super::Thing").as_deref(), Some("lib.rs"));
+        assert_eq!(at("std::fs").as_deref(), None);
+    }
+
+    #[test]
+    fn a_concrete_strategy_named_outside_test_code_is_found() {
+        let text = "fn f(k: StrategyKind) -> bool {\n    k == StrategyKind::Zero2 || k == StrategyKind::Auto\n}\n#[cfg(test)]\nmod tests {\n    const K: StrategyKind = StrategyKind::Ddp;\n}\n";
+        let f = FileText::read(text);
+        assert_eq!(
+            f.strategies,
+            [(2, "Zero2".to_string()), (2, "Auto".to_string())]
+        );
+        assert!(STRATEGIES.contains(&"Zero2") && !STRATEGIES.contains(&"Auto"));
+    }
+
+    /// The check the project holds itself to: no circle between the files of the kiln crate,
+    /// no file past the limit, no function past the limit.
+    #[test]
+    fn kiln_keeps_its_shape() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("workspace root");
+        if let Err(e) = run(root, false) {
+            panic!("{e} (cargo xtask tidy lists them)");
+        }
+    }
+}
