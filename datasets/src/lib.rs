@@ -5,7 +5,7 @@
 //! plain-text corpora into character token ids, and validates them thoroughly so that a bad
 //! download fails at start-up with a precise message instead of producing a silently broken
 //! training run.
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod char_json;
 mod digits;

@@ -5,7 +5,7 @@
 //! trainer can drive it, and exposes an ordinary `forward` for inference. A model is described
 //! by a serialisable [`ModelSpec`] (architecture + input shape), which is all another Rust
 //! program needs, together with a weights file, to rebuild and run it: see [`load`].
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod blocks;
 pub mod convnet;

@@ -48,7 +48,7 @@ pub fn materialized<M: Module>(module: M) -> M {
 }
 
 /// The ids of every float parameter of `module` (trained or not), in module order: what
-/// [`BlockStack::block_params`] returns for a block's sub-module.
+/// [`BlockStack::block_params`](crate::blocks::BlockStack::block_params) returns for a block's sub-module.
 pub fn param_ids<M: Module>(module: &M) -> Vec<burn::module::ParamId> {
     struct Ids(Vec<burn::module::ParamId>);
     impl burn::module::ModuleVisitor for Ids {

@@ -9,6 +9,7 @@ mod ddp;
 mod devices;
 mod diloco;
 mod dist;
+mod docs;
 mod finetune;
 mod fuzz;
 mod generative;

@@ -3,7 +3,7 @@
 //! generator, each with its own AdamW) and an [`autoencoder`]. Each is a library (model,
 //! config sections, [`kiln::Workload`]) and a binary whose `main` is one call to
 //! [`kiln::App::main`].
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod autoencoder;
 pub mod data;

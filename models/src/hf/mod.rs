@@ -2,7 +2,7 @@
 //! architecture, transformers 4's `rope_theta`/`rope_scaling` and 5's `rope_parameters`),
 //! its weights (`model.safetensors`, or shards listed by `model.safetensors.index.json`; f32,
 //! bf16 or f16, cast to f32; names with or without the `model.`/`transformer.` prefix), into
-//! [`Llama`] or [`Gpt2`]. What kiln does not implement is refused in one line naming the file
+//! [`Llama`](crate::llama::Llama) or [`Gpt2`](crate::gpt2::Gpt2). What kiln does not implement is refused in one line naming the file
 //! and the key.
 
 mod config;

@@ -10,9 +10,10 @@ use crate::app::UserConfig;
 use crate::config::name_of;
 use crate::error::{Error, Result};
 
-/// The recipe `train` runs without `--config` (a copy of `configs/digits-convnet.toml`, built
-/// in so that a fresh checkout trains with no files and no arguments).
-pub const RECIPE: &str = include_str!("../../../../configs/digits-convnet.toml");
+/// The recipe `train` runs without `--config` (`recipes/digits-convnet.toml`, which
+/// `configs/digits-convnet.toml` links to), built in so that `train` trains with no files and
+/// no arguments, from any directory.
+pub const RECIPE: &str = include_str!("../../recipes/digits-convnet.toml");
 
 /// How errors name the built-in recipe.
 pub const RECIPE_ORIGIN: &str = "built-in configs/digits-convnet.toml";

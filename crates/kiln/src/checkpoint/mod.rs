@@ -3,7 +3,7 @@
 //!
 //! Nothing in a checkpoint depends on the strategy or the number of ranks: the model is the
 //! whole model (gathered by the strategy), and the optimizer state is kept per parameter, under
-//! the parameter's module path and in its shape ([`OptimState`]), whatever shards it was
+//! the parameter's module path and in its shape ([`OptimState`](crate::optim::OptimState)), whatever shards it was
 //! stepped in. Any checkpoint therefore resumes under any strategy and device count.
 
 mod integrity;

@@ -189,7 +189,7 @@ pub fn latest(run_dir: &Path) -> Result<(usize, PathBuf)> {
     })
 }
 
-/// Reads the loop state of a checkpoint (without verifying its files: see [`verify`]).
+/// Reads the loop state of a checkpoint (without verifying its files: see [`verify`](crate::checkpoint::verify)).
 pub fn read_state(dir: &Path) -> Result<LoopState> {
     read_manifest(dir).map(|m| m.state)
 }

@@ -1,7 +1,7 @@
 //! The forward and backward of one micro-batch: whole, or block by block.
 //!
 //! The plain pass is one forward that keeps every activation and one backward. The *walk* runs
-//! the model as its [`BlockStack`] (stem, blocks, head) and differentiates it a segment at a
+//! the model as its [`BlockStack`](kiln_models::BlockStack) (stem, blocks, head) and differentiates it a segment at a
 //! time from the head down: each block's backward is seeded with the gradient that arrived
 //! from above — `backward(sum(block(x) · g))` gives the block's parameter gradients and the
 //! gradient for the block below (a vector-Jacobian product, [`segment_backward`]). The walk

@@ -100,7 +100,7 @@ struct Known {
 /// Plans `workload` under `config` on `target`'s devices.
 ///
 /// The measurements a prediction rests on are process 0's, read back from the entry an
-/// earlier launch of the same model, settings and machine kept ([`super::kept`]) or measured
+/// earlier launch of the same model, settings and machine kept (`plan/kept.rs`) or measured
 /// now and kept; every process uses the same, so one rule decides the same way on every
 /// process and every launch. Each probe key is measured at the smallest and largest
 /// micro-batch of every candidate with that key, whatever the scope: a candidate's prediction

@@ -102,7 +102,7 @@ impl Plan {
     /// asks: its precision, not DiLoCo's outer loop (and, for a model with BatchNorm, the
     /// micro-batch asked and no pipeline, which change its statistics; `same_batch` asks that
     /// of any model);
-    /// the fastest, where plans within [`TIES`] of it (the planner's own error on step time)
+    /// the fastest, where plans within `TIES` (10 %) of it (the planner's own error on step time)
     /// go to the simplest: the micro-batch asked, then fewer shards, then no recompute.
     pub fn pick(&self, config: &RootConfig, same_batch: bool) -> Option<&Prediction> {
         let allowed: Vec<&Prediction> = self
@@ -154,7 +154,7 @@ impl Plan {
     /// micro-batch, accumulation and recompute — runs wherever it
     /// fits: a choice by measured speed could differ between two launches of one command, and
     /// kiln keeps a command's numbers the same (the words name a plan predicted faster by more
-    /// than [`TIES`], for `--strategy` to take). Where it does not fit, the fastest plan that
+    /// than `TIES`, for `--strategy` to take). Where it does not fit, the fastest plan that
     /// does ([`Self::pick`]).
     pub fn choose(&self, config: &RootConfig, buffers: bool) -> Result<Choice> {
         let plain = config.strategy.name.resolve(self.world);

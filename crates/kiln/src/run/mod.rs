@@ -1,4 +1,4 @@
-//! From a [`RootConfig`] and a [`Workload`] to a finished run: devices, the start-up table, the
+//! From a [`RootConfig`](crate::config::RootConfig) and a [`Workload`](crate::trainer::Workload) to a finished run: devices, the start-up table, the
 //! run directory, the trainer, and the exported model. Which workload a config asks for is a
 //! program's business (kiln's own: [`crate::builtin`]).
 

@@ -22,12 +22,12 @@
 //! The replicated strategies (`single`, `ddp`, `zero1`, `zero2`) share one step
 //! (`replica::Replicated`) and differ only in their `replica::Reduction`. Every strategy
 //! steps a [`FlatOptimizer`](crate::optim::FlatOptimizer) over its shard of one
-//! [`FlatLayout`] (the whole space for `single` and `ddp`), so there is one optimizer path and
-//! one checkpoint format ([`OptimState`]).
+//! [`FlatLayout`](crate::params::FlatLayout) (the whole space for `single` and `ddp`), so there is one optimizer path and
+//! one checkpoint format ([`OptimState`](crate::optim::OptimState)).
 //!
 //! Adding a strategy: a file here with a type implementing [`Rules`] (and [`Strategy`], or a
 //! `replica::Reduction`), one arm in [`rules`] and one in [`build`], and a variant of
-//! [`StrategyKind`].
+//! [`StrategyKind`](crate::config::StrategyKind).
 
 mod context;
 mod core;

@@ -15,7 +15,7 @@ use crate::precision::Policy;
 
 /// What a strategy allows, says of itself and expects to hold, before any rank runs (Lightning
 /// Fabric's strategy classes own the same: their checks, their description). Each strategy
-/// file has one type implementing it; [`rules`] finds it.
+/// file has one type implementing it; [`rules`](crate::strategy::rules()) finds it.
 pub trait Rules: Sync {
     /// The strategy a device of this strategy runs its per-core sub-replicas under (a CPU
     /// device's `hardware.cpu_split`, [`crate::cores`]); `None`, the default, for a strategy
@@ -84,7 +84,7 @@ pub trait Rules: Sync {
     }
     /// The name of the state the strategy keeps in checkpoints beside the model's optimizer
     /// states (`optimizer.<name>.bpk`, read on resume when present and handed to
-    /// [`Strategy::load_optimizer_states`] under that name); `None`, the default, for none.
+    /// [`Strategy::load_optimizer_states`](crate::strategy::Strategy::load_optimizer_states) under that name); `None`, the default, for none.
     fn own_state(&self) -> Option<&'static str> {
         None
     }

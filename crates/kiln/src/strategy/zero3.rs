@@ -18,8 +18,8 @@
 //! gathered from their forward to their backward (and are counted so).
 //!
 //! With `dist.overlap`, the walk's collectives run on a communication thread
-//! ([`super::courier`]): the reduce-scatters as in `zero2`, and the all-gather of the next
-//! block the walk needs ([`walk_gathers`]), handed over as soon as the block before it is
+//! (`courier.rs`): the reduce-scatters as in `zero2`, and the all-gather of the next
+//! block the walk needs (`walk_gathers`), handed over as soon as the block before it is
 //! loaded — one block ahead, held on the host until its turn — so that block `k + 1` travels
 //! while block `k` computes.
 
