@@ -487,7 +487,12 @@ fn the_pages_name_what_exists_and_link_where_they_say() {
         }
         for span in spans(&prose) {
             if let Some(flag) = span.strip_prefix("--") {
-                let flag = format!("--{}", flag.split([' ', '=']).next().unwrap());
+                let flag = format!(
+                    "--{}",
+                    flag.split(|c: char| c.is_whitespace() || c == '=')
+                        .next()
+                        .unwrap()
+                );
                 let other = OTHER_FLAGS.iter().any(|(f, _)| *f == flag);
                 if flag != "--" && !other && !helps().values().any(|h| h.contains(&flag)) {
                     faults.push(format!("{name}: no train command has {flag}"));
