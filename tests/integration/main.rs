@@ -25,4 +25,5 @@ mod policies;
 mod robust;
 mod runlock;
 mod training;
+mod wgpu;
 mod zero;

@@ -162,7 +162,8 @@ impl Policy {
                 "key `precision.mode`: {:?} computes in {dtype:?}, which device {label} does not \
                  support for arithmetic; use precision \"32\"{}",
                 self.name(),
-                if dtype == FloatDType::BF16 {
+                // Only where the device computes in f16 (llvmpipe does in neither).
+                if dtype == FloatDType::BF16 && device.supports_dtype(FloatDType::F16) {
                     " or \"16-mixed\""
                 } else {
                     ""
