@@ -10,10 +10,8 @@
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::FloatDType;
 use burn::tensor::activation::relu;
 use kiln::data::SplitMix64;
 use kiln::{BlockStack, BurnData, BurnWorkload, StepOutput, TrainStep, UserConfig};
@@ -148,20 +146,9 @@ struct Mlp {
 
 impl TrainStep<Points> for Mlp {
     fn step(&self, batch: Points) -> StepOutput {
-        let n = batch.moons.dims()[0];
         let x = relu(self.b.forward(relu(self.a.forward(batch.xy))));
-        let logits = self.out.forward(x).cast(FloatDType::F32);
-        let correct = logits
-            .clone()
-            .argmax(1)
-            .squeeze_dim::<1>(1)
-            .equal(batch.moons.clone())
-            .int()
-            .sum();
-        let loss = CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, batch.moons);
-        StepOutput::new(loss, n).with_correct(correct)
+        // Cross-entropy and the count of right answers, as kiln's own classifiers give them.
+        kiln_models::classification_output(self.out.forward(x), batch.moons)
     }
 }
 

@@ -14,14 +14,13 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Mutex;
 
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 use burn::tensor::activation::softmax;
 use kiln::{BlockStack, Event, EventKind, StepOutput, TrainStep, UserConfig, Workload, sample_rng};
 use kiln_datasets::ImageDataset;
-use kiln_models::ImageBatch;
+use kiln_models::{ImageBatch, classification_output};
 use serde::{Deserialize, Serialize};
 
 #[global_allocator]
@@ -88,25 +87,13 @@ impl Mlp {
 
 impl TrainStep<ImageBatch> for Mlp {
     fn step(&self, batch: ImageBatch) -> StepOutput {
-        let n = batch.targets.dims()[0];
         let logits = self.forward(batch.images).cast(FloatDType::F32);
-        let correct = logits
-            .clone()
-            .argmax(1)
-            .squeeze_dim::<1>(1)
-            .equal(batch.targets.clone())
-            .int()
-            .sum();
         // The metric: the probability given to the right class, averaged over the batch.
         let right = softmax(logits.clone().detach(), 1)
             .gather(1, batch.targets.clone().unsqueeze_dim(1))
             .mean();
-        let loss = CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, batch.targets);
-        StepOutput::new(loss, n)
-            .with_correct(correct)
-            .with_metric("p_right", right)
+        // Cross-entropy and the count of right answers, as kiln's own classifiers give them.
+        classification_output(logits, batch.targets).with_metric("p_right", right)
     }
 }
 

@@ -69,7 +69,8 @@ pub struct Measured {
 pub(crate) fn fit_key(s: &TrainerSettings) -> String {
     // A strategy that steps as another (zero1's forward, backward and buffers are ddp's)
     // names that one's probe.
-    let kind = s.setup().rules().probe_as(&s.setup());
+    let setup = s.setup();
+    let kind = setup.rules().probe_as(&setup);
     format!(
         "{kind}/{}/{}",
         name_of(&s.precision.mode),
