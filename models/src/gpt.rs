@@ -7,11 +7,13 @@ use burn::nn::{
     LayerNormConfig, Linear, LinearConfig,
 };
 use burn::prelude::*;
-use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 
 use crate::blocks::{Activation, BlockStack};
 use crate::step::{StepOutput, TrainStep};
+
+/// The LayerNorms' epsilon (Burn keeps a LayerNorm's own private; the fused kernel is told).
+const LN_EPSILON: f64 = 1e-5;
 
 /// Architecture of a [`Gpt`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -78,15 +80,8 @@ impl CausalSelfAttention {
                 .reshape([b, t, h, d])
                 .swap_dims(1, 2)
         };
-        let (q, k, v) = (split(0), split(1), split(2));
-        let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((d as f32).sqrt());
-        let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
-            .reshape([1, 1, t, t])
-            .expand([b, h, t, t]);
-        let weights =
-            burn::tensor::activation::softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
-        let weights = self.dropout.forward(weights);
-        let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, c]);
+        let y = crate::fused::causal_attention(split(0), split(1), split(2), Some(&self.dropout));
+        let y = y.swap_dims(1, 2).reshape([b, t, c]);
         self.dropout
             .forward(crate::modules::linear_rows(&self.proj, y))
     }
@@ -104,9 +99,8 @@ pub struct Mlp {
 impl Mlp {
     /// Applies the MLP to every position.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = self
-            .activation
-            .forward(crate::modules::linear_rows(&self.fc, x));
+        // The exact GELU (`self.activation`'s), fused on the CPU.
+        let x = crate::fused::gelu(crate::modules::linear_rows(&self.fc, x));
         self.dropout
             .forward(crate::modules::linear_rows(&self.proj, x))
     }
@@ -124,8 +118,9 @@ pub struct Block {
 impl Block {
     /// `x + attn(ln(x))`, then `x + mlp(ln(x))`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = x.clone() + self.attn.forward(self.ln_1.forward(x));
-        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+        let ln = |norm: &LayerNorm, x: Tensor<3>| crate::fused::layer_norm(norm, LN_EPSILON, x);
+        let x = x.clone() + self.attn.forward(ln(&self.ln_1, x.clone()));
+        x.clone() + self.mlp.forward(ln(&self.ln_2, x))
     }
 }
 
@@ -192,6 +187,7 @@ impl GptConfig {
         let ln = || {
             LayerNormConfig::new(self.n_embd)
                 .with_bias(self.bias)
+                .with_epsilon(LN_EPSILON)
                 .init(device)
         };
         let dropout = || DropoutConfig::new(self.dropout).init();
@@ -265,7 +261,7 @@ impl Gpt {
     /// Final LayerNorm and the tied head: `[batch, time, n_embd]` → logits `[batch, time, vocab]`.
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let [b, t, c] = x.dims();
-        let x = self.ln_f.forward(x).reshape([b * t, c]);
+        let x = crate::fused::layer_norm(&self.ln_f, LN_EPSILON, x).reshape([b * t, c]);
         let weight = self.wte.weight.val();
         let vocab = weight.dims()[0];
         x.matmul(weight.transpose()).reshape([b, t, vocab])
@@ -284,10 +280,7 @@ impl Gpt {
     /// the logits' dtype (softmax and its log lose too much in 16-bit floats).
     pub fn loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [b, t, v] = logits.dims();
-        let logits = logits.cast(FloatDType::F32);
-        burn::nn::loss::CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits.reshape([b * t, v]), targets.reshape([b * t]))
+        crate::fused::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]))
     }
 
     /// Continues `prompt` by `tokens` ids, sampling from the softmax at `temperature`

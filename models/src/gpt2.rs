@@ -224,7 +224,12 @@ impl Gpt2Attention {
                 .swap_dims(1, 2)
         };
         let (q, mut k, mut v) = (split(0), split(1), split(2));
-        if let Some((ck, cv)) = cache {
+        let Some((ck, cv)) = cache else {
+            // No cache: the mask is the plain causal one, which the fused kernel applies.
+            let y = crate::fused::causal_attention(q, k, v, None);
+            return self.c_proj.forward(y.swap_dims(1, 2).reshape([b, t, c]));
+        };
+        {
             if let Some(old) = ck.take() {
                 k = Tensor::cat(vec![old, k], 2);
             }
@@ -273,14 +278,16 @@ impl Gpt2Block {
         mask: Option<Tensor<2, Bool>>,
         cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
     ) -> Tensor<3> {
+        let eps = config.layer_norm_epsilon;
+        let ln = |norm: &LayerNorm, x: Tensor<3>| crate::fused::layer_norm(norm, eps, x);
         let a = self
             .attn
-            .forward(self.ln_1.forward(x.clone()), config.n_head, mask, cache);
+            .forward(ln(&self.ln_1, x.clone()), config.n_head, mask, cache);
         let x = x + a;
-        let h = self.mlp.c_fc.forward(self.ln_2.forward(x.clone()));
+        let h = self.mlp.c_fc.forward(ln(&self.ln_2, x.clone()));
         let h = match config.activation_function {
             Gpt2Activation::GeluTanh => burn::tensor::activation::gelu_approximate(h),
-            Gpt2Activation::Gelu => burn::tensor::activation::gelu(h),
+            Gpt2Activation::Gelu => crate::fused::gelu(h),
             Gpt2Activation::Relu => burn::tensor::activation::relu(h),
         };
         x + self.mlp.c_proj.forward(h)
@@ -329,7 +336,8 @@ impl Gpt2 {
 
     /// The final LayerNorm and the head: `[b, t, c]` → logits `[b, t, vocab]`.
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = self.transformer.ln_f.forward(x);
+        let eps = self.config.layer_norm_epsilon;
+        let x = crate::fused::layer_norm(&self.transformer.ln_f, eps, x);
         match &self.lm_head {
             Some(head) => crate::modules::linear_rows(head, x),
             None => {

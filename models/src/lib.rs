@@ -10,6 +10,7 @@
 pub mod blocks;
 pub mod convnet;
 pub mod families;
+pub mod fused;
 pub mod gpt;
 pub mod gpt2;
 pub mod hf;

@@ -2,16 +2,13 @@
 //! optional sliding window), the key/value cache and greedy or sampled decoding with it.
 
 use burn::prelude::*;
-use burn::tensor::FloatDType;
 
 /// Mean next-token cross-entropy of `logits` (`[b, t, vocab]`) against `targets` (`[b, t]`),
 /// computed in f32 whatever the logits' dtype.
 pub fn lm_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
     let [b, t, v] = logits.dims();
-    let logits = logits.cast(FloatDType::F32);
-    burn::nn::loss::CrossEntropyLossConfig::new()
-        .init(&logits.device())
-        .forward(logits.reshape([b * t, v]), targets.reshape([b * t]))
+    // In f32 whatever the logits' dtype; one fused kernel on the CPU.
+    crate::fused::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]))
 }
 
 /// The positions `t` queries (at `start..start + t`) may not see among the `start + t` keys:

@@ -1,6 +1,7 @@
 //! `cargo xtask bench cpu`: one CPU device, the GPT recipe (batch 24), the Llama text recipe
 //! and the MNIST ConvNet, with the per-core schedule (`hardware.cpu_split = "auto"`) and
-//! without it (`"off"`), and, given a Python with PyTorch (`--reference PYTHON`), the same GPT
+//! without it (`"off"`), with the fused CPU kernels and without them
+//! (`hardware.fused_kernels = false`: Burn's composed ops), and, given a Python with PyTorch (`--reference PYTHON`), the same GPT
 //! recipe in PyTorch (`xtask/reference/gpt_char_torch.py`) and the same Llama in PyTorch +
 //! `transformers` (`xtask/reference/llama_text_torch.py`, its config and tokenizer from
 //! kiln's run of the round). Within a round every run alternates; medians over rounds are
@@ -104,7 +105,28 @@ const RECIPES: [Recipe; 3] = [
     },
 ];
 
-const SCHEDULES: [&str; 2] = ["auto", "off"];
+/// The settings compared: a label and `train`'s `--set`s. The first is the default.
+const VARIANTS: [(&str, [&str; 2]); 3] = [
+    (
+        "cpu_split auto",
+        ["hardware.cpu_split=\"auto\"", "hardware.fused_kernels=true"],
+    ),
+    (
+        "composed ops",
+        [
+            "hardware.cpu_split=\"auto\"",
+            "hardware.fused_kernels=false",
+        ],
+    ),
+    (
+        "cpu_split off",
+        ["hardware.cpu_split=\"off\"", "hardware.fused_kernels=true"],
+    ),
+];
+// The variants' indices: the default, Burn's composed ops, one replica.
+const DEFAULT: usize = 0;
+const COMPOSED: usize = 1;
+const ONE_REPLICA: usize = 2;
 
 pub fn run(root: &Path, o: &Options) -> Result<()> {
     for r in &RECIPES {
@@ -120,7 +142,8 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "bench cpu: one device on {cores} cores, {} steps, {} rounds; hardware.cpu_split = \
-         \"auto\" (per-core sub-replicas) against \"off\" (one replica){}",
+         \"auto\" (per-core sub-replicas) against \"off\" (one replica), the fused CPU \
+         kernels against Burn's composed ops{}",
         o.steps,
         o.rounds,
         if o.reference.is_some() {
@@ -130,12 +153,12 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         }
     );
     // ms/step per recipe and schedule, and PyTorch's.
-    let mut kiln: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); SCHEDULES.len()]; RECIPES.len()];
+    let mut kiln: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); VARIANTS.len()]; RECIPES.len()];
     let mut torch: Vec<Vec<f64>> = vec![Vec::new(); RECIPES.len()];
     for round in 0..o.rounds {
         for (i, r) in RECIPES.iter().enumerate() {
-            for (j, schedule) in SCHEDULES.iter().enumerate() {
-                let dir = temp.path().join(format!("{i}-{schedule}-{round}"));
+            for (j, (variant, sets)) in VARIANTS.iter().enumerate() {
+                let dir = temp.path().join(format!("{i}-{j}-{round}"));
                 let mut args: Vec<String> = r.args.iter().map(|a| a.to_string()).collect();
                 args.extend(
                     [
@@ -146,7 +169,9 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                         "--run-dir",
                         &dir.display().to_string(),
                         "--set",
-                        &format!("hardware.cpu_split={schedule:?}"),
+                        sets[0],
+                        "--set",
+                        sets[1],
                         "--set",
                         "train.log_every=10",
                         "--set",
@@ -156,7 +181,7 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 );
                 run_quietly(
                     Command::new(&train).args(&args).current_dir(root),
-                    &format!("{} ({schedule})", r.name),
+                    &format!("{} ({variant})", r.name),
                 )?;
                 let path = dir.join("summary.json");
                 let summary = std::fs::read_to_string(&path)
@@ -164,7 +189,7 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 let step = json_number(&summary, "step_seconds")
                     .ok_or_else(|| format!("{}: no step_seconds", path.display()))?;
                 println!(
-                    "  round {round} {:<46} {schedule:<4} {:>7.1} ms/step",
+                    "  round {round} {:<46} {variant:<14} {:>7.1} ms/step",
                     r.name,
                     step * 1e3
                 );
@@ -176,7 +201,7 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 let Some(reference) = &r.reference else {
                     continue;
                 };
-                let run_dir = temp.path().join(format!("{i}-auto-{round}"));
+                let run_dir = temp.path().join(format!("{i}-{DEFAULT}-{round}"));
                 let ms = reference_ms(root, python, reference, o.steps, &run_dir)?;
                 println!(
                     "  round {round} {:<46} {:>12.1} ms/step",
@@ -228,12 +253,14 @@ fn print_table(kiln: &[Vec<Vec<f64>>], torch: &[Vec<f64>], cores: usize) {
     println!();
     println!("CPU: {}", cpu_description());
     println!(
-        "| recipe | one device | ms/step | samples/s | speed ÷ cpu_split off | speed ÷ PyTorch |"
+        "| recipe | one device | ms/step | samples/s | speed ÷ cpu_split off | speed ÷ composed \
+         ops | speed ÷ PyTorch |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for (i, r) in RECIPES.iter().enumerate() {
-        let off = median(&kiln[i][1]);
-        for (j, schedule) in SCHEDULES.iter().enumerate() {
+        let off = median(&kiln[i][ONE_REPLICA]);
+        let composed = median(&kiln[i][COMPOSED]);
+        for (j, (variant, _)) in VARIANTS.iter().enumerate() {
             let ms = median(&kiln[i][j]);
             let vs_torch = if !torch[i].is_empty() {
                 format!("{:.2}", median(&torch[i]) / ms)
@@ -241,10 +268,11 @@ fn print_table(kiln: &[Vec<Vec<f64>>], torch: &[Vec<f64>], cores: usize) {
                 "–".to_string()
             };
             println!(
-                "| {} | cpu_split {schedule} | {ms:.1} | {:.1} | {:.2} | {vs_torch} |",
+                "| {} | {variant} | {ms:.1} | {:.1} | {:.2} | {:.2} | {vs_torch} |",
                 r.name,
                 r.batch as f64 * 1e3 / ms,
-                off / ms
+                off / ms,
+                composed / ms
             );
         }
     }
@@ -254,7 +282,7 @@ fn print_table(kiln: &[Vec<Vec<f64>>], torch: &[Vec<f64>], cores: usize) {
         };
         let ms = median(&torch[i]);
         println!(
-            "| {} in PyTorch ({}) | {cores} threads | {ms:.1} | {:.1} | – | 1.00 |",
+            "| {} in PyTorch ({}) | {cores} threads | {ms:.1} | {:.1} | – | – | 1.00 |",
             r.name,
             reference.script,
             r.batch as f64 * 1e3 / ms

@@ -65,6 +65,11 @@ pub struct HardwareConfig {
     pub memory_limit_mib: Option<f64>,
     /// Run even when the plan needs more than `memory_limit_mib`. Default `false`.
     pub memory_limit_force: bool,
+    /// On the CPU accelerator, run LayerNorm, GELU, softmax cross-entropy and causal
+    /// attention as fused kernels (one pass forward, a backward written for each, vectorised
+    /// for the CPU's widest instructions) instead of Burn's composed ops; `false` runs the
+    /// composed ops, which is what a GPU runs either way. Default `true`.
+    pub fused_kernels: bool,
     /// Keep the planner's measurements (the probe's steps, the collectives' seconds) in the
     /// cache folder (`$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`) and
     /// read them back on the next launch of the same model, settings, machine and build, so
@@ -119,6 +124,7 @@ impl Default for HardwareConfig {
             cpu_cores: None,
             memory_limit_mib: None,
             memory_limit_force: false,
+            fused_kernels: true,
             plan_cache: true,
         }
     }

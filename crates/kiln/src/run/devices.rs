@@ -265,7 +265,9 @@ pub fn cuda_cards() -> std::result::Result<Vec<CudaCard>, String> {
 pub fn devices_report() -> Vec<String> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut lines = vec![format!(
-        "cpu    Flex CPU backend, {cores} cores (`--devices N` runs N replicas sharing them)"
+        "cpu    Flex CPU backend, {cores} cores (`--devices N` runs N replicas sharing them); \
+         fused kernels with {} instructions",
+        kiln_models::fused::vector_level()
     )];
     let adapters = wgpu_adapters();
     if adapters.is_empty() {

@@ -33,6 +33,7 @@ where
     W: Workload,
     W::Model: burn::store::ModuleSnapshot,
 {
+    kiln_models::fused::set_enabled(config.hardware.fused_kernels);
     let chosen = resolve_devices(&config.hardware)?;
     let (devices, accelerator) = (chosen.devices, chosen.name);
     for d in &devices {
