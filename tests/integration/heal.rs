@@ -395,6 +395,53 @@ fn the_launcher_passes_a_refusal_and_a_stop_through_and_gives_up_after_its_resta
     );
 }
 
+/// A checkpoint written in the background holds its own step's buffers: BatchNorm's running
+/// statistics are shared with the training model and updated in place by the next steps, so
+/// the writer takes the model's record before the steps go on. With the writer made slow
+/// (the steps after it run while it waits), step 10's checkpoint holds exactly what a
+/// foreground write holds.
+#[test]
+fn a_slow_background_write_holds_its_own_steps_batchnorm_statistics() {
+    let base = temp_dir("async-buffers");
+    let train = [
+        "--max-steps",
+        "20",
+        "--set",
+        "train.checkpoint_every=10",
+        "--set",
+        "model.convnet.channels=[2, 2]",
+    ];
+    let sync = [
+        &["--run-dir", "sync"][..],
+        &train,
+        &["--set", "train.checkpoint_async=false"],
+    ]
+    .concat();
+    ok(&train_bin(&base, &sync));
+    let slow = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--run-dir", "slow"])
+        .args(train)
+        .current_dir(&base)
+        .env(kiln::trainer::FAULT_VAR, "0:10:slow-write=1500")
+        .output()
+        .unwrap();
+    ok(&slow);
+    // Step 10's checkpoint loaded into the run's model: its parameters and buffers.
+    let at_10 = |run: &str| {
+        let dir = base.join(run);
+        let model = kiln_models::load_run(&dir, &burn::tensor::Device::flex()).unwrap();
+        let model = kiln::checkpoint::load_model(&kiln::checkpoint::step_dir(&dir, 10), model);
+        kiln::trainer::parameter_values(&model.unwrap())
+    };
+    let (slow, sync) = (at_10("slow"), at_10("sync"));
+    let differ: Vec<usize> = (0..slow.len()).filter(|&i| slow[i] != sync[i]).collect();
+    assert!(
+        differ.is_empty(),
+        "step 10's tensors {differ:?} (of {}) differ when written in the background",
+        slow.len()
+    );
+}
+
 /// Checkpoints off the step's path: while step 20's checkpoint is being written (a writer
 /// made slow), the steps go on; a SIGKILL then leaves step 10's the newest whole one, and the
 /// resume from it ends bit for bit as the run alone.

@@ -17,5 +17,5 @@ pub use manifest::{FileDigest, MODEL_FILE, OPTIM_FILE, STATE_FILE, digest};
 pub use optimizer::{load_group_optimizer, load_optimizer, optim_file, save_optimizer};
 pub use store::{
     BEST_FILE, Best, Score, latest, list, load_model, read_best, read_state, remove_stale, save,
-    step_dir,
+    save_record, step_dir,
 };

@@ -55,6 +55,27 @@ pub fn save<M: Module>(
     keep: usize,
     score: Option<Score>,
 ) -> Result<PathBuf> {
+    save_record(
+        run_dir,
+        model.clone().into_record(),
+        optim,
+        state,
+        keep,
+        score,
+    )
+}
+
+/// [`save`] from the model's record, taken beforehand: a write in the background takes the
+/// record on the step's thread, since a model's buffers (Burn's `RunningState`, e.g.
+/// BatchNorm statistics) are shared with its clones and the next steps update them in place.
+pub fn save_record(
+    run_dir: &Path,
+    record: burn::store::ModuleRecord,
+    optim: &[(String, OptimState)],
+    state: &LoopState,
+    keep: usize,
+    score: Option<Score>,
+) -> Result<PathBuf> {
     let root = run_dir.join("checkpoints");
     std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
     let final_dir = step_dir(run_dir, state.step);
@@ -64,7 +85,7 @@ pub fn save<M: Module>(
     }
     std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let written = (|| {
-        model.clone().save_file(tmp.join(MODEL_FILE)).map_err(|e| {
+        record.save(tmp.join(MODEL_FILE)).map_err(|e| {
             Error::checkpoint(format!(
                 "{}: {}",
                 tmp.join(MODEL_FILE).display(),

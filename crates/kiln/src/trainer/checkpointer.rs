@@ -90,6 +90,9 @@ impl Checkpointer {
                 Some((metric, value))
             });
             let step = state.step;
+            // The record now, on the step's thread: the model's buffers are shared with the
+            // training model, which the next steps update while a background write runs.
+            let record = model.into_record();
             let (run_dir, keep, state) = (self.run_dir.clone(), self.keep, state.clone());
             let write = move || {
                 if let Some(delay) = super::faults::write_delay(state.step) {
@@ -99,7 +102,7 @@ impl Checkpointer {
                     metric,
                     value: *value,
                 });
-                checkpoint::save(&run_dir, &model, &optim, &state, keep, score)
+                checkpoint::save_record(&run_dir, record, &optim, &state, keep, score)
             };
             if self.background && !last {
                 let writer = std::thread::Builder::new()
