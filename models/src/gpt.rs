@@ -3,8 +3,8 @@
 //! residual connections, a final LayerNorm and an output head tied to the token embedding.
 
 use burn::nn::{
-    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Gelu, Initializer, LayerNorm,
-    LayerNormConfig, Linear, LinearConfig,
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
+    Linear, LinearConfig,
 };
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -92,14 +92,13 @@ impl CausalSelfAttention {
 pub struct Mlp {
     fc: Linear,
     proj: Linear,
-    activation: Gelu,
     dropout: Dropout,
 }
 
 impl Mlp {
     /// Applies the MLP to every position.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        // The exact GELU (`self.activation`'s), fused on the CPU.
+        // The exact GELU, fused on the CPU.
         let x = crate::fused::gelu(crate::modules::linear_rows(&self.fc, x));
         self.dropout
             .forward(crate::modules::linear_rows(&self.proj, x))
@@ -205,7 +204,6 @@ impl GptConfig {
                 mlp: Mlp {
                     fc: linear(c, 4 * c, normal(std)),
                     proj: linear(4 * c, c, residual.clone()),
-                    activation: Gelu::new(),
                     dropout: dropout(),
                 },
             })
@@ -280,6 +278,7 @@ impl Gpt {
     /// the logits' dtype (softmax and its log lose too much in 16-bit floats).
     pub fn loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [b, t, v] = logits.dims();
+        // One fused kernel on the CPU (`lm::lm_loss`, every language model's, is this one).
         crate::fused::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]))
     }
 

@@ -6,9 +6,7 @@ use burn::prelude::*;
 /// Mean next-token cross-entropy of `logits` (`[b, t, vocab]`) against `targets` (`[b, t]`),
 /// computed in f32 whatever the logits' dtype.
 pub fn lm_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-    let [b, t, v] = logits.dims();
-    // In f32 whatever the logits' dtype; one fused kernel on the CPU.
-    crate::fused::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]))
+    crate::gpt::Gpt::loss(logits, targets)
 }
 
 /// The positions `t` queries (at `start..start + t`) may not see among the `start + t` keys:
