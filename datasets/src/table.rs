@@ -193,9 +193,12 @@ fn one_line(s: &str) -> String {
 mod tests {
     use super::*;
 
+    fn path(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("kiln-table-{}-{name}.csv", std::process::id()))
+    }
+
     fn write(name: &str, text: &str) -> PathBuf {
-        let path =
-            std::env::temp_dir().join(format!("kiln-table-{}-{name}.csv", std::process::id()));
+        let path = path(name);
         std::fs::write(&path, text).unwrap();
         path
     }
@@ -238,5 +241,8 @@ mod tests {
                 .to_string()
                 .contains("0.5 is not a class")
         );
+        for name in ["ok", "cell", "ragged", "empty", "reg"] {
+            std::fs::remove_file(path(name)).unwrap();
+        }
     }
 }

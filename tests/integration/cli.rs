@@ -111,7 +111,7 @@ fn write_idx(path: &std::path::Path, header: &[u32], body: &[u8]) {
 }
 
 /// A directory with all four MNIST files valid (tiny) except as `spoil` makes them.
-fn idx_dir(name: &str, spoil: impl Fn(&std::path::Path)) -> std::path::PathBuf {
+fn idx_dir(name: &str, spoil: impl Fn(&std::path::Path)) -> crate::common::TestDir {
     let dir = temp_dir(name);
     for (split, n) in [("train", 4u32), ("t10k", 2u32)] {
         write_idx(

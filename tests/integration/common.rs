@@ -8,14 +8,42 @@ use std::time::{Duration, Instant};
 use kiln::builtin::Config;
 use serde_json::Value;
 
-/// A fresh, empty directory for one test.
-pub fn temp_dir(name: &str) -> PathBuf {
+/// A fresh, empty directory for one test, removed when the test drops it after passing (a
+/// failing test keeps its files, and says where they are).
+pub fn temp_dir(name: &str) -> TestDir {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let n = COUNTER.fetch_add(1, Ordering::SeqCst);
     let dir = std::env::temp_dir().join(format!("kiln-it-{name}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TestDir(dir)
+}
+
+/// A test's directory: a [`Path`] that is removed on drop unless the thread is panicking.
+#[derive(Debug)]
+pub struct TestDir(PathBuf);
+
+impl std::ops::Deref for TestDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TestDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("kept for inspection: {}", self.0.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// A small, fast digits config writing into `run_dir`.

@@ -349,7 +349,8 @@ fn a_model_that_creates_tensors_in_its_forward_is_refused_in_one_line_or_trains_
 #[test]
 #[ignore = "run as a child process by the_probe_refusal_prints_one_line_and_no_panic_with_rust_backtrace_set"]
 fn probe_refusal_child() {
-    let run_dir = temp_dir("custom-probe-child").join("run");
+    let dir = temp_dir("custom-probe-child");
+    let run_dir = dir.join("run");
     let config = small_config(
         &run_dir,
         &["train.max_steps=2", "precision.mode=\"bf16-mixed\""],

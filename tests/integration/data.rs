@@ -2,7 +2,7 @@
 //! thread, image folders (and their errors), and a Burn `Dataset` + `Batcher` trained as they
 //! are.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError, InMemDataset};
@@ -18,8 +18,8 @@ use crate::common::{
 };
 
 /// The embedded digits as an image folder: 400 training and 100 test images.
-fn digits_folder(name: &str) -> PathBuf {
-    let root = temp_dir(name).join("digits");
+fn digits_folder(name: &str) -> crate::common::TestDir {
+    let root = temp_dir(name);
     kiln_datasets::folder::write_folder(
         &kiln_datasets::digits(),
         &root,
@@ -411,7 +411,7 @@ fn fashion_mnist_as_an_image_folder_reaches_85_percent() {
         idx.display()
     );
     let splits = kiln_datasets::IdxKind::FashionMnist.load(&idx).unwrap();
-    let root = temp_dir("fashion-folder").join("fashion");
+    let root = temp_dir("fashion-folder");
     let written = kiln_datasets::folder::write_folder(
         &splits,
         &root,

@@ -314,7 +314,7 @@ fn a_failing_worker_stops_every_rank_with_its_message() {
         &config.kiln,
         vec![Device::flex(), Device::flex(), Device::flex()],
         "cpu".into(),
-        dir.clone(),
+        dir.to_path_buf(),
     );
     settings.seed = 1;
     let started = Instant::now();

@@ -176,7 +176,7 @@ fn an_original_gpt2_layout_without_prefix_and_with_mask_buffers_reads_the_same()
 }
 
 /// A copy of fixture `name` in a fresh folder, changed by `change`.
-fn altered(name: &str, change: impl FnOnce(&Path)) -> PathBuf {
+fn altered(name: &str, change: impl FnOnce(&Path)) -> crate::common::TestDir {
     let dir = crate::common::temp_dir(&format!("hf-{name}"));
     for entry in std::fs::read_dir(fixture(name)).unwrap() {
         let entry = entry.unwrap();

@@ -412,7 +412,7 @@ fn an_infinite_gradient_skips_the_step_on_every_replica_and_halves_the_scale() {
             &config.kiln,
             vec![Device::flex(), Device::flex()],
             "cpu".into(),
-            dir.clone(),
+            dir.to_path_buf(),
         );
         settings.parallel.strategy = strategy;
         fit(&workload, &settings).unwrap();

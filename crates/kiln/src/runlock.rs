@@ -403,11 +403,27 @@ pub fn utc(unix_s: u64) -> String {
 mod tests {
     use super::*;
 
-    fn dir(name: &str) -> PathBuf {
+    /// A fresh directory, removed when the test drops it.
+    struct Dir(PathBuf);
+
+    impl std::ops::Deref for Dir {
+        type Target = Path;
+        fn deref(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn dir(name: &str) -> Dir {
         let d = std::env::temp_dir().join(format!("kiln-lock-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
-        d
+        Dir(d)
     }
 
     fn write(dir: &Path, holder: &Holder) {

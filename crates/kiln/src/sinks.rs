@@ -448,6 +448,7 @@ mod tests {
         bytes[last] ^= 1;
         std::fs::write(&file, bytes).unwrap();
         assert!(read_scalars(&file).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -475,5 +476,6 @@ mod tests {
         assert_eq!(rows[1], format!("5,,val,1.5,0.75{empty}"));
         assert_eq!(rows[2], format!("6,,val,1.5,0.75{empty}"));
         assert_eq!(rows.len(), 3);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

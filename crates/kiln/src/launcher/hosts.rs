@@ -157,5 +157,6 @@ mod tests {
         assert_eq!(answering(&hosts, &sh), ["a"]);
         assert_eq!(answering(&hosts, "true"), hosts);
         assert_eq!(answering(&hosts, "false"), Vec::<String>::new());
+        std::fs::remove_file(&agent).unwrap();
     }
 }
