@@ -119,6 +119,23 @@ impl ConvNetConfig {
             head: LinearConfig::new(c * h * w, input.num_classes).init(device),
         }
     }
+
+    /// Training FLOPs (forward and backward) of one image: three times the forward's
+    /// multiply-adds, each two FLOPs, of the convolutions and the head (BatchNorm, ReLU and
+    /// pooling left out, as MFU counts do).
+    pub fn flops_per_sample(&self, input: &InputSpec) -> f64 {
+        let k2 = (self.kernel_size * self.kernel_size) as f64;
+        let (mut c, mut h, mut w) = (input.channels, input.height, input.width);
+        let mut macs = 0.0;
+        for &out in &self.channels {
+            macs += (c * out * h * w) as f64 * k2;
+            c = out;
+            h /= 2;
+            w /= 2;
+        }
+        macs += (c * h * w * input.num_classes) as f64;
+        6.0 * macs
+    }
 }
 
 impl ConvNet {

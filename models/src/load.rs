@@ -124,6 +124,17 @@ impl ModelSpec {
         }
     }
 
+    /// Training FLOPs of one image through the classifier this spec builds; `None` for a
+    /// language model or a spec without its input shape.
+    pub fn classifier_flops_per_sample(&self) -> Option<f64> {
+        let input = self.input?;
+        match self.model.kind {
+            ModelKind::Convnet => Some(self.model.convnet.flops_per_sample(&input)),
+            ModelKind::Mlp => Some(self.model.mlp.flops_per_sample(&input)),
+            _ => None,
+        }
+    }
+
     /// Builds a freshly initialised GPT on `device`; any other kind is an error.
     pub fn gpt(&self, device: &Device) -> Result<Gpt, String> {
         match self.model.kind {
@@ -419,4 +430,36 @@ fn one_line(e: &dyn fmt::Display) -> String {
         .split_whitespace()
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifier_flops_count_the_products_of_the_built_shapes() {
+        let input = InputSpec {
+            channels: 1,
+            height: 28,
+            width: 28,
+            num_classes: 10,
+        };
+        let mut spec = ModelSpec {
+            model: ModelSection::default(),
+            input: Some(input),
+        };
+        // The default ConvNet: 5×5 kernels, 1→16 channels on 28², 16→32 on 14², a head from
+        // 32·7² to 10; six FLOPs per multiply-add in a training step.
+        let convnet = 6.0 * (16.0 * 28.0 * 28.0 * 25.0 + 16.0 * 32.0 * 14.0 * 14.0 * 25.0)
+            + 6.0 * (32.0 * 7.0 * 7.0 * 10.0);
+        assert_eq!(spec.classifier_flops_per_sample(), Some(convnet));
+        spec.model.kind = ModelKind::Mlp;
+        let mlp = 6.0 * (784.0 * 256.0 + 256.0 * 128.0 + 128.0 * 10.0);
+        assert_eq!(spec.classifier_flops_per_sample(), Some(mlp));
+        spec.model.kind = ModelKind::Gpt;
+        assert_eq!(spec.classifier_flops_per_sample(), None);
+        spec.model.kind = ModelKind::Convnet;
+        spec.input = None;
+        assert_eq!(spec.classifier_flops_per_sample(), None);
+    }
 }

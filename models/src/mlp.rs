@@ -59,6 +59,17 @@ impl MlpConfig {
             activation: Relu::new(),
         }
     }
+
+    /// Training FLOPs (forward and backward) of one image: six per weight of the layers.
+    pub fn flops_per_sample(&self, input: &InputSpec) -> f64 {
+        let mut width = input.channels * input.height * input.width;
+        let mut macs = 0;
+        for &h in &self.hidden {
+            macs += width * h;
+            width = h;
+        }
+        6.0 * (macs + width * input.num_classes) as f64
+    }
 }
 
 impl Mlp {

@@ -191,6 +191,10 @@ pub struct Summary {
     /// Median over logging windows of the training time per optimizer step (data, compute,
     /// sync and optimizer; validation and checkpoints excluded), in seconds.
     pub step_seconds: Option<f64>,
+    /// Training FLOPs (forward and backward) of one sample as the model counts them (`None`
+    /// for a model that does not): times the samples per second, the FLOP/s achieved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops_per_sample: Option<f64>,
     /// Resident memory of the process when training started (model, optimizer, data
     /// loaded), in MiB; Linux only.
     pub start_rss_mib: Option<f64>,

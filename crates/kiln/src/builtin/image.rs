@@ -41,6 +41,10 @@ impl Workload for ImageWorkload {
         )]
     }
 
+    fn flops_per_sample(&self) -> Option<f64> {
+        self.spec.classifier_flops_per_sample()
+    }
+
     fn init_model(&self, device: &Device) -> Classifier {
         self.spec
             .classifier(device)

@@ -66,6 +66,7 @@ impl<W: Workload> Worker<'_, W> {
             accelerator: s.parallel.accelerator.clone(),
             recompute: name_of(&s.recompute.mode),
             step_seconds: median(&mut log.step_times),
+            flops_per_sample: self.workload.flops_per_sample(),
             start_rss_mib: ran.start_rss_mib,
             peak_rss_mib: process_memory_mib("VmHWM"),
             peak_heap_mib: crate::heap::peak().map(|b| b as f64 / (1024.0 * 1024.0)),
