@@ -7,9 +7,17 @@ tied to the token embedding; AdamW (0.9, 0.99), weight decay 0.1 on rank>=2 para
 gradients clipped to norm 1.0. It times optimizer steps on random windows of the text and
 prints one line of JSON: the median milliseconds per step over the steps after a warm-up.
 
+With `--world N --mode ddp|zero2|zero3` it times the same step on N processes of one thread each
+(torch.distributed over gloo on this machine, each rank a local batch of batch/N, the global
+batch the same): `ddp` wraps the model in DistributedDataParallel, `zero2` shards it with FSDP2
+(`fully_shard` per block and the root, reshard_after_forward=False: parameters kept gathered
+between forward and backward, gradients and optimizer state sharded) and `zero3` with
+reshard_after_forward=True (parameters gathered again for the backward). Rank 0 prints the
+median of the ranks' slowest step.
+
 Usage:
     python3 xtask/reference/gpt_char_torch.py --data data/text/moby-dick.txt --batch 24 \
-        --steps 30 [--threads 2]
+        --steps 30 [--threads 2] [--world 2 --mode ddp]
 """
 import argparse
 import json
@@ -65,6 +73,16 @@ class Gpt(nn.Module):
 
 
 def main():
+    args = parse()
+    if args.world == 1:
+        train(0, args)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(train, args=(args,), nprocs=args.world, join=True)
+
+
+def parse():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
     ap.add_argument("--batch", type=int, default=24)
@@ -72,8 +90,27 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="0: PyTorch's default")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--world", type=int, default=1, help="processes (one thread each when > 1)")
+    ap.add_argument("--mode", choices=["ddp", "zero2", "zero3"], default="ddp")
+    ap.add_argument("--port", type=int, default=29517)
     args = ap.parse_args()
-    if args.threads:
+    if args.batch % args.world:
+        ap.error(f"--batch {args.batch} is not a multiple of --world {args.world}")
+    return args
+
+
+def train(rank, args):
+    dist = None
+    if args.world > 1:
+        import os
+
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(args.port))
+        dist.init_process_group("gloo", rank=rank, world_size=args.world)
+        torch.set_num_threads(args.threads or 1)
+    elif args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     with open(args.data, encoding="utf-8") as f:
@@ -81,30 +118,54 @@ def main():
     chars = sorted(set(text))
     index = {c: i for i, c in enumerate(chars)}
     ids = torch.tensor([index[c] for c in text], dtype=torch.long)
-    train = ids[: int(round(0.9 * len(ids)))]
+    train_ids = ids[: int(round(0.9 * len(ids)))]
 
     model = Gpt(len(chars))
+    if dist is not None and args.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    elif dist is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = args.mode == "zero3"
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
         lr=1e-3, betas=(0.9, 0.99), eps=1e-8,
     )
+    torch.manual_seed(args.seed + rank)  # each rank its own windows
+    local = args.batch // args.world
     times = []
     for step in range(args.warmup + args.steps):
-        starts = torch.randint(0, len(train) - CTX - 1, (args.batch,))
-        windows = torch.stack([train[s : s + CTX + 1] for s in starts])
+        starts = torch.randint(0, len(train_ids) - CTX - 1, (local,))
+        windows = torch.stack([train_ids[s : s + CTX + 1] for s in starts])
         t0 = time.perf_counter()
         loss = model(windows[:, :-1], windows[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        elapsed = time.perf_counter() - t0
+        if dist is not None:
+            slowest = torch.tensor([elapsed], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            elapsed = slowest.item()
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(elapsed)
+    if dist is not None:
+        dist.destroy_process_group()
+    if rank != 0:
+        return
     print(json.dumps({
         "ms_per_step": 1e3 * statistics.median(times),
         "batch": args.batch,
+        "world": args.world,
+        "mode": args.mode if args.world > 1 else "one process",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "final_loss": loss.item(),

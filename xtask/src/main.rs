@@ -64,9 +64,11 @@ commands:
                                         kiln's MPI all-reduce bandwidth vs MPI_Allreduce
                                         (needs OpenMPI and libclang; builds the mpi feature)
   bench cpu [--steps N] [--rounds N] [--reference PYTHON]
-                                        one CPU device: ms/step and samples/s of the GPT (batch
-                                        24) and the MNIST ConvNet with hardware.cpu_split auto
-                                        and off, and the GPT in PyTorch with --reference
+                                        ms/step, samples/s and GFLOP/s against the f32 GEMM
+                                        peak: the GPT (batch 24), the Llama and the MNIST
+                                        ConvNet on one CPU device (cpu_split auto and off, fused
+                                        kernels and composed ops), the GPT under ddp, zero2 and
+                                        zero3 on 2 devices, and each in PyTorch with --reference
   bench data [--steps N] [--rounds N] [--workers 1,2] [--size PX] [--input PX] [--train N]
                                         samples/s and the step's data share (pct_data) of the
                                         ConvNet on Fashion-MNIST as upscaled JPEGs, data.workers
