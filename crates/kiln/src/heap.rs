@@ -92,9 +92,56 @@ pub fn reset_peak() {
 
 /// Hands the pages mimalloc keeps after frees back to the system, so that the resident set
 /// holds what is live (and the code, stacks and data outside the heap): the planner measures
-/// what a step adds from there. Only the calling thread's heap and the abandoned ones are
+/// what a step adds from there. A forced collection: it does not wait for the purge delay
+/// ([`keep_freed_pages`]). Only the calling thread's heap and the abandoned ones are
 /// collected; call it while no other thread allocates much.
 pub fn release_free() {
     // SAFETY: `mi_collect` takes no pointer and may be called from any thread at any time.
     unsafe { libmimalloc_sys::mi_collect(true) };
+}
+
+/// mimalloc's `mi_option_purge_delay` (its place in `mi_option_t` of the bundled mimalloc 3,
+/// and of mimalloc 2; `libmimalloc-sys` does not name it): how many milliseconds a freed page
+/// waits before it goes back to the system (times `arena_purge_mult` for a whole arena).
+const PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+/// mimalloc 3's own default for [`PURGE_DELAY`].
+const MIMALLOC_DEFAULT_PURGE_DELAY: std::ffi::c_long = 1000;
+/// The delay a run sets: an hour, longer than any gap between two steps.
+const RUN_PURGE_DELAY: std::ffi::c_long = 3_600_000;
+
+/// Keeps the pages a step frees for the next step instead of handing them back to the system
+/// a second after they were freed (mimalloc's default): every op's output is a fresh buffer, and a page
+/// handed back costs a page fault and a zeroed page when the next step takes it again (on this
+/// project's 2-core machine the GPT recipe's step took 1.5× as long with the default,
+/// BENCHMARKS.md). [`release_free`] still hands everything back at once where the planner and
+/// the worker measure from a clean heap. Leaves a delay that the environment chose
+/// (`MIMALLOC_PURGE_DELAY`) or that a program set as it is; does nothing to another allocator.
+pub fn keep_freed_pages() {
+    // SAFETY: option reads and writes take no pointer and may be called at any time.
+    unsafe {
+        if libmimalloc_sys::mi_option_get(PURGE_DELAY) == MIMALLOC_DEFAULT_PURGE_DELAY {
+            libmimalloc_sys::mi_option_set(PURGE_DELAY, RUN_PURGE_DELAY);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_keeps_freed_pages_unless_the_environment_chose_a_delay() {
+        keep_freed_pages();
+        // SAFETY: an option read takes no pointer.
+        let now = unsafe { libmimalloc_sys::mi_option_get(PURGE_DELAY) };
+        // A wrong option index would not have read mimalloc's default of 1000 and set nothing.
+        match std::env::var("MIMALLOC_PURGE_DELAY") {
+            Ok(chosen) => assert_eq!(Some(now), chosen.trim().parse().ok()),
+            Err(_) => assert_eq!(now, RUN_PURGE_DELAY),
+        }
+        // Twice changes nothing, and a forced collection still runs.
+        keep_freed_pages();
+        assert_eq!(unsafe { libmimalloc_sys::mi_option_get(PURGE_DELAY) }, now);
+        release_free();
+    }
 }

@@ -34,6 +34,7 @@ where
     W::Model: burn::store::ModuleSnapshot,
 {
     kiln_models::fused::set_enabled(config.hardware.fused_kernels);
+    crate::heap::keep_freed_pages();
     let chosen = resolve_devices(&config.hardware)?;
     let (devices, accelerator) = (chosen.devices, chosen.name);
     for d in &devices {

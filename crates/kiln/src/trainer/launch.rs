@@ -63,6 +63,7 @@ pub fn fit_checked<W: Workload>(
     settings: &TrainerSettings,
     checked: Checked,
 ) -> Result<(Summary, W::Model)> {
+    crate::heap::keep_freed_pages();
     let setup = settings.setup();
     let sampler = checked.sampler;
     let total = total_steps(&settings.train, sampler.steps_per_epoch());
