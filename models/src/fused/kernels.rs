@@ -322,8 +322,15 @@ versions! {
     }
 
     /// Causal attention's backward from `q`, `k`, `v`, the forward's `out` and `lse` and the
-    /// output's gradient `dout` (laid out as `out`, `[B, T, H, D]`), recomputing each row's
+    /// output's gradient `dout` (laid out as `out`, `[B, T, H, D]`), recomputing the
     /// probabilities from `lse`. Writes `dq`, `dk`, `dv`, each laid out `[B, T, H, D]`.
+    ///
+    /// Keys go in blocks of [`KEY_BLOCK`]: for a block, every query row at or after its first
+    /// key recomputes its probabilities `p` and score gradients `ds` against the block's keys
+    /// into two tiles (`rows × KEY_BLOCK`) and adds `ds·k` to its `dq`; then each key of the
+    /// block sums its column of the tiles against the query rows, `dv_j = Σ_i p_ij·dout_i` and
+    /// `dk_j = Σ_i ds_ij·q_i`, in registers, written once. Held at once: the two tiles, never the
+    /// `t × t` matrices.
     pub(crate) fn attention_backward(
         q: View4,
         k: View4,
@@ -338,79 +345,96 @@ versions! {
         dv: &mut [f32],
     ) {
         let [nb, nh, t, d] = shape;
+        let bc = KEY_BLOCK.min(t);
         let mut qr = vec![0.0f32; t * d];
         let mut kr = vec![0.0f32; t * d];
         let mut kc = vec![0.0f32; d * t];
         let mut vr = vec![0.0f32; t * d];
         let mut vc = vec![0.0f32; d * t];
         let mut dor = vec![0.0f32; t * d];
-        let mut dkr = vec![0.0f32; t * d];
-        let mut dvr = vec![0.0f32; t * d];
-        let mut p = vec![0.0f32; t];
-        let mut dp = vec![0.0f32; t];
-        let mut dqi = vec![0.0f32; d];
+        let mut dqr = vec![0.0f32; t * d];
+        let mut ptile = vec![0.0f32; t * bc];
+        let mut dstile = vec![0.0f32; t * bc];
+        let mut delta = vec![0.0f32; t];
+        let mut column = vec![0.0f32; t];
+        let mut part = vec![0.0f32; d];
         for b in 0..nb {
             for h in 0..nh {
                 q.gather(b, h, t, d, &mut qr, None);
                 k.gather(b, h, t, d, &mut kr, Some(&mut kc));
                 v.gather(b, h, t, d, &mut vr, Some(&mut vc));
                 dout.gather(b, h, t, d, &mut dor, None);
-                dkr.fill(0.0);
-                dvr.fill(0.0);
-                for i in 0..t {
-                    let qi = &qr[i * d..(i + 1) * d];
-                    let doi = &dor[i * d..(i + 1) * d];
-                    let at = ((b * t + i) * nh + h) * d;
+                for (i, delta) in delta.iter_mut().enumerate() {
                     // D_i = dout_i · out_i.
-                    let delta = dot(doi, &out[at..at + d]);
-                    let lse_i = lse[(b * nh + h) * t + i];
-                    let p = &mut p[..=i];
-                    scores(p, qi, &kc, t, scale);
-                    for p in p.iter_mut() {
-                        *p = exp(*p - lse_i);
-                    }
-                    // dp_j = dout_i · v_j.
-                    let dp = &mut dp[..=i];
-                    scores(dp, doi, &vc, t, 1.0);
-                    // dp becomes ds_j = p_j·(dp_j - D_i)·scale.
-                    for (dp, &pj) in dp.iter_mut().zip(p.iter()) {
-                        *dp = pj * (*dp - delta) * scale;
-                    }
-                    weighted_rows(&mut dqi, dp, &kr);
-                    for (j, (&pj, &ds)) in p.iter().zip(dp.iter()).enumerate() {
-                        axpy(&mut dkr[j * d..(j + 1) * d], ds, qi);
-                        axpy(&mut dvr[j * d..(j + 1) * d], pj, doi);
-                    }
-                    dq[at..at + d].copy_from_slice(&dqi);
+                    let at = ((b * t + i) * nh + h) * d;
+                    *delta = dot(&dor[i * d..(i + 1) * d], &out[at..at + d]);
                 }
-                for j in 0..t {
-                    let at = ((b * t + j) * nh + h) * d;
-                    dk[at..at + d].copy_from_slice(&dkr[j * d..(j + 1) * d]);
-                    dv[at..at + d].copy_from_slice(&dvr[j * d..(j + 1) * d]);
+                dqr.fill(0.0);
+                for j0 in (0..t).step_by(bc) {
+                    let j1 = (j0 + bc).min(t);
+                    for i in j0..t {
+                        let (qi, doi) = (&qr[i * d..(i + 1) * d], &dor[i * d..(i + 1) * d]);
+                        let n = (i + 1).min(j1) - j0;
+                        let row = (i - j0) * bc;
+                        let p = &mut ptile[row..row + n];
+                        scores(p, qi, &kc[j0..], t, scale);
+                        let lse_i = lse[(b * nh + h) * t + i];
+                        for p in p.iter_mut() {
+                            *p = exp(*p - lse_i);
+                        }
+                        // dp_j = dout_i · v_j, then ds_j = p_j·(dp_j - D_i)·scale.
+                        let ds = &mut dstile[row..row + n];
+                        scores(ds, doi, &vc[j0..], t, 1.0);
+                        for (ds, &pj) in ds.iter_mut().zip(p.iter()) {
+                            *ds = pj * (*ds - delta[i]) * scale;
+                        }
+                        weighted_rows(&mut part, ds, &kr[j0 * d..]);
+                        for (g, x) in dqr[i * d..(i + 1) * d].iter_mut().zip(&part) {
+                            *g += x;
+                        }
+                    }
+                    for j in j0..j1 {
+                        // Rows i ≥ j see key j: their entries of column j - j0.
+                        let rows = t - j;
+                        let at = ((b * t + j) * nh + h) * d;
+                        for (r, c) in column[..rows].iter_mut().enumerate() {
+                            *c = ptile[(j - j0 + r) * bc + j - j0];
+                        }
+                        weighted_rows(&mut dv[at..at + d], &column[..rows], &dor[j * d..]);
+                        for (r, c) in column[..rows].iter_mut().enumerate() {
+                            *c = dstile[(j - j0 + r) * bc + j - j0];
+                        }
+                        weighted_rows(&mut dk[at..at + d], &column[..rows], &qr[j * d..]);
+                    }
+                }
+                for i in 0..t {
+                    let at = ((b * t + i) * nh + h) * d;
+                    dq[at..at + d].copy_from_slice(&dqr[i * d..(i + 1) * d]);
                 }
             }
         }
     }
 }
 
+/// Keys per block of attention's backward: its two tiles hold `t × KEY_BLOCK` values each.
+const KEY_BLOCK: usize = 64;
+
 /// `out[e] = Σ_j w[j]·rows[j·d + e]` (`d = out.len()`): a weighted sum of the first
-/// `w.len()` rows. Eight features at a time, over all the rows, so that the eight sums stay in
-/// a register instead of being loaded and stored once per row.
+/// `w.len()` rows. Thirty-two features at a time (then eight, then one), over all the rows,
+/// even and odd rows into two sets of sums: the sums stay in registers instead of being
+/// loaded and stored once per row, and enough of them are independent that the adds do not
+/// wait on each other.
 #[inline(always)]
 fn weighted_rows(out: &mut [f32], w: &[f32], rows: &[f32]) {
-    const CHUNK: usize = 8;
     let d = out.len();
     let mut e = 0;
-    while e + CHUNK <= d {
-        let mut acc = [0.0f32; CHUNK];
-        for (j, &wj) in w.iter().enumerate() {
-            let r = &rows[j * d + e..j * d + e + CHUNK];
-            for l in 0..CHUNK {
-                acc[l] += wj * r[l];
-            }
-        }
-        out[e..e + CHUNK].copy_from_slice(&acc);
-        e += CHUNK;
+    while e + 32 <= d {
+        weighted_block::<4>(&mut out[e..e + 32], w, &rows[e..], d);
+        e += 32;
+    }
+    while e + 8 <= d {
+        weighted_block::<1>(&mut out[e..e + 8], w, &rows[e..], d);
+        e += 8;
     }
     for (e, o) in out.iter_mut().enumerate().skip(e) {
         *o = w
@@ -418,6 +442,44 @@ fn weighted_rows(out: &mut [f32], w: &[f32], rows: &[f32]) {
             .enumerate()
             .map(|(j, &wj)| wj * rows[j * d + e])
             .sum();
+    }
+}
+
+/// [`weighted_rows`] for `8·G` features, read at `rows[j·d..j·d + 8·G]`: `2·G` sums of eight,
+/// each its own array so that each stays in a register.
+#[inline(always)]
+fn weighted_block<const G: usize>(out: &mut [f32], w: &[f32], rows: &[f32], d: usize) {
+    let (mut even, mut odd) = ([[0.0f32; 8]; G], [[0.0f32; 8]; G]);
+    let pairs = w.len() / 2;
+    for p in 0..pairs {
+        let (w0, w1) = (w[2 * p], w[2 * p + 1]);
+        let r0 = &rows[2 * p * d..2 * p * d + 8 * G];
+        let r1 = &rows[(2 * p + 1) * d..(2 * p + 1) * d + 8 * G];
+        for g in 0..G {
+            add_scaled8(&mut even[g], w0, &r0[8 * g..8 * g + 8]);
+            add_scaled8(&mut odd[g], w1, &r1[8 * g..8 * g + 8]);
+        }
+    }
+    if w.len() % 2 == 1 {
+        let j = w.len() - 1;
+        let r = &rows[j * d..j * d + 8 * G];
+        for g in 0..G {
+            add_scaled8(&mut even[g], w[j], &r[8 * g..8 * g + 8]);
+        }
+    }
+    for g in 0..G {
+        for l in 0..8 {
+            out[8 * g + l] = even[g][l] + odd[g][l];
+        }
+    }
+}
+
+/// `acc += w·r` over eight values.
+#[inline(always)]
+fn add_scaled8(acc: &mut [f32; 8], w: f32, r: &[f32]) {
+    let r: &[f32; 8] = r.try_into().expect("eight values");
+    for l in 0..8 {
+        acc[l] += w * r[l];
     }
 }
 

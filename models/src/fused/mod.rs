@@ -345,8 +345,15 @@ mod tests {
     fn causal_attention_equals_burns_forward_and_backward() {
         let device = Device::flex().autodiff();
         let off = DropoutConfig::new(0.0).init();
-        // T = 1 (only itself), T not a multiple of any tile, D odd, the GPT recipe's shape.
-        for [b, h, t, d] in [[1, 1, 1, 4], [2, 3, 5, 7], [2, 2, 37, 16], [24, 4, 64, 32]] {
+        // T = 1 (only itself), T not a multiple of any tile, D odd, the GPT recipe's shape,
+        // and T over three of the backward's key blocks of 64 (the last one partial).
+        for [b, h, t, d] in [
+            [1, 1, 1, 4],
+            [2, 3, 5, 7],
+            [2, 2, 37, 16],
+            [24, 4, 64, 32],
+            [1, 2, 150, 8],
+        ] {
             let c = h * d;
             // q, k, v as the models make them: strided views of one [B, T, 3C] projection.
             let qkv = leaf([b, t, 3 * c], 31, &device);
