@@ -2,7 +2,7 @@
 """PyTorch's f32 matrix-product peak on this CPU, the twin of kiln's `examples/gemm_peak.rs`.
 
 `torch.mm` of two random square matrices, on one thread and on every core (PyTorch's own
-threads), the best of a few products each; prints one line of JSON:
+threads), the best of six products each (as kiln's best of three tries of two); prints one line of JSON:
 {"size": 2048, "threads": 16, "gflops_one_thread": ..., "gflops_all_threads": ...}
 
 Usage: python3 xtask/reference/gemm_torch.py [--size 2048]
@@ -15,7 +15,7 @@ import time
 import torch
 
 
-def gflops(size, threads, reps=3):
+def gflops(size, threads, reps=6):
     torch.set_num_threads(threads)
     a, b = torch.rand(size, size), torch.rand(size, size)
     torch.mm(a, b)  # warm up
