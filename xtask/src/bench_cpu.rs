@@ -6,7 +6,7 @@
 //! them in PyTorch: the GPT in `xtask/reference/gpt_char_torch.py` (one process, or two ranks
 //! under DDP and FSDP2 over gloo), the Llama in PyTorch + `transformers`
 //! (`xtask/reference/llama_text_torch.py`, its config and tokenizer from kiln's run of the
-//! round). Within a round every run alternates; medians over rounds are compared side by side,
+//! round), the ConvNet in `xtask/reference/convnet_mnist_torch.py`. Within a round every run alternates; medians over rounds are compared side by side,
 //! each with the FLOP/s it achieved (the model's own count, `summary.json` `flops_per_sample`)
 //! beside the machine's f32 GEMM peak (`examples/gemm_peak.rs`, and PyTorch's
 //! `xtask/reference/gemm_torch.py`) measured at the start.
@@ -159,7 +159,12 @@ const RECIPES: [Recipe; 6] = [
         data: "data/mnist",
         fetch: "mnist",
         batch: 64,
-        reference: None,
+        reference: Some(Reference {
+            label: "one process, a thread per core",
+            script: "xtask/reference/convnet_mnist_torch.py",
+            args: &["--data", "data/mnist", "--batch", "64"],
+            with_run: false,
+        }),
     },
     gpt_on_two!("ddp", "DDP over gloo, 2 ranks × 1 thread"),
     gpt_on_two!(
