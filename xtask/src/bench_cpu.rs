@@ -15,7 +15,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use crate::bench_policies::built_train;
-use crate::common::{Result, TempDir, each_flag, json_number, median, positive, run_quietly};
+use crate::common::{
+    Result, TempDir, build_release, each_flag, json_number, median, positive, run_quietly,
+};
 
 /// What to measure.
 pub struct Options {
@@ -304,18 +306,8 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
 
 /// Builds the GEMM microbenchmark (release) and returns its path.
 fn built_gemm_peak(root: &Path) -> Result<std::path::PathBuf> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(&cargo)
-        .args(["build", "--release", "-q", "--example", "gemm_peak"])
-        .current_dir(root)
-        .status()
-        .map_err(|e| format!("cannot build the gemm_peak example: {e}"))?;
-    if !status.success() {
-        return Err(format!("building the gemm_peak example failed ({status})"));
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| root.join("target"), std::path::PathBuf::from);
-    Ok(target.join("release").join("examples").join("gemm_peak"))
+    let release = build_release(root, &["--example", "gemm_peak"], "the gemm_peak example")?;
+    Ok(release.join("examples").join("gemm_peak"))
 }
 
 /// A machine's f32 GEMM peak in GFLOP/s, on one thread and on every core.

@@ -9,7 +9,7 @@ use std::process::Command;
 
 use crate::bench_policies::built_train;
 use crate::common::{
-    Result, TempDir, each_flag, json_number, median, positive, positives, run_quietly,
+    Result, TempDir, each_flag, json_number, median, positive, positives, run_quietly, target_dir,
 };
 
 /// What to measure.
@@ -82,9 +82,7 @@ fn jpeg_folder(root: &Path, o: &Options) -> Result<PathBuf> {
             idx.display()
         ));
     }
-    let target =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    let out = target
+    let out = target_dir(root)
         .join("bench-data")
         .join(format!("fashion-jpeg-{}px-{}", o.size, o.train));
     if out.join("test").is_dir() {

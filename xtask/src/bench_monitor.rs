@@ -1,11 +1,10 @@
 //! `cargo xtask bench monitor`: the same run with monitoring on and off, alternated.
 
-use std::env;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::common::{Result, TempDir, json_number, median};
+use crate::common::{Result, TempDir, build_release, json_number, median};
 
 /// `bench monitor`: the same run with monitoring on and off.
 #[derive(Debug, PartialEq)]
@@ -58,19 +57,7 @@ impl MonitorBench {
 /// sinks) and off (`monitor.interval_s = 0`, no sinks), alternating which goes first, and
 /// compares the throughput each run reports in its `summary.json`.
 pub(crate) fn run(root: &Path, b: &MonitorBench) -> Result<()> {
-    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(&cargo)
-        .args(["build", "--release", "-q", "-p", "kiln", "--bin", "train"])
-        .current_dir(root)
-        .status()
-        .map_err(|e| format!("cannot build train: {e}"))?;
-    if !status.success() {
-        return Err(format!("building train failed ({status})"));
-    }
-    let target = env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    let train = root.join(target).join("release").join("train");
+    let train = build_release(root, &["-p", "kiln", "--bin", "train"], "train")?.join("train");
     let temp = TempDir::new("bench-monitor")?;
     let arms: [(&str, &[&str]); 2] = [
         ("on", &[]),

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::common::{Result, TempDir, json_number, median, run_quietly};
+use crate::common::{Result, TempDir, build_release, json_number, median, run_quietly};
 
 /// What to measure.
 pub struct Options {
@@ -46,35 +46,13 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
 /// Builds `train` (and, with `example`, the `allreduce` example) with the `mpi` feature and
 /// returns the binary's path.
 pub fn built_mpi_train(root: &Path, example: bool) -> Result<std::path::PathBuf> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut args = vec![
-        "build",
-        "--release",
-        "-q",
-        "-p",
-        "kiln",
-        "--features",
-        "mpi",
-        "--bin",
-        "train",
-    ];
+    let mut args = vec!["-p", "kiln", "--features", "mpi", "--bin", "train"];
     if example {
         args.extend(["--example", "allreduce"]);
     }
-    let status = Command::new(&cargo)
-        .args(&args)
-        .current_dir(root)
-        .status()
-        .map_err(|e| format!("cannot build kiln with the mpi feature: {e}"))?;
-    if !status.success() {
-        return Err(format!(
-            "building kiln with the mpi feature failed ({status}); it needs libopenmpi-dev and \
-             libclang-dev"
-        ));
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| root.join("target"), std::path::PathBuf::from);
-    Ok(target.join("release").join("train"))
+    let release = build_release(root, &args, "kiln with the mpi feature")
+        .map_err(|e| format!("{e}; it needs libopenmpi-dev and libclang-dev"))?;
+    Ok(release.join("train"))
 }
 
 pub fn run(root: &Path, o: &Options) -> Result<()> {

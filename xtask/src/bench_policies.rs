@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::common::{Result, TempDir, each_flag, json_number, median, positive};
+use crate::common::{Result, TempDir, build_release, each_flag, json_number, median, positive};
 
 /// What to measure.
 pub struct Options {
@@ -67,18 +67,7 @@ struct Figures {
 /// Builds the `train` binary (release) and returns its path, so that every measurement runs
 /// the same build and nothing is rebuilt in between.
 pub fn built_train(root: &Path) -> Result<std::path::PathBuf> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(&cargo)
-        .args(["build", "--release", "-q", "--bin", "train"])
-        .current_dir(root)
-        .status()
-        .map_err(|e| format!("cannot build the train binary: {e}"))?;
-    if !status.success() {
-        return Err(format!("building the train binary failed ({status})"));
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| root.join("target"), std::path::PathBuf::from);
-    let train = target.join("release").join("train");
+    let train = build_release(root, &["--bin", "train"], "the train binary")?.join("train");
     if !train.is_file() {
         return Err(format!("{}: the train binary is missing", train.display()));
     }

@@ -113,6 +113,28 @@ pub(crate) fn positive(flag: &str, raw: &str) -> Result<usize> {
         .ok_or_else(|| format!("{flag} {raw:?}: expected a positive integer"))
 }
 
+/// Cargo's target folder for the workspace at `root` (`CARGO_TARGET_DIR` where set).
+pub(crate) fn target_dir(root: &Path) -> PathBuf {
+    env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
+}
+
+/// Runs `cargo build --release -q` with `args` in `root`, so that every measurement runs one
+/// build and nothing is rebuilt in between; a failure is an error naming `what`. Returns the
+/// folder of the release build.
+pub(crate) fn build_release(root: &Path, args: &[&str], what: &str) -> Result<PathBuf> {
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(&cargo)
+        .args(["build", "--release", "-q"])
+        .args(args)
+        .current_dir(root)
+        .status()
+        .map_err(|e| format!("cannot build {what}: {e}"))?;
+    if !status.success() {
+        return Err(format!("building {what} failed ({status})"));
+    }
+    Ok(target_dir(root).join("release"))
+}
+
 /// Runs `command` (a `train`, or an `mpirun` of it) with its progress discarded; a failure is
 /// an error naming `what`, with `train`'s own message.
 pub(crate) fn run_quietly(command: &mut Command, what: &str) -> Result<()> {
