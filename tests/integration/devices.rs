@@ -104,3 +104,115 @@ fn train_devices_lists_what_is_there() {
     }
     assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
 }
+
+/// A driver library whose `cuInit` answers as the CUDA toolkit's stub does (error 34), found
+/// first on the library path, as a `stubs` folder on `LD_LIBRARY_PATH` makes it on a GPU
+/// machine. Burn's CUDA runtime loads `libcuda.so` before `libcuda.so.1`, so kiln asks the
+/// same library, and `train devices` and a CUDA run say what is wrong in one line (before,
+/// the driver answered through `libcuda.so.1` and Burn's runtime panicked on the stub).
+#[cfg(unix)]
+#[test]
+fn a_stub_cuda_library_first_on_the_path_is_named_in_one_line() {
+    let dir = temp_dir("cuda-stub");
+    let source = dir.join("stub.c");
+    std::fs::write(
+        &source,
+        "int cuInit(unsigned f) { return 34; }\n\
+         int cuDeviceGetCount(int *n) { *n = 0; return 34; }\n\
+         int cuDeviceGet(int *d, int i) { return 34; }\n\
+         int cuDeviceGetName(char *s, int n, int d) { return 34; }\n\
+         int cuDeviceTotalMem_v2(unsigned long *b, int d) { return 34; }\n",
+    )
+    .unwrap();
+    let lib = dir.join("libcuda.so");
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&source)
+        .output()
+        .expect("cc (the C compiler that links Rust programs) runs");
+    assert!(built.status.success(), "{built:?}");
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    let with_stub = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+            .args(args)
+            .current_dir(&dir)
+            .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
+            .output()
+            .unwrap()
+    };
+    let why = format!(
+        "{} is the CUDA toolkit's stub library (CUDA_ERROR_STUB_LIBRARY)",
+        lib.display()
+    );
+    let out = with_stub(&["devices"]);
+    assert!(out.status.success());
+    let report = String::from_utf8(out.stdout).unwrap();
+    let cuda = report.lines().find(|l| l.starts_with("cuda ")).unwrap();
+    assert!(cuda.contains(&why), "{report}");
+    assert!(
+        report.contains("--accelerator auto chooses cpu"),
+        "{report}"
+    );
+    let out = with_stub(&["--accelerator", "cuda", "--max-steps", "1"]);
+    let needle = if cfg!(feature = "cuda") {
+        why.as_str()
+    } else {
+        "the `cuda` feature"
+    };
+    assert_one_line_error(&out, &["hardware.accelerator = \"cuda\"", needle]);
+    assert!(
+        !dir.join("runs").exists(),
+        "a refused run wrote its directory"
+    );
+}
+
+/// A driver library that answers kiln's questions (one device, "Fake GPU") and lacks every
+/// other function of the driver API: in the `cuda` build, Burn's runtime panics on it in a
+/// thread of its own when the run first asks the device something, and the run refuses in one
+/// line that names the device and the runtime's own message; nothing is written.
+#[cfg(unix)]
+#[test]
+fn a_cuda_runtime_that_panics_at_start_is_a_one_line_refusal() {
+    let dir = temp_dir("cuda-fake");
+    let source = dir.join("fake.c");
+    std::fs::write(
+        &source,
+        "#include <string.h>\n\
+         int cuInit(unsigned f) { return 0; }\n\
+         int cuDeviceGetCount(int *n) { *n = 1; return 0; }\n\
+         int cuDeviceGet(int *d, int i) { *d = i; return 0; }\n\
+         int cuDeviceGetName(char *s, int n, int d) { strncpy(s, \"Fake GPU\", n); return 0; }\n\
+         int cuDeviceTotalMem_v2(unsigned long *b, int d) { *b = 1UL << 30; return 0; }\n",
+    )
+    .unwrap();
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(&source)
+        .output()
+        .expect("cc (the C compiler that links Rust programs) runs");
+    assert!(built.status.success(), "{built:?}");
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--accelerator", "cuda", "--max-steps", "1"])
+        .current_dir(&dir)
+        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
+        .output()
+        .unwrap();
+    let needles: &[&str] = if cfg!(feature = "cuda") {
+        &[
+            "cuda device",
+            "did not start: ",
+            " (at ",
+            "(see `train devices`)",
+        ]
+    } else {
+        &["hardware.accelerator = \"cuda\"", "the `cuda` feature"]
+    };
+    assert_one_line_error(&out, needles);
+    assert!(
+        !dir.join("runs").exists(),
+        "a refused run wrote its directory"
+    );
+}

@@ -166,6 +166,25 @@ fn cuda_devices(_indices: &[usize]) -> Result<Vec<Device>> {
     ))
 }
 
+/// Asks each device the first question its runtime answers (whether it computes in f32):
+/// where a runtime cannot start, Burn's panics in a thread of its own, which becomes a one-line
+/// refusal naming the device and what the runtime said.
+pub fn start(devices: &[Device], accelerator: &str) -> Result<()> {
+    for d in devices {
+        let device = d.clone();
+        match crate::panics::probe(move || device.supports_dtype(burn::tensor::DType::F32)) {
+            Ok(true) => {}
+            Ok(false) => return Err(Error::Device(format!("{d:?} cannot compute in f32"))),
+            Err(why) => {
+                return Err(Error::Device(format!(
+                    "{accelerator} device {d:?} did not start: {why} (see `train devices`)"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs `f` with panics caught and their messages kept off the terminal (a runtime that
 /// cannot start panics inside its library).
 fn quietly<T: Send + 'static>(
@@ -198,10 +217,16 @@ pub fn cuda_cards() -> std::result::Result<Vec<CudaCard>, String> {
     // function of that name, called with the signature the driver API documents. The library
     // stays loaded (Burn's runtime loads the same one).
     unsafe {
-        let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
-        if lib.is_null() {
+        // The names in the order Burn's CUDA runtime (cudarc) tries them, the first that
+        // loads taken: so what is asked here is the library the run will use. `libcuda.so`
+        // first, which on a machine with the toolkit may be its stub.
+        let lib = [c"libcuda.so", c"libcuda.so.1"]
+            .iter()
+            .map(|name| libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL))
+            .find(|lib| !lib.is_null());
+        let Some(lib) = lib else {
             return Err("no CUDA driver (libcuda.so.1 not found)".into());
-        }
+        };
         let sym = |name: &CStr| -> std::result::Result<*mut c_void, String> {
             let p = libc::dlsym(lib, name.as_ptr());
             if p.is_null() {
@@ -219,9 +244,17 @@ pub fn cuda_cards() -> std::result::Result<Vec<CudaCard>, String> {
             0 => {}
             100 => return Err("the CUDA driver sees no device (CUDA_ERROR_NO_DEVICE)".into()),
             code => {
-                return Err(format!(
-                    "the CUDA driver did not start (cuInit error {code})"
-                ));
+                let mut info: libc::Dl_info = std::mem::zeroed();
+                let path = if libc::dladdr(init as *const c_void, &mut info) != 0
+                    && !info.dli_fname.is_null()
+                {
+                    CStr::from_ptr(info.dli_fname)
+                        .to_string_lossy()
+                        .into_owned()
+                } else {
+                    "libcuda.so".to_string()
+                };
+                return Err(cuda_init_failure(code, &path));
             }
         }
         let mut n: c_int = 0;
@@ -252,6 +285,23 @@ pub fn cuda_cards() -> std::result::Result<Vec<CudaCard>, String> {
             });
         }
         Ok(cards)
+    }
+}
+
+/// Why `cuInit` failed, in words, for the driver library at `path`.
+#[cfg(unix)]
+fn cuda_init_failure(code: i32, path: &str) -> String {
+    match code {
+        34 => format!(
+            "the CUDA driver did not start: {path} is the CUDA toolkit's stub library \
+             (CUDA_ERROR_STUB_LIBRARY), found before the driver's own; take its folder off \
+             LD_LIBRARY_PATH"
+        ),
+        35 => format!(
+            "the CUDA driver did not start: the driver ({path}) is older than this CUDA \
+             runtime needs (CUDA_ERROR_INSUFFICIENT_DRIVER)"
+        ),
+        code => format!("the CUDA driver did not start (cuInit error {code}, {path})"),
     }
 }
 

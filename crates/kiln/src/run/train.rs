@@ -37,11 +37,7 @@ where
     crate::heap::keep_freed_pages();
     let chosen = resolve_devices(&config.hardware)?;
     let (devices, accelerator) = (chosen.devices, chosen.name);
-    for d in &devices {
-        if !d.supports_dtype(burn::tensor::DType::F32) {
-            return Err(Error::Device(format!("{d:?} cannot compute in f32")));
-        }
-    }
+    super::devices::start(&devices, &accelerator)?;
     // The starting weights and what trains, checked against the model before anything is
     // written.
     let resuming = options.resume_from.is_some();
