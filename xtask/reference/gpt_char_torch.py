@@ -6,6 +6,10 @@ d=128, 4 heads, context 64, MLP 512 with exact GELU, no biases, LayerNorm gains 
 tied to the token embedding; AdamW (0.9, 0.99), weight decay 0.1 on rank>=2 parameters,
 gradients clipped to norm 1.0. It times optimizer steps on random windows of the text and
 prints one line of JSON: the median milliseconds per step over the steps after a warm-up.
+`--shape gpu` times configs/gpt-text-gpu.toml's model instead (6 layers, d=384, 6 heads,
+context 256), `--device cuda` on a GPU (synchronised at each step's end), `--precision
+bf16-mixed` under bf16 autocast, `--dropout` with nanoGPT's dropouts (embeddings, attention
+weights, both residual branches), where kiln's GPT applies them.
 
 With `--world N --mode ddp|zero2|zero3` it times the same step on N processes of one thread each
 (torch.distributed over gloo on this machine, each rank a local batch of batch/N, the global
@@ -29,47 +33,52 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-CTX, D, N_HEAD, N_LAYER, D_FF = 64, 128, 4, 4, 512
+# (context, width, heads, layers): `cpu` is configs/gpt-text.toml's, `gpu` configs/gpt-text-gpu.toml's.
+SHAPES = {"cpu": (64, 128, 4, 4), "gpu": (256, 384, 6, 6)}
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, d, n_head, dropout):
         super().__init__()
-        self.ln1 = nn.LayerNorm(D, bias=False)
-        self.qkv = nn.Linear(D, 3 * D, bias=False)
-        self.proj = nn.Linear(D, D, bias=False)
-        self.ln2 = nn.LayerNorm(D, bias=False)
-        self.fc = nn.Linear(D, D_FF, bias=False)
-        self.out = nn.Linear(D_FF, D, bias=False)
+        self.d, self.n_head, self.dropout = d, n_head, dropout
+        self.ln1 = nn.LayerNorm(d, bias=False)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.ln2 = nn.LayerNorm(d, bias=False)
+        self.fc = nn.Linear(d, 4 * d, bias=False)
+        self.out = nn.Linear(4 * d, d, bias=False)
 
     def forward(self, x):
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(D, dim=2)
-        q, k, v = (z.view(b, t, N_HEAD, c // N_HEAD).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        p = self.dropout if self.training else 0.0
+        q, k, v = self.qkv(self.ln1(x)).split(self.d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        x = x + F.dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)), p)
+        return x + F.dropout(self.out(F.gelu(self.fc(self.ln2(x)))), p)
 
 
 class Gpt(nn.Module):
-    def __init__(self, vocab):
+    def __init__(self, vocab, shape, dropout):
         super().__init__()
-        self.wte = nn.Embedding(vocab, D)
-        self.wpe = nn.Embedding(CTX, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(N_LAYER))
-        self.ln_f = nn.LayerNorm(D, bias=False)
+        ctx, d, n_head, n_layer = shape
+        self.dropout = dropout
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d, bias=False)
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * N_LAYER) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "out.weight")) else 0.02
                 nn.init.normal_(p, std=std)
 
     def forward(self, idx, targets):
-        pos = torch.arange(idx.shape[1])
-        x = self.wte(idx) + self.wpe(pos)
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = F.dropout(self.wte(idx) + self.wpe(pos), self.dropout if self.training else 0.0)
         for block in self.blocks:
             x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.T
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def main():
@@ -93,9 +102,15 @@ def parse():
     ap.add_argument("--world", type=int, default=1, help="processes (one thread each when > 1)")
     ap.add_argument("--mode", choices=["ddp", "zero2", "zero3"], default="ddp")
     ap.add_argument("--port", type=int, default=29517)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (one process)")
+    ap.add_argument("--precision", choices=["f32", "bf16-mixed"], default="f32")
     args = ap.parse_args()
     if args.batch % args.world:
         ap.error(f"--batch {args.batch} is not a multiple of --world {args.world}")
+    if args.device != "cpu" and args.world > 1:
+        ap.error("--device cuda runs one process (--world 1)")
     return args
 
 
@@ -120,7 +135,10 @@ def train(rank, args):
     ids = torch.tensor([index[c] for c in text], dtype=torch.long)
     train_ids = ids[: int(round(0.9 * len(ids)))]
 
-    model = Gpt(len(chars))
+    shape = SHAPES[args.shape]
+    ctx = shape[0]
+    device = torch.device(args.device)
+    model = Gpt(len(chars), shape, args.dropout).to(device)
     if dist is not None and args.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -138,18 +156,24 @@ def train(rank, args):
         [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
         lr=1e-3, betas=(0.9, 0.99), eps=1e-8,
     )
+    cuda = device.type == "cuda"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
     torch.manual_seed(args.seed + rank)  # each rank its own windows
     local = args.batch // args.world
     times = []
     for step in range(args.warmup + args.steps):
-        starts = torch.randint(0, len(train_ids) - CTX - 1, (local,))
-        windows = torch.stack([train_ids[s : s + CTX + 1] for s in starts])
+        starts = torch.randint(0, len(train_ids) - ctx - 1, (local,))
+        windows = torch.stack([train_ids[s : s + ctx + 1] for s in starts])
         t0 = time.perf_counter()
-        loss = model(windows[:, :-1], windows[:, 1:])
+        windows = windows.to(device)
+        with autocast:
+            loss = model(windows[:, :-1], windows[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         if dist is not None:
             slowest = torch.tensor([elapsed], dtype=torch.float64)
@@ -167,6 +191,11 @@ def train(rank, args):
         "world": args.world,
         "mode": args.mode if args.world > 1 else "one process",
         "threads": torch.get_num_threads(),
+        "shape": args.shape,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "precision": args.precision,
+        "tokens_per_s": args.batch * ctx / statistics.median(times),
+        "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
         "torch": torch.__version__,
         "final_loss": loss.item(),
     }))
