@@ -105,6 +105,34 @@ fn train_devices_lists_what_is_there() {
     assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
 }
 
+/// Builds `libcuda.so` from the C `source` in `dir` (with `cc`, the C compiler that links Rust
+/// programs) and returns a runner of `train` in `dir` that finds it first on the library path.
+#[cfg(unix)]
+fn with_fake_driver(
+    dir: &std::path::Path,
+    source: &str,
+) -> impl Fn(&[&str]) -> std::process::Output {
+    let c = dir.join("libcuda.c");
+    std::fs::write(&c, source).unwrap();
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(&c)
+        .output()
+        .expect("cc (the C compiler that links Rust programs) runs");
+    assert!(built.status.success(), "{built:?}");
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    let dir = dir.to_path_buf();
+    move |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+            .args(args)
+            .current_dir(&dir)
+            .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
+            .output()
+            .unwrap()
+    }
+}
+
 /// A driver library whose `cuInit` answers as the CUDA toolkit's stub does (error 34), found
 /// first on the library path, as a `stubs` folder on `LD_LIBRARY_PATH` makes it on a GPU
 /// machine. Burn's CUDA runtime loads `libcuda.so` before `libcuda.so.1`, so kiln asks the
@@ -114,38 +142,19 @@ fn train_devices_lists_what_is_there() {
 #[test]
 fn a_stub_cuda_library_first_on_the_path_is_named_in_one_line() {
     let dir = temp_dir("cuda-stub");
-    let source = dir.join("stub.c");
-    std::fs::write(
-        &source,
+    let train = with_fake_driver(
+        &dir,
         "int cuInit(unsigned f) { return 34; }\n\
          int cuDeviceGetCount(int *n) { *n = 0; return 34; }\n\
          int cuDeviceGet(int *d, int i) { return 34; }\n\
          int cuDeviceGetName(char *s, int n, int d) { return 34; }\n\
          int cuDeviceTotalMem_v2(unsigned long *b, int d) { return 34; }\n",
-    )
-    .unwrap();
-    let lib = dir.join("libcuda.so");
-    let built = std::process::Command::new("cc")
-        .args(["-shared", "-fPIC", "-o"])
-        .arg(&lib)
-        .arg(&source)
-        .output()
-        .expect("cc (the C compiler that links Rust programs) runs");
-    assert!(built.status.success(), "{built:?}");
-    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    let with_stub = |args: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_train"))
-            .args(args)
-            .current_dir(&dir)
-            .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
-            .output()
-            .unwrap()
-    };
+    );
     let why = format!(
         "{} is the CUDA toolkit's stub library (CUDA_ERROR_STUB_LIBRARY)",
-        lib.display()
+        dir.join("libcuda.so").display()
     );
-    let out = with_stub(&["devices"]);
+    let out = train(&["devices"]);
     assert!(out.status.success());
     let report = String::from_utf8(out.stdout).unwrap();
     let cuda = report.lines().find(|l| l.starts_with("cuda ")).unwrap();
@@ -154,7 +163,7 @@ fn a_stub_cuda_library_first_on_the_path_is_named_in_one_line() {
         report.contains("--accelerator auto chooses cpu"),
         "{report}"
     );
-    let out = with_stub(&["--accelerator", "cuda", "--max-steps", "1"]);
+    let out = train(&["--accelerator", "cuda", "--max-steps", "1"]);
     let needle = if cfg!(feature = "cuda") {
         why.as_str()
     } else {
@@ -175,31 +184,16 @@ fn a_stub_cuda_library_first_on_the_path_is_named_in_one_line() {
 #[test]
 fn a_cuda_runtime_that_panics_at_start_is_a_one_line_refusal() {
     let dir = temp_dir("cuda-fake");
-    let source = dir.join("fake.c");
-    std::fs::write(
-        &source,
+    let train = with_fake_driver(
+        &dir,
         "#include <string.h>\n\
          int cuInit(unsigned f) { return 0; }\n\
          int cuDeviceGetCount(int *n) { *n = 1; return 0; }\n\
          int cuDeviceGet(int *d, int i) { *d = i; return 0; }\n\
          int cuDeviceGetName(char *s, int n, int d) { strncpy(s, \"Fake GPU\", n); return 0; }\n\
          int cuDeviceTotalMem_v2(unsigned long *b, int d) { *b = 1UL << 30; return 0; }\n",
-    )
-    .unwrap();
-    let built = std::process::Command::new("cc")
-        .args(["-shared", "-fPIC", "-o"])
-        .arg(dir.join("libcuda.so"))
-        .arg(&source)
-        .output()
-        .expect("cc (the C compiler that links Rust programs) runs");
-    assert!(built.status.success(), "{built:?}");
-    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
-        .args(["--accelerator", "cuda", "--max-steps", "1"])
-        .current_dir(&dir)
-        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
-        .output()
-        .unwrap();
+    );
+    let out = train(&["--accelerator", "cuda", "--max-steps", "1"]);
     let needles: &[&str] = if cfg!(feature = "cuda") {
         &[
             "cuda device",
