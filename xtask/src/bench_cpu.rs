@@ -6,10 +6,11 @@
 //! them in PyTorch: the GPT in `xtask/reference/gpt_char_torch.py` (one process, or two ranks
 //! under DDP and FSDP2 over gloo), the Llama in PyTorch + `transformers`
 //! (`xtask/reference/llama_text_torch.py`, its config and tokenizer from kiln's run of the
-//! round), the ConvNet in `xtask/reference/convnet_mnist_torch.py`. Within a round every run alternates; medians over rounds are compared side by side,
-//! each with the FLOP/s it achieved (the model's own count, `summary.json` `flops_per_sample`)
-//! beside the machine's f32 GEMM peak (`examples/gemm_peak.rs`, and PyTorch's
-//! `xtask/reference/gemm_torch.py`) measured at the start.
+//! round), the ConvNet in `xtask/reference/convnet_mnist_torch.py`. Within a round every run
+//! alternates; medians over rounds are compared side by side, each with the FLOP/s it achieved
+//! (the model's own count, `summary.json` `flops_per_sample`) beside the machine's f32 GEMM
+//! peak (`examples/gemm_peak.rs`, and PyTorch's `xtask/reference/gemm_torch.py`) measured at
+//! the start.
 
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -246,6 +246,13 @@ where
         .map(|i| i % workload.train_len().max(1))
         .collect();
     let objective = |loss: Tensor<1>| loss;
+    // A GPU's work ends when the device says so, not when its calls return (the clock read
+    // without waiting put a GPU step at a quarter of what it took).
+    let wait = || {
+        device
+            .sync()
+            .map_err(|e| Error::Device(format!("{device:?} failed in the probe: {e}")))
+    };
     // Per timed step: compute, update, data, inside.
     let mut timed_steps: Vec<[f64; 4]> = Vec::with_capacity(TIMED);
     for step in 0..warm + TIMED {
@@ -274,18 +281,11 @@ where
             let outs = strategy.micro_steps(&mut batches.into_iter(), count, &objective);
             crate::exec::draws::end();
             outs?;
-            // A GPU's work ends when the device says so, not when its calls return (the
-            // clock read without waiting put a GPU step at a quarter of what it took).
-            let wait = |device: &Device| {
-                device
-                    .sync()
-                    .map_err(|e| Error::Device(format!("{device:?} failed in the probe: {e}")))
-            };
-            wait(&device)?;
+            wait()?;
             let inside = strategy.take_sync_seconds();
             let t2 = Instant::now();
             strategy.optimizer_step(1e-9, None, s.train.grad_clip)?;
-            wait(&device)?;
+            wait()?;
             let sync = strategy.take_sync_seconds();
             let t3 = Instant::now();
             this[0] += (t2 - t1).as_secs_f64() - inside;

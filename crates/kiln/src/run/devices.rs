@@ -92,7 +92,7 @@ pub fn auto_choice() -> (Accelerator, String) {
 /// WGPU's adapters, in the order `train devices` lists them; none where the runtime fails to
 /// start (no graphics stack), which must read as none found, not as a crash.
 pub fn wgpu_adapters() -> Vec<Adapter> {
-    quietly(|| {
+    crate::panics::probe(|| {
         Device::enumerate(DeviceType::Wgpu)
             .into_iter()
             .map(|d| match d.identity() {
@@ -112,7 +112,8 @@ pub fn wgpu_adapters() -> Vec<Adapter> {
 
 fn wgpu_devices(indices: &[usize]) -> Result<Vec<Device>> {
     let adapters: Vec<Device> =
-        quietly(|| Device::enumerate(DeviceType::Wgpu).into_iter().collect()).unwrap_or_default();
+        crate::panics::probe(|| Device::enumerate(DeviceType::Wgpu).into_iter().collect())
+            .unwrap_or_default();
     indices
         .iter()
         .map(|&i| {
@@ -185,26 +186,11 @@ pub fn start(devices: &[Device], accelerator: &str) -> Result<()> {
     Ok(())
 }
 
-/// Runs `f` with panics caught and their messages kept off the terminal (a runtime that
-/// cannot start panics inside its library).
-fn quietly<T: Send + 'static>(
-    f: impl FnOnce() -> T + std::panic::UnwindSafe + Send + 'static,
-) -> Option<T> {
-    crate::panics::quiet_worker_panics();
-    let name = format!("{}-devices", crate::panics::PROBE_THREAD);
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(move || std::panic::catch_unwind(f).ok())
-        .ok()?
-        .join()
-        .ok()
-        .flatten()
-}
-
 /// The CUDA devices the driver reports, or why there are none: the driver library not found,
-/// the driver not starting, no device. Asks the driver itself (`libcuda.so.1`: `cuInit`,
-/// `cuDeviceGetCount`, the name and memory of each), so that a machine without CUDA is told
-/// so in one line, whatever the build.
+/// the driver not starting, no device. Asks the driver itself, through the library Burn's
+/// runtime will load (`libcuda.so`, else `libcuda.so.1`): `cuInit`, `cuDeviceGetCount`, the
+/// name and memory of each, so that a machine without CUDA is told so in one line, whatever
+/// the build.
 #[cfg(unix)]
 pub fn cuda_cards() -> std::result::Result<Vec<CudaCard>, String> {
     use std::ffi::{CStr, c_char, c_int, c_void};
