@@ -70,18 +70,8 @@ pub struct CausalSelfAttention {
 impl CausalSelfAttention {
     /// `[batch, time, n_embd]` → `[batch, time, n_embd]`; position t attends to 0..=t only.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let [b, t, c] = x.dims();
-        let h = self.n_head;
-        let d = c / h;
         let qkv = crate::modules::linear_rows(&self.qkv, x);
-        let split = |i: usize| {
-            qkv.clone()
-                .slice([0..b, 0..t, i * c..(i + 1) * c])
-                .reshape([b, t, h, d])
-                .swap_dims(1, 2)
-        };
-        let y = crate::fused::causal_attention(split(0), split(1), split(2), Some(&self.dropout));
-        let y = y.swap_dims(1, 2).reshape([b, t, c]);
+        let y = crate::fused::causal_attention_packed(qkv, self.n_head, Some(&self.dropout));
         self.dropout
             .forward(crate::modules::linear_rows(&self.proj, y))
     }

@@ -194,7 +194,7 @@ impl Conv1D {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         // One matrix product over the B·T rows (see `crate::modules::linear_rows`).
         crate::modules::on_rows(x, |rows| {
-            burn::tensor::module::linear(rows, self.weight.val(), Some(self.bias.val()))
+            crate::fused::linear(rows, self.weight.val(), Some(self.bias.val()))
         })
     }
 }

@@ -20,8 +20,14 @@ pub fn with_rng<R>(f: impl FnOnce() -> R) -> R {
 /// a batched product when T is a multiple of its row tile — one gemm per batch row, each
 /// packing the same weight again; flattened first, it is one gemm whatever B. Each output
 /// element sums over C in the same order either way.
+///
+/// The product is [`crate::fused::linear`]: on the CPU in f32, one kernel that writes its
+/// output's own buffer; elsewhere Burn's `linear`.
 pub fn linear_rows(linear: &burn::nn::Linear, x: Tensor<3>) -> Tensor<3> {
-    on_rows(x, |rows| linear.forward(rows))
+    on_rows(x, |rows| {
+        let bias = linear.bias.as_ref().map(|b| b.val());
+        crate::fused::linear(rows, linear.weight.val(), bias)
+    })
 }
 
 /// `f` on `[B, T, C]` seen as its `[B·T, C]` rows, the result back as `[B, T, N]`.

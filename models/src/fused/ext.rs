@@ -6,12 +6,17 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::backend::flex::FlexTensor;
+use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, Flex, backend_extension};
-use burn::tensor::{DType, Shape, TensorData};
+use burn::tensor::{DType, Shape};
 
-use super::kernels::{self, View4};
+use super::flex::{
+    attention_forward, attention_shape, contiguous, cross_entropy_forward, dims, f32s,
+    gelu_forward, heads_of, layer_norm_forward, linear_backward, linear_forward, operand,
+    packed_forward, packed_shape, targets, tensor, view4,
+};
+use super::kernels;
 
 /// The fused operations. Each takes and returns f32 tensors on Flex.
 #[backend_extension(Flex, Autodiff)]
@@ -36,166 +41,17 @@ pub trait FusedOps: burn::backend::Backend {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
-}
-
-/// A tensor's elements in row-major order (copied only when its layout is not that).
-fn contiguous(t: &FlexTensor) -> FlexTensor {
-    assert_eq!(
-        t.dtype(),
-        DType::F32,
-        "fused kernels take f32, got {:?}",
-        t.dtype()
-    );
-    t.to_contiguous()
-}
-
-fn f32s(t: &FlexTensor) -> &[f32] {
-    t.as_slice::<f32>().expect("a contiguous f32 tensor")
-}
-
-fn tensor(values: Vec<f32>, shape: impl Into<Shape>) -> FlexTensor {
-    FlexTensor::from_data(TensorData::new(values, shape.into()))
-}
-
-fn dims(t: &FlexTensor) -> Vec<usize> {
-    t.layout().shape().to_vec()
-}
-
-/// A 4-d tensor read through its strides (last stride 1 or not).
-fn view4(t: &FlexTensor) -> View4<'_> {
-    assert_eq!(
-        t.dtype(),
-        DType::F32,
-        "fused kernels take f32, got {:?}",
-        t.dtype()
-    );
-    let strides = t.layout().strides();
-    assert_eq!(
-        strides.len(),
-        4,
-        "attention takes [batch, heads, time, head_dim]"
-    );
-    View4 {
-        data: t.storage::<f32>(),
-        offset: t.layout().start_offset(),
-        strides: [strides[0], strides[1], strides[2], strides[3]],
-    }
-}
-
-/// A `[B, T, H, D]` buffer seen as the `[B, H, T, D]` tensor it holds.
-fn heads_view(values: Vec<f32>, [b, h, t, d]: [usize; 4]) -> FlexTensor {
-    tensor(values, [b, t, h, d]).transpose(1, 2)
-}
-
-fn targets(t: &IntTensor<Flex>) -> Vec<usize> {
-    let t = t.to_contiguous();
-    let as_index = |i: i64, n: usize| -> usize {
-        usize::try_from(i).unwrap_or_else(|_| panic!("target {i} of row {n} is negative"))
-    };
-    match t.dtype() {
-        DType::I64 => t
-            .as_slice::<i64>()
-            .unwrap()
-            .iter()
-            .enumerate()
-            .map(|(n, &i)| as_index(i, n))
-            .collect(),
-        DType::I32 => t
-            .as_slice::<i32>()
-            .unwrap()
-            .iter()
-            .enumerate()
-            .map(|(n, &i)| as_index(i as i64, n))
-            .collect(),
-        other => panic!("cross-entropy targets must be i64 or i32, got {other:?}"),
-    }
-}
-
-fn layer_norm_forward(
-    x: &FlexTensor,
-    gamma: &FlexTensor,
-    beta: &FlexTensor,
-    eps: f64,
-) -> (FlexTensor, FlexTensor) {
-    let shape = dims(x);
-    let c = *shape.last().expect("LayerNorm of a scalar");
-    let (x, gamma, beta) = (contiguous(x), contiguous(gamma), contiguous(beta));
-    let x = f32s(&x);
-    let rows = x.len() / c.max(1);
-    let mut y = vec![0.0f32; x.len()];
-    let mut stats = vec![0.0f32; rows * 2];
-    kernels::layer_norm_forward(
-        x,
-        c,
-        f32s(&gamma),
-        f32s(&beta),
-        eps as f32,
-        &mut y,
-        &mut stats,
-    );
-    (tensor(y, shape), tensor(stats, [rows, 2]))
-}
-
-fn gelu_forward(x: &FlexTensor) -> FlexTensor {
-    let shape = dims(x);
-    let x = contiguous(x);
-    let x = f32s(&x);
-    let mut y = vec![0.0f32; x.len()];
-    kernels::gelu_forward(x, &mut y);
-    tensor(y, shape)
-}
-
-fn cross_entropy_forward(logits: &FlexTensor, targets: &[usize]) -> (FlexTensor, FlexTensor) {
-    let [n, v]: [usize; 2] = dims(logits)
-        .try_into()
-        .expect("cross-entropy takes [rows, classes]");
-    assert_eq!(
-        targets.len(),
-        n,
-        "{n} rows of logits, {} targets",
-        targets.len()
-    );
-    if let Some((row, &t)) = targets.iter().enumerate().find(|(_, t)| **t >= v) {
-        panic!("target {t} of row {row} is not below the {v} classes");
-    }
-    let logits = contiguous(logits);
-    let mut lse = vec![0.0f32; n];
-    let mut scratch = vec![0.0f32; v];
-    let total = kernels::cross_entropy_forward(f32s(&logits), v, targets, &mut lse, &mut scratch);
-    (
-        tensor(vec![(total / n as f64) as f32], [1]),
-        tensor(lse, [n]),
-    )
-}
-
-fn attention_shape(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> [usize; 4] {
-    let shape: [usize; 4] = dims(q)
-        .try_into()
-        .expect("attention takes [batch, heads, time, head_dim]");
-    assert!(
-        dims(k) == shape && dims(v) == shape,
-        "q, k and v differ in shape"
-    );
-    shape
-}
-
-/// The output (a `[B, H, T, D]` view of a `[B, T, H, D]` buffer) and the rows' log-sum-exp.
-fn attention_forward(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> (FlexTensor, FlexTensor) {
-    let shape = attention_shape(q, k, v);
-    let [b, h, t, d] = shape;
-    let mut out = vec![0.0f32; b * h * t * d];
-    let mut lse = vec![0.0f32; b * h * t];
-    let scale = 1.0 / (d as f32).sqrt();
-    kernels::attention_forward(
-        view4(q),
-        view4(k),
-        view4(v),
-        shape,
-        scale,
-        &mut out,
-        &mut lse,
-    );
-    (heads_view(out, shape), tensor(lse, [b * h * t]))
+    /// Causal attention of a packed projection `qkv` (`[B, T, 3·C]`: q, k and v side by side,
+    /// each of `heads` heads), `[B, T, C]` with the heads side by side.
+    fn fused_causal_attention_packed(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self>;
+    /// `x · w` (`[M, K] · [K, N]`).
+    fn fused_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// `x · w + b` (`b`: `[N]`).
+    fn fused_linear_bias(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
 }
 
 impl FusedOps for Flex {
@@ -218,6 +74,18 @@ impl FusedOps for Flex {
 
     fn fused_causal_attention(q: FlexTensor, k: FlexTensor, v: FlexTensor) -> FlexTensor {
         attention_forward(&q, &k, &v).0
+    }
+
+    fn fused_causal_attention_packed(qkv: FlexTensor, heads: usize) -> FlexTensor {
+        packed_forward(&qkv, heads).0
+    }
+
+    fn fused_linear(x: FlexTensor, w: FlexTensor) -> FlexTensor {
+        linear_forward(&x, &w, None)
+    }
+
+    fn fused_linear_bias(x: FlexTensor, w: FlexTensor, b: FlexTensor) -> FlexTensor {
+        linear_forward(&x, &w, Some(&b))
     }
 }
 
@@ -322,9 +190,10 @@ impl Backward<Flex, 3> for AttentionBackward {
         let dout = grads.consume::<Flex>(&ops.node);
         let (q, k, v, out, lse) = ops.state;
         let shape = attention_shape(&q, &k, &v);
-        let n = shape.iter().product();
-        let (mut dq, mut dk, mut dv) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
-        let scale = 1.0 / (shape[3] as f32).sqrt();
+        let [b, h, t, d] = shape;
+        let c = h * d;
+        // One [B, T, 3, H, D] buffer; the three gradients are views of it.
+        let mut all = vec![0.0f32; 3 * b * t * c];
         kernels::attention_backward(
             view4(&q),
             view4(&k),
@@ -333,14 +202,92 @@ impl Backward<Flex, 3> for AttentionBackward {
             f32s(&lse),
             view4(&dout),
             shape,
-            scale,
-            &mut dq,
-            &mut dk,
-            &mut dv,
+            1.0 / (d as f32).sqrt(),
+            &mut all,
+            [3 * c, 0, c, 2 * c],
         );
-        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+        let all = tensor(all, [b, t, 3 * c]);
+        for (i, node) in [node_q, node_k, node_v].into_iter().enumerate() {
             if let Some(node) = node {
-                grads.register::<Flex>(node.id, heads_view(grad, shape));
+                let strides = vec![(t * 3 * c) as isize, d as isize, 3 * c as isize, 1];
+                let layout = Layout::new(Shape::from(shape.to_vec()), strides, i * c);
+                let grad = FlexTensor::from_arc(all.data_arc(), layout, DType::F32);
+                grads.register::<Flex>(node.id, grad);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct PackedAttentionBackward;
+
+impl Backward<Flex, 1> for PackedAttentionBackward {
+    /// The packed projection, the output, the rows' log-sum-exp, the heads.
+    type State = (FlexTensor, FlexTensor, FlexTensor, usize);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let dout = operand(&grads.consume::<Flex>(&ops.node));
+        let Some(node) = node else { return };
+        let (qkv, out, lse, heads) = ops.state;
+        let qkv = operand(&qkv);
+        let shape = packed_shape(&qkv, heads);
+        let [b, h, t, d] = shape;
+        let c = h * d;
+        let mut dqkv = vec![0.0f32; 3 * b * t * c];
+        kernels::attention_backward(
+            heads_of(&qkv, 0, shape),
+            heads_of(&qkv, c, shape),
+            heads_of(&qkv, 2 * c, shape),
+            out.storage::<f32>(),
+            f32s(&lse),
+            heads_of(&dout, 0, shape),
+            shape,
+            1.0 / (d as f32).sqrt(),
+            &mut dqkv,
+            [3 * c, 0, c, 2 * c],
+        );
+        grads.register::<Flex>(node.id, tensor(dqkv, [b, t, 3 * c]));
+    }
+}
+
+#[derive(Debug)]
+struct LinearBackward;
+
+impl Backward<Flex, 2> for LinearBackward {
+    /// The input and the weight.
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let dy = grads.consume::<Flex>(&ops.node);
+        let (x, w) = ops.state;
+        let want = [node_x.is_some(), node_w.is_some(), false];
+        let [dx, dw, _] = linear_backward(&x, &w, &dy, want);
+        for (node, grad) in [(node_x, dx), (node_w, dw)] {
+            if let (Some(node), Some(grad)) = (node, grad) {
+                grads.register::<Flex>(node.id, grad);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LinearBiasBackward;
+
+impl Backward<Flex, 3> for LinearBiasBackward {
+    /// The input and the weight.
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w, node_b] = ops.parents;
+        let dy = grads.consume::<Flex>(&ops.node);
+        let (x, w) = ops.state;
+        let want = [node_x.is_some(), node_w.is_some(), node_b.is_some()];
+        let [dx, dw, db] = linear_backward(&x, &w, &dy, want);
+        for (node, grad) in [(node_x, dx), (node_w, dw), (node_b, db)] {
+            if let (Some(node), Some(grad)) = (node, grad) {
+                grads.register::<Flex>(node.id, grad);
             }
         }
     }
@@ -421,6 +368,52 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
             OpsKind::UnTracked(prep) => {
                 prep.finish(attention_forward(q.primitive(), k.primitive(), v.primitive()).0)
             }
+        }
+    }
+
+    fn fused_causal_attention_packed(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self> {
+        match PackedAttentionBackward
+            .prepare::<C>([qkv.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (y, lse) = packed_forward(qkv.primitive(), heads);
+                prep.finish((qkv.primitive().clone(), y.clone(), lse, heads), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(packed_forward(qkv.primitive(), heads).0),
+        }
+    }
+
+    fn fused_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        let y = linear_forward(x.primitive(), w.primitive(), None);
+        match LinearBackward
+            .prepare::<C>([x.node(), w.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                prep.finish((x.primitive().clone(), w.primitive().clone()), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_linear_bias(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let y = linear_forward(x.primitive(), w.primitive(), Some(b.primitive()));
+        match LinearBiasBackward
+            .prepare::<C>([x.node(), w.node(), b.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                prep.finish((x.primitive().clone(), w.primitive().clone()), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
 }

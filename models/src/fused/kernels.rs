@@ -323,7 +323,11 @@ versions! {
 
     /// Causal attention's backward from `q`, `k`, `v`, the forward's `out` and `lse` and the
     /// output's gradient `dout` (laid out as `out`, `[B, T, H, D]`), recomputing the
-    /// probabilities from `lse`. Writes `dq`, `dk`, `dv`, each laid out `[B, T, H, D]`.
+    /// probabilities from `lse`. Writes `dq`, `dk` and `dv` into `grads`, laid out by
+    /// `layout = [row, q, k, v]`: head `h`'s gradient at time `i` of batch row `b` starts at
+    /// `(b·T + i)·row + base + h·D` with `base` the tensor's (`[B, T, 3, H, D]` when
+    /// `row = 3·H·D` and the bases are `0, H·D, 2·H·D`: the gradient of a packed q/k/v
+    /// projection). Every element a base reaches is written.
     ///
     /// Keys go in blocks of [`KEY_BLOCK`]: for a block, every query row at or after its first
     /// key recomputes its probabilities `p` and score gradients `ds` against the block's keys
@@ -340,11 +344,11 @@ versions! {
         dout: View4,
         shape: [usize; 4],
         scale: f32,
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
+        grads: &mut [f32],
+        layout: [usize; 4],
     ) {
         let [nb, nh, t, d] = shape;
+        let [row_len, base_q, base_k, base_v] = layout;
         let bc = KEY_BLOCK.min(t);
         let mut qr = vec![0.0f32; t * d];
         let mut kr = vec![0.0f32; t * d];
@@ -396,20 +400,22 @@ versions! {
                     for j in j0..j1 {
                         // Rows i ≥ j see key j: their entries of column j - j0.
                         let rows = t - j;
-                        let at = ((b * t + j) * nh + h) * d;
+                        let at = (b * t + j) * row_len + h * d;
                         for (r, c) in column[..rows].iter_mut().enumerate() {
                             *c = ptile[(j - j0 + r) * bc + j - j0];
                         }
-                        weighted_rows(&mut dv[at..at + d], &column[..rows], &dor[j * d..]);
+                        let dv = &mut grads[at + base_v..at + base_v + d];
+                        weighted_rows(dv, &column[..rows], &dor[j * d..]);
                         for (r, c) in column[..rows].iter_mut().enumerate() {
                             *c = dstile[(j - j0 + r) * bc + j - j0];
                         }
-                        weighted_rows(&mut dk[at..at + d], &column[..rows], &qr[j * d..]);
+                        let dk = &mut grads[at + base_k..at + base_k + d];
+                        weighted_rows(dk, &column[..rows], &qr[j * d..]);
                     }
                 }
                 for i in 0..t {
-                    let at = ((b * t + i) * nh + h) * d;
-                    dq[at..at + d].copy_from_slice(&dqr[i * d..(i + 1) * d]);
+                    let at = (b * t + i) * row_len + h * d + base_q;
+                    grads[at..at + d].copy_from_slice(&dqr[i * d..(i + 1) * d]);
                 }
             }
         }

@@ -1,5 +1,6 @@
 //! The transformer's hot operations as single CPU kernels: LayerNorm, the exact GELU,
-//! softmax cross-entropy and causal attention.
+//! softmax cross-entropy, causal attention (of q, k, v, or of the packed projection that
+//! holds them) and the Linear's matrix product.
 //!
 //! Each function here is what a model calls in place of the Burn ops it composes. On Burn's
 //! Flex CPU backend, with or without autodiff, and in f32, it runs one fused kernel forward and
@@ -10,9 +11,12 @@
 //! models ran before, so a model stays backend-generic and a GPU run is untouched.
 //!
 //! The fused kernels equal the composed ops within 1e-5 relative (forward and every gradient,
-//! the tests below); they are not bit-identical to them, since sums run in another order.
+//! `tests.rs`); they are not bit-identical to them, since sums run in another order (the
+//! Linear's products are: the same `gemm` calls as Flex's matmul).
 
 mod ext;
+mod flex;
+mod gemm;
 mod kernels;
 mod math;
 
@@ -139,6 +143,65 @@ pub fn causal_attention(
     causal_attention_fused(q, k, v)
 }
 
+/// [`causal_attention`] of a packed projection: `qkv` is `[batch, time, 3·channels]` (q, k and
+/// v side by side, each `heads` heads of `channels / heads`, as one Linear makes them), the
+/// result `[batch, time, channels]` with the heads side by side — what a transformer block
+/// does between its two projections. Fused, the kernel reads q, k and v where the projection
+/// put them and writes the projection's gradient whole: no slices, transposes or copies
+/// between, forward or backward.
+pub fn causal_attention_packed(
+    qkv: Tensor<3>,
+    heads: usize,
+    dropout: Option<&Dropout>,
+) -> Tensor<3> {
+    let [b, t, c3] = qkv.dims();
+    assert!(
+        heads > 0 && c3 % (3 * heads) == 0,
+        "packed attention: {c3} channels are not 3 × {heads} heads of one size"
+    );
+    let device = qkv.device();
+    let dropout_acts = dropout.is_some_and(|d| d.prob > 0.0 && device.is_autodiff());
+    if !dropout_acts && fused_here(qkv.dtype(), &device) {
+        return Tensor::from_dispatch(<Dispatch as FusedOps>::fused_causal_attention_packed(
+            qkv.into_dispatch(),
+            heads,
+        ));
+    }
+    let (c, d) = (c3 / 3, c3 / 3 / heads);
+    let split = |i: usize| {
+        qkv.clone()
+            .slice([0..b, 0..t, i * c..(i + 1) * c])
+            .reshape([b, t, heads, d])
+            .swap_dims(1, 2)
+    };
+    causal_attention_composed(split(0), split(1), split(2), dropout)
+        .swap_dims(1, 2)
+        .reshape([b, t, c])
+}
+
+/// `x · weight + bias` over the rows of `x` (`[rows, in]`; `weight` `[in, out]` as Burn's
+/// Linear keeps it): Burn's `linear`, fused on the CPU into one product that writes its
+/// output's own buffer, the bias its starting value, with a backward of two products and a
+/// column sum.
+pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<2> {
+    let f32_params =
+        weight.dtype() == DType::F32 && bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
+    if !(fused_here(x.dtype(), &x.device()) && f32_params) {
+        return burn::tensor::module::linear(x, weight, bias);
+    }
+    let [_, k] = x.dims();
+    let [k2, _] = weight.dims();
+    assert_eq!(k, k2, "linear: input rows of {k}, weight of {k2} inputs");
+    Tensor::from_dispatch(match bias {
+        None => <Dispatch as FusedOps>::fused_linear(x.into_dispatch(), weight.into_dispatch()),
+        Some(b) => <Dispatch as FusedOps>::fused_linear_bias(
+            x.into_dispatch(),
+            weight.into_dispatch(),
+            b.into_dispatch(),
+        ),
+    })
+}
+
 fn causal_attention_fused(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
     Tensor::from_dispatch(<Dispatch as FusedOps>::fused_causal_attention(
         q.into_dispatch(),
@@ -167,275 +230,4 @@ fn causal_attention_composed(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use burn::module::Param;
-    use burn::nn::{DropoutConfig, LayerNormConfig};
-    use burn::tensor::{Gradients, TensorData};
-
-    /// Numbers in [-2, 2) from a fixed sequence (the tests repeat exactly).
-    fn numbers(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-            })
-            .collect()
-    }
-
-    fn leaf<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
-        spread(shape, seed, 1.0, 0.0, device)
-    }
-
-    /// A leaf of `numbers·scale + shift`.
-    fn spread<const D: usize>(
-        shape: [usize; D],
-        seed: u64,
-        scale: f32,
-        shift: f32,
-        device: &Device,
-    ) -> Tensor<D> {
-        let n = shape.iter().product();
-        let v = numbers(n, seed)
-            .into_iter()
-            .map(|x| x * scale + shift)
-            .collect();
-        Tensor::<D>::from_data(TensorData::new(v, shape), device).require_grad()
-    }
-
-    fn values<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
-        t.to_data().try_to_vec::<f32>().unwrap()
-    }
-
-    /// `max|a - b| ≤ tol·max|b|`: the difference against the tensor's own scale.
-    fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
-        assert_eq!(a.len(), b.len(), "{what}: lengths");
-        let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
-        let diff = a
-            .iter()
-            .zip(b)
-            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-        assert!(
-            diff <= tol * scale,
-            "{what}: max difference {diff:e} against scale {scale:e}"
-        );
-        assert!(a.iter().all(|v| v.is_finite()), "{what}: not finite");
-    }
-
-    /// The output and the gradient of `Σ output·w` (w fixed, not all ones) for each input.
-    fn run<const D: usize, const E: usize>(
-        inputs: &[Tensor<D>],
-        f: impl Fn(Vec<Tensor<D>>) -> Tensor<E>,
-    ) -> (Vec<f32>, Vec<Vec<f32>>) {
-        let out = f(inputs.to_vec());
-        let w = Tensor::<E>::from_data(
-            TensorData::new(numbers(out.shape().num_elements(), 99), out.shape()),
-            &out.device(),
-        );
-        let grads: Gradients = (out.clone() * w).sum().backward();
-        let grads = inputs
-            .iter()
-            .map(|x| values(&x.grad(&grads).expect("a gradient")))
-            .collect();
-        (values(&out), grads)
-    }
-
-    fn assert_same<const D: usize, const E: usize>(
-        what: &str,
-        inputs: &[Tensor<D>],
-        fused: impl Fn(Vec<Tensor<D>>) -> Tensor<E>,
-        composed: impl Fn(Vec<Tensor<D>>) -> Tensor<E>,
-    ) {
-        let (y1, g1) = run(inputs, fused);
-        let (y2, g2) = run(inputs, composed);
-        assert_close(&format!("{what} forward"), &y1, &y2, 1e-5);
-        for (i, (a, b)) in g1.iter().zip(&g2).enumerate() {
-            assert_close(&format!("{what} gradient {i}"), a, b, 1e-5);
-        }
-    }
-
-    #[test]
-    fn layer_norm_equals_burns_forward_and_backward() {
-        let device = Device::flex().autodiff();
-        for (rows, c, bias) in [
-            (1, 1, true),
-            (3, 7, false),
-            (5, 33, true),
-            (24 * 64, 128, false),
-        ] {
-            let mut norm = LayerNormConfig::new(c).with_bias(bias).init(&device);
-            norm.gamma = Param::from_tensor(spread([c], 3, 0.5, 1.0, &device));
-            if bias {
-                norm.beta = Some(Param::from_tensor(spread([c], 4, 0.5, 0.0, &device)));
-            }
-            let x = leaf([rows, 2, c], 5, &device);
-            let gamma = norm.gamma.val();
-            let beta = norm.beta.as_ref().map(|b| b.val());
-            let what = format!("LayerNorm rows {rows} × {c}, bias {bias}");
-            let fused = |v: Vec<Tensor<3>>| {
-                layer_norm_fused(v[0].clone(), gamma.clone(), beta.clone(), 1e-5)
-            };
-            let composed = |v: Vec<Tensor<3>>| norm.forward(v[0].clone());
-            let (y1, g1) = run(std::slice::from_ref(&x), fused);
-            let (y2, g2) = run(std::slice::from_ref(&x), composed);
-            assert_close(&format!("{what} forward"), &y1, &y2, 1e-5);
-            assert_close(&format!("{what} dx"), &g1[0], &g2[0], 1e-5);
-            // dgamma, dbeta: gradients of the parameters themselves.
-            let param_grads = |fused: bool| {
-                let out = if fused {
-                    layer_norm_fused(x.clone(), gamma.clone(), beta.clone(), 1e-5)
-                } else {
-                    norm.forward(x.clone())
-                };
-                let w = Tensor::<3>::from_data(
-                    TensorData::new(numbers(out.shape().num_elements(), 7), out.shape()),
-                    &device,
-                );
-                let grads = (out * w).sum().backward();
-                let g = values(&norm.gamma.grad(&grads).unwrap());
-                let b = norm.beta.as_ref().map(|b| values(&b.grad(&grads).unwrap()));
-                (g, b)
-            };
-            let (fg, fb) = param_grads(true);
-            let (cg, cb) = param_grads(false);
-            assert_close(&format!("{what} dgamma"), &fg, &cg, 1e-5);
-            if let (Some(fb), Some(cb)) = (fb, cb) {
-                assert_close(&format!("{what} dbeta"), &fb, &cb, 1e-5);
-            }
-        }
-    }
-
-    #[test]
-    fn gelu_equals_burns_forward_and_backward() {
-        let device = Device::flex().autodiff();
-        for shape in [[1, 1], [7, 13], [64, 512]] {
-            // Spread to ±6 to reach both tails.
-            let x = spread(shape, 11, 3.0, 0.0, &device);
-            assert_same(
-                &format!("GELU {shape:?}"),
-                &[x],
-                |v| gelu(v[0].clone()),
-                |v| burn::tensor::activation::gelu(v[0].clone()),
-            );
-        }
-    }
-
-    #[test]
-    fn cross_entropy_equals_burns_forward_and_backward() {
-        let device = Device::flex().autodiff();
-        for (n, v) in [(1, 2), (37, 65), (24 * 64, 97), (5, 50_257)] {
-            let logits = spread([n, v], 21, 4.0, 0.0, &device);
-            let ids: Vec<i64> = (0..n).map(|i| ((i * 7919 + 13) % v) as i64).collect();
-            let targets = Tensor::<1, Int>::from_data(TensorData::new(ids, [n]), &device);
-            assert_same(
-                &format!("cross-entropy {n} × {v}"),
-                &[logits],
-                |x| cross_entropy(x[0].clone(), targets.clone()),
-                |x| cross_entropy_composed(x[0].clone(), targets.clone()),
-            );
-        }
-    }
-
-    #[test]
-    fn causal_attention_equals_burns_forward_and_backward() {
-        let device = Device::flex().autodiff();
-        let off = DropoutConfig::new(0.0).init();
-        // T = 1 (only itself), T not a multiple of any tile, D odd, the GPT recipe's shape,
-        // and T over three of the backward's key blocks of 64 (the last one partial).
-        for [b, h, t, d] in [
-            [1, 1, 1, 4],
-            [2, 3, 5, 7],
-            [2, 2, 37, 16],
-            [24, 4, 64, 32],
-            [1, 2, 150, 8],
-        ] {
-            let c = h * d;
-            // q, k, v as the models make them: strided views of one [B, T, 3C] projection.
-            let qkv = leaf([b, t, 3 * c], 31, &device);
-            let split = |x: &Tensor<3>, i: usize| {
-                x.clone()
-                    .slice([0..b, 0..t, i * c..(i + 1) * c])
-                    .reshape([b, t, h, d])
-                    .swap_dims(1, 2)
-            };
-            let what = format!("attention {:?}", [b, h, t, d]);
-            assert_same(
-                &what,
-                std::slice::from_ref(&qkv),
-                |x| causal_attention_fused(split(&x[0], 0), split(&x[0], 1), split(&x[0], 2)),
-                |x| {
-                    causal_attention_composed(
-                        split(&x[0], 0),
-                        split(&x[0], 1),
-                        split(&x[0], 2),
-                        Some(&off),
-                    )
-                },
-            );
-            // And contiguous inputs of their own.
-            let (q, k, v) = (
-                leaf([b, h, t, d], 41, &device),
-                leaf([b, h, t, d], 42, &device),
-                leaf([b, h, t, d], 43, &device),
-            );
-            assert_same(
-                &format!("{what}, contiguous"),
-                &[q, k, v],
-                |x| causal_attention_fused(x[0].clone(), x[1].clone(), x[2].clone()),
-                |x| causal_attention_composed(x[0].clone(), x[1].clone(), x[2].clone(), Some(&off)),
-            );
-        }
-    }
-
-    #[test]
-    fn without_autodiff_the_kernels_give_the_same_outputs() {
-        let device = Device::flex();
-        let x = Tensor::<2>::from_data(TensorData::new(numbers(6 * 40, 8), [6, 40]), &device);
-        assert_close(
-            "GELU",
-            &values(&gelu(x.clone())),
-            &values(&burn::tensor::activation::gelu(x.clone())),
-            1e-5,
-        );
-        let norm = LayerNormConfig::new(40).init(&device);
-        assert_close(
-            "LayerNorm",
-            &values(&layer_norm(&norm, 1e-5, x.clone())),
-            &values(&norm.forward(x.clone())),
-            1e-5,
-        );
-        let q = x.reshape([1, 2, 3, 40]);
-        let off = DropoutConfig::new(0.0).init();
-        assert_close(
-            "attention",
-            &values(&causal_attention(
-                q.clone(),
-                q.clone(),
-                q.clone(),
-                Some(&off),
-            )),
-            &values(&causal_attention_composed(q.clone(), q.clone(), q, None)),
-            1e-5,
-        );
-    }
-
-    #[test]
-    fn other_dtypes_and_live_dropout_take_burns_ops() {
-        let device = Device::flex().autodiff();
-        let x = leaf([4, 8], 1, &device);
-        // bf16: the fused kernels take f32 only, so Burn's GELU runs (and gives bf16).
-        let y = gelu(x.clone().cast(burn::tensor::FloatDType::BF16));
-        assert_eq!(y.dtype(), DType::BF16);
-        // Dropout that acts in training: the composed path, which draws the mask.
-        let live = DropoutConfig::new(0.5).init();
-        let q = leaf([1, 1, 4, 8], 2, &device);
-        let a = causal_attention(q.clone(), q.clone(), q.clone(), Some(&live));
-        let b = causal_attention_fused(q.clone(), q.clone(), q);
-        assert_ne!(values(&a), values(&b), "dropout at 0.5 changed nothing");
-    }
-}
+mod tests;
