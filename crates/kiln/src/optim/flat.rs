@@ -24,6 +24,7 @@ use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use burn::tensor::FloatDType;
 
+use super::fused;
 use crate::config::{OptimConfig, OptimizerKind, name_of};
 use crate::error::{Error, Result};
 use crate::params::{FlatLayout, dtype_bytes};
@@ -51,6 +52,10 @@ pub struct FlatOptimizer {
     weight_decay: f64,
     /// Shard elements that decay; `None` when nothing does.
     decay: Option<Tensor<1, Bool>>,
+    /// The same on the host, for the fused AdamW loop.
+    decay_flags: Option<Vec<bool>>,
+    /// AdamW's constants, for the fused loop.
+    adam: fused::Adam,
     len: usize,
     dtype: FloatDType,
     device: Device,
@@ -84,13 +89,21 @@ impl FlatOptimizer {
         };
         let len = decay.len();
         let any = decay.iter().any(|d| *d);
-        let decay = (config.weight_decay > 0.0 && any)
-            .then(|| Tensor::<1, Bool>::from_data(TensorData::new(decay.to_vec(), [len]), &device));
+        let decay_flags = (config.weight_decay > 0.0 && any).then(|| decay.to_vec());
+        let decay = decay_flags
+            .clone()
+            .map(|flags| Tensor::<1, Bool>::from_data(TensorData::new(flags, [len]), &device));
         Self {
             kind: config.name,
             rule,
             weight_decay: config.weight_decay,
             decay,
+            decay_flags,
+            adam: fused::Adam {
+                beta_1: config.beta1 as f32,
+                beta_2: config.beta2 as f32,
+                epsilon: config.eps as f32,
+            },
             len,
             dtype,
             device,
@@ -115,6 +128,15 @@ impl FlatOptimizer {
         match &mut self.rule {
             Rule::Adamw { optim, state } => {
                 let decay_rate = lr * self.weight_decay;
+                if fused::here(self.dtype, &self.device) {
+                    let decay = (self.decay_flags.as_deref())
+                        .filter(|_| decay_rate != 0.0)
+                        .map(|flags| (flags, 1.0 - decay_rate));
+                    let before = state.take().map(|s| *s);
+                    let (out, next) = fused::step(self.adam, lr, decay, params, grads, before);
+                    *state = Some(Box::new(next));
+                    return out;
+                }
                 let params = match &self.decay {
                     Some(mask) if decay_rate != 0.0 => {
                         let factor = Tensor::<1>::ones([self.len], &self.device)

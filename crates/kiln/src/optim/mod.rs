@@ -5,6 +5,7 @@
 //! flat optimizer is tested against and the burn-train comparison bench uses.
 
 pub mod flat;
+mod fused;
 
 pub use flat::{FlatOptimizer, OptimState};
 
