@@ -42,6 +42,26 @@ impl<'a> Mat<'a> {
         m
     }
 
+    /// `rows × cols` values of `data` from `offset`, a row every `row` values (columns next to
+    /// each other).
+    pub(crate) fn rows(
+        data: &'a [f32],
+        offset: usize,
+        [rows, cols]: [usize; 2],
+        row: usize,
+    ) -> Self {
+        let m = Self {
+            data,
+            offset,
+            row: row as isize,
+            col: 1,
+            rows,
+            cols,
+        };
+        m.check();
+        m
+    }
+
     /// The transpose, as a view.
     pub(crate) fn t(self) -> Self {
         Self {
@@ -134,4 +154,51 @@ pub(crate) fn column_sums(x: &[f32], n: usize) -> Vec<f32> {
         }
     }
     sums
+}
+
+/// `dst = lhs · rhs`, or `dst += lhs · rhs` when `accumulate`: `dst` holds the `[m, n]` result
+/// from `offset`, a row every `row` values.
+pub(crate) fn product_into(
+    dst: &mut [f32],
+    offset: usize,
+    row: usize,
+    lhs: Mat,
+    rhs: Mat,
+    accumulate: bool,
+) {
+    let ([m, k], [k2, n]) = (lhs.dims(), rhs.dims());
+    assert_eq!(k, k2, "a product of [{m}, {k}] by [{k2}, {n}]");
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        n <= row && offset + (m - 1) * row + n <= dst.len(),
+        "a [{m}, {n}] result a row every {row} from {offset} of {} values",
+        dst.len()
+    );
+    // SAFETY: the operands lie inside their storage (`Mat::check`), the result inside `dst`
+    // (above), and `dst` is borrowed mutably, apart from them.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst[offset..].as_mut_ptr(),
+            1,
+            row as isize,
+            accumulate,
+            lhs.ptr(),
+            lhs.col,
+            lhs.row,
+            rhs.ptr(),
+            rhs.col,
+            rhs.row,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
 }

@@ -8,9 +8,12 @@
 //! (SSE2), for AVX2 + FMA and for AVX-512F; the widest one the CPU has is picked at run time,
 //! so the same binary runs on any x86-64 (and elsewhere the plain version runs).
 //!
-//! The element-wise functions and reductions they share are in [`super::math`].
+//! The element-wise functions and reductions they share are in [`super::math`]; attention's
+//! matrix products (scores, weighted sums and their gradients, by blocks of query rows) go
+//! through [`super::gemm`], the `gemm` crate that Burn's own matmul calls.
 
-use super::math::{axpy, dot, exp, exp_shifted, max, normal_cdf_pdf, sum};
+use super::gemm::{self, Mat};
+use super::math::{dot, exp, exp_shifted, max, normal_cdf_pdf, sum};
 
 /// Generates, for each kernel `fn name(args) -> R { body }`, the plain version and the AVX2 and
 /// AVX-512 ones, and `name` itself picking among them by what the CPU reports (cached by std).
@@ -123,17 +126,9 @@ impl View4<'_> {
         self.data[i as usize]
     }
 
-    /// Copies head `(b, h)` into `rows` (`[T, D]`) and, when given, `cols` (`[D, T]`).
+    /// Copies head `(b, h)` into `rows` (`[T, D]`).
     #[inline(always)]
-    fn gather(
-        &self,
-        b: usize,
-        h: usize,
-        t: usize,
-        d: usize,
-        rows: &mut [f32],
-        cols: Option<&mut [f32]>,
-    ) {
+    fn gather(&self, b: usize, h: usize, t: usize, d: usize, rows: &mut [f32]) {
         if self.strides[3] == 1 && self.strides[2] >= 0 {
             // Rows of `d` in a row: one copy each (the models' q, k, v are such views).
             let start =
@@ -146,13 +141,6 @@ impl View4<'_> {
             for i in 0..t {
                 for j in 0..d {
                     rows[i * d + j] = self.at(b, h, i, j);
-                }
-            }
-        }
-        if let Some(cols) = cols {
-            for i in 0..t {
-                for j in 0..d {
-                    cols[j * t + i] = rows[i * d + j];
                 }
             }
         }
@@ -278,11 +266,13 @@ versions! {
         }
     }
 
-    /// Causal attention, `softmax(q·kᵀ·scale, masked to keys ≤ query)·v`, one query row at a
-    /// time: a row's scores (at most `t` of them) are all that is held, never the `t × t`
-    /// matrix, and the masked half is never computed. `out` is laid out `[B, T, H, D]` (the
-    /// model's next step reads it so); `lse` (`[B, H, T]`) gets each row's log-sum-exp for the
-    /// backward.
+    /// Causal attention, `softmax(q·kᵀ·scale, masked to keys ≤ query)·v`, by blocks of
+    /// [`QUERY_BLOCK`] query rows: a block's scores against the keys up to its last row are one
+    /// matrix product (at most `QUERY_BLOCK × T` of them held, never `T × T`), each row's
+    /// softmax is taken over its own keys (the later ones set to zero), and the block's output
+    /// is the product of those weights with the values, written straight into `out` (laid
+    /// out `[B, T, H, D]`: the model's next step reads it so). `lse` (`[B, H, T]`) gets each
+    /// row's log-sum-exp for the backward.
     pub(crate) fn attention_forward(
         q: View4,
         k: View4,
@@ -293,29 +283,37 @@ versions! {
         lse: &mut [f32],
     ) {
         let [nb, nh, t, d] = shape;
-        let mut qr = vec![0.0f32; t * d];
-        let mut kr = vec![0.0f32; t * d];
-        let mut kc = vec![0.0f32; d * t];
-        let mut vr = vec![0.0f32; t * d];
-        let mut s = vec![0.0f32; t];
-        let mut o = vec![0.0f32; d];
+        let (mut qr, mut kr, mut vr) = (vec![0.0f32; t * d], vec![0.0f32; t * d], vec![0.0f32; t * d]);
+        let mut p = vec![0.0f32; QUERY_BLOCK.min(t) * t];
         for b in 0..nb {
             for h in 0..nh {
-                q.gather(b, h, t, d, &mut qr, None);
-                k.gather(b, h, t, d, &mut kr, Some(&mut kc));
-                v.gather(b, h, t, d, &mut vr, None);
-                for i in 0..t {
-                    let row = &mut s[..=i];
-                    scores(row, &qr[i * d..(i + 1) * d], &kc, t, scale);
-                    let m = max(row);
-                    let total = exp_shifted(row, m);
-                    weighted_rows(&mut o, row, &vr);
-                    let inv = 1.0 / total;
-                    let at = ((b * t + i) * nh + h) * d;
-                    for (y, o) in out[at..at + d].iter_mut().zip(&o) {
-                        *y = o * inv;
+                q.gather(b, h, t, d, &mut qr);
+                k.gather(b, h, t, d, &mut kr);
+                v.gather(b, h, t, d, &mut vr);
+                for i0 in (0..t).step_by(QUERY_BLOCK) {
+                    let i1 = (i0 + QUERY_BLOCK).min(t);
+                    // The block's rows see the keys up to its last row.
+                    let (rows, keys) = (i1 - i0, i1);
+                    let p = &mut p[..rows * keys];
+                    let q_blk = Mat::rows(&qr, i0 * d, [rows, d], d);
+                    gemm::product_into(p, 0, keys, q_blk, Mat::rows(&kr, 0, [keys, d], d).t(), false);
+                    for (r, row) in p.chunks_exact_mut(keys).enumerate() {
+                        let (seen, later) = row.split_at_mut(i0 + r + 1);
+                        for s in seen.iter_mut() {
+                            *s *= scale;
+                        }
+                        let m = max(seen);
+                        let total = exp_shifted(seen, m);
+                        let inv = 1.0 / total;
+                        for s in seen.iter_mut() {
+                            *s *= inv;
+                        }
+                        later.fill(0.0);
+                        lse[(b * nh + h) * t + i0 + r] = m + total.ln();
                     }
-                    lse[(b * nh + h) * t + i] = m + total.ln();
+                    let at = (b * t + i0) * nh * d + h * d;
+                    let values = Mat::rows(&vr, 0, [keys, d], d);
+                    gemm::product_into(out, at, nh * d, Mat::rows(p, 0, [rows, keys], keys), values, false);
                 }
             }
         }
@@ -323,18 +321,17 @@ versions! {
 
     /// Causal attention's backward from `q`, `k`, `v`, the forward's `out` and `lse` and the
     /// output's gradient `dout` (laid out as `out`, `[B, T, H, D]`), recomputing the
-    /// probabilities from `lse`. Writes `dq`, `dk` and `dv` into `grads`, laid out by
-    /// `layout = [row, q, k, v]`: head `h`'s gradient at time `i` of batch row `b` starts at
-    /// `(b·T + i)·row + base + h·D` with `base` the tensor's (`[B, T, 3, H, D]` when
+    /// probabilities from `lse`. Adds `dq`, `dk` and `dv` into `grads` (zeros on entry), laid
+    /// out by `layout = [row, q, k, v]`: head `h`'s gradient at time `i` of batch row `b`
+    /// starts at `(b·T + i)·row + base + h·D` with `base` the tensor's (`[B, T, 3, H, D]` when
     /// `row = 3·H·D` and the bases are `0, H·D, 2·H·D`: the gradient of a packed q/k/v
-    /// projection). Every element a base reaches is written.
+    /// projection).
     ///
-    /// Keys go in blocks of [`KEY_BLOCK`]: for a block, every query row at or after its first
-    /// key recomputes its probabilities `p` and score gradients `ds` against the block's keys
-    /// into two tiles (`rows × KEY_BLOCK`) and adds `ds·k` to its `dq`; then each key of the
-    /// block sums its column of the tiles against the query rows, `dv_j = Σ_i p_ij·dout_i` and
-    /// `dk_j = Σ_i ds_ij·q_i`, in registers, written once. Held at once: the two tiles, never the
-    /// `t × t` matrices.
+    /// By blocks of [`QUERY_BLOCK`] query rows, as the forward: the block's probabilities `p`
+    /// and `dp = dout·vᵀ` against the keys up to its last row (two products), the score
+    /// gradients `ds = p·(dp − dout·out)·scale`, then `dq = ds·k` for the block's rows and
+    /// `dk += dsᵀ·q`, `dv += pᵀ·dout` for its keys (three more), each product written
+    /// straight into `grads`.
     pub(crate) fn attention_backward(
         q: View4,
         k: View4,
@@ -349,175 +346,57 @@ versions! {
     ) {
         let [nb, nh, t, d] = shape;
         let [row_len, base_q, base_k, base_v] = layout;
-        let bc = KEY_BLOCK.min(t);
-        let mut qr = vec![0.0f32; t * d];
-        let mut kr = vec![0.0f32; t * d];
-        let mut kc = vec![0.0f32; d * t];
-        let mut vr = vec![0.0f32; t * d];
-        let mut vc = vec![0.0f32; d * t];
+        let (mut qr, mut kr, mut vr) = (vec![0.0f32; t * d], vec![0.0f32; t * d], vec![0.0f32; t * d]);
         let mut dor = vec![0.0f32; t * d];
-        let mut dqr = vec![0.0f32; t * d];
-        let mut ptile = vec![0.0f32; t * bc];
-        let mut dstile = vec![0.0f32; t * bc];
-        let mut delta = vec![0.0f32; t];
-        let mut column = vec![0.0f32; t];
-        let mut part = vec![0.0f32; d];
+        let mut p = vec![0.0f32; QUERY_BLOCK.min(t) * t];
+        let mut ds = vec![0.0f32; QUERY_BLOCK.min(t) * t];
         for b in 0..nb {
             for h in 0..nh {
-                q.gather(b, h, t, d, &mut qr, None);
-                k.gather(b, h, t, d, &mut kr, Some(&mut kc));
-                v.gather(b, h, t, d, &mut vr, Some(&mut vc));
-                dout.gather(b, h, t, d, &mut dor, None);
-                for (i, delta) in delta.iter_mut().enumerate() {
-                    // D_i = dout_i · out_i.
-                    let at = ((b * t + i) * nh + h) * d;
-                    *delta = dot(&dor[i * d..(i + 1) * d], &out[at..at + d]);
-                }
-                dqr.fill(0.0);
-                for j0 in (0..t).step_by(bc) {
-                    let j1 = (j0 + bc).min(t);
-                    for i in j0..t {
-                        let (qi, doi) = (&qr[i * d..(i + 1) * d], &dor[i * d..(i + 1) * d]);
-                        let n = (i + 1).min(j1) - j0;
-                        let row = (i - j0) * bc;
-                        let p = &mut ptile[row..row + n];
-                        scores(p, qi, &kc[j0..], t, scale);
+                q.gather(b, h, t, d, &mut qr);
+                k.gather(b, h, t, d, &mut kr);
+                v.gather(b, h, t, d, &mut vr);
+                dout.gather(b, h, t, d, &mut dor);
+                let first = (b * t) * row_len + h * d;
+                for i0 in (0..t).step_by(QUERY_BLOCK) {
+                    let i1 = (i0 + QUERY_BLOCK).min(t);
+                    // The block's rows see the keys up to its last row.
+                    let (rows, keys) = (i1 - i0, i1);
+                    let (p, ds) = (&mut p[..rows * keys], &mut ds[..rows * keys]);
+                    let q_blk = Mat::rows(&qr, i0 * d, [rows, d], d);
+                    let do_blk = Mat::rows(&dor, i0 * d, [rows, d], d);
+                    let keys_k = Mat::rows(&kr, 0, [keys, d], d);
+                    let keys_v = Mat::rows(&vr, 0, [keys, d], d);
+                    gemm::product_into(p, 0, keys, q_blk, keys_k.t(), false);
+                    gemm::product_into(ds, 0, keys, do_blk, keys_v.t(), false);
+                    for (r, (p_row, ds_row)) in
+                        p.chunks_exact_mut(keys).zip(ds.chunks_exact_mut(keys)).enumerate()
+                    {
+                        let i = i0 + r;
                         let lse_i = lse[(b * nh + h) * t + i];
-                        for p in p.iter_mut() {
-                            *p = exp(*p - lse_i);
+                        let at = (b * t + i) * nh * d + h * d;
+                        // D_i = dout_i · out_i.
+                        let delta = dot(&dor[i * d..(i + 1) * d], &out[at..at + d]);
+                        for (pj, dsj) in p_row[..=i].iter_mut().zip(ds_row[..=i].iter_mut()) {
+                            *pj = exp(*pj * scale - lse_i);
+                            *dsj = *pj * (*dsj - delta) * scale;
                         }
-                        // dp_j = dout_i · v_j, then ds_j = p_j·(dp_j - D_i)·scale.
-                        let ds = &mut dstile[row..row + n];
-                        scores(ds, doi, &vc[j0..], t, 1.0);
-                        for (ds, &pj) in ds.iter_mut().zip(p.iter()) {
-                            *ds = pj * (*ds - delta[i]) * scale;
-                        }
-                        weighted_rows(&mut part, ds, &kr[j0 * d..]);
-                        for (g, x) in dqr[i * d..(i + 1) * d].iter_mut().zip(&part) {
-                            *g += x;
-                        }
+                        p_row[i + 1..].fill(0.0);
+                        ds_row[i + 1..].fill(0.0);
                     }
-                    for j in j0..j1 {
-                        // Rows i ≥ j see key j: their entries of column j - j0.
-                        let rows = t - j;
-                        let at = (b * t + j) * row_len + h * d;
-                        for (r, c) in column[..rows].iter_mut().enumerate() {
-                            *c = ptile[(j - j0 + r) * bc + j - j0];
-                        }
-                        let dv = &mut grads[at + base_v..at + base_v + d];
-                        weighted_rows(dv, &column[..rows], &dor[j * d..]);
-                        for (r, c) in column[..rows].iter_mut().enumerate() {
-                            *c = dstile[(j - j0 + r) * bc + j - j0];
-                        }
-                        let dk = &mut grads[at + base_k..at + base_k + d];
-                        weighted_rows(dk, &column[..rows], &qr[j * d..]);
-                    }
-                }
-                for i in 0..t {
-                    let at = (b * t + i) * row_len + h * d + base_q;
-                    grads[at..at + d].copy_from_slice(&dqr[i * d..(i + 1) * d]);
+                    let (p, ds) = (Mat::rows(p, 0, [rows, keys], keys), Mat::rows(ds, 0, [rows, keys], keys));
+                    let at = first + i0 * row_len;
+                    gemm::product_into(grads, at + base_q, row_len, ds, keys_k, false);
+                    gemm::product_into(grads, first + base_k, row_len, ds.t(), q_blk, true);
+                    gemm::product_into(grads, first + base_v, row_len, p.t(), do_blk, true);
                 }
             }
         }
     }
 }
 
-/// Keys per block of attention's backward: its two tiles hold `t × KEY_BLOCK` values each.
-const KEY_BLOCK: usize = 64;
-
-/// `out[e] = Σ_j w[j]·rows[j·d + e]` (`d = out.len()`): a weighted sum of the first
-/// `w.len()` rows. Thirty-two features at a time (then eight, then one), over all the rows,
-/// even and odd rows into two sets of sums: the sums stay in registers instead of being
-/// loaded and stored once per row, and enough of them are independent that the adds do not
-/// wait on each other.
-#[inline(always)]
-fn weighted_rows(out: &mut [f32], w: &[f32], rows: &[f32]) {
-    let d = out.len();
-    let mut e = 0;
-    while e + 32 <= d {
-        weighted_block::<4>(&mut out[e..e + 32], w, &rows[e..], d);
-        e += 32;
-    }
-    while e + 8 <= d {
-        weighted_block::<1>(&mut out[e..e + 8], w, &rows[e..], d);
-        e += 8;
-    }
-    for (e, o) in out.iter_mut().enumerate().skip(e) {
-        *o = w
-            .iter()
-            .enumerate()
-            .map(|(j, &wj)| wj * rows[j * d + e])
-            .sum();
-    }
-}
-
-/// [`weighted_rows`] for `8·G` features, read at `rows[j·d..j·d + 8·G]`: `2·G` sums of eight,
-/// each its own array so that each stays in a register.
-#[inline(always)]
-fn weighted_block<const G: usize>(out: &mut [f32], w: &[f32], rows: &[f32], d: usize) {
-    let (mut even, mut odd) = ([[0.0f32; 8]; G], [[0.0f32; 8]; G]);
-    let pairs = w.len() / 2;
-    for p in 0..pairs {
-        let (w0, w1) = (w[2 * p], w[2 * p + 1]);
-        let r0 = &rows[2 * p * d..2 * p * d + 8 * G];
-        let r1 = &rows[(2 * p + 1) * d..(2 * p + 1) * d + 8 * G];
-        for g in 0..G {
-            add_scaled8(&mut even[g], w0, &r0[8 * g..8 * g + 8]);
-            add_scaled8(&mut odd[g], w1, &r1[8 * g..8 * g + 8]);
-        }
-    }
-    if w.len() % 2 == 1 {
-        let j = w.len() - 1;
-        let r = &rows[j * d..j * d + 8 * G];
-        for g in 0..G {
-            add_scaled8(&mut even[g], w[j], &r[8 * g..8 * g + 8]);
-        }
-    }
-    for g in 0..G {
-        for l in 0..8 {
-            out[8 * g + l] = even[g][l] + odd[g][l];
-        }
-    }
-}
-
-/// `acc += w·r` over eight values.
-#[inline(always)]
-fn add_scaled8(acc: &mut [f32; 8], w: f32, r: &[f32]) {
-    let r: &[f32; 8] = r.try_into().expect("eight values");
-    for l in 0..8 {
-        acc[l] += w * r[l];
-    }
-}
-
-/// `row[j] = scale·Σ_e x[e]·cols[e·t + j]` for `j < row.len()`: the scores of one query against
-/// the first keys, from the keys laid out by column (`[D, T]`), so that the inner loop runs
-/// along the keys with no horizontal sum. Four columns at a time keep `row` in registers
-/// longer.
-#[inline(always)]
-fn scores(row: &mut [f32], x: &[f32], cols: &[f32], t: usize, scale: f32) {
-    let n = row.len();
-    row.fill(0.0);
-    let d = x.len();
-    let mut e = 0;
-    while e + 4 <= d {
-        let (a0, a1, a2, a3) = (x[e], x[e + 1], x[e + 2], x[e + 3]);
-        let c0 = &cols[e * t..e * t + n];
-        let c1 = &cols[(e + 1) * t..(e + 1) * t + n];
-        let c2 = &cols[(e + 2) * t..(e + 2) * t + n];
-        let c3 = &cols[(e + 3) * t..(e + 3) * t + n];
-        for j in 0..n {
-            row[j] += a0 * c0[j] + a1 * c1[j] + a2 * c2[j] + a3 * c3[j];
-        }
-        e += 4;
-    }
-    while e < d {
-        axpy(row, x[e], &cols[e * t..e * t + n]);
-        e += 1;
-    }
-    for r in row.iter_mut() {
-        *r *= scale;
-    }
-}
+/// Query rows per block of attention: a block's scores and weights hold `QUERY_BLOCK × T`
+/// values.
+const QUERY_BLOCK: usize = 64;
 
 #[cfg(test)]
 mod tests {

@@ -117,14 +117,6 @@ pub(super) fn max(x: &[f32]) -> f32 {
     acc.iter().fold(tail, |m, &v| m.max(v))
 }
 
-/// `y += a·x`.
-#[inline(always)]
-pub(super) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
-}
-
 /// `exp(x - m)` in place; returns the sum.
 #[inline(always)]
 pub(super) fn exp_shifted(x: &mut [f32], m: f32) -> f32 {
