@@ -251,41 +251,20 @@ impl Backward<Flex, 1> for PackedAttentionBackward {
     }
 }
 
+/// A Linear's backward, with a bias (three parents: input, weight, bias) or without (two).
 #[derive(Debug)]
 struct LinearBackward;
 
-impl Backward<Flex, 2> for LinearBackward {
+impl<const N: usize> Backward<Flex, N> for LinearBackward {
     /// The input and the weight.
     type State = (FlexTensor, FlexTensor);
 
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_w] = ops.parents;
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<Flex>(&ops.node);
         let (x, w) = ops.state;
-        let want = [node_x.is_some(), node_w.is_some(), false];
-        let [dx, dw, _] = linear_backward(&x, &w, &dy, want);
-        for (node, grad) in [(node_x, dx), (node_w, dw)] {
-            if let (Some(node), Some(grad)) = (node, grad) {
-                grads.register::<Flex>(node.id, grad);
-            }
-        }
-    }
-}
-
-#[derive(Debug)]
-struct LinearBiasBackward;
-
-impl Backward<Flex, 3> for LinearBiasBackward {
-    /// The input and the weight.
-    type State = (FlexTensor, FlexTensor);
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_w, node_b] = ops.parents;
-        let dy = grads.consume::<Flex>(&ops.node);
-        let (x, w) = ops.state;
-        let want = [node_x.is_some(), node_w.is_some(), node_b.is_some()];
-        let [dx, dw, db] = linear_backward(&x, &w, &dy, want);
-        for (node, grad) in [(node_x, dx), (node_w, dw), (node_b, db)] {
+        let want = std::array::from_fn(|i| ops.parents.get(i).is_some_and(Option::is_some));
+        let computed = linear_backward(&x, &w, &dy, want);
+        for (node, grad) in ops.parents.into_iter().zip(computed) {
             if let (Some(node), Some(grad)) = (node, grad) {
                 grads.register::<Flex>(node.id, grad);
             }
@@ -405,7 +384,7 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         b: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let y = linear_forward(x.primitive(), w.primitive(), Some(b.primitive()));
-        match LinearBiasBackward
+        match LinearBackward
             .prepare::<C>([x.node(), w.node(), b.node()])
             .compute_bound()
             .stateful()

@@ -115,31 +115,11 @@ pub(crate) fn product(lhs: Mat, rhs: Mat, bias: Option<&[f32]>) -> Vec<f32> {
     if k == 0 && bias.is_some() {
         return out;
     }
-    // SAFETY: `lhs` and `rhs` were checked to lie inside their storage (`Mat::of`); `out` has
-    // room for `m·n` values, which `gemm` writes all of (reading them first only when
-    // `read_dst`, that is when the bias has set them), so its length may then be `m·n`.
+    // SAFETY: `lhs` and `rhs` lie inside their storage (`Mat::check`); `out` has room for
+    // `m·n` values, which `gemm` writes all of (reading them first only when it accumulates,
+    // that is when the bias has set them), so its length may then be `m·n`.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            bias.is_some(),
-            lhs.ptr(),
-            lhs.col,
-            lhs.row,
-            rhs.ptr(),
-            rhs.col,
-            rhs.row,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
+        raw_product(out.as_mut_ptr(), n, lhs, rhs, bias.is_some());
         out.set_len(m * n);
     }
     out
@@ -178,12 +158,24 @@ pub(crate) fn product_into(
     );
     // SAFETY: the operands lie inside their storage (`Mat::check`), the result inside `dst`
     // (above), and `dst` is borrowed mutably, apart from them.
+    unsafe { raw_product(dst[offset..].as_mut_ptr(), row, lhs, rhs, accumulate) }
+}
+
+/// `gemm`'s call for both products above: `[m, n]` at `dst`, a row every `row` values, set to
+/// `lhs · rhs` or (`accumulate`) added to.
+///
+/// # Safety
+/// `dst` must be valid for writes (and, when `accumulate`, reads) of the whole result, and not
+/// overlap the operands.
+unsafe fn raw_product(dst: *mut f32, row: usize, lhs: Mat, rhs: Mat, accumulate: bool) {
+    let ([m, k], [_, n]) = (lhs.dims(), rhs.dims());
+    // SAFETY: as the caller promises for `dst`; the operands were checked by `Mat::check`.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst[offset..].as_mut_ptr(),
+            dst,
             1,
             row as isize,
             accumulate,

@@ -154,9 +154,9 @@ pub fn causal_attention_packed(
     heads: usize,
     dropout: Option<&Dropout>,
 ) -> Tensor<3> {
-    let [b, t, c3] = qkv.dims();
+    let c3 = qkv.dims()[2];
     assert!(
-        heads > 0 && c3 % (3 * heads) == 0,
+        heads > 0 && c3.is_multiple_of(3 * heads),
         "packed attention: {c3} channels are not 3 × {heads} heads of one size"
     );
     let device = qkv.device();
@@ -167,6 +167,13 @@ pub fn causal_attention_packed(
             heads,
         ));
     }
+    packed_composed(qkv, heads, dropout)
+}
+
+/// The Burn ops that [`causal_attention_packed`] replaces: q, k and v sliced out of the
+/// projection, attention, the heads put side by side again.
+fn packed_composed(qkv: Tensor<3>, heads: usize, dropout: Option<&Dropout>) -> Tensor<3> {
+    let [b, t, c3] = qkv.dims();
     let (c, d) = (c3 / 3, c3 / 3 / heads);
     let split = |i: usize| {
         qkv.clone()

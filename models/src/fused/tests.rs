@@ -223,21 +223,6 @@ fn causal_attention_equals_burns_forward_and_backward() {
     }
 }
 
-/// The composition that [`causal_attention_packed`] replaces.
-fn packed_composed(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
-    let [b, t, c3] = qkv.dims();
-    let (c, d) = (c3 / 3, c3 / 3 / heads);
-    let split = |i: usize| {
-        qkv.clone()
-            .slice([0..b, 0..t, i * c..(i + 1) * c])
-            .reshape([b, t, heads, d])
-            .swap_dims(1, 2)
-    };
-    causal_attention_composed(split(0), split(1), split(2), None)
-        .swap_dims(1, 2)
-        .reshape([b, t, c])
-}
-
 #[test]
 fn packed_attention_equals_burns_forward_and_backward() {
     let device = Device::flex().autodiff();
@@ -253,7 +238,7 @@ fn packed_attention_equals_burns_forward_and_backward() {
             &format!("packed attention {:?}", [b, h, t, d]),
             std::slice::from_ref(&qkv),
             |x| causal_attention_packed(x[0].clone(), h, None),
-            |x| packed_composed(x[0].clone(), h),
+            |x| packed_composed(x[0].clone(), h, None),
         );
         // A projection that is itself a view: the first 3·C of wider rows.
         let wide = leaf([b, t, 3 * h * d + 5], 52, &device);
@@ -262,7 +247,7 @@ fn packed_attention_equals_burns_forward_and_backward() {
             &format!("packed attention {:?}, strided", [b, h, t, d]),
             std::slice::from_ref(&wide),
             |x| causal_attention_packed(view(&x[0]), h, None),
-            |x| packed_composed(view(&x[0]), h),
+            |x| packed_composed(view(&x[0]), h, None),
         );
     }
 }
@@ -355,7 +340,7 @@ fn without_autodiff_the_kernels_give_the_same_outputs() {
     assert_close(
         "packed attention",
         &values(&causal_attention_packed(qkv.clone(), 5, None)),
-        &values(&packed_composed(qkv, 5)),
+        &values(&packed_composed(qkv, 5, None)),
         1e-5,
     );
     let w = Tensor::<2>::from_data(TensorData::new(numbers(40 * 9, 9), [40, 9]), &device);
