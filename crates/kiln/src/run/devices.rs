@@ -75,18 +75,40 @@ pub fn auto_choice() -> (Accelerator, String) {
     } else {
         "this build has no CUDA (the `cuda` feature)".to_string()
     };
-    let adapters = wgpu_adapters();
-    if let Some(a) = adapters.iter().find(|a| a.hardware) {
-        return (
-            Accelerator::Wgpu,
-            format!("{cuda}; wgpu adapter {}", a.name),
-        );
-    }
-    let wgpu = match adapters.first() {
-        Some(a) => format!("wgpu has only software adapters ({})", a.name),
-        None => "no wgpu adapter".to_string(),
+    // Only a hardware adapter is opened: opening one starts the runtime's server thread,
+    // which stays for the life of the process and wakes every 150 µs — on a CPU run it took
+    // a fifth of the GPT's step from the replicas' threads (BENCHMARKS.md).
+    let devices = wgpu_devices_unopened();
+    let wgpu = if let Some(device) = devices.iter().find(|d| !is_software(d)) {
+        let opened = device.clone();
+        match crate::panics::probe(move || opened.identity().map(|id| id.name)) {
+            Ok(name) => {
+                let name = name.unwrap_or_else(|| format!("{device:?}"));
+                return (Accelerator::Wgpu, format!("{cuda}; wgpu adapter {name}"));
+            }
+            Err(why) => format!("wgpu's adapter {device:?} did not open ({why})"),
+        }
+    } else if devices.is_empty() {
+        "no wgpu adapter".to_string()
+    } else {
+        "wgpu has only a software adapter (a CPU rasterizer, left unopened; `train devices` \
+         names it)"
+            .to_string()
     };
     (Accelerator::Cpu, format!("{cuda}; {wgpu}"))
+}
+
+/// WGPU's devices as enumerated, none of them opened; none where the runtime fails to start.
+fn wgpu_devices_unopened() -> Vec<Device> {
+    crate::panics::probe(|| Device::enumerate(DeviceType::Wgpu).into_iter().collect())
+        .unwrap_or_default()
+}
+
+/// Whether an enumerated WGPU device is the software adapter (llvmpipe, lavapipe, WARP),
+/// told without opening it: WGPU enumerates a software adapter as its `Cpu` kind, and every
+/// other kind is a card ([`Adapter::hardware`] says the same of an opened one).
+fn is_software(device: &Device) -> bool {
+    *device == Device::wgpu(burn::tensor::DeviceKind::Cpu)
 }
 
 /// WGPU's adapters, in the order `train devices` lists them; none where the runtime fails to
@@ -361,6 +383,17 @@ pub fn devices_report() -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_software_adapter_is_told_apart_without_opening_it_as_opening_it_says() {
+        for device in wgpu_devices_unopened() {
+            let software = is_software(&device);
+            let opened = device.clone();
+            let identity = crate::panics::probe(move || opened.identity()).unwrap();
+            let physical = identity.and_then(|id| id.physical);
+            assert_eq!(software, physical.is_none(), "{device:?}");
+        }
+    }
 
     #[test]
     fn the_driver_answers_with_devices_or_says_why_not() {
