@@ -114,8 +114,9 @@ fn is_software(device: &Device) -> bool {
 /// WGPU's adapters, in the order `train devices` lists them; none where the runtime fails to
 /// start (no graphics stack), which must read as none found, not as a crash.
 pub fn wgpu_adapters() -> Vec<Adapter> {
-    crate::panics::probe(|| {
-        Device::enumerate(DeviceType::Wgpu)
+    let devices = wgpu_devices_unopened();
+    crate::panics::probe(move || {
+        devices
             .into_iter()
             .map(|d| match d.identity() {
                 Some(id) => Adapter {
@@ -133,9 +134,7 @@ pub fn wgpu_adapters() -> Vec<Adapter> {
 }
 
 fn wgpu_devices(indices: &[usize]) -> Result<Vec<Device>> {
-    let adapters: Vec<Device> =
-        crate::panics::probe(|| Device::enumerate(DeviceType::Wgpu).into_iter().collect())
-            .unwrap_or_default();
+    let adapters = wgpu_devices_unopened();
     indices
         .iter()
         .map(|&i| {
