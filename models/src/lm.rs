@@ -3,6 +3,8 @@
 
 use burn::prelude::*;
 
+use crate::modules::{DeviceKey, device_key, kept_per_thread};
+
 /// Mean next-token cross-entropy of `logits` (`[b, t, vocab]`) against `targets` (`[b, t]`),
 /// computed in f32 whatever the logits' dtype.
 pub fn lm_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
@@ -12,12 +14,24 @@ pub fn lm_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
 /// The positions `t` queries (at `start..start + t`) may not see among the `start + t` keys:
 /// `true` for a key after the query, and, with a `window`, for a key `window` or more positions
 /// before it. `[t, start + t]`.
+///
+/// Built once per thread for each span and device and kept (a block walk asks for it in every
+/// block, a run in every step).
 pub fn causal_mask(
     start: usize,
     t: usize,
     window: Option<usize>,
     device: &Device,
 ) -> Tensor<2, Bool> {
+    type Masks = Vec<((usize, usize, Option<usize>, DeviceKey), Tensor<2, Bool>)>;
+    thread_local! {
+        static MASKS: std::cell::RefCell<Masks> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let key = (start, t, window, device_key(device));
+    kept_per_thread(&MASKS, key, || build_mask(start, t, window, device))
+}
+
+fn build_mask(start: usize, t: usize, window: Option<usize>, device: &Device) -> Tensor<2, Bool> {
     let s = start + t;
     let mut masked = Vec::with_capacity(t * s);
     for i in 0..t {

@@ -92,3 +92,39 @@ pub fn param_paths<M: Module>(module: &M) -> Vec<String> {
     module.visit(&mut paths);
     paths.out
 }
+
+/// How many tables a [`kept_per_thread`] cache holds: a run asks for one or two spans (its
+/// training and evaluation lengths); a decoding loop for a new one per token.
+const KEPT: usize = 8;
+
+/// `build()`'s value for `key`, kept in `cache` (a thread's own) for the next call with an
+/// equal key: for constant tables (rotary angles, attention masks) that a model would otherwise
+/// build on the host and upload in every block of every forward. The oldest of [`KEPT`] goes
+/// first.
+pub(crate) fn kept_per_thread<K: PartialEq, V: Clone>(
+    cache: &'static std::thread::LocalKey<std::cell::RefCell<Vec<(K, V)>>>,
+    key: K,
+    build: impl FnOnce() -> V,
+) -> V {
+    let found = cache.with_borrow(|c| c.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone()));
+    if let Some(value) = found {
+        return value;
+    }
+    let value = build();
+    cache.with_borrow_mut(|c| {
+        if c.len() == KEPT {
+            c.remove(0);
+        }
+        c.push((key, value.clone()));
+    });
+    value
+}
+
+/// A device with its gradient settings, as [`device_key`] makes it.
+pub(crate) type DeviceKey = (Device, Option<burn::tensor::GradientCheckpointingStrategy>);
+
+/// What a device-held constant depends on besides its values: the device, and whether (and
+/// how) it records gradients — [`Device`]'s own equality ignores both.
+pub(crate) fn device_key(device: &Device) -> DeviceKey {
+    (device.clone(), device.gradient_checkpointing_strategy())
+}

@@ -3,6 +3,8 @@
 
 use burn::prelude::*;
 
+use crate::modules::{DeviceKey, device_key, kept_per_thread};
+
 /// The rotary embedding's tables for positions `start..start + t`: `cos` and `sin`, `[t, d]`,
 /// each frequency twice (the half-split layout).
 #[derive(Debug, Clone)]
@@ -12,8 +14,21 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// The tables of `inv_freq` for positions `start..start + t` on `device`.
+    /// The tables of `inv_freq` for positions `start..start + t` on `device`: built once per
+    /// thread for each span, frequencies and device, and kept (a block walk asks for them in
+    /// every block, a run in every step).
     pub fn new(inv_freq: &[f32], start: usize, t: usize, device: &Device) -> Self {
+        type Tables = Vec<((Vec<u32>, usize, usize, DeviceKey), Rope)>;
+        thread_local! {
+            static TABLES: std::cell::RefCell<Tables> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let freq = inv_freq.iter().map(|f| f.to_bits()).collect();
+        let key = (freq, start, t, device_key(device));
+        kept_per_thread(&TABLES, key, || Self::build(inv_freq, start, t, device))
+    }
+
+    fn build(inv_freq: &[f32], start: usize, t: usize, device: &Device) -> Self {
         let half = inv_freq.len();
         let mut angles = Vec::with_capacity(t * 2 * half);
         for p in start..start + t {

@@ -278,15 +278,33 @@ fn helps() -> &'static BTreeMap<String, String> {
     })
 }
 
-/// Whether `train` has config key `key`: asked of `train --print-config --set KEY=0`, which
-/// names an unknown field and otherwise at most refuses the value.
+/// The long flags a help text names, without their dashes: every word that starts with
+/// `--`, cut at the first character a flag's name cannot hold (`--max-steps <N>`,
+/// `[--devices]`), so that a flag is found only by its whole name (`--max` is not
+/// `--max-steps`).
+fn flags_of(help: &str) -> BTreeSet<String> {
+    help.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter_map(|w| w.strip_prefix("--"))
+        .map(|name| name.trim_end_matches('-').to_string())
+        .filter(|name| !name.is_empty() && !name.starts_with('-'))
+        .collect()
+}
+
+/// Whether `train` has config key `key`, asked of `train --print-config --set KEY=0`: the key
+/// exists where that succeeds, or where it refuses the value of exactly this key (`key
+/// `KEY`: …`) for another reason than an unknown field. A refusal that names a shorter key
+/// (`train.max_steps.x` ends at `train.max_steps`, an integer) or that is no configuration
+/// error at all says it does not.
 fn has_key(key: &str) -> bool {
     let out = Command::new(env!("CARGO_BIN_EXE_train"))
         .args(["--print-config", "--set", &format!("{key}=0")])
         .output()
         .unwrap();
+    if out.status.success() {
+        return true;
+    }
     let stderr = String::from_utf8_lossy(&out.stderr);
-    !stderr.contains("unknown field")
+    stderr.contains(&format!("key `{key}`: ")) && !stderr.contains("unknown field")
 }
 
 /// The problems of one `train` command's names: flags its (sub)command lacks, `--set` keys.
@@ -310,7 +328,7 @@ fn check_train_command(args: &[String], keys: &mut BTreeSet<String>) -> Vec<Stri
         }
         if let Some(flag) = w.strip_prefix("--") {
             let flag = flag.split('=').next().unwrap();
-            if !help.contains(&format!("--{flag}")) {
+            if !flags_of(help).contains(flag) {
                 faults.push(format!(
                     "`{}` has no flag --{flag}",
                     format!("train {sub}").trim_end()
@@ -494,7 +512,8 @@ fn the_pages_name_what_exists_and_link_where_they_say() {
                         .unwrap()
                 );
                 let other = OTHER_FLAGS.iter().any(|(f, _)| *f == flag);
-                if flag != "--" && !other && !helps().values().any(|h| h.contains(&flag)) {
+                let known = helps().values().any(|h| flags_of(h).contains(&flag[2..]));
+                if flag != "--" && !other && !known {
                     faults.push(format!("{name}: no train command has {flag}"));
                 }
             }

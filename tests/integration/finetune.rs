@@ -13,7 +13,7 @@ use crate::common::{assert_one_line_error, max_relative_diff, temp_dir, train_bi
 use crate::gpt::{gpt_config, text_file};
 
 /// A second text of the first's characters (so the vocabulary is the same), in another order.
-fn other_text(dir: &Path) -> PathBuf {
+pub(crate) fn other_text(dir: &Path) -> PathBuf {
     let line = "the sea was calm, and the ship swam past the whale. ";
     let text: String = (0..200).map(|i| format!("{}: {line}", 199 - i)).collect();
     let path = dir.join("other.txt");
@@ -22,7 +22,7 @@ fn other_text(dir: &Path) -> PathBuf {
 }
 
 /// A pretrained base run in `dir/base`.
-fn base(dir: &Path) -> PathBuf {
+pub(crate) fn base(dir: &Path) -> PathBuf {
     let text = text_file(dir);
     let run = dir.join("base");
     train(
@@ -33,7 +33,7 @@ fn base(dir: &Path) -> PathBuf {
     run
 }
 
-const LORA: [&str; 3] = [
+pub(crate) const LORA: [&str; 3] = [
     "finetune.lora.rank=4",
     "finetune.lora.alpha=8.0",
     "finetune.lora.targets=[\"blocks.*.attn\", \"blocks.*.mlp\"]",
@@ -57,14 +57,17 @@ fn finetune(dir: &Path, name: &str, base: &Path, extra: &[&str]) -> kiln::run::R
     .unwrap()
 }
 
-fn pick(t: &BTreeMap<String, Stored>, keep: impl Fn(&str) -> bool) -> Vec<(String, Vec<f32>)> {
+pub(crate) fn pick(
+    t: &BTreeMap<String, Stored>,
+    keep: impl Fn(&str) -> bool,
+) -> Vec<(String, Vec<f32>)> {
     t.iter()
         .filter(|(k, _)| keep(k))
         .map(|(k, (_, v))| (k.clone(), v.clone()))
         .collect()
 }
 
-fn values(t: &[(String, Vec<f32>)]) -> Vec<Vec<f32>> {
+pub(crate) fn values(t: &[(String, Vec<f32>)]) -> Vec<Vec<f32>> {
     t.iter().map(|(_, v)| v.clone()).collect()
 }
 

@@ -559,8 +559,9 @@ fn a_gpt2_checkpoint_fine_tunes_from_the_cli_and_samples() {
 }
 
 /// Both families under what the rest of kiln offers: recompute equals no recompute bit for
-/// bit (f32), bf16-mixed under zero2, DiLoCo's islands, and QLoRA (8-bit bases) each train to
-/// a finite validation loss below the checkpoint's.
+/// bit (f32), bf16-mixed under zero2, DiLoCo's islands, and QLoRA (8-bit bases in f32, 4-bit
+/// under bf16-mixed) each train to a finite validation loss below the checkpoint's; QLoRA's
+/// adapters move (each `b` factor, zero at the start, is not zero after the steps).
 #[test]
 fn both_families_take_recompute_mixed_precision_diloco_and_qlora() {
     use kiln::weights::read_tensors;
@@ -608,6 +609,16 @@ fn both_families_take_recompute_mixed_precision_diloco_and_qlora() {
                     qlora.as_str(),
                 ],
             ),
+            // A quantized base under a bf16 compute copy: the combination QLoRA is for.
+            (
+                "qlora-bf16",
+                vec![
+                    "finetune.lora.rank=4",
+                    "finetune.lora.quantize=\"q4\"",
+                    "precision.mode=\"bf16-mixed\"",
+                    qlora.as_str(),
+                ],
+            ),
         ] {
             let run = format!("{name}-{label}");
             let mut all = vec!["train.max_steps=6", "train.checkpoint_every=6"];
@@ -620,6 +631,14 @@ fn both_families_take_recompute_mixed_precision_diloco_and_qlora() {
             let val = r.summary.val_loss.unwrap();
             println!("{run}: val loss {val:.7} (the checkpoint's {start:.4})");
             assert!(val.is_finite() && val < start, "{run}: {val} from {start}");
+            if label.starts_with("qlora") {
+                let ck = read_tensors(&r.dir.join("checkpoints/step-00000006/model.bpk")).unwrap();
+                let b: Vec<_> = ck.iter().filter(|(k, _)| k.ends_with(".lora.b")).collect();
+                assert!(!b.is_empty(), "{run}: no adapter in the checkpoint");
+                for (k, (_, v)) in b {
+                    assert!(v.iter().any(|x| *x != 0.0), "{run}: {k} did not train");
+                }
+            }
             if label == "plain" || label == "recompute" {
                 params.push(read_tensors(&r.dir.join("model.safetensors")).unwrap());
             }

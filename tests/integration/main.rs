@@ -16,6 +16,7 @@ mod generative;
 mod gpt;
 mod heal;
 mod hf;
+mod lora;
 mod monitor;
 #[cfg(feature = "mpi")]
 mod mpi;

@@ -214,6 +214,10 @@ impl Policy {
 ///
 /// Buffers are Burn `RunningState`s, which clones share and which mapping changes in place:
 /// casting them changes the original's too, so mixed precision leaves them alone.
+///
+/// A quantized parameter (QLoRA's frozen base) stays packed: it has no float dtype to cast,
+/// and Burn's adapter dequantizes it straight to its factors' dtype when it composes the
+/// weight, so a base under bf16 factors computes in bf16.
 pub fn cast_params<M: Module>(module: M, dtype: FloatDType, buffers: bool) -> M {
     struct Cast {
         dtype: FloatDType,
@@ -225,6 +229,9 @@ pub fn cast_params<M: Module>(module: M, dtype: FloatDType, buffers: bool) -> M 
             let trained = param.is_require_grad();
             // Frozen parameters compute like trained ones; only buffers may stay.
             if !trained && !self.buffers && self.running.contains(&param.id) {
+                return param;
+            }
+            if !param.dtype().is_float() {
                 return param;
             }
             let dtype = self.dtype;

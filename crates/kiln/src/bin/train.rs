@@ -10,7 +10,7 @@ fn main() {
         .recipe_origin(kiln::builtin::RECIPE_ORIGIN)
         .command(
             "sample",
-            "Generate text with a trained GPT run",
+            "Generate text with a trained language-model run (GPT, Llama, GPT-2)",
             kiln::builtin::text::sample,
         )
         .main_with(kiln::builtin::check, kiln::builtin::train)

@@ -345,22 +345,23 @@ impl<M: CausalLm + 'static> Workload for TextWorkload<M> {
     }
 }
 
-/// `train sample`: continue a prompt with a trained GPT.
+/// `train sample`: continue a prompt with a trained language model (kiln's GPT, a Llama-family
+/// or GPT-2 checkpoint).
 #[derive(Debug, clap::Args)]
 pub struct SampleArgs {
-    /// The run directory of a GPT run.
+    /// The run directory of a language-model run (kiln's GPT, `llama`, `gpt2` or `hf`).
     #[arg(long, value_name = "PATH")]
     pub run: PathBuf,
-    /// Text to continue (every character must be in the run's vocabulary).
+    /// Text to continue, encoded with the run's tokenizer (characters or subword tokens).
     #[arg(long, default_value = "\n")]
     pub prompt: String,
-    /// Number of characters to generate.
+    /// Number of tokens to generate (characters, for a character vocabulary).
     #[arg(long, default_value_t = 500)]
     pub tokens: usize,
-    /// Softmax temperature; 0 picks the most likely character.
+    /// Softmax temperature; 0 picks the most likely token.
     #[arg(long, default_value_t = 0.8)]
     pub temperature: f64,
-    /// Sample only among the K most likely characters.
+    /// Sample only among the K most likely tokens.
     #[arg(long)]
     pub top_k: Option<usize>,
     /// Seed of the sampling.
@@ -368,7 +369,7 @@ pub struct SampleArgs {
     pub seed: u64,
 }
 
-/// `train sample`: prints the continuation of a prompt by a trained GPT run.
+/// `train sample`: prints the continuation of a prompt by a trained language-model run.
 pub fn sample(args: SampleArgs) -> Result<()> {
     say!("{}", generate(&args)?);
     Ok(())

@@ -127,12 +127,15 @@ pub fn frozen_bytes<M: Module>(module: &M) -> usize {
     c.1
 }
 
-/// The frozen parameters of `module` in module order: id, shape and values.
+/// The frozen float parameters of `module` in module order: id, shape and values. A quantized
+/// base (QLoRA's) is not among them: every rank keeps it whole, packed, as the layout does
+/// (`Kind::Quantized`), so a pipeline stage neither releases nor sends it.
 pub fn frozen_with_ids<M: Module>(module: &M) -> Vec<(ParamId, Vec<usize>, Vec<f32>)> {
     struct Collect(HashSet<ParamId>, Vec<(ParamId, Vec<usize>, Vec<f32>)>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if !param.is_require_grad() && !self.0.contains(&param.id) {
+            let float = param.val().dtype().is_float();
+            if float && !param.is_require_grad() && !self.0.contains(&param.id) {
                 let shape = param.shape().to_vec();
                 self.1.push((param.id, shape, host_f32(param.val())));
             }
