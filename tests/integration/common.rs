@@ -9,7 +9,8 @@ use kiln::builtin::Config;
 use serde_json::Value;
 
 /// A fresh, empty directory for one test, removed when the test drops it after passing (a
-/// failing test keeps its files, and says where they are).
+/// failing test keeps its files, and says where they are; `KILN_KEEP_TEST_DIRS=1` keeps a
+/// passing test's too).
 pub fn temp_dir(name: &str) -> TestDir {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let n = COUNTER.fetch_add(1, Ordering::SeqCst);
@@ -40,6 +41,9 @@ impl Drop for TestDir {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!("kept for inspection: {}", self.0.display());
+        } else if std::env::var_os("KILN_KEEP_TEST_DIRS").is_some() {
+            // What a passing test wrote, for a check by hand (`hf_fixtures.py --check DIR`).
+            eprintln!("kept (KILN_KEEP_TEST_DIRS): {}", self.0.display());
         } else {
             let _ = std::fs::remove_dir_all(&self.0);
         }

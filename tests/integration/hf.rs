@@ -156,6 +156,40 @@ fn a_bf16_llama_checkpoint_is_cast_to_f32() {
     check("llama-bf16");
 }
 
+/// Qwen2: biases on q, k and v only (none zero), the checkpoint's own `model_type`.
+#[test]
+fn a_qwen2_checkpoint_gives_transformers_logits_loss_and_greedy_tokens() {
+    check("qwen2");
+}
+
+/// Mistral with a sliding window of 8 against a 34-token prompt: transformers' logits differ
+/// from the windowless model's from position 8 on (by up to 1.02× the largest logit, as the
+/// fixture script printed), so the window is what is compared, in the forward and in the
+/// cached decoding.
+#[test]
+fn a_mistral_checkpoint_with_a_window_shorter_than_the_prompt_gives_transformers_outputs() {
+    check("mistral");
+}
+
+/// A Llama whose head is the token embedding (`tie_word_embeddings`, no `lm_head.weight`).
+#[test]
+fn a_tied_llama_checkpoint_gives_transformers_logits_loss_and_greedy_tokens() {
+    check("llama-tied");
+}
+
+/// llama3 rope scaling with the head's eight frequencies in all three of its regimes (one kept,
+/// one smoothed, six divided by the factor), as transformers computes them.
+#[test]
+fn llama3_rope_scaling_gives_transformers_logits_loss_and_greedy_tokens() {
+    check("llama3-rope");
+}
+
+/// Linear rope scaling (positions divided by the factor 2).
+#[test]
+fn linear_rope_scaling_gives_transformers_logits_loss_and_greedy_tokens() {
+    check("llama-linear-rope");
+}
+
 #[test]
 fn a_gpt2_checkpoint_gives_transformers_logits_loss_and_greedy_tokens() {
     check("gpt2");
@@ -777,9 +811,11 @@ fn layout(
 /// `export.format = "hf"` writes a directory `transformers` loads: the fixture's tensor names,
 /// shapes and dtypes, metadata `format = "pt"`, the tied head left out, shards with an index
 /// past `export.shard_mb`, the checkpoint's config and tokenizer; read back by kiln it gives
-/// the run's own model's logits bit for bit. The test leaves `reference.json` (the prompt's ids
-/// and the run's logits) in the directory, so `xtask/reference/hf_fixtures.py --check DIR`
-/// loads it in `transformers` and compares.
+/// the run's own model's logits bit for bit; a LoRA run's PEFT adapters (the Llama's Linears,
+/// GPT-2's `Conv1D`s with `fan_in_fan_out`) fold into the merged export. The test leaves
+/// `reference.json` (the prompt's ids and the run's logits) in each directory, so that with
+/// `KILN_KEEP_TEST_DIRS=1` (a passing test's directory kept) `xtask/reference/hf_fixtures.py
+/// --check DIR` loads it in `transformers` (or the adapters in `peft`) and compares.
 #[test]
 fn the_hf_export_has_the_checkpoints_layout_and_the_runs_logits() {
     use burn::store::{ModuleSnapshot, SafetensorsStore};
@@ -797,7 +833,19 @@ fn the_hf_export_has_the_checkpoints_layout_and_the_runs_logits() {
             7,
         ),
         ("gpt2", vec![], 1),
+        // GPT-2's `Conv1D` keeps `[in, out]` weights: its PEFT adapters say `fan_in_fan_out`.
+        (
+            "gpt2-lora",
+            vec![
+                "finetune.lora.rank=4",
+                "finetune.lora.alpha=8.0",
+                "finetune.lora.targets=[\"**.c_attn\", \"**.mlp.c_proj\"]",
+                "export.adapters=true",
+            ],
+            1,
+        ),
     ] {
+        let (label, name) = (name, name.trim_end_matches("-lora"));
         let mut all = vec![
             "export.format=\"hf\"",
             "train.max_steps=4",
@@ -805,7 +853,7 @@ fn the_hf_export_has_the_checkpoints_layout_and_the_runs_logits() {
         ];
         all.extend(extra);
         let r = kiln::builtin::train(
-            &hf_config(&dir, name, name, &all),
+            &hf_config(&dir, label, name, &all),
             &kiln::run::RunOptions::default(),
         )
         .unwrap();
@@ -874,8 +922,14 @@ fn the_hf_export_has_the_checkpoints_layout_and_the_runs_logits() {
         );
         let reference = serde_json::json!({"ids": ids, "logits": ours});
         std::fs::write(out.join("reference.json"), reference.to_string()).unwrap();
-        if name == "llama" {
-            peft_adapters_fold_into_the_export(&r.dir, &fixture(name), 8.0 / 4.0);
+        if r.dir.join("hf-adapter").exists() {
+            let merged = (1..=shards)
+                .map(|i| match shards {
+                    1 => out.join("model.safetensors"),
+                    n => out.join(format!("model-{i:05}-of-{n:05}.safetensors")),
+                })
+                .collect::<Vec<_>>();
+            peft_adapters_fold_into_the_export(&r.dir, &fixture(name), &merged, 8.0 / 4.0);
             std::fs::write(
                 r.dir.join("hf-adapter/reference.json"),
                 reference.to_string(),
@@ -891,8 +945,10 @@ fn the_hf_export_has_the_checkpoints_layout_and_the_runs_logits() {
 }
 
 /// The PEFT adapters of a run (`hf-adapter/`): `lora_A [r, in]` and `lora_B [out, r]` of each
-/// adapted module, and the checkpoint's weight plus `scale · B A` is the exported merged one.
-fn peft_adapters_fold_into_the_export(run: &Path, base: &Path, scale: f32) {
+/// adapted module, and the checkpoint's weight plus `scale · B A` is the exported merged one
+/// (`merged`, its files) — transposed, `scale · (B A)ᵀ`, on GPT-2's `[in, out]` `Conv1D`
+/// weights, whose adapter config says `fan_in_fan_out` as `peft` needs it.
+fn peft_adapters_fold_into_the_export(run: &Path, base: &Path, merged: &[PathBuf], scale: f32) {
     use kiln::weights::read_tensors;
     let adapters = read_tensors(&run.join("hf-adapter/adapter_model.safetensors")).unwrap();
     let config: Value = serde_json::from_str(
@@ -902,11 +958,13 @@ fn peft_adapters_fold_into_the_export(run: &Path, base: &Path, scale: f32) {
     assert_eq!(config["r"], 4);
     assert_eq!(config["peft_type"], "LORA");
     let original = read_tensors(&base.join("model.safetensors")).unwrap();
-    let mut merged = std::collections::BTreeMap::new();
-    for i in 1..=7 {
-        let f = run.join(format!("hf/model-{i:05}-of-00007.safetensors"));
-        merged.extend(read_tensors(&f).unwrap());
+    let conv1d = original.keys().any(|k| k.contains(".c_attn."));
+    assert_eq!(config["fan_in_fan_out"], conv1d, "{}", base.display());
+    let mut weights = std::collections::BTreeMap::new();
+    for f in merged {
+        weights.extend(read_tensors(f).unwrap());
     }
+    let merged = weights;
     assert_eq!(adapters.len(), 2 * 2 * 2, "A and B of 2 targets × 2 layers");
     for (key, (shape_a, a)) in adapters
         .iter()
@@ -920,7 +978,14 @@ fn peft_adapters_fold_into_the_export(run: &Path, base: &Path, scale: f32) {
         let (shape_b, b) = &adapters[&format!("base_model.model.{module}.lora_B.weight")];
         let weight = format!("{module}.weight");
         let (shape_w, w) = &original[&weight];
-        let (out, inp, r) = (shape_w[0], shape_w[1], shape_a[0]);
+        // `[out, in]` (Linear) or `[in, out]` (Conv1D); `at(o, i)` is the element's index.
+        let (out, inp) = if conv1d {
+            (shape_w[1], shape_w[0])
+        } else {
+            (shape_w[0], shape_w[1])
+        };
+        let at = |o: usize, i: usize| if conv1d { i * out + o } else { o * inp + i };
+        let r = shape_a[0];
         assert_eq!(
             (shape_a.as_slice(), shape_b.as_slice()),
             (&[r, inp][..], &[out, r][..])
@@ -930,8 +995,8 @@ fn peft_adapters_fold_into_the_export(run: &Path, base: &Path, scale: f32) {
         for o in 0..out {
             for i in 0..inp {
                 let delta: f32 = (0..r).map(|k| b[o * r + k] * a[k * inp + i]).sum();
-                let want = w[o * inp + i] + scale * delta;
-                worst = worst.max((m[o * inp + i] - want).abs());
+                let want = w[at(o, i)] + scale * delta;
+                worst = worst.max((m[at(o, i)] - want).abs());
             }
         }
         let moved = m

@@ -2,8 +2,9 @@
 `tokenizers` package, and tiny random Llama-family and GPT-2 checkpoints written by
 `transformers`, each with its reference outputs (logits, loss, a greedy continuation).
 
-    pip install torch transformers tokenizers safetensors
+    pip install torch transformers tokenizers safetensors peft
     python3 xtask/reference/hf_fixtures.py --text data/text/moby-dick.txt --out tests/fixtures/hf
+    python3 xtask/reference/hf_fixtures.py --only qwen2,mistral --out tests/fixtures/hf
 
 writes, under --out:
     tokenizer/tokenizer.json              the BPE tokenizer (vocabulary 384)
@@ -16,11 +17,27 @@ writes, under --out:
     gpt2-legacy/                          the same weights as the original GPT-2 checkpoints
                                           name them (no `transformer.` prefix) with their
                                           `h.N.attn.bias` mask buffers
+    qwen2/                                Qwen2ForCausalLM: GQA, biases on q/k/v only, untied
+    mistral/                              MistralForCausalLM: GQA, sliding_window 8 (shorter than
+                                          the 34-token prompt); transformers 5.x applies the window
+                                          in eager attention through its sliding-window causal
+                                          mask, so eager is used (the script checks that the
+                                          logits differ from the same weights without a window)
+    llama-tied/                           LlamaForCausalLM, tied head (no lm_head.weight), no biases
+    llama3-rope/                          LlamaForCausalLM, rope_type llama3 (factor 8, low/high
+                                          frequency factors 1/4, original context 32; head dim 16,
+                                          so its 8 frequencies fall in all three regimes)
+    llama-linear-rope/                    LlamaForCausalLM, rope_type linear (factor 2)
 each model folder with config.json, tokenizer.json and reference.json: the prompt's token ids,
 the logits of the prompt (f32, computed in f32 with eager attention), the mean next-token loss
 of the prompt, and the 32 tokens greedy decoding adds to it (`generate`, no sampling). The
 smallest gap between the two most likely logits along the greedy path is printed: a fixture
 whose continuation could flip on rounding is rejected (a seed is chosen until it is not).
+
+`--only NAME[,NAME...]` makes only the named fixtures (any of the folders above, but
+tokenizer, llama-sharded, llama-bf16 and gpt2-legacy come with llama and gpt2), reusing the
+tokenizer at <out>/tokenizer/tokenizer.json instead of training one, and leaves the other
+folders alone.
 
 `--check DIR` instead loads a Hugging Face directory kiln exported into `transformers` (strict:
 no missing or unexpected key) and prints its logits of the reference prompt beside kiln's
@@ -38,6 +55,7 @@ import sys
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           AutoModelForCausalLM)
 
 VOCAB = 384
@@ -125,41 +143,38 @@ def make(name, build, tok, tok_dir, out_root):
     return model, ref
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--text", default="data/text/moby-dick.txt")
-    ap.add_argument("--out", default="tests/fixtures/hf")
-    ap.add_argument("--check", help="a Hugging Face directory kiln exported")
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    if a.check:
-        return check(a.check)
-    tok_dir = os.path.join(a.out, "tokenizer")
-    tok = train_tokenizer(a.text, tok_dir)
+LLAMA_SIZES = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
 
+
+def make_llama_family(tok, tok_dir, out_root):
     llama_config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=True, mlp_bias=True,
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
     llama_config._attn_implementation = "eager"
-    llama, ref = make("llama", lambda: LlamaForCausalLM(llama_config), tok, tok_dir, a.out)
-    save(llama, tok_dir, os.path.join(a.out, "llama"), ref)
-    save(llama, tok_dir, os.path.join(a.out, "llama-sharded"), ref, max_shard_size="200KB")
+    llama, ref = make("llama", lambda: LlamaForCausalLM(llama_config), tok, tok_dir, out_root)
+    save(llama, tok_dir, os.path.join(out_root, "llama"), ref)
+    save(llama, tok_dir, os.path.join(out_root, "llama-sharded"), ref, max_shard_size="200KB")
 
     # The same weights rounded to bf16 and stored so; the reference computes them in f32.
     rounded = LlamaForCausalLM(llama_config)
     rounded.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in llama.state_dict().items()})
     ref16, _ = reference(rounded, tok.encode(PROMPT).ids)
-    save(rounded.to(torch.bfloat16), tok_dir, os.path.join(a.out, "llama-bf16"), ref16)
+    save(rounded.to(torch.bfloat16), tok_dir, os.path.join(out_root, "llama-bf16"), ref16)
 
+
+def make_gpt2_family(tok, tok_dir, out_root):
     gpt2_config = GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4,
                              activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     gpt2_config._attn_implementation = "eager"
-    gpt2, ref = make("gpt2", lambda: GPT2LMHeadModel(gpt2_config), tok, tok_dir, a.out)
-    save(gpt2, tok_dir, os.path.join(a.out, "gpt2"), ref)
-    legacy = os.path.join(a.out, "gpt2-legacy")
+    gpt2, ref = make("gpt2", lambda: GPT2LMHeadModel(gpt2_config), tok, tok_dir, out_root)
+    save(gpt2, tok_dir, os.path.join(out_root, "gpt2"), ref)
+    legacy = os.path.join(out_root, "gpt2-legacy")
     save(gpt2, tok_dir, legacy, ref)
     from safetensors.torch import save_file
     state = {k[len("transformer."):]: v.contiguous() for k, v in gpt2.state_dict().items()
@@ -169,6 +184,130 @@ def main():
         state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
     os.remove(os.path.join(legacy, "model.safetensors"))
     save_file(state, os.path.join(legacy, "model.safetensors"), metadata={"format": "pt"})
+
+
+def make_simple(name, cls, config, tok, tok_dir, out_root):
+    config._attn_implementation = "eager"
+    model, ref = make(name, lambda: cls(config), tok, tok_dir, out_root)
+    save(model, tok_dir, os.path.join(out_root, name), ref)
+    return model, ref
+
+
+def make_qwen2(tok, tok_dir, out_root):
+    config = Qwen2Config(**LLAMA_SIZES, rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 10000.0},
+                         tie_word_embeddings=False, use_sliding_window=False)
+    model, _ = make_simple("qwen2", Qwen2ForCausalLM, config, tok, tok_dir, out_root)
+    biases = [n for n, _ in model.named_parameters() if n.endswith(".bias")]
+    assert sorted({n.split(".")[-2] for n in biases}) == ["k_proj", "q_proj", "v_proj"], biases
+    assert all(float(p.detach().abs().max()) > 0 for n, p in model.named_parameters() if n in biases)
+
+
+def make_mistral(tok, tok_dir, out_root):
+    sizes = dict(**LLAMA_SIZES, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                 tie_word_embeddings=False)
+    config = MistralConfig(**sizes, sliding_window=8)
+    model, ref = make_simple("mistral", MistralForCausalLM, config, tok, tok_dir, out_root)
+    ids = torch.tensor([ref["ids"]])
+    assert len(ref["ids"]) > config.sliding_window
+    # The window must change the logits: the same weights with no window (eager) differ, and
+    # the window under sdpa gives the eager logits.
+    with torch.no_grad():
+        windowed = torch.tensor(ref["logits"]).view(ref["logits_shape"])
+        full_config = MistralConfig(**sizes, sliding_window=None)
+        full_config._attn_implementation = "eager"
+        full = MistralForCausalLM(full_config).eval()
+        full.load_state_dict(model.state_dict())
+        no_window = full(ids).logits[0]
+        sdpa_config = MistralConfig(**sizes, sliding_window=8)
+        sdpa_config._attn_implementation = "sdpa"
+        sdpa = MistralForCausalLM(sdpa_config).eval()
+        sdpa.load_state_dict(model.state_dict())
+        by_sdpa = sdpa(ids).logits[0]
+        # The greedy continuation (generated with a cache) must be the argmax of a cache-free
+        # windowed forward over prompt and continuation.
+        seq = torch.tensor([ref["ids"] + ref["continuation"]])
+        argmax = model(seq[:, :-1]).logits[0, len(ref["ids"]) - 1:].argmax(-1).tolist()
+    scale = float(windowed.abs().max())
+    d_none = (no_window - windowed).abs().max(dim=-1).values / scale
+    d_sdpa = float((by_sdpa - windowed).abs().max()) / scale
+    first = int((d_none > 1e-6).nonzero()[0]) if bool((d_none > 1e-6).any()) else None
+    print(f"mistral: logits max |window 8 - no window| / max = {float(d_none.max()):.3e} "
+          f"(positions 0..{config.sliding_window - 1}: {float(d_none[:config.sliding_window].max()):.1e}, "
+          f"first differing position {first}); |eager - sdpa| / max = {d_sdpa:.1e}; "
+          f"greedy continuation = cache-free argmax: {argmax == ref['continuation']}")
+    assert float(d_none.max()) > 1e-3 and first == config.sliding_window, "window not applied"
+    assert d_sdpa < 1e-5 and argmax == ref["continuation"]
+
+
+def make_llama_tied(tok, tok_dir, out_root):
+    config = LlamaConfig(**LLAMA_SIZES, rope_theta=10000.0, attention_bias=False,
+                         mlp_bias=False, tie_word_embeddings=True)
+    model, _ = make_simple("llama-tied", LlamaForCausalLM, config, tok, tok_dir, out_root)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    from safetensors import safe_open
+    with safe_open(os.path.join(out_root, "llama-tied", "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+
+
+def make_llama3_rope(tok, tok_dir, out_root):
+    config = LlamaConfig(**LLAMA_SIZES, attention_bias=False, mlp_bias=False,
+                         tie_word_embeddings=False, rope_parameters={
+                             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 32})
+    model, _ = make_simple("llama3-rope", LlamaForCausalLM, config, tok, tok_dir, out_root)
+    inv = model.model.rotary_emb.inv_freq
+    base = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))
+    print("llama3-rope: inv_freq", [f"{v:.6e}" for v in inv.tolist()])
+    print("llama3-rope: unscaled", [f"{v:.6e}" for v in base.tolist()])
+    print("llama3-rope: wavelength 2pi/f", [f"{2 * math.pi / v:.1f}" for v in base.tolist()])
+
+
+def make_llama_linear_rope(tok, tok_dir, out_root):
+    config = LlamaConfig(**LLAMA_SIZES, attention_bias=False, mlp_bias=False,
+                         tie_word_embeddings=False, rope_parameters={
+                             "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    model, _ = make_simple("llama-linear-rope", LlamaForCausalLM, config, tok, tok_dir,
+                           out_root)
+    print("llama-linear-rope: inv_freq", [f"{v:.6e}" for v in
+                                          model.model.rotary_emb.inv_freq.tolist()])
+
+
+FIXTURES = {
+    "llama": make_llama_family,
+    "gpt2": make_gpt2_family,
+    "qwen2": make_qwen2,
+    "mistral": make_mistral,
+    "llama-tied": make_llama_tied,
+    "llama3-rope": make_llama3_rope,
+    "llama-linear-rope": make_llama_linear_rope,
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--text", default="data/text/moby-dick.txt")
+    ap.add_argument("--out", default="tests/fixtures/hf")
+    ap.add_argument("--check", help="a Hugging Face directory kiln exported")
+    ap.add_argument("--only", help="comma-separated fixtures to make with the existing "
+                    f"tokenizer: {', '.join(FIXTURES)}")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    if a.check:
+        return check(a.check)
+    tok_dir = os.path.join(a.out, "tokenizer")
+    if a.only:
+        names = [n.strip() for n in a.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in FIXTURES]
+        if unknown:
+            ap.error(f"unknown fixture(s) {unknown}; known: {', '.join(FIXTURES)}")
+        tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+    else:
+        names = list(FIXTURES)
+        tok = train_tokenizer(a.text, tok_dir)
+    for name in names:
+        FIXTURES[name](tok, tok_dir, a.out)
 
 
 def check(directory):

@@ -117,8 +117,15 @@ pub fn frozen_bytes<M: Module>(module: &M) -> usize {
     impl ModuleVisitor for Count {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if !param.is_require_grad() && !self.0.contains(&param.id) {
-                let dtype = float_dtype(param.val().dtype());
-                self.1 += param.shape().num_elements() * dtype_bytes(dtype);
+                let value = param.val();
+                let dtype = value.dtype();
+                self.1 += if dtype.is_float() {
+                    param.shape().num_elements() * dtype_bytes(float_dtype(dtype))
+                } else {
+                    // A quantized base: its packed values and scales as the backend holds
+                    // them (read once, when a strategy sets a rank up).
+                    value.to_data().as_bytes().len()
+                };
             }
         }
     }
