@@ -490,6 +490,37 @@ mod tests {
     }
 
     #[test]
+    fn the_renewer_rewrites_the_lease_with_the_time_of_renewal() {
+        let d = dir("renewed");
+        let mut me = Holder::me("train");
+        // A lease last renewed at the epoch: seen from another host, long lapsed.
+        me.renewed_unix_s = 0;
+        create(&d.join(LOCK_FILE), &me).unwrap();
+        let before = now_s();
+        let (stop, stopped) = channel();
+        let (file, mine) = (d.join(LOCK_FILE), me.clone());
+        let renewer =
+            std::thread::spawn(move || renew(&file, mine, &stopped, Duration::from_millis(20)));
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        let renewed = loop {
+            let held = read(&d.join(LOCK_FILE)).unwrap().unwrap();
+            if held.renewed_unix_s != 0 {
+                break held;
+            }
+            assert!(std::time::Instant::now() < until, "never renewed");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        drop(stop);
+        renewer.join().unwrap();
+        // The same holder, its lease dated now: another host would not take it over.
+        assert_eq!(renewed.token, me.token);
+        assert!(renewed.renewed_unix_s >= before && renewed.renewed_unix_s <= now_s());
+        assert!(renewed.gone("elsewhere", now_s()).is_none());
+        assert!(me.gone("elsewhere", now_s()).is_some());
+        assert!(lost(&d).is_none());
+    }
+
+    #[test]
     fn a_holder_whose_lock_was_taken_over_knows_it() {
         let d = dir("lost");
         let me = Holder::me("train");
