@@ -316,7 +316,7 @@ impl Attention {
         &self,
         x: Tensor<3>,
         rope: &Rope,
-        mask: Option<Tensor<2, Bool>>,
+        mask: &Masking,
         heads: (usize, usize),
         cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
     ) -> Tensor<3> {
@@ -357,20 +357,35 @@ impl Attention {
                 .reshape([b, h, s, d])
         };
         let (k, v) = (repeat(k), repeat(v));
-        let scores = q
-            .matmul(k.swap_dims(2, 3))
-            .mul_scalar(1.0 / (d as f64).sqrt());
-        let scores = match mask {
-            Some(m) => scores.mask_fill(
-                m.reshape([1, 1, t, s]).expand([b, h, t, s]),
-                f32::NEG_INFINITY,
-            ),
-            None => scores,
+        let y = match mask {
+            // Every query sees itself and what came before: one fused kernel on the CPU.
+            Masking::Causal => crate::fused::causal_attention(q, k, v, None),
+            Masking::Keys(mask) => {
+                let scores = q
+                    .matmul(k.swap_dims(2, 3))
+                    .mul_scalar(1.0 / (d as f64).sqrt());
+                let scores = match mask {
+                    Some(m) => scores.mask_fill(
+                        (**m).clone().reshape([1, 1, t, s]).expand([b, h, t, s]),
+                        f32::NEG_INFINITY,
+                    ),
+                    None => scores,
+                };
+                burn::tensor::activation::softmax(scores, 3).matmul(v)
+            }
         };
-        let weights = burn::tensor::activation::softmax(scores, 3);
-        let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, h * d]);
+        let y = y.swap_dims(1, 2).reshape([b, t, h * d]);
         crate::modules::linear_rows(&self.o_proj, y)
     }
+}
+
+/// Which keys each query of a span may see.
+enum Masking {
+    /// Itself and every earlier position (a span from the first position, no window shorter
+    /// than it): the fused causal attention, no mask built.
+    Causal,
+    /// Where the mask is `true` a key is hidden (`[t, start + t]`); `None`: every key seen.
+    Keys(Option<Box<Tensor<2, Bool>>>),
 }
 
 /// The SwiGLU MLP: `down(silu(gate(x)) · up(x))`.
@@ -383,12 +398,9 @@ pub struct SwiGlu {
 
 impl SwiGlu {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let gate =
-            burn::tensor::activation::silu(crate::modules::linear_rows(&self.gate_proj, x.clone()));
-        crate::modules::linear_rows(
-            &self.down_proj,
-            gate * crate::modules::linear_rows(&self.up_proj, x),
-        )
+        let gate = crate::modules::linear_rows(&self.gate_proj, x.clone());
+        let up = crate::modules::linear_rows(&self.up_proj, x);
+        crate::modules::linear_rows(&self.down_proj, crate::fused::swiglu(gate, up))
     }
 }
 
@@ -406,19 +418,20 @@ impl DecoderLayer {
         &self,
         x: Tensor<3>,
         rope: &Rope,
-        mask: Option<Tensor<2, Bool>>,
+        mask: &Masking,
         heads: (usize, usize),
         cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
     ) -> Tensor<3> {
         let a = self.self_attn.forward(
-            self.input_layernorm.forward(x.clone()),
+            crate::fused::rms_norm(&self.input_layernorm, x.clone()),
             rope,
             mask,
             heads,
             cache,
         );
         let x = x + a;
-        x.clone() + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        let h = crate::fused::rms_norm(&self.post_attention_layernorm, x.clone());
+        x + self.mlp.forward(h)
     }
 }
 
@@ -455,21 +468,25 @@ impl Llama {
     }
 
     /// The rotary tables and the attention mask of `t` new positions after `start` cached ones.
-    fn positions(
-        &self,
-        start: usize,
-        t: usize,
-        device: &Device,
-    ) -> (Rope, Option<Tensor<2, Bool>>) {
+    fn positions(&self, start: usize, t: usize, device: &Device) -> (Rope, Masking) {
         let rope = Rope::new(&self.config.inv_freq(), start, t, device);
-        let mask = (t > 1 || self.config.sliding_window.is_some())
-            .then(|| causal_mask(start, t, self.config.sliding_window, device));
+        let window = self.config.sliding_window;
+        // From the first position, with no window shorter than the span: plain causal.
+        let causal = start == 0 && t > 1 && window.is_none_or(|w| w >= t);
+        let mask = if causal {
+            Masking::Causal
+        } else {
+            Masking::Keys(
+                (t > 1 || window.is_some())
+                    .then(|| Box::new(causal_mask(start, t, window, device))),
+            )
+        };
         (rope, mask)
     }
 
     /// The final norm and the head: `[b, t, c]` → logits `[b, t, vocab]`.
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = self.model.norm.forward(x);
+        let x = crate::fused::rms_norm(&self.model.norm, x);
         match &self.lm_head {
             Some(head) => crate::modules::linear_rows(head, x),
             None => {
@@ -489,7 +506,7 @@ impl Llama {
         let (rope, mask) = self.positions(0, t, &tokens.device());
         let mut x = self.model.embed_tokens.forward(tokens);
         for layer in &self.model.layers {
-            x = layer.forward(x, &rope, mask.clone(), self.heads(), None);
+            x = layer.forward(x, &rope, &mask, self.heads(), None);
         }
         self.head(x)
     }
@@ -503,7 +520,7 @@ impl Llama {
         cache.layers.resize(self.model.layers.len(), (None, None));
         let mut x = self.model.embed_tokens.forward(tokens);
         for (layer, kv) in self.model.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward(x, &rope, mask.clone(), self.heads(), Some(kv));
+            x = layer.forward(x, &rope, &mask, self.heads(), Some(kv));
         }
         cache.len += t;
         self.head(x)
@@ -549,7 +566,7 @@ impl BlockStack<TokenBatch> for Llama {
         let x: Tensor<3> = x.into_rank();
         let t = x.dims()[1];
         let (rope, mask) = self.positions(0, t, &x.device());
-        Activation::Rank3(self.model.layers[i].forward(x, &rope, mask, self.heads(), None))
+        Activation::Rank3(self.model.layers[i].forward(x, &rope, &mask, self.heads(), None))
     }
 
     fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {

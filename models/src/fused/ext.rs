@@ -14,9 +14,9 @@ use burn::tensor::{DType, Shape};
 use super::flex::{
     attention_forward, attention_shape, contiguous, cross_entropy_forward, dims, f32s,
     gelu_forward, heads_of, layer_norm_forward, linear_backward, linear_forward, operand,
-    packed_forward, packed_shape, targets, tensor, view4,
+    packed_forward, packed_shape, rms_norm_forward, swiglu_forward, targets, tensor, view4,
 };
-use super::kernels;
+use super::{gated, kernels};
 
 /// The fused operations. Each takes and returns f32 tensors on Flex.
 #[backend_extension(Flex, Autodiff)]
@@ -30,6 +30,14 @@ pub trait FusedOps: burn::backend::Backend {
     ) -> FloatTensor<Self>;
     /// The exact GELU.
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// RMSNorm over the last dimension.
+    fn fused_rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self>;
+    /// `silu(gate) · up`.
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self>;
     /// Mean cross-entropy of `logits` `[N, V]` against `targets` `[N]`, shape `[1]`.
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
@@ -66,6 +74,14 @@ impl FusedOps for Flex {
 
     fn fused_gelu(x: FlexTensor) -> FlexTensor {
         gelu_forward(&x)
+    }
+
+    fn fused_rms_norm(x: FlexTensor, gamma: FlexTensor, eps: f64) -> FlexTensor {
+        rms_norm_forward(&x, &gamma, eps).0
+    }
+
+    fn fused_swiglu(gate: FlexTensor, up: FlexTensor) -> FlexTensor {
+        swiglu_forward(&gate, &up)
     }
 
     fn fused_cross_entropy(logits: FlexTensor, t: IntTensor<Flex>) -> FlexTensor {
@@ -145,6 +161,65 @@ impl Backward<Flex, 1> for GeluBackward {
             let mut dx = vec![0.0f32; f32s(&x).len()];
             kernels::gelu_backward(f32s(&x), f32s(&dy), &mut dx);
             grads.register::<Flex>(node.id, tensor(dx, shape));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RmsNormBackward;
+
+impl Backward<Flex, 2> for RmsNormBackward {
+    /// Input, gamma, each row's 1/rms.
+    type State = (FlexTensor, FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_gamma] = ops.parents;
+        let dy = contiguous(&grads.consume::<Flex>(&ops.node));
+        let (x, gamma, inv) = ops.state;
+        let shape = dims(&x);
+        let c = *shape.last().unwrap();
+        let (x, gamma) = (contiguous(&x), contiguous(&gamma));
+        let mut dx = vec![0.0f32; f32s(&x).len()];
+        let mut dgamma = vec![0.0f32; c];
+        gated::rms_norm_backward(
+            f32s(&x),
+            c,
+            f32s(&gamma),
+            f32s(&inv),
+            f32s(&dy),
+            &mut dx,
+            &mut dgamma,
+        );
+        if let Some(node) = node_x {
+            grads.register::<Flex>(node.id, tensor(dx, shape));
+        }
+        if let Some(node) = node_gamma {
+            grads.register::<Flex>(node.id, tensor(dgamma, [c]));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl Backward<Flex, 2> for SwigluBackward {
+    /// The gate and up inputs.
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_gate, node_up] = ops.parents;
+        let dy = contiguous(&grads.consume::<Flex>(&ops.node));
+        let (gate, up) = ops.state;
+        let shape = dims(&gate);
+        let (gate, up) = (contiguous(&gate), contiguous(&up));
+        let n = f32s(&gate).len();
+        let (mut dgate, mut dup) = (vec![0.0f32; n], vec![0.0f32; n]);
+        gated::swiglu_backward(f32s(&gate), f32s(&up), f32s(&dy), &mut dgate, &mut dup);
+        if let Some(node) = node_gate {
+            grads.register::<Flex>(node.id, tensor(dgate, shape.clone()));
+        }
+        if let Some(node) = node_up {
+            grads.register::<Flex>(node.id, tensor(dup, shape));
         }
     }
 }
@@ -303,6 +378,37 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
                 prep.finish(x.primitive().clone(), y)
             }
             OpsKind::UnTracked(prep) => prep.finish(gelu_forward(x.primitive())),
+        }
+    }
+
+    fn fused_rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        let prep = RmsNormBackward.prepare::<C>([x.node(), gamma.node()]);
+        match prep.compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (y, inv) = rms_norm_forward(x.primitive(), gamma.primitive(), eps);
+                prep.finish((x.primitive().clone(), gamma.primitive().clone(), inv), y)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(rms_norm_forward(x.primitive(), gamma.primitive(), eps).0)
+            }
+        }
+    }
+
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let y = swiglu_forward(gate.primitive(), up.primitive());
+        match SwigluBackward
+            .prepare::<C>([gate.node(), up.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                prep.finish((gate.primitive().clone(), up.primitive().clone()), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
 

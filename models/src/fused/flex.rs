@@ -7,6 +7,7 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::IntTensor;
 use burn::tensor::{DType, Shape, TensorData};
 
+use super::gated;
 use super::gemm::{self, Mat};
 use super::kernels::{self, View4};
 
@@ -106,6 +107,33 @@ pub(super) fn layer_norm_forward(
         &mut stats,
     );
     (tensor(y, shape), tensor(stats, [rows, 2]))
+}
+
+/// RMSNorm over the last dimension, and each row's `1/rms` for the backward.
+pub(super) fn rms_norm_forward(
+    x: &FlexTensor,
+    gamma: &FlexTensor,
+    eps: f64,
+) -> (FlexTensor, FlexTensor) {
+    let shape = dims(x);
+    let c = *shape.last().expect("RMSNorm of a scalar");
+    let (x, gamma) = (contiguous(x), contiguous(gamma));
+    let x = f32s(&x);
+    let rows = x.len() / c.max(1);
+    let mut y = vec![0.0f32; x.len()];
+    let mut inv = vec![0.0f32; rows];
+    gated::rms_norm_forward(x, c, f32s(&gamma), eps as f32, &mut y, &mut inv);
+    (tensor(y, shape), tensor(inv, [rows]))
+}
+
+/// `silu(gate) · up`, the two of one shape.
+pub(super) fn swiglu_forward(gate: &FlexTensor, up: &FlexTensor) -> FlexTensor {
+    let shape = dims(gate);
+    assert_eq!(shape, dims(up), "SwiGLU's gate and up differ in shape");
+    let (gate, up) = (contiguous(gate), contiguous(up));
+    let mut y = vec![0.0f32; f32s(&gate).len()];
+    gated::swiglu_forward(f32s(&gate), f32s(&up), &mut y);
+    tensor(y, shape)
 }
 
 pub(super) fn gelu_forward(x: &FlexTensor) -> FlexTensor {

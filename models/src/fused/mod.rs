@@ -1,6 +1,6 @@
-//! The transformer's hot operations as single CPU kernels: LayerNorm, the exact GELU,
-//! softmax cross-entropy, causal attention (of q, k, v, or of the packed projection that
-//! holds them) and the Linear's matrix product.
+//! The transformer's hot operations as single CPU kernels: LayerNorm, RMSNorm, the exact GELU,
+//! SwiGLU's gate, softmax cross-entropy, causal attention (of q, k, v, or of the packed
+//! projection that holds them) and the Linear's matrix product.
 //!
 //! Each function here is what a model calls in place of the Burn ops it composes. On Burn's
 //! Flex CPU backend, with or without autodiff, and in f32, it runs one fused kernel forward and
@@ -16,6 +16,7 @@
 
 mod ext;
 mod flex;
+mod gated;
 mod gemm;
 mod kernels;
 mod math;
@@ -23,7 +24,7 @@ mod math;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::{Dispatch, DispatchDevice};
-use burn::nn::{Dropout, LayerNorm};
+use burn::nn::{Dropout, LayerNorm, RmsNorm};
 use burn::prelude::*;
 use burn::tensor::DType;
 
@@ -94,6 +95,31 @@ fn layer_norm_fused<const D: usize>(
         gamma.into_dispatch(),
         beta.into_dispatch(),
         epsilon,
+    ))
+}
+
+/// `norm` (Burn's RMSNorm) applied to `x`'s last dimension.
+pub fn rms_norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
+    let gamma = norm.gamma.val();
+    if !(fused_here(x.dtype(), &x.device()) && gamma.dtype() == DType::F32) {
+        return norm.forward(x);
+    }
+    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_rms_norm(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        norm.epsilon,
+    ))
+}
+
+/// SwiGLU's gate, `silu(gate) · up` (the two of one shape).
+pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+    let device = gate.device();
+    if !(fused_here(gate.dtype(), &device) && fused_here(up.dtype(), &device)) {
+        return burn::tensor::activation::silu(gate) * up;
+    }
+    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_swiglu(
+        gate.into_dispatch(),
+        up.into_dispatch(),
     ))
 }
 

@@ -2,7 +2,7 @@
 //! 1e-5 of the tensor's scale, on shapes that reach every edge of the kernels.
 use super::*;
 use burn::module::Param;
-use burn::nn::{DropoutConfig, LayerNormConfig};
+use burn::nn::{DropoutConfig, LayerNormConfig, RmsNormConfig};
 use burn::tensor::{Gradients, TensorData};
 
 /// Numbers in [-2, 2) from a fixed sequence (the tests repeat exactly).
@@ -138,6 +138,57 @@ fn layer_norm_equals_burns_forward_and_backward() {
         if let (Some(fb), Some(cb)) = (fb, cb) {
             assert_close(&format!("{what} dbeta"), &fb, &cb, 1e-5);
         }
+    }
+}
+
+#[test]
+fn rms_norm_equals_burns_forward_and_backward() {
+    let device = Device::flex().autodiff();
+    // Widths below, at and past the eight partial sums, and the Llama recipe's (not one: a
+    // row of one element normalises to ±1, whose gradient is rounding alone).
+    for (rows, c) in [(1, 2), (3, 7), (5, 8), (4, 33), (12 * 64, 256)] {
+        let mut norm = RmsNormConfig::new(c).init(&device);
+        norm.gamma = Param::from_tensor(spread([c], 3, 0.5, 1.0, &device));
+        let x = leaf([rows, 2, c], 5, &device);
+        let what = format!("RMSNorm rows {rows} × {c}");
+        let (y1, g1) = run(std::slice::from_ref(&x), |v| rms_norm(&norm, v[0].clone()));
+        let (y2, g2) = run(std::slice::from_ref(&x), |v| norm.forward(v[0].clone()));
+        assert_close(&format!("{what} forward"), &y1, &y2, 1e-5);
+        assert_close(&format!("{what} dx"), &g1[0], &g2[0], 1e-5);
+        let dgamma = |fused: bool| {
+            let out = if fused {
+                rms_norm(&norm, x.clone())
+            } else {
+                norm.forward(x.clone())
+            };
+            let w = Tensor::<3>::from_data(
+                TensorData::new(numbers(out.shape().num_elements(), 7), out.shape()),
+                &device,
+            );
+            values(&norm.gamma.grad(&(out * w).sum().backward()).unwrap())
+        };
+        assert_close(
+            &format!("{what} dgamma"),
+            &dgamma(true),
+            &dgamma(false),
+            1e-5,
+        );
+    }
+}
+
+#[test]
+fn swiglu_equals_burns_forward_and_backward() {
+    let device = Device::flex().autodiff();
+    for shape in [[1, 1], [7, 13], [12 * 64, 688]] {
+        // The gate spread to ±8 to reach both of the sigmoid's tails.
+        let gate = spread(shape, 11, 4.0, 0.0, &device);
+        let up = leaf(shape, 12, &device);
+        assert_same(
+            &format!("SwiGLU {shape:?}"),
+            &[gate, up],
+            |v| swiglu(v[0].clone(), v[1].clone()),
+            |v| burn::tensor::activation::silu(v[0].clone()) * v[1].clone(),
+        );
     }
 }
 
@@ -321,6 +372,20 @@ fn without_autodiff_the_kernels_give_the_same_outputs() {
         "LayerNorm",
         &values(&layer_norm(&norm, 1e-5, x.clone())),
         &values(&norm.forward(x.clone())),
+        1e-5,
+    );
+    let rms = RmsNormConfig::new(40).init(&device);
+    assert_close(
+        "RMSNorm",
+        &values(&rms_norm(&rms, x.clone())),
+        &values(&rms.forward(x.clone())),
+        1e-5,
+    );
+    let up = x.clone().flip([0]);
+    assert_close(
+        "SwiGLU",
+        &values(&swiglu(x.clone(), up.clone())),
+        &values(&(burn::tensor::activation::silu(x.clone()) * up)),
         1e-5,
     );
     let q = x.clone().reshape([1, 2, 3, 40]);

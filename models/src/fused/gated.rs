@@ -1,0 +1,92 @@
+//! The Llama family's element-wise operations as one pass each: RMSNorm over the last
+//! dimension and SwiGLU's gate `silu(gate) · up`, forward and backward, on plain f32 slices
+//! (the loops vectorise as the compiler finds; the sums keep eight partial sums apiece).
+//! Burn composes RMSNorm of six ops forward (square, mean, add, sqrt, divide, scale) and the
+//! gate of three, each a pass over the activations with a buffer of its own, and autodiff
+//! keeps what each needs.
+
+/// `Σ a·b` with eight partial sums (so that the loop vectorises).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// RMSNorm of the rows of `x` (width `c`): `y = x · r · gamma`, `r = 1/√(mean(x²) + eps)`,
+/// each row's `r` written to `inv` for the backward.
+pub(super) fn rms_norm_forward(
+    x: &[f32],
+    c: usize,
+    gamma: &[f32],
+    eps: f32,
+    y: &mut [f32],
+    inv: &mut [f32],
+) {
+    for ((xr, yr), r) in x.chunks_exact(c).zip(y.chunks_exact_mut(c)).zip(inv) {
+        *r = 1.0 / (dot(xr, xr) / c as f32 + eps).sqrt();
+        for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(gamma) {
+            *o = v * *r * g;
+        }
+    }
+}
+
+/// RMSNorm's backward: with `g = dy · gamma`, `dx = r·g − x·r³·(Σ g·x)/c` and
+/// `dgamma = Σ_rows dy·x·r` (added into `dgamma`).
+pub(super) fn rms_norm_backward(
+    x: &[f32],
+    c: usize,
+    gamma: &[f32],
+    inv: &[f32],
+    dy: &[f32],
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+) {
+    let rows = x.chunks_exact(c).zip(dy.chunks_exact(c));
+    for (((xr, dyr), dxr), &r) in rows.zip(dx.chunks_exact_mut(c)).zip(inv) {
+        let mut acc = [0.0f32; 8];
+        for (i, ((&d, &g), &v)) in dyr.iter().zip(gamma).zip(xr).enumerate() {
+            acc[i % 8] += d * g * v;
+        }
+        let k = r * r * r * acc.iter().sum::<f32>() / c as f32;
+        for ((((o, &d), &g), &v), dg) in
+            dxr.iter_mut().zip(dyr).zip(gamma).zip(xr).zip(&mut *dgamma)
+        {
+            *o = r * d * g - v * k;
+            *dg += d * v * r;
+        }
+    }
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `y = silu(gate) · up = gate · σ(gate) · up`.
+pub(super) fn swiglu_forward(gate: &[f32], up: &[f32], y: &mut [f32]) {
+    for ((o, &g), &u) in y.iter_mut().zip(gate).zip(up) {
+        *o = g * sigmoid(g) * u;
+    }
+}
+
+/// The gate's backward: `dgate = dy · up · σ(g)·(1 + g·(1 − σ(g)))`, `dup = dy · g·σ(g)`.
+pub(super) fn swiglu_backward(
+    gate: &[f32],
+    up: &[f32],
+    dy: &[f32],
+    dgate: &mut [f32],
+    dup: &mut [f32],
+) {
+    let inputs = gate.iter().zip(up).zip(dy);
+    for (((&g, &u), &d), (dg, du)) in inputs.zip(dgate.iter_mut().zip(dup.iter_mut())) {
+        let s = sigmoid(g);
+        *dg = d * u * s * (1.0 + g * (1.0 - s));
+        *du = d * g * s;
+    }
+}
