@@ -54,7 +54,7 @@ impl ConvBlock {
 
     /// ReLU and pooling, what follows the BatchNorm.
     fn after_norm(&self, x: Tensor<4>) -> Tensor<4> {
-        self.pool.forward(self.activation.forward(x))
+        crate::fused::relu_max_pool(&self.activation, &self.pool, x)
     }
 }
 

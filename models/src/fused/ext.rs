@@ -14,7 +14,8 @@ use burn::tensor::{DType, Shape};
 use super::flex::{
     attention_forward, attention_shape, contiguous, cross_entropy_forward, dims, f32s,
     gelu_forward, heads_of, layer_norm_forward, linear_backward, linear_forward, operand,
-    packed_forward, packed_shape, rms_norm_forward, swiglu_forward, targets, tensor, view4,
+    packed_forward, packed_shape, relu_max_pool2_forward, rms_norm_forward, swiglu_forward,
+    targets, tensor, view4,
 };
 use super::{gated, kernels};
 
@@ -38,6 +39,8 @@ pub trait FusedOps: burn::backend::Backend {
     ) -> FloatTensor<Self>;
     /// `silu(gate) · up`.
     fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// ReLU then 2×2 max-pooling of stride 2 (`[B, C, H, W]` → `[B, C, H/2, W/2]`).
+    fn fused_relu_max_pool2(x: FloatTensor<Self>) -> FloatTensor<Self>;
     /// Mean cross-entropy of `logits` `[N, V]` against `targets` `[N]`, shape `[1]`.
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
@@ -82,6 +85,10 @@ impl FusedOps for Flex {
 
     fn fused_swiglu(gate: FlexTensor, up: FlexTensor) -> FlexTensor {
         swiglu_forward(&gate, &up)
+    }
+
+    fn fused_relu_max_pool2(x: FlexTensor) -> FlexTensor {
+        relu_max_pool2_forward(&x).0
     }
 
     fn fused_cross_entropy(logits: FlexTensor, t: IntTensor<Flex>) -> FlexTensor {
@@ -220,6 +227,25 @@ impl Backward<Flex, 2> for SwigluBackward {
         }
         if let Some(node) = node_up {
             grads.register::<Flex>(node.id, tensor(dup, shape));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct PoolBackward;
+
+impl Backward<Flex, 1> for PoolBackward {
+    /// The input's shape, and which element of each window gave each output.
+    type State = ([usize; 4], std::sync::Arc<Vec<u8>>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let dy = contiguous(&grads.consume::<Flex>(&ops.node));
+        if let Some(node) = node {
+            let ([b, c, h, w], arg) = ops.state;
+            let mut dx = vec![0.0f32; b * c * h * w];
+            gated::relu_max_pool2_backward(f32s(&dy), &arg, b * c, [h, w], &mut dx);
+            grads.register::<Flex>(node.id, tensor(dx, [b, c, h, w]));
         }
     }
 }
@@ -407,6 +433,21 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         {
             OpsKind::Tracked(prep) => {
                 prep.finish((gate.primitive().clone(), up.primitive().clone()), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_relu_max_pool2(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (y, arg) = relu_max_pool2_forward(x.primitive());
+        match PoolBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let shape: [usize; 4] = dims(x.primitive()).try_into().unwrap();
+                prep.finish((shape, arg), y)
             }
             OpsKind::UnTracked(prep) => prep.finish(y),
         }

@@ -136,6 +136,17 @@ pub(super) fn swiglu_forward(gate: &FlexTensor, up: &FlexTensor) -> FlexTensor {
     tensor(y, shape)
 }
 
+/// ReLU then 2×2 max-pooling of stride 2 of `[B, C, H, W]`, and which element of each window
+/// gave each output (a byte each) for the backward.
+pub(super) fn relu_max_pool2_forward(x: &FlexTensor) -> (FlexTensor, std::sync::Arc<Vec<u8>>) {
+    let [b, c, h, w]: [usize; 4] = dims(x).try_into().expect("pooling takes [B, C, H, W]");
+    let x = contiguous(x);
+    let n = b * c * (h / 2) * (w / 2);
+    let (mut y, mut arg) = (vec![0.0f32; n], vec![0u8; n]);
+    gated::relu_max_pool2_forward(f32s(&x), b * c, [h, w], &mut y, &mut arg);
+    (tensor(y, [b, c, h / 2, w / 2]), std::sync::Arc::new(arg))
+}
+
 pub(super) fn gelu_forward(x: &FlexTensor) -> FlexTensor {
     let shape = dims(x);
     let x = contiguous(x);

@@ -90,3 +90,61 @@ pub(super) fn swiglu_backward(
         *du = d * g * s;
     }
 }
+
+/// ReLU then 2×2 max-pooling of stride 2 (no padding: a last odd row or column is left out)
+/// over `planes` planes of `h × w`: `y = max(0, max of the window)`, and for each output the
+/// window's element that gave it (0..4, row-major; 4 where the ReLU gave zero), for the
+/// backward. ReLU and the max commute, so one pass does both.
+pub(super) fn relu_max_pool2_forward(
+    x: &[f32],
+    planes: usize,
+    [h, w]: [usize; 2],
+    y: &mut [f32],
+    arg: &mut [u8],
+) {
+    let (oh, ow) = (h / 2, w / 2);
+    for p in 0..planes {
+        let plane = &x[p * h * w..(p + 1) * h * w];
+        for i in 0..oh {
+            let (top, bottom) = (&plane[2 * i * w..], &plane[(2 * i + 1) * w..]);
+            let at = p * oh * ow + i * ow;
+            for j in 0..ow {
+                let window = [top[2 * j], top[2 * j + 1], bottom[2 * j], bottom[2 * j + 1]];
+                // The first largest, as Burn's pooling picks it.
+                let (mut best, mut k) = (window[0], 0u8);
+                for (n, &v) in window.iter().enumerate().skip(1) {
+                    if v > best {
+                        (best, k) = (v, n as u8);
+                    }
+                }
+                let on = best > 0.0;
+                y[at + j] = if on { best } else { 0.0 };
+                arg[at + j] = if on { k } else { 4 };
+            }
+        }
+    }
+}
+
+/// Its backward: each output's gradient to the element that gave it (none where the ReLU gave
+/// zero); `dx` starts at zero.
+pub(super) fn relu_max_pool2_backward(
+    dy: &[f32],
+    arg: &[u8],
+    planes: usize,
+    [h, w]: [usize; 2],
+    dx: &mut [f32],
+) {
+    let (oh, ow) = (h / 2, w / 2);
+    for p in 0..planes {
+        for i in 0..oh {
+            for j in 0..ow {
+                let at = p * oh * ow + i * ow + j;
+                let k = arg[at] as usize;
+                if k < 4 {
+                    let (r, c) = (2 * i + k / 2, 2 * j + k % 2);
+                    dx[p * h * w + r * w + c] = dy[at];
+                }
+            }
+        }
+    }
+}

@@ -1,5 +1,5 @@
 //! The transformer's hot operations as single CPU kernels: LayerNorm, RMSNorm, the exact GELU,
-//! SwiGLU's gate, softmax cross-entropy, causal attention (of q, k, v, or of the packed
+//! SwiGLU's gate, ReLU with 2×2 max-pooling, softmax cross-entropy, causal attention (of q, k, v, or of the packed
 //! projection that holds them) and the Linear's matrix product.
 //!
 //! Each function here is what a model calls in place of the Burn ops it composes. On Burn's
@@ -24,7 +24,8 @@ mod math;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::{Dispatch, DispatchDevice};
-use burn::nn::{Dropout, LayerNorm, RmsNorm};
+use burn::nn::pool::MaxPool2d;
+use burn::nn::{Dropout, LayerNorm, PaddingConfig2d, Relu, RmsNorm};
 use burn::prelude::*;
 use burn::tensor::DType;
 
@@ -120,6 +121,23 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as FusedOps>::fused_swiglu(
         gate.into_dispatch(),
         up.into_dispatch(),
+    ))
+}
+
+/// `pool` after `relu` on `[batch, channels, h, w]`: where the pool is 2×2 of stride 2 with no
+/// padding, dilation or ceiling (the ConvNet's), one pass on the CPU; anything else, the two
+/// modules.
+pub fn relu_max_pool(relu: &Relu, pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
+    let two = pool.kernel_size == [2, 2]
+        && pool.stride == [2, 2]
+        && pool.dilation == [1, 1]
+        && !pool.ceil_mode
+        && matches!(pool.padding, PaddingConfig2d::Valid);
+    if !(two && fused_here(x.dtype(), &x.device())) {
+        return pool.forward(relu.forward(x));
+    }
+    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_relu_max_pool2(
+        x.into_dispatch(),
     ))
 }
 

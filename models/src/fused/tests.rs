@@ -193,6 +193,23 @@ fn swiglu_equals_burns_forward_and_backward() {
 }
 
 #[test]
+fn relu_max_pool_equals_burns_forward_and_backward() {
+    let device = Device::flex().autodiff();
+    let relu = Relu::new();
+    let pool = burn::nn::pool::MaxPool2dConfig::new([2, 2]).init();
+    // Odd sides (a row and a column left out) and the MNIST ConvNet's planes.
+    for shape in [[1, 1, 2, 2], [2, 3, 5, 7], [64, 16, 28, 28]] {
+        let x = leaf(shape, 13, &device);
+        assert_same(
+            &format!("ReLU + max-pool {shape:?}"),
+            &[x],
+            |v| relu_max_pool(&relu, &pool, v[0].clone()),
+            |v| pool.forward(relu.forward(v[0].clone())),
+        );
+    }
+}
+
+#[test]
 fn gelu_equals_burns_forward_and_backward() {
     let device = Device::flex().autodiff();
     for shape in [[1, 1], [7, 13], [64, 512]] {
