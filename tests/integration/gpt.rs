@@ -20,6 +20,11 @@ pub(crate) fn text_file(dir: &Path) -> PathBuf {
 }
 
 pub(crate) fn gpt_config(run: &Path, text: &Path, extra: &[&str]) -> kiln::builtin::Config {
+    kiln::builtin::load(None, &gpt_overrides(run, text, extra)).unwrap()
+}
+
+/// [`gpt_config`]'s overrides, for a test that wants the load's error rather than a panic.
+pub(crate) fn gpt_overrides(run: &Path, text: &Path, extra: &[&str]) -> Vec<String> {
     let mut o: Vec<String> = vec![
         "data.dataset=\"text\"".into(),
         format!("data.path={:?}", text.display().to_string()),
@@ -38,7 +43,7 @@ pub(crate) fn gpt_config(run: &Path, text: &Path, extra: &[&str]) -> kiln::built
         format!("run.dir={:?}", run.display().to_string()),
     ];
     o.extend(extra.iter().map(|s| s.to_string()));
-    kiln::builtin::load(None, &o).unwrap()
+    o
 }
 
 #[test]

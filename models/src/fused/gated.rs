@@ -1,9 +1,10 @@
-//! The Llama family's element-wise operations as one pass each: RMSNorm over the last
-//! dimension and SwiGLU's gate `silu(gate) · up`, forward and backward, on plain f32 slices
-//! (the loops vectorise as the compiler finds; the sums keep eight partial sums apiece).
-//! Burn composes RMSNorm of six ops forward (square, mean, add, sqrt, divide, scale) and the
-//! gate of three, each a pass over the activations with a buffer of its own, and autodiff
-//! keeps what each needs.
+//! Element-wise operations as one pass each, forward and backward, on plain f32 slices (the
+//! loops vectorise as the compiler finds; the sums keep eight partial sums apiece): the Llama
+//! family's RMSNorm over the last dimension and SwiGLU's gate `silu(gate) · up`, and the
+//! ConvNet's ReLU with 2×2 max-pooling. Burn composes RMSNorm of six ops forward (square, mean,
+//! add, sqrt, divide, scale) and the gate of three, each a pass over the activations with a
+//! buffer of its own, and autodiff keeps what each needs; its pooling goes through a 3-d
+//! pooling with indices.
 
 /// `Σ a·b` with eight partial sums (so that the loop vectorises).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
