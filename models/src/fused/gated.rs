@@ -1,24 +1,12 @@
 //! Element-wise operations as one pass each, forward and backward, on plain f32 slices (the
-//! loops vectorise as the compiler finds; the sums keep eight partial sums apiece): the Llama
+//! loops vectorise as the compiler finds; the sums are [`super::math`]'s): the Llama
 //! family's RMSNorm over the last dimension and SwiGLU's gate `silu(gate) · up`, and the
 //! ConvNet's ReLU with 2×2 max-pooling. Burn composes RMSNorm of six ops forward (square, mean,
 //! add, sqrt, divide, scale) and the gate of three, each a pass over the activations with a
 //! buffer of its own, and autodiff keeps what each needs; its pooling goes through a 3-d
 //! pooling with indices.
 
-/// `Σ a·b` with eight partial sums (so that the loop vectorises).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
-}
+use super::math;
 
 /// RMSNorm of the rows of `x` (width `c`): `y = x · r · gamma`, `r = 1/√(mean(x²) + eps)`,
 /// each row's `r` written to `inv` for the backward.
@@ -31,7 +19,7 @@ pub(super) fn rms_norm_forward(
     inv: &mut [f32],
 ) {
     for ((xr, yr), r) in x.chunks_exact(c).zip(y.chunks_exact_mut(c)).zip(inv) {
-        *r = 1.0 / (dot(xr, xr) / c as f32 + eps).sqrt();
+        *r = 1.0 / (math::dot(xr, xr) / c as f32 + eps).sqrt();
         for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(gamma) {
             *o = v * *r * g;
         }
@@ -51,15 +39,13 @@ pub(super) fn rms_norm_backward(
 ) {
     let rows = x.chunks_exact(c).zip(dy.chunks_exact(c));
     for (((xr, dyr), dxr), &r) in rows.zip(dx.chunks_exact_mut(c)).zip(inv) {
-        let mut acc = [0.0f32; 8];
-        for (i, ((&d, &g), &v)) in dyr.iter().zip(gamma).zip(xr).enumerate() {
-            acc[i % 8] += d * g * v;
+        // dx = dy·gamma for now, then r·dx − x·k.
+        for ((o, &d), &g) in dxr.iter_mut().zip(dyr).zip(gamma) {
+            *o = d * g;
         }
-        let k = r * r * r * acc.iter().sum::<f32>() / c as f32;
-        for ((((o, &d), &g), &v), dg) in
-            dxr.iter_mut().zip(dyr).zip(gamma).zip(xr).zip(&mut *dgamma)
-        {
-            *o = r * d * g - v * k;
+        let k = r * r * r * math::dot(dxr, xr) / c as f32;
+        for (((o, &d), &v), dg) in dxr.iter_mut().zip(dyr).zip(xr).zip(&mut *dgamma) {
+            *o = r * *o - v * k;
             *dg += d * v * r;
         }
     }

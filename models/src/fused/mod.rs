@@ -1,6 +1,6 @@
 //! The transformer's hot operations as single CPU kernels: LayerNorm, RMSNorm, the exact GELU,
-//! SwiGLU's gate, ReLU with 2×2 max-pooling, softmax cross-entropy, causal attention (of q, k, v, or of the packed
-//! projection that holds them) and the Linear's matrix product.
+//! SwiGLU's gate, ReLU with 2×2 max-pooling, softmax cross-entropy, causal attention (of q, k,
+//! v, or of the packed projection that holds them) and the Linear's matrix product.
 //!
 //! Each function here is what a model calls in place of the Burn ops it composes. On Burn's
 //! Flex CPU backend, with or without autodiff, and in f32, it runs one fused kernel forward and

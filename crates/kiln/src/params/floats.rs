@@ -141,10 +141,10 @@ pub fn frozen_with_ids<M: Module>(module: &M) -> Vec<(ParamId, Vec<usize>, Vec<f
     struct Collect(HashSet<ParamId>, Vec<(ParamId, Vec<usize>, Vec<f32>)>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let float = param.val().dtype().is_float();
-            if float && !param.is_require_grad() && !self.0.contains(&param.id) {
+            let value = param.val();
+            if value.dtype().is_float() && !param.is_require_grad() && !self.0.contains(&param.id) {
                 let shape = param.shape().to_vec();
-                self.1.push((param.id, shape, host_f32(param.val())));
+                self.1.push((param.id, shape, host_f32(value)));
             }
         }
     }
