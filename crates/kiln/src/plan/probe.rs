@@ -231,7 +231,8 @@ type Rank<'a, W> = Box<dyn Strategy<<W as Workload>::Model, <W as Workload>::Bat
 /// A rank's strategy and the parameter groups it steps.
 type Built<'a, W> = (Rank<'a, W>, usize);
 
-/// The probe's steps on one thread: `warm` untimed, then `TIMED` timed.
+/// The probe's steps on one thread: `warm` untimed, then `TIMED` timed, then on CPU devices
+/// [`SETTLE`] untimed.
 fn steps<'a, W: Workload>(
     workload: &W,
     p: &ProbeSetup,
