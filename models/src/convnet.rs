@@ -44,9 +44,9 @@ pub struct ConvBlock {
 impl ConvBlock {
     /// Applies the stage to `[batch, channels, h, w]`, halving h and w.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        let x = self.conv.forward(x);
+        let x = crate::fused::conv2d(&self.conv, x);
         let x = match &self.norm {
-            Some(norm) => norm.forward(x),
+            Some(norm) => crate::fused::batch_norm(norm, x),
             None => x,
         };
         self.after_norm(x)
@@ -177,7 +177,7 @@ impl BlockStack<ImageBatch> for ConvNet {
     }
 
     fn before_norm(&self, i: usize, x: Activation) -> Activation {
-        Activation::Rank4(self.blocks[i].conv.forward(x.into_rank()))
+        Activation::Rank4(crate::fused::conv2d(&self.blocks[i].conv, x.into_rank()))
     }
 
     fn after_norm(&self, i: usize, x: Activation) -> Activation {

@@ -14,22 +14,26 @@
 //! `tests.rs`); they are not bit-identical to them, since sums run in another order (the
 //! Linear's products are: the same `gemm` calls as Flex's matmul).
 
+mod conv;
 mod ext;
 mod flex;
 mod gated;
 mod gemm;
 mod kernels;
 mod math;
+mod vision;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::{Dispatch, DispatchDevice};
+use burn::nn::conv::Conv2d;
 use burn::nn::pool::MaxPool2d;
-use burn::nn::{Dropout, LayerNorm, PaddingConfig2d, Relu, RmsNorm};
+use burn::nn::{BatchNorm, Dropout, LayerNorm, PaddingConfig2d, Relu, RmsNorm};
 use burn::prelude::*;
 use burn::tensor::DType;
 
 pub use ext::FusedOps;
+pub use vision::VisionOps;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
@@ -139,6 +143,157 @@ pub fn relu_max_pool(relu: &Relu, pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
     Tensor::from_dispatch(<Dispatch as FusedOps>::fused_relu_max_pool2(
         x.into_dispatch(),
     ))
+}
+
+/// `conv` applied to `x` (`[batch, channels, h, w]`): where it has stride 1, no dilation, one
+/// group and the same padding on both sides of each axis (the ConvNet's), one matrix product
+/// per image on the CPU with a backward written by hand ([`VisionOps`]); anything else,
+/// Burn's `Conv2d::forward`.
+pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    let [kh, kw] = conv.kernel_size;
+    let [_, _, h, w] = x.dims();
+    // (top, bottom, left, right), as Burn's Conv2d reads its padding for stride 1.
+    let (t, b, l, r) = match conv.padding {
+        PaddingConfig2d::Valid => (0, 0, 0, 0),
+        PaddingConfig2d::Explicit(top, left, bottom, right) => (top, bottom, left, right),
+        PaddingConfig2d::Same => {
+            let (th, tw) = (kh.saturating_sub(1), kw.saturating_sub(1));
+            (th / 2, th - th / 2, tw / 2, tw - tw / 2)
+        }
+    };
+    let weight = conv.weight.val();
+    let bias = conv.bias.as_ref().map(|b| b.val());
+    let plain = conv.stride == [1, 1]
+        && conv.dilation == [1, 1]
+        && conv.groups == 1
+        && (t, l) == (b, r)
+        && h + 2 * t >= kh
+        && w + 2 * l >= kw;
+    let f32_params =
+        weight.dtype() == DType::F32 && bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
+    if !(plain && f32_params && fused_here(x.dtype(), &x.device())) {
+        return conv.forward(x);
+    }
+    Tensor::from_dispatch(match bias {
+        None => {
+            <Dispatch as VisionOps>::fused_conv2d(x.into_dispatch(), weight.into_dispatch(), t, l)
+        }
+        Some(bias) => <Dispatch as VisionOps>::fused_conv2d_bias(
+            x.into_dispatch(),
+            weight.into_dispatch(),
+            bias.into_dispatch(),
+            t,
+            l,
+        ),
+    })
+}
+
+/// `norm` applied to `x` (`[batch, channels, ...]`): in training (an autodiff device and the
+/// norm not frozen), the batch's statistics in one pass forward and one backward on the CPU,
+/// the running statistics updated as Burn's BatchNorm updates them; anything else,
+/// `BatchNorm::forward`.
+pub fn batch_norm<const D: usize>(norm: &BatchNorm, x: Tensor<D>) -> Tensor<D> {
+    let (gamma, beta) = (norm.gamma.val(), norm.beta.val());
+    let device = x.device();
+    let training = device.is_autodiff() && norm.training.is_enabled();
+    let f32_params = gamma.dtype() == DType::F32 && beta.dtype() == DType::F32;
+    if !(training && f32_params && fused_here(x.dtype(), &device)) {
+        return norm.forward(x);
+    }
+    let (y, mean, var) = <Dispatch as VisionOps>::fused_batch_norm_train(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        beta.into_dispatch(),
+        norm.epsilon,
+    );
+    let (mean, var) = (
+        Tensor::<1>::from_dispatch(mean),
+        Tensor::<1>::from_dispatch(var),
+    );
+    let momentum = norm.momentum;
+    let running = |old: Tensor<1>, batch: Tensor<1>| {
+        old.to_device(&device)
+            .mul_scalar(1.0 - momentum)
+            .add(batch.detach().mul_scalar(momentum))
+            .detach()
+    };
+    norm.running_mean
+        .update(running(norm.running_mean.value_sync(), mean));
+    norm.running_var
+        .update(running(norm.running_var.value_sync(), var));
+    Tensor::from_dispatch(y)
+}
+
+/// `[C]` values shaped to broadcast along dimension 1 of a rank-`D` tensor.
+fn along_channels<const D: usize>(v: Tensor<1>) -> Tensor<D> {
+    let mut shape = [1usize; D];
+    shape[1] = v.dims()[0];
+    v.reshape(shape)
+}
+
+/// `(x − mean)·γ/√(var + ε) + β` per channel of `x` (`[batch, channels, ...]`), differentiable
+/// in all five: BatchNorm with statistics given (a synchronised BatchNorm's, taken over every
+/// replica). One pass forward and two backward on the CPU; elsewhere the Burn ops.
+pub fn batch_norm_with<const D: usize>(
+    x: Tensor<D>,
+    [gamma, beta, mean, var]: [Tensor<1>; 4],
+    epsilon: f64,
+) -> Tensor<D> {
+    let device = x.device();
+    let all_f32 = [&gamma, &beta, &mean, &var]
+        .iter()
+        .all(|t| t.dtype() == DType::F32);
+    if !(all_f32 && fused_here(x.dtype(), &device)) {
+        let scale = var.add_scalar(epsilon).sqrt().recip().mul(gamma);
+        return (x - along_channels(mean)) * along_channels(scale) + along_channels(beta);
+    }
+    Tensor::from_dispatch(<Dispatch as VisionOps>::fused_batch_norm_stats(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        beta.into_dispatch(),
+        mean.into_dispatch(),
+        var.into_dispatch(),
+        epsilon,
+    ))
+}
+
+/// Per channel of `x` (`[batch, channels, ...]`), over every other dimension and read back to
+/// the host: `Σ (x − center)`, or with `squared` `Σ (x − center)²` (`center` zeros when
+/// `None`). Not differentiated. One pass on the CPU; elsewhere the Burn ops.
+pub fn channel_sums<const D: usize>(
+    x: &Tensor<D>,
+    center: Option<&[f32]>,
+    squared: bool,
+) -> Vec<f32> {
+    let device = x.device();
+    let c = x.dims()[1];
+    let zeros = vec![0.0f32; c];
+    let center = center.unwrap_or(&zeros);
+    assert_eq!(center.len(), c, "{} centres for {c} channels", center.len());
+    let center = Tensor::<1>::from_data(TensorData::new(center.to_vec(), [c]), &device);
+    let sums = if fused_here(x.dtype(), &device) {
+        Tensor::<1>::from_dispatch(<Dispatch as VisionOps>::fused_channel_sums(
+            x.clone().detach().into_dispatch(),
+            center.into_dispatch(),
+            squared,
+        ))
+    } else {
+        // In f32 whatever the activations' dtype.
+        let x32 = x.clone().detach().cast(burn::tensor::FloatDType::F32);
+        let centered = x32 - along_channels(center);
+        let values = if squared {
+            centered.clone() * centered
+        } else {
+            centered
+        };
+        let n = x.dims().iter().product::<usize>() / c.max(1);
+        values
+            .swap_dims(0, 1)
+            .reshape([c, n])
+            .sum_dim(1)
+            .reshape([c])
+    };
+    sums.into_data().convert::<f32>().iter::<f32>().collect()
 }
 
 /// The exact GELU, `x·Φ(x)`.

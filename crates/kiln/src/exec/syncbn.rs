@@ -16,6 +16,7 @@ use burn::module::Module;
 use burn::nn::BatchNorm;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
+use kiln_models::fused::{self, batch_norm_with};
 use kiln_models::{Activation, BlockStack};
 
 use super::segment::segment_backward;
@@ -118,19 +119,18 @@ fn synced_norm(
     let channels = a.dims()[1];
     let local_count = (a.dims().iter().product::<usize>() / channels) as f32;
     // First pass: the mean.
-    let mut sums = host(channel_sums(&a));
+    let mut sums = channel_sums(&a, None, false);
     sums.push(local_count);
     comm.all_reduce(&mut sums, ReduceOp::Sum)?;
     let count = sums.pop().expect("the count was pushed");
     // The statistics take the dtype the norm computes in (bf16 under a `-true` precision).
     let dtype = crate::params::float_dtype(norm.gamma.val().dtype());
     let mean: Vec<f32> = sums.iter().map(|s| s / count).collect();
-    let mean = Tensor::<1>::from_data(TensorData::new(mean, [channels]), device).cast(dtype);
     // Second pass: the (biased) variance around the global mean, as one device computes it.
-    let centered = sub_channels(a.clone(), mean.clone());
-    let mut squares = host(channel_sums(&square(centered)));
+    let mut squares = channel_sums(&a, Some(&mean), true);
     comm.all_reduce(&mut squares, ReduceOp::Sum)?;
     let var: Vec<f32> = squares.iter().map(|s| s / count).collect();
+    let mean = Tensor::<1>::from_data(TensorData::new(mean, [channels]), device).cast(dtype);
     let var = Tensor::<1>::from_data(TensorData::new(var, [channels]), device).cast(dtype);
 
     let momentum = norm.momentum as f32;
@@ -146,17 +146,17 @@ fn synced_norm(
     let mean_leaf = mean.clone().require_grad();
     let var_leaf = var.require_grad();
     let leaf = a.require_grad();
-    let scale = var_leaf
-        .clone()
-        .add_scalar(norm.epsilon)
-        .sqrt()
-        .recip()
-        .mul(norm.gamma.val());
-    let normed = affine(
-        sub_channels(leaf.clone(), mean_leaf.clone()),
-        scale,
+    let stats = [
+        norm.gamma.val(),
         norm.beta.val(),
-    );
+        mean_leaf.clone(),
+        var_leaf.clone(),
+    ];
+    let normed = match leaf.clone() {
+        Activation::Rank2(t) => Activation::Rank2(batch_norm_with(t, stats, norm.epsilon)),
+        Activation::Rank3(t) => Activation::Rank3(batch_norm_with(t, stats, norm.epsilon)),
+        Activation::Rank4(t) => Activation::Rank4(batch_norm_with(t, stats, norm.epsilon)),
+    };
     Ok((
         leaf,
         normed,
@@ -207,26 +207,12 @@ fn along_channels<const D: usize>(v: Tensor<1>) -> Tensor<D> {
     v.reshape(shape)
 }
 
-fn sums<const D: usize>(t: Tensor<D>) -> Tensor<1> {
-    let c = t.dims()[1];
-    let n = t.dims().iter().product::<usize>() / c;
-    t.swap_dims(0, 1).reshape([c, n]).sum_dim(1).reshape([c])
-}
-
-/// Per-channel sums (over every dimension but 1).
-fn channel_sums(a: &Activation) -> Tensor<1> {
-    match a.clone() {
-        Activation::Rank2(t) => sums(t),
-        Activation::Rank3(t) => sums(t),
-        Activation::Rank4(t) => sums(t),
-    }
-}
-
-fn square(a: Activation) -> Activation {
+/// Per-channel sums of `a` on the host ([`kiln_models::fused::channel_sums`]).
+fn channel_sums(a: &Activation, center: Option<&[f32]>, squared: bool) -> Vec<f32> {
     match a {
-        Activation::Rank2(t) => Activation::Rank2(t.clone() * t),
-        Activation::Rank3(t) => Activation::Rank3(t.clone() * t),
-        Activation::Rank4(t) => Activation::Rank4(t.clone() * t),
+        Activation::Rank2(t) => fused::channel_sums(t, center, squared),
+        Activation::Rank3(t) => fused::channel_sums(t, center, squared),
+        Activation::Rank4(t) => fused::channel_sums(t, center, squared),
     }
 }
 
