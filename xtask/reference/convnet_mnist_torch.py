@@ -8,9 +8,15 @@ BatchNorm, ReLU and 2×2 max-pooling, then one linear layer to the 10 classes; A
 optimizer steps, taking the batch out of the loaded set inside the timed part as kiln's step
 time does, and prints one line of JSON: the median milliseconds per step after a warm-up.
 
+With `--world N` it times the same step on N processes of one thread each under
+DistributedDataParallel (torch.distributed over gloo on this machine), each rank a local batch
+of batch/N, the global batch the same; each rank's BatchNorm takes its own batch's statistics
+(PyTorch's default, and kiln's ddp without `ddp.sync_batchnorm`); a step's time is the slowest
+rank's.
+
 Usage:
     python3 xtask/reference/convnet_mnist_torch.py --data data/mnist --batch 64 --steps 30 \
-        [--threads 2]
+        [--threads 2] [--world 2]
 """
 import argparse
 import gzip
@@ -70,29 +76,67 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="0: PyTorch's default")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--world", type=int, default=1, help="processes (one thread each when > 1)")
+    ap.add_argument("--port", type=int, default=29519)
     args = ap.parse_args()
-    if args.threads:
+    if args.batch % args.world:
+        ap.error(f"--batch {args.batch} is not a multiple of --world {args.world}")
+    if args.world == 1:
+        train(0, args)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(train, args=(args,), nprocs=args.world, join=True)
+
+
+def train(rank, args):
+    dist = None
+    if args.world > 1:
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(args.port))
+        dist.init_process_group("gloo", rank=rank, world_size=args.world)
+        torch.set_num_threads(args.threads or 1)
+    elif args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     images = torch.from_numpy(read_idx(find(args.data, "train-images-idx3-ubyte")).copy())
     labels = torch.from_numpy(read_idx(find(args.data, "train-labels-idx1-ubyte")).astype(np.int64))
     images = images.float().div_(255.0).unsqueeze(1)
     model = ConvNet()
+    if dist is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.002)
+    if dist is not None:
+        torch.manual_seed(args.seed + rank)  # each rank its own samples
+    local = args.batch // args.world
     times = []
     for step in range(args.warmup + args.steps):
-        picks = torch.randint(0, len(images), (args.batch,))
+        picks = torch.randint(0, len(images), (local,))
         t0 = time.perf_counter()
         x, y = images[picks], labels[picks]
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        elapsed = time.perf_counter() - t0
+        if dist is not None:
+            slowest = torch.tensor([elapsed], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            elapsed = slowest.item()
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(elapsed)
+    if dist is not None:
+        dist.destroy_process_group()
+    if rank != 0:
+        return
     print(json.dumps({
         "ms_per_step": 1e3 * statistics.median(times),
         "batch": args.batch,
+        "world": args.world,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "final_loss": loss.item(),

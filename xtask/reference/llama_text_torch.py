@@ -8,9 +8,14 @@ same token ids: `LlamaForCausalLM` with its default attention (SDPA), random win
 parameters, gradients clipped to norm 1.0. Prints one line of JSON: the median milliseconds
 per optimizer step after a warm-up, and tokens per second.
 
+With `--world N` it times the same step on N processes of one thread each under
+DistributedDataParallel (torch.distributed over gloo on this machine), each rank a local batch
+of batch/N, the global batch the same; a step's time is the slowest rank's.
+
 Usage (pip install torch transformers tokenizers):
     python3 xtask/reference/llama_text_torch.py --run runs/llama-text \
-        --data data/text/moby-dick.txt --batch 12 --context 64 --steps 30 [--threads 2]
+        --data data/text/moby-dick.txt --batch 12 --context 64 --steps 30 [--threads 2] \
+        [--world 2]
 """
 import argparse
 import json
@@ -33,8 +38,29 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="0: PyTorch's default")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--world", type=int, default=1, help="processes (one thread each when > 1)")
+    ap.add_argument("--port", type=int, default=29521)
     args = ap.parse_args()
-    if args.threads:
+    if args.batch % args.world:
+        ap.error(f"--batch {args.batch} is not a multiple of --world {args.world}")
+    if args.world == 1:
+        train_run(0, args)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(train_run, args=(args,), nprocs=args.world, join=True)
+
+
+def train_run(rank, args):
+    dist = None
+    if args.world > 1:
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(args.port))
+        dist.init_process_group("gloo", rank=rank, world_size=args.world)
+        torch.set_num_threads(args.threads or 1)
+    elif args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     with open(args.data, encoding="utf-8") as f:
@@ -45,6 +71,13 @@ def main():
     config = AutoConfig.from_pretrained(os.path.join(args.run, "hf"))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
+    parameters = sum(p.numel() for p in model.parameters())
+    if dist is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+        torch.manual_seed(args.seed + rank)  # each rank its own windows
+    local = args.batch // args.world
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -53,7 +86,7 @@ def main():
     )
     times = []
     for step in range(args.warmup + args.steps):
-        starts = torch.randint(0, len(train) - args.context - 1, (args.batch,))
+        starts = torch.randint(0, len(train) - args.context - 1, (local,))
         windows = torch.stack([train[s : s + args.context + 1] for s in starts])
         t0 = time.perf_counter()
         logits = model(windows[:, :-1]).logits
@@ -63,14 +96,24 @@ def main():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        elapsed = time.perf_counter() - t0
+        if dist is not None:
+            slowest = torch.tensor([elapsed], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            elapsed = slowest.item()
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(elapsed)
+    if dist is not None:
+        dist.destroy_process_group()
+    if rank != 0:
+        return
     ms = 1e3 * statistics.median(times)
     print(json.dumps({
         "ms_per_step": ms,
         "tokens_per_s": args.batch * args.context * 1e3 / ms,
         "batch": args.batch,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameters,
+        "world": args.world,
         "attention": config._attn_implementation,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -1,12 +1,14 @@
 //! `cargo xtask bench cpu`: the GPT recipe (batch 24), the Llama text recipe and the MNIST
 //! ConvNet on one CPU device, with the per-core schedule (`hardware.cpu_split = "auto"`) and
 //! without it (`"off"`), with the fused CPU kernels and without them
-//! (`hardware.fused_kernels = false`: Burn's composed ops); the GPT on two devices under ddp,
-//! zero2 and zero3 (2 × 12); and, given a Python with PyTorch (`--reference PYTHON`), each of
-//! them in PyTorch: the GPT in `xtask/reference/gpt_char_torch.py` (one process, or two ranks
-//! under DDP and FSDP2 over gloo), the Llama in PyTorch + `transformers`
+//! (`hardware.fused_kernels = false`: Burn's composed ops); the Llama (2 × 6) and the ConvNet
+//! (2 × 32) on two devices under ddp, the GPT under ddp, zero2 and zero3 (2 × 12); and, given
+//! a Python with PyTorch (`--reference PYTHON`), each of them in PyTorch: the GPT in
+//! `xtask/reference/gpt_char_torch.py` (one process, or two ranks under DDP and FSDP2 over
+//! gloo), the Llama in PyTorch + `transformers`
 //! (`xtask/reference/llama_text_torch.py`, its config and tokenizer from kiln's run of the
-//! round), the ConvNet in `xtask/reference/convnet_mnist_torch.py`. Within a round every run
+//! round), the ConvNet in `xtask/reference/convnet_mnist_torch.py` (the models on two devices
+//! as two ranks under DDP). Within a round every run
 //! alternates; medians over rounds are compared side by side, each with the FLOP/s it achieved
 //! (the model's own count, `summary.json` `flops_per_sample`) beside the machine's f32 GEMM
 //! peak (`examples/gemm_peak.rs`, and PyTorch's `xtask/reference/gemm_torch.py`) measured at
@@ -25,6 +27,16 @@ pub struct Options {
     steps: usize,
     rounds: usize,
     reference: Option<String>,
+    /// Only the recipes whose name contains this (any case).
+    only: Option<String>,
+}
+
+impl Options {
+    fn runs(&self, r: &Recipe) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|o| r.name.to_lowercase().contains(&o.to_lowercase()))
+    }
 }
 
 pub fn parse(rest: &[&str]) -> Result<Options> {
@@ -32,6 +44,7 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
         steps: 30,
         rounds: 2,
         reference: None,
+        only: None,
     };
     each_flag(rest, |flag, value| {
         let number = |raw: &str| positive(flag, raw);
@@ -39,10 +52,11 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
             "--steps" => o.steps = number(&value()?)?,
             "--rounds" => o.rounds = number(&value()?)?,
             "--reference" => o.reference = Some(value()?),
+            "--only" => o.only = Some(value()?),
             other => {
                 return Err(format!(
                     "bench cpu: unknown argument {other:?} (expected --steps N, --rounds N, \
-                     --reference PYTHON)"
+                     --reference PYTHON, --only NAME)"
                 ));
             }
         }
@@ -112,7 +126,7 @@ macro_rules! gpt_on_two {
     };
 }
 
-const RECIPES: [Recipe; 6] = [
+const RECIPES: [Recipe; 8] = [
     Recipe {
         name: "GPT (configs/gpt-text.toml, batch 24)",
         args: &[
@@ -169,6 +183,61 @@ const RECIPES: [Recipe; 6] = [
             with_run: false,
         }),
     },
+    Recipe {
+        name: "Llama ddp, 2 devices × 6",
+        args: &[
+            "--config",
+            "configs/llama-text.toml",
+            "--batch-size",
+            "6",
+            "--devices",
+            "2",
+            "--strategy",
+            "ddp",
+        ],
+        variants: &[DEFAULT],
+        data: "data/text/moby-dick.txt",
+        fetch: "text",
+        batch: 12,
+        reference: Some(Reference {
+            label: "transformers' LlamaForCausalLM, DDP over gloo, 2 ranks × 1 thread",
+            script: "xtask/reference/llama_text_torch.py",
+            args: &[
+                "--data",
+                "data/text/moby-dick.txt",
+                "--batch",
+                "12",
+                "--context",
+                "64",
+                "--world",
+                "2",
+            ],
+            with_run: true,
+        }),
+    },
+    Recipe {
+        name: "ConvNet ddp, 2 devices × 32",
+        args: &[
+            "--config",
+            "configs/mnist-convnet.toml",
+            "--batch-size",
+            "32",
+            "--devices",
+            "2",
+            "--strategy",
+            "ddp",
+        ],
+        variants: &[DEFAULT],
+        data: "data/mnist",
+        fetch: "mnist",
+        batch: 64,
+        reference: Some(Reference {
+            label: "DDP over gloo, 2 ranks × 1 thread",
+            script: "xtask/reference/convnet_mnist_torch.py",
+            args: &["--data", "data/mnist", "--batch", "64", "--world", "2"],
+            with_run: false,
+        }),
+    },
     gpt_on_two!("ddp", "DDP over gloo, 2 ranks × 1 thread"),
     gpt_on_two!(
         "zero2",
@@ -204,7 +273,15 @@ const COMPOSED: usize = 1;
 const ONE_REPLICA: usize = 2;
 
 pub fn run(root: &Path, o: &Options) -> Result<()> {
-    for r in &RECIPES {
+    if !RECIPES.iter().any(|r| o.runs(r)) {
+        let names: Vec<&str> = RECIPES.iter().map(|r| r.name).collect();
+        return Err(format!(
+            "bench cpu: --only {:?} names no recipe (they are: {})",
+            o.only.as_deref().unwrap_or(""),
+            names.join("; ")
+        ));
+    }
+    for r in RECIPES.iter().filter(|r| o.runs(r)) {
         if !root.join(r.data).exists() {
             return Err(format!(
                 "{} is missing: run `cargo xtask fetch-data {}` first",
@@ -219,7 +296,7 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     println!(
         "bench cpu: {cores} cores, {} steps, {} rounds; one device with hardware.cpu_split = \
          \"auto\" (per-core sub-replicas) against \"off\" (one replica), the fused CPU \
-         kernels against Burn's composed ops; the GPT on two devices{}",
+         kernels against Burn's composed ops; the models on two devices{}",
         o.steps,
         o.rounds,
         if o.reference.is_some() {
@@ -243,7 +320,7 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     let mut flops: Vec<Option<f64>> = vec![None; RECIPES.len()];
     let mut torch: Vec<Vec<f64>> = vec![Vec::new(); RECIPES.len()];
     for round in 0..o.rounds {
-        for (i, r) in RECIPES.iter().enumerate() {
+        for (i, r) in RECIPES.iter().enumerate().filter(|(_, r)| o.runs(r)) {
             for &j in r.variants {
                 let (variant, sets) = VARIANTS[j];
                 let dir = temp.path().join(format!("{i}-{j}-{round}"));
@@ -417,7 +494,8 @@ impl Table {
             }
         };
         for (i, r) in RECIPES.iter().enumerate() {
-            for &j in r.variants {
+            // Recipes left out by --only have no times.
+            for &j in r.variants.iter().filter(|&&j| !self.kiln[i][j].is_empty()) {
                 let ms = median(&self.kiln[i][j]);
                 println!(
                     "| {} | {} | {ms:.1} | {:.1} | {} | {} | {} | {} |",

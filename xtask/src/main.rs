@@ -63,12 +63,14 @@ commands:
                                         GPT step time in one process vs two under mpirun, and
                                         kiln's MPI all-reduce bandwidth vs MPI_Allreduce
                                         (needs OpenMPI and libclang; builds the mpi feature)
-  bench cpu [--steps N] [--rounds N] [--reference PYTHON]
+  bench cpu [--steps N] [--rounds N] [--reference PYTHON] [--only NAME]
                                         ms/step, samples/s and GFLOP/s against the f32 GEMM
                                         peak: the GPT (batch 24), the Llama and the MNIST
                                         ConvNet on one CPU device (cpu_split auto and off, fused
-                                        kernels and composed ops), the GPT under ddp, zero2 and
-                                        zero3 on 2 devices, and each in PyTorch with --reference
+                                        kernels and composed ops), the Llama and the ConvNet
+                                        under ddp and the GPT under ddp, zero2 and zero3 on 2
+                                        devices, and each in PyTorch with --reference; --only:
+                                        the recipes whose name contains NAME
   bench data [--steps N] [--rounds N] [--workers 1,2] [--size PX] [--input PX] [--train N]
                                         samples/s and the step's data share (pct_data) of the
                                         ConvNet on Fashion-MNIST as upscaled JPEGs, data.workers

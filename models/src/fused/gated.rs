@@ -93,20 +93,20 @@ pub(super) fn relu_max_pool2_forward(
     for p in 0..planes {
         let plane = &x[p * h * w..(p + 1) * h * w];
         for i in 0..oh {
-            let (top, bottom) = (&plane[2 * i * w..], &plane[(2 * i + 1) * w..]);
+            let top = &plane[2 * i * w..][..2 * ow];
+            let bottom = &plane[(2 * i + 1) * w..][..2 * ow];
             let at = p * oh * ow + i * ow;
+            let (yr, ar) = (&mut y[at..at + ow], &mut arg[at..at + ow]);
+            // Selects, not branches, so that the loop vectorises; the first largest wins, as
+            // Burn's pooling picks it.
             for j in 0..ow {
-                let window = [top[2 * j], top[2 * j + 1], bottom[2 * j], bottom[2 * j + 1]];
-                // The first largest, as Burn's pooling picks it.
-                let (mut best, mut k) = (window[0], 0u8);
-                for (n, &v) in window.iter().enumerate().skip(1) {
-                    if v > best {
-                        (best, k) = (v, n as u8);
-                    }
-                }
-                let on = best > 0.0;
-                y[at + j] = if on { best } else { 0.0 };
-                arg[at + j] = if on { k } else { 4 };
+                let (a, b, c, d) = (top[2 * j], top[2 * j + 1], bottom[2 * j], bottom[2 * j + 1]);
+                let (m, k) = if b > a { (b, 1u8) } else { (a, 0u8) };
+                let (m, k) = if c > m { (c, 2u8) } else { (m, k) };
+                let (m, k) = if d > m { (d, 3u8) } else { (m, k) };
+                let on = m > 0.0;
+                yr[j] = if on { m } else { 0.0 };
+                ar[j] = if on { k } else { 4 };
             }
         }
     }

@@ -1,17 +1,19 @@
-//! The transformer's hot operations as single CPU kernels: LayerNorm, RMSNorm, the exact GELU,
+//! The models' hot operations as single CPU kernels: LayerNorm, RMSNorm, the exact GELU,
 //! SwiGLU's gate, ReLU with 2×2 max-pooling, softmax cross-entropy, causal attention (of q, k,
-//! v, or of the packed projection that holds them) and the Linear's matrix product.
+//! v, or of the packed projection that holds them), the Linear's matrix product, and the image
+//! models' stride-1 convolution and BatchNorm (with the batch's statistics, or with statistics
+//! given, as a synchronised BatchNorm has them).
 //!
 //! Each function here is what a model calls in place of the Burn ops it composes. On Burn's
 //! Flex CPU backend, with or without autodiff, and in f32, it runs one fused kernel forward and
-//! one backward written by hand (a [backend extension](ext::FusedOps)), where Burn's autodiff
-//! would record the composition op by op (LayerNorm alone is nine ops forward; softmax five;
+//! one backward written by hand (backend extensions: [`FusedOps`], [`VisionOps`]), where
+//! Burn's autodiff would record the composition op by op (LayerNorm alone is nine ops forward; softmax five;
 //! attention materialises and masks a `T × T` score matrix per head). Anywhere else — WGPU,
 //! CUDA, another dtype, or with [`set_enabled`]`(false)` — it runs exactly the Burn ops the
 //! models ran before, so a model stays backend-generic and a GPU run is untouched.
 //!
 //! The fused kernels equal the composed ops within 1e-5 relative (forward and every gradient,
-//! `tests.rs`); they are not bit-identical to them, since sums run in another order (the
+//! `tests.rs`, `vision_tests.rs`); they are not bit-identical to them, since sums run in another order (the
 //! Linear's products are: the same `gemm` calls as Flex's matmul).
 
 mod conv;
@@ -188,17 +190,24 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
     })
 }
 
-/// `norm` applied to `x` (`[batch, channels, ...]`): in training (an autodiff device and the
-/// norm not frozen), the batch's statistics in one pass forward and one backward on the CPU,
-/// the running statistics updated as Burn's BatchNorm updates them; anything else,
+/// `norm` applied to `x` (`[batch, channels, ...]`), on the CPU in f32 as one kernel: in
+/// training (an autodiff device and the norm not frozen) with the batch's statistics (two
+/// passes forward, two backward), the running statistics updated as Burn's BatchNorm updates
+/// them; otherwise with the running statistics ([`batch_norm_with`]). Anywhere else,
 /// `BatchNorm::forward`.
 pub fn batch_norm<const D: usize>(norm: &BatchNorm, x: Tensor<D>) -> Tensor<D> {
     let (gamma, beta) = (norm.gamma.val(), norm.beta.val());
     let device = x.device();
     let training = device.is_autodiff() && norm.training.is_enabled();
     let f32_params = gamma.dtype() == DType::F32 && beta.dtype() == DType::F32;
-    if !(training && f32_params && fused_here(x.dtype(), &device)) {
+    if !(f32_params && fused_here(x.dtype(), &device)) {
         return norm.forward(x);
+    }
+    if !training {
+        // Evaluation: the running statistics, as Burn's BatchNorm takes them.
+        let mean = norm.running_mean.value().to_device(&device);
+        let var = norm.running_var.value().to_device(&device);
+        return batch_norm_with(x, [gamma, beta, mean, var], norm.epsilon);
     }
     let (y, mean, var) = <Dispatch as VisionOps>::fused_batch_norm_train(
         x.into_dispatch(),
@@ -437,3 +446,5 @@ fn causal_attention_composed(
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod vision_tests;

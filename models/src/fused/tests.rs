@@ -6,7 +6,7 @@ use burn::nn::{DropoutConfig, LayerNormConfig, RmsNormConfig};
 use burn::tensor::{Gradients, TensorData};
 
 /// Numbers in [-2, 2) from a fixed sequence (the tests repeat exactly).
-fn numbers(n: usize, seed: u64) -> Vec<f32> {
+pub(super) fn numbers(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);
@@ -20,12 +20,12 @@ fn numbers(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn leaf<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
+pub(super) fn leaf<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
     spread(shape, seed, 1.0, 0.0, device)
 }
 
 /// A leaf of `numbers·scale + shift`.
-fn spread<const D: usize>(
+pub(super) fn spread<const D: usize>(
     shape: [usize; D],
     seed: u64,
     scale: f32,
@@ -40,12 +40,12 @@ fn spread<const D: usize>(
     Tensor::<D>::from_data(TensorData::new(v, shape), device).require_grad()
 }
 
-fn values<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
+pub(super) fn values<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
     t.to_data().try_to_vec::<f32>().unwrap()
 }
 
 /// `max|a - b| ≤ tol·max|b|`: the difference against the tensor's own scale.
-fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+pub(super) fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
     let diff = a
@@ -206,99 +206,6 @@ fn relu_max_pool_equals_burns_forward_and_backward() {
             |v| relu_max_pool(&relu, &pool, v[0].clone()),
             |v| pool.forward(relu.forward(v[0].clone())),
         );
-    }
-}
-
-/// The output and the gradients of `x`, `weight` and `bias` of `Σ f(conv, x)·r`.
-fn conv_run(
-    conv: &Conv2d,
-    x: &Tensor<4>,
-    f: impl Fn(&Conv2d, Tensor<4>) -> Tensor<4>,
-) -> Vec<Vec<f32>> {
-    let out = f(conv, x.clone());
-    let r = Tensor::<4>::from_data(
-        TensorData::new(numbers(out.shape().num_elements(), 51), out.shape()),
-        &out.device(),
-    );
-    let grads: Gradients = (out.clone() * r).sum().backward();
-    let mut all = vec![
-        values(&out),
-        values(&x.grad(&grads).expect("dx")),
-        values(&conv.weight.val().grad(&grads).expect("dw")),
-    ];
-    if let Some(b) = &conv.bias {
-        all.push(values(&b.val().grad(&grads).expect("db")));
-    }
-    all
-}
-
-#[test]
-fn conv2d_equals_burns_forward_and_backward() {
-    use burn::nn::conv::Conv2dConfig;
-    let device = Device::flex().autodiff();
-    // [B, C, H, W], out channels, kernel, padding (top, left), bias: one pixel; no padding;
-    // an oblong kernel; padding wider than the kernel's half; the MNIST ConvNet's two layers.
-    let cases = [
-        ([1, 1, 1, 1], 1, [1, 1], [0, 0], true),
-        ([2, 3, 5, 7], 4, [3, 3], [0, 0], false),
-        ([2, 3, 6, 5], 2, [5, 3], [2, 1], true),
-        ([1, 2, 4, 4], 3, [3, 3], [2, 2], true),
-        ([8, 1, 28, 28], 16, [5, 5], [2, 2], true),
-        ([8, 16, 14, 14], 32, [5, 5], [2, 2], true),
-    ];
-    for (shape, out, kernel, [ph, pw], bias) in cases {
-        let conv = Conv2dConfig::new([shape[1], out], kernel)
-            .with_padding(PaddingConfig2d::Explicit(ph, pw, ph, pw))
-            .with_bias(bias)
-            .init(&device);
-        let x = leaf(shape, 41, &device);
-        let what = format!("conv2d {shape:?} → {out}, kernel {kernel:?}, padding {ph}, {pw}");
-        let fused = conv_run(&conv, &x, conv2d);
-        let composed = conv_run(&conv, &x, |c, x| c.forward(x));
-        for (i, (a, b)) in fused.iter().zip(&composed).enumerate() {
-            assert_close(&format!("{what}, output {i}"), a, b, 1e-5);
-        }
-    }
-}
-
-#[test]
-fn batch_norm_equals_burns_forward_backward_and_running_statistics() {
-    let device = Device::flex().autodiff();
-    // (Two values per channel would normalise to ±1 whatever they are: a gradient of rounding
-    // noise alone.)
-    for shape in [[2, 1, 1, 3], [3, 2, 5, 7], [32, 16, 28, 28]] {
-        let c = shape[1];
-        let make = || {
-            let mut norm = burn::nn::BatchNormConfig::new(c).init(&device);
-            norm.gamma = Param::from_tensor(spread([c], 31, 0.5, 1.0, &device));
-            norm.beta = Param::from_tensor(spread([c], 32, 0.5, 0.0, &device));
-            norm
-        };
-        // Off-centre input, so that a one-pass variance would lose digits.
-        let x = spread(shape, 33, 1.0, 3.0, &device);
-        let runs = [(make(), true), (make(), false)].map(|(norm, fused)| {
-            let out = if fused {
-                batch_norm(&norm, x.clone())
-            } else {
-                norm.forward(x.clone())
-            };
-            let r = Tensor::<4>::from_data(
-                TensorData::new(numbers(out.shape().num_elements(), 34), out.shape()),
-                &device,
-            );
-            let grads: Gradients = (out.clone() * r).sum().backward();
-            [
-                values(&out),
-                values(&x.grad(&grads).expect("dx")),
-                values(&norm.gamma.val().grad(&grads).expect("dgamma")),
-                values(&norm.beta.val().grad(&grads).expect("dbeta")),
-                values(&norm.running_mean.value()),
-                values(&norm.running_var.value()),
-            ]
-        });
-        for (i, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
-            assert_close(&format!("BatchNorm {shape:?}, output {i}"), a, b, 1e-5);
-        }
     }
 }
 
