@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch_ranks import add_world_args, join, launch, leave, slowest
+
 
 def read_idx(path):
     """An IDX file (optionally gzipped) as a numpy array."""
@@ -76,30 +78,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="0: PyTorch's default")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--world", type=int, default=1, help="processes (one thread each when > 1)")
-    ap.add_argument("--port", type=int, default=29519)
-    args = ap.parse_args()
-    if args.batch % args.world:
-        ap.error(f"--batch {args.batch} is not a multiple of --world {args.world}")
-    if args.world == 1:
-        train(0, args)
-    else:
-        import torch.multiprocessing as mp
-
-        mp.spawn(train, args=(args,), nprocs=args.world, join=True)
+    add_world_args(ap, port=29519)
+    launch(train, ap.parse_args())
 
 
 def train(rank, args):
-    dist = None
-    if args.world > 1:
-        import torch.distributed as dist
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(args.port))
-        dist.init_process_group("gloo", rank=rank, world_size=args.world)
-        torch.set_num_threads(args.threads or 1)
-    elif args.threads:
-        torch.set_num_threads(args.threads)
+    dist = join(rank, args)
     torch.manual_seed(args.seed)
     images = torch.from_numpy(read_idx(find(args.data, "train-images-idx3-ubyte")).copy())
     labels = torch.from_numpy(read_idx(find(args.data, "train-labels-idx1-ubyte")).astype(np.int64))
@@ -122,15 +106,10 @@ def train(rank, args):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        elapsed = time.perf_counter() - t0
-        if dist is not None:
-            slowest = torch.tensor([elapsed], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            elapsed = slowest.item()
+        elapsed = slowest(dist, time.perf_counter() - t0)
         if step >= args.warmup:
             times.append(elapsed)
-    if dist is not None:
-        dist.destroy_process_group()
+    leave(dist)
     if rank != 0:
         return
     print(json.dumps({

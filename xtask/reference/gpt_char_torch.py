@@ -33,6 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch_ranks import add_world_args, join, launch, leave, slowest
+
 # (context, width, heads, layers): `cpu` is configs/gpt-text.toml's, `gpu` configs/gpt-text-gpu.toml's.
 SHAPES = {"cpu": (64, 128, 4, 4), "gpu": (256, 384, 6, 6)}
 
@@ -82,13 +84,7 @@ class Gpt(nn.Module):
 
 
 def main():
-    args = parse()
-    if args.world == 1:
-        train(0, args)
-    else:
-        import torch.multiprocessing as mp
-
-        mp.spawn(train, args=(args,), nprocs=args.world, join=True)
+    launch(train, parse())
 
 
 def parse():
@@ -99,9 +95,8 @@ def parse():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="0: PyTorch's default")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--world", type=int, default=1, help="processes (one thread each when > 1)")
+    add_world_args(ap, port=29517)
     ap.add_argument("--mode", choices=["ddp", "zero2", "zero3"], default="ddp")
-    ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (one process)")
@@ -115,18 +110,7 @@ def parse():
 
 
 def train(rank, args):
-    dist = None
-    if args.world > 1:
-        import os
-
-        import torch.distributed as dist
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(args.port))
-        dist.init_process_group("gloo", rank=rank, world_size=args.world)
-        torch.set_num_threads(args.threads or 1)
-    elif args.threads:
-        torch.set_num_threads(args.threads)
+    dist = join(rank, args)
     torch.manual_seed(args.seed)
     with open(args.data, encoding="utf-8") as f:
         text = f.read()
@@ -174,15 +158,10 @@ def train(rank, args):
         opt.step()
         if cuda:
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        if dist is not None:
-            slowest = torch.tensor([elapsed], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            elapsed = slowest.item()
+        elapsed = slowest(dist, time.perf_counter() - t0)
         if step >= args.warmup:
             times.append(elapsed)
-    if dist is not None:
-        dist.destroy_process_group()
+    leave(dist)
     if rank != 0:
         return
     print(json.dumps({

@@ -27,6 +27,8 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from torch_ranks import add_world_args, join, launch, leave, slowest
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -38,30 +40,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="0: PyTorch's default")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--world", type=int, default=1, help="processes (one thread each when > 1)")
-    ap.add_argument("--port", type=int, default=29521)
-    args = ap.parse_args()
-    if args.batch % args.world:
-        ap.error(f"--batch {args.batch} is not a multiple of --world {args.world}")
-    if args.world == 1:
-        train_run(0, args)
-    else:
-        import torch.multiprocessing as mp
-
-        mp.spawn(train_run, args=(args,), nprocs=args.world, join=True)
+    add_world_args(ap, port=29521)
+    launch(train_run, ap.parse_args())
 
 
 def train_run(rank, args):
-    dist = None
-    if args.world > 1:
-        import torch.distributed as dist
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(args.port))
-        dist.init_process_group("gloo", rank=rank, world_size=args.world)
-        torch.set_num_threads(args.threads or 1)
-    elif args.threads:
-        torch.set_num_threads(args.threads)
+    dist = join(rank, args)
     torch.manual_seed(args.seed)
     with open(args.data, encoding="utf-8") as f:
         text = f.read()
@@ -96,15 +80,10 @@ def train_run(rank, args):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        elapsed = time.perf_counter() - t0
-        if dist is not None:
-            slowest = torch.tensor([elapsed], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            elapsed = slowest.item()
+        elapsed = slowest(dist, time.perf_counter() - t0)
         if step >= args.warmup:
             times.append(elapsed)
-    if dist is not None:
-        dist.destroy_process_group()
+    leave(dist)
     if rank != 0:
         return
     ms = 1e3 * statistics.median(times)
