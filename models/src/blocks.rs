@@ -62,17 +62,18 @@ impl Activation {
         })
     }
 
-    /// `sum(self * other)`, shape `[1]`. Backpropagating it from an activation `y` with
-    /// `other` = the gradient of the loss with respect to `y` gives the loss's gradients of
-    /// everything `y` depends on (a vector-Jacobian product).
+    /// `sum(self * other)`, shape `[1]`, differentiated in `self` only
+    /// ([`crate::fused::dot_seed`]). Backpropagating it from an activation `y` with `other` =
+    /// the gradient of the loss with respect to `y` gives the loss's gradients of everything
+    /// `y` depends on (a vector-Jacobian product).
     ///
     /// # Panics
     /// If the two activations have different ranks.
     pub fn dot(self, other: Self) -> Tensor<1> {
         match (self, other) {
-            (Activation::Rank2(a), Activation::Rank2(b)) => (a * b).sum(),
-            (Activation::Rank3(a), Activation::Rank3(b)) => (a * b).sum(),
-            (Activation::Rank4(a), Activation::Rank4(b)) => (a * b).sum(),
+            (Activation::Rank2(a), Activation::Rank2(b)) => crate::fused::dot_seed(a, b),
+            (Activation::Rank3(a), Activation::Rank3(b)) => crate::fused::dot_seed(a, b),
+            (Activation::Rank4(a), Activation::Rank4(b)) => crate::fused::dot_seed(a, b),
             (a, b) => panic!(
                 "activation ranks differ: {} vs {}",
                 a.dims().len(),

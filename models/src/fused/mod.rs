@@ -23,6 +23,7 @@ mod gated;
 mod gemm;
 mod kernels;
 mod math;
+mod seed;
 mod vision;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,6 +36,7 @@ use burn::prelude::*;
 use burn::tensor::DType;
 
 pub use ext::FusedOps;
+pub use seed::SeedOps;
 pub use vision::VisionOps;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
@@ -303,6 +305,26 @@ pub fn channel_sums<const D: usize>(
             .reshape([c])
     };
     sums.into_data().convert::<f32>().iter::<f32>().collect()
+}
+
+/// `Σ output·upstream` as the root of a backward that runs one segment of a model: its
+/// gradient with respect to `output` is `upstream`. On the CPU in f32 the forward is one read
+/// of both and the backward hands `upstream` over as it is ([`SeedOps`]); elsewhere the
+/// product and the sum.
+pub fn dot_seed<const D: usize>(output: Tensor<D>, upstream: Tensor<D>) -> Tensor<1> {
+    let device = output.device();
+    if !(fused_here(output.dtype(), &device) && fused_here(upstream.dtype(), &device)) {
+        return (output * upstream).sum();
+    }
+    assert_eq!(
+        output.dims(),
+        upstream.dims(),
+        "a seed of another shape than its output"
+    );
+    Tensor::from_dispatch(<Dispatch as SeedOps>::fused_dot_seed(
+        output.into_dispatch(),
+        upstream.detach().into_dispatch(),
+    ))
 }
 
 /// The exact GELU, `x·Φ(x)`.

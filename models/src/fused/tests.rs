@@ -375,6 +375,30 @@ fn linear_equals_burns_forward_and_backward() {
 }
 
 #[test]
+fn a_seeded_root_gives_its_output_the_seed_as_gradient() {
+    let device = Device::flex().autodiff();
+    let output = leaf([3, 5, 7], 81, &device);
+    let seed = Tensor::<3>::from_data(TensorData::new(numbers(105, 82), [3, 5, 7]), &device);
+    let composed = (output.clone() * seed.clone()).sum();
+    let root = dot_seed(output.clone() * 1.0, seed.clone());
+    assert_close(
+        "seeded root's value",
+        &values(&root),
+        &values(&composed),
+        1e-5,
+    );
+    // Scaled after the root, the gradient scales with it.
+    let grads: Gradients = (root * 3.0).backward();
+    let want: Vec<f32> = values(&seed).iter().map(|v| v * 3.0).collect();
+    assert_close(
+        "the output's gradient",
+        &values(&output.grad(&grads).expect("a gradient")),
+        &want,
+        1e-6,
+    );
+}
+
+#[test]
 fn without_autodiff_the_kernels_give_the_same_outputs() {
     let device = Device::flex();
     let x = Tensor::<2>::from_data(TensorData::new(numbers(6 * 40, 8), [6, 40]), &device);
