@@ -474,6 +474,60 @@ fn train_plan_says_where_its_measurements_come_from() {
 }
 
 #[test]
+fn kept_measurements_that_predicted_too_low_a_peak_are_dropped_after_the_run() {
+    let dir = temp_dir("plan-kept-check");
+    let (cache, text) = (dir.join("cache"), text_file(&dir));
+    let launch = |i: usize| -> Value {
+        let run = dir.join(format!("run-{i}"));
+        let out = run_kept(&dir, &cache, &gpt_flags(&text, &run, &["--devices", "2"]));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        serde_json::from_slice(&std::fs::read(run.join("summary.json")).unwrap()).unwrap()
+    };
+    // Measured now and kept: nothing to check.
+    let first = launch(0);
+    assert!(first["plan"].get("kept").is_none(), "{}", first["plan"]);
+    let entry = std::fs::read_dir(cache.join("plans"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap();
+    let entry = entry.path();
+    // The kept bytes as a quieter machine might have measured them: a third of each.
+    let mut kept: Value = serde_json::from_slice(&std::fs::read(&entry).unwrap()).unwrap();
+    let third = |v: &mut Value| *v = (v.as_f64().unwrap() / 3.0).into();
+    for v in kept["floor"].as_array_mut().unwrap() {
+        third(v);
+    }
+    for point in kept["points"].as_object_mut().unwrap().values_mut() {
+        for key in ["step_bytes", "held_bytes", "resident_extra"] {
+            third(&mut point[key]);
+        }
+    }
+    std::fs::write(&entry, serde_json::to_vec(&kept).unwrap()).unwrap();
+    // Read back, the prediction is low; the run says so and drops the entry.
+    let second = launch(1);
+    let plan = &second["plan"];
+    let check = plan["kept_check"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no check in {plan}"));
+    assert!(
+        f(&second, "peak_rss_mib") > 1.1 * f(plan, "peak_rss_mib"),
+        "{second}"
+    );
+    assert!(check.contains("dropped"), "{check}");
+    assert!(!entry.exists(), "the mispredicting entry is still kept");
+    // The next launch measures again, keeps that, and finds nothing to drop.
+    let third_run = launch(2);
+    assert!(
+        third_run["plan"].get("kept_check").is_none(),
+        "{}",
+        third_run["plan"]
+    );
+    assert!(entry.exists(), "the fresh measurements were not kept");
+}
+
+#[test]
 fn a_program_of_ones_own_is_planned_and_records_its_plan() {
     let dir = temp_dir("plan-generative");
     let small = |run: &Path| -> Vec<String> {

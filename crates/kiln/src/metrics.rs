@@ -234,7 +234,7 @@ pub struct Summary {
 
 /// The planner's figures for a run's own settings, kept in its `summary.json` beside what
 /// happened.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct PlanRecord {
     /// Predicted peak resident memory of the process, in MiB (on a GPU, its devices' sum).
     pub peak_rss_mib: f64,
@@ -242,6 +242,14 @@ pub struct PlanRecord {
     pub peak_device_mib: f64,
     /// Predicted seconds per optimizer step.
     pub step_seconds: f64,
+    /// The file of the planner's kept measurements that this prediction read back whole, on
+    /// the CPU (`None` where it measured now or keeps nothing): the run checks them against
+    /// its own peak ([`crate::plan::check_kept`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kept: Option<std::path::PathBuf>,
+    /// What the run found of those kept measurements: dropped, and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kept_check: Option<String>,
 }
 
 /// Progress display: on a terminal a bar with ETA and the latest numbers, with a second line

@@ -20,6 +20,7 @@ use sha2::{Digest, Sha256};
 
 use super::links::Links;
 use super::probe::Point;
+use crate::metrics::PlanRecord;
 
 /// Entries older than this are measured again (a machine's speed drifts over weeks: kernels,
 /// drivers, what else runs there).
@@ -55,6 +56,35 @@ pub struct Keeping {
     pub reused: bool,
     /// Why nothing is kept, or why keeping failed.
     pub notice: Option<String>,
+}
+
+/// After a run whose prediction read its measurements back whole (`record.kept`): when the
+/// run's own peak (`measured_mib`, its resident set) is above the predicted one by more than
+/// `headroom` of the prediction — the share a limit keeps free, so that a limit set by that
+/// prediction would not have held — the kept measurements are not to be trusted over a fresh
+/// one (they were made while the machine was quieter, or by another build of the same size):
+/// their file is removed, and the next launch measures again and keeps that. A prediction
+/// above the peak is left: it errs on the side a limit is safe on, and dropping it would make
+/// the same command decided differently from launch to launch. What was done, in words;
+/// `None` where nothing was.
+pub fn check_kept(record: &PlanRecord, measured_mib: Option<f64>, headroom: f64) -> Option<String> {
+    let (file, measured) = (record.kept.as_ref()?, measured_mib?);
+    let predicted = record.peak_rss_mib;
+    if !(predicted > 0.0 && measured > predicted * (1.0 + headroom)) {
+        return None;
+    }
+    let done = match std::fs::remove_file(file) {
+        Ok(()) => "dropped: the next launch measures again".to_string(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => "already gone".to_string(),
+        Err(e) => format!("not dropped ({e})"),
+    };
+    Some(format!(
+        "the kept measurements ({}) predicted a peak of {predicted:.0} MiB and the run's was \
+         {measured:.0} MiB ({:+.0} %, beyond the {:.0} % a limit keeps free): {done}",
+        file.display(),
+        100.0 * (measured / predicted - 1.0),
+        100.0 * headroom
+    ))
 }
 
 /// The kept measurements of one signature, read at the start of a plan and written at its end.
@@ -308,6 +338,39 @@ mod tests {
         );
         // Another signature has an entry of its own.
         assert!(open("model b").entry().points.is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn kept_measurements_that_predicted_too_low_a_peak_are_dropped_and_others_stay() {
+        let dir = std::env::temp_dir().join(format!("kiln-kept-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("entry.json");
+        let record = |kept: bool| PlanRecord {
+            peak_rss_mib: 250.0,
+            kept: kept.then(|| file.clone()),
+            ..PlanRecord::default()
+        };
+        let check = |r: &PlanRecord, measured| check_kept(r, measured, 0.10);
+        std::fs::write(&file, b"{}").unwrap();
+        // Within the headroom, above the peak (the safe side), no kept file, no measured
+        // peak: left alone.
+        for measured in [Some(270.0), Some(150.0), None] {
+            assert_eq!(check(&record(true), measured), None);
+        }
+        assert_eq!(check(&record(false), Some(400.0)), None);
+        assert!(file.exists());
+        // Low by 14 %: dropped, and said.
+        let said = check(&record(true), Some(285.0)).expect("a peak above the headroom is said");
+        assert!(!file.exists(), "{said}");
+        assert!(
+            said.contains("250 MiB") && said.contains("285 MiB"),
+            "{said}"
+        );
+        assert!(said.contains("+14 %") && said.contains("dropped"), "{said}");
+        // Gone already: said so.
+        let again = check(&record(true), Some(285.0)).unwrap();
+        assert!(again.contains("already gone"), "{again}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

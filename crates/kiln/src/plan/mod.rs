@@ -5,7 +5,8 @@
 //! recompute mode (`probe.rs`), the collectives on the run's ranks (`links.rs`) — and predicts
 //! each candidate's memory per device and process and its step time (`predict.rs`).
 //! The measurements are kept between launches (`kept.rs`), so that a command near a memory
-//! limit is decided the same way every time. `train plan` prints the table (`report.rs`); a
+//! limit is decided the same way every time, and dropped after a run whose peak was above
+//! their prediction by more than the headroom. `train plan` prints the table (`report.rs`); a
 //! run records its own prediction in
 //! `summary.json`, is refused when it needs more than `hardware.memory_limit_mib`, and
 //! `--strategy auto` runs the fastest plan that fits.
@@ -18,7 +19,7 @@ mod predict;
 mod probe;
 mod report;
 
-pub use kept::Keeping;
+pub use kept::{Keeping, check_kept};
 pub use links::Links;
 pub(crate) use planner::is_auto;
 pub use planner::{HEADROOM, Plan, Scope, Target, plan};

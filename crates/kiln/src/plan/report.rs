@@ -37,7 +37,7 @@ impl Plan {
 
     /// The record of the config's own plan for its summary.
     pub fn record(&self) -> Option<PlanRecord> {
-        self.own().map(record_of)
+        self.own().map(|p| self.record_of(p))
     }
 
     /// Whether the config's own plan needs more than the limit (and
@@ -145,7 +145,7 @@ impl Plan {
                 self.need(p) / MIB,
                 self.what()
             ),
-            record: record_of(p),
+            record: self.record_of(p),
         })
     }
 
@@ -186,7 +186,7 @@ impl Plan {
                     name_of(&plain),
                     self.need(p) / MIB
                 ),
-                record: record_of(p),
+                record: self.record_of(p),
             });
         }
         let Some(p) = self.pick(config, buffers) else {
@@ -217,7 +217,7 @@ impl Plan {
         Ok(Choice {
             config: p.config.clone(),
             words: format!("auto → {}{flags}: {why}", p.strategy),
-            record: record_of(p),
+            record: self.record_of(p),
         })
     }
 
@@ -362,12 +362,20 @@ fn age_words(age: u64) -> String {
     }
 }
 
-/// The summary's record of `p`.
-fn record_of(p: &Prediction) -> PlanRecord {
-    PlanRecord {
-        peak_rss_mib: p.process_bytes / MIB,
-        peak_device_mib: p.device_bytes / MIB,
-        step_seconds: p.step_seconds,
+impl Plan {
+    /// The summary's record of `p`, naming the kept measurements it read back whole (on the
+    /// CPU, where the run's own peak is the figure predicted).
+    fn record_of(&self, p: &Prediction) -> PlanRecord {
+        let kept = &self.measured.kept;
+        PlanRecord {
+            peak_rss_mib: p.process_bytes / MIB,
+            peak_device_mib: p.device_bytes / MIB,
+            step_seconds: p.step_seconds,
+            kept: (self.measured.cpu && kept.reused)
+                .then(|| kept.file.clone())
+                .flatten(),
+            kept_check: None,
+        }
     }
 }
 

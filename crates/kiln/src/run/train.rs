@@ -117,6 +117,13 @@ where
 
     let (mut summary, model) = fit_checked(workload, &settings, checked)?;
     summary.plan = plan;
+    if let (true, Some(plan)) = (first, summary.plan.as_mut()) {
+        plan.kept_check =
+            crate::plan::check_kept(plan, summary.peak_rss_mib, crate::plan::HEADROOM);
+        if let (true, Some(words)) = (options.verbose, &plan.kept_check) {
+            println!("plan: {words}");
+        }
+    }
     if first {
         crate::weights::export(&run_dir, &model, config)?;
         let json = serde_json::to_vec_pretty(&summary).expect("summary serialises");
