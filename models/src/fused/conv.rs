@@ -12,9 +12,12 @@
 //! BatchNorm in training: per channel, the batch mean and the biased variance (two passes,
 //! summed in f64 across planes), then `y = x·s + t` with `s = γ/√(var + ε)`, `t = β − mean·s`;
 //! backward, `dx = s·(dy − mean(dy) − x̂·mean(dy·x̂))`, `dγ = Σ dy·x̂`, `dβ = Σ dy`. Burn
-//! composes the same as a dozen tensor ops, each a pass over the activations.
+//! composes the same as a dozen tensor ops, each a pass over the activations. BatchNorm's loops
+//! are compiled for SSE2, AVX2 and AVX-512 ([`super::kernels`]' `versions!`); the unfold and
+//! fold are copies and adds that the vector width does not speed.
 
 use super::gemm::{self, Mat};
+use super::kernels::{Level, level, versions};
 use super::math;
 
 /// The shape of a convolution the kernels take: `batch` images of `channels × height × width`,
@@ -253,6 +256,7 @@ pub(super) fn conv_backward(
 }
 
 /// `Σ (x − m)·(y − m')` over a plane, in [`math`]'s 16 partial sums (`y = None`: `Σ (x − m)²`).
+#[inline(always)]
 fn centered_dot(x: &[f32], m: f32, y: Option<(&[f32], f32)>) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
@@ -289,14 +293,16 @@ fn centered_dot(x: &[f32], m: f32, y: Option<(&[f32], f32)>) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+versions! {
 /// Per channel of `x` (`[B, C, S]`, `S` the values of a plane): `Σ (x − center)`, or with
 /// `squared` `Σ (x − center)²`, each plane summed in f32 and the planes in f64.
-pub(super) fn channel_sums(
+pub(crate) fn channel_sums(
     x: &[f32],
-    [b, c, s]: [usize; 3],
+    dims: [usize; 3],
     center: &[f32],
     squared: bool,
 ) -> Vec<f64> {
+    let [b, c, s] = dims;
     assert_eq!(x.len(), b * c * s, "channel sums of [{b}, {c}, {s}]");
     (0..c)
         .map(|ci| {
@@ -316,16 +322,16 @@ pub(super) fn channel_sums(
 }
 
 /// `y = (x − mean)·γ/√(var + ε) + β` per channel of `x` (`[B, C, S]`).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn batch_norm_apply(
+pub(crate) fn batch_norm_apply(
     x: &[f32],
-    [b, c, s]: [usize; 3],
+    dims: [usize; 3],
     gamma: &[f32],
     beta: &[f32],
-    (mean, var): (&[f32], &[f32]),
+    stats: (&[f32], &[f32]),
     eps: f32,
     y: &mut [f32],
 ) {
+    let ([b, c, s], (mean, var)) = (dims, stats);
     for ci in 0..c {
         let scale = gamma[ci] / (var[ci] + eps).sqrt();
         let shift = beta[ci] - mean[ci] * scale;
@@ -336,6 +342,7 @@ pub(super) fn batch_norm_apply(
             }
         }
     }
+}
 }
 
 /// BatchNorm in training over `x` (`[B, C, S]`): fills `y`, each channel's `mean` and biased
@@ -363,8 +370,10 @@ pub(super) fn batch_norm_forward(
     batch_norm_apply(x, dims, gamma, beta, (mean, var), eps, y);
 }
 
+versions! {
 /// Per channel, `(Σ dy, Σ dy·(x − mean))`.
-fn grad_sums(x: &[f32], [b, c, s]: [usize; 3], mean: &[f32], dy: &[f32]) -> Vec<(f64, f64)> {
+pub(crate) fn grad_sums(x: &[f32], dims: [usize; 3], mean: &[f32], dy: &[f32]) -> Vec<(f64, f64)> {
+    let [b, c, s] = dims;
     (0..c)
         .map(|ci| {
             (0..b).fold((0.0f64, 0.0f64), |(s1, s2), bi| {
@@ -378,14 +387,15 @@ fn grad_sums(x: &[f32], [b, c, s]: [usize; 3], mean: &[f32], dy: &[f32]) -> Vec<
 }
 
 /// `dx = dy·a + (x − mean)·k + t` per channel (`a`, `k`, `t` per channel).
-fn channel_affine_grad(
+pub(crate) fn channel_affine_grad(
     x: &[f32],
-    [b, c, s]: [usize; 3],
+    dims: [usize; 3],
     mean: &[f32],
     dy: &[f32],
     per_channel: impl Fn(usize) -> (f32, f32, f32),
     dx: &mut [f32],
 ) {
+    let [b, c, s] = dims;
     for (ci, &m) in mean.iter().enumerate().take(c) {
         let (a, k, t) = per_channel(ci);
         for bi in 0..b {
@@ -396,6 +406,7 @@ fn channel_affine_grad(
             }
         }
     }
+}
 }
 
 /// BatchNorm's backward where the statistics were the batch's own (computed from `x`): `dx`

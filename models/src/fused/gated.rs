@@ -1,16 +1,25 @@
 //! Element-wise operations as one pass each, forward and backward, on plain f32 slices (the
-//! loops vectorise as the compiler finds; the sums are [`super::math`]'s): the Llama
+//! loops vectorise as the compiler finds, each compiled for SSE2, AVX2 and AVX-512 by
+//! [`super::kernels`]' `versions!`; the sums and `exp` are [`super::math`]'s): the Llama
 //! family's RMSNorm over the last dimension and SwiGLU's gate `silu(gate) · up`, and the
 //! ConvNet's ReLU with 2×2 max-pooling. Burn composes RMSNorm of six ops forward (square, mean,
 //! add, sqrt, divide, scale) and the gate of three, each a pass over the activations with a
 //! buffer of its own, and autodiff keeps what each needs; its pooling goes through a 3-d
 //! pooling with indices.
 
+use super::kernels::{Level, level, versions};
 use super::math;
 
+/// The logistic function, with [`math::exp`] (which vectorises; std's is a call).
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + math::exp(-x))
+}
+
+versions! {
 /// RMSNorm of the rows of `x` (width `c`): `y = x · r · gamma`, `r = 1/√(mean(x²) + eps)`,
 /// each row's `r` written to `inv` for the backward.
-pub(super) fn rms_norm_forward(
+pub(crate) fn rms_norm_forward(
     x: &[f32],
     c: usize,
     gamma: &[f32],
@@ -28,7 +37,7 @@ pub(super) fn rms_norm_forward(
 
 /// RMSNorm's backward: with `g = dy · gamma`, `dx = r·g − x·r³·(Σ g·x)/c` and
 /// `dgamma = Σ_rows dy·x·r` (added into `dgamma`).
-pub(super) fn rms_norm_backward(
+pub(crate) fn rms_norm_backward(
     x: &[f32],
     c: usize,
     gamma: &[f32],
@@ -51,19 +60,15 @@ pub(super) fn rms_norm_backward(
     }
 }
 
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
 /// `y = silu(gate) · up = gate · σ(gate) · up`.
-pub(super) fn swiglu_forward(gate: &[f32], up: &[f32], y: &mut [f32]) {
+pub(crate) fn swiglu_forward(gate: &[f32], up: &[f32], y: &mut [f32]) {
     for ((o, &g), &u) in y.iter_mut().zip(gate).zip(up) {
         *o = g * sigmoid(g) * u;
     }
 }
 
 /// The gate's backward: `dgate = dy · up · σ(g)·(1 + g·(1 − σ(g)))`, `dup = dy · g·σ(g)`.
-pub(super) fn swiglu_backward(
+pub(crate) fn swiglu_backward(
     gate: &[f32],
     up: &[f32],
     dy: &[f32],
@@ -82,13 +87,14 @@ pub(super) fn swiglu_backward(
 /// over `planes` planes of `h × w`: `y = max(0, max of the window)`, and for each output the
 /// window's element that gave it (0..4, row-major; 4 where the ReLU gave zero), for the
 /// backward. ReLU and the max commute, so one pass does both.
-pub(super) fn relu_max_pool2_forward(
+pub(crate) fn relu_max_pool2_forward(
     x: &[f32],
     planes: usize,
-    [h, w]: [usize; 2],
+    hw: [usize; 2],
     y: &mut [f32],
     arg: &mut [u8],
 ) {
+    let [h, w] = hw;
     let (oh, ow) = (h / 2, w / 2);
     for p in 0..planes {
         let plane = &x[p * h * w..(p + 1) * h * w];
@@ -114,13 +120,14 @@ pub(super) fn relu_max_pool2_forward(
 
 /// Its backward: each output's gradient to the element that gave it (none where the ReLU gave
 /// zero); `dx` starts at zero.
-pub(super) fn relu_max_pool2_backward(
+pub(crate) fn relu_max_pool2_backward(
     dy: &[f32],
     arg: &[u8],
     planes: usize,
-    [h, w]: [usize; 2],
+    hw: [usize; 2],
     dx: &mut [f32],
 ) {
+    let [h, w] = hw;
     let (oh, ow) = (h / 2, w / 2);
     for p in 0..planes {
         for i in 0..oh {
@@ -134,4 +141,5 @@ pub(super) fn relu_max_pool2_backward(
             }
         }
     }
+}
 }

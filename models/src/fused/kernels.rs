@@ -50,6 +50,9 @@ macro_rules! versions {
     )*};
 }
 
+// The macro, for the kernels of the other files (`gated.rs`, `conv.rs`).
+pub(crate) use versions;
+
 /// The vector instructions a kernel runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Level {
@@ -404,6 +407,7 @@ mod tests {
 
     #[test]
     fn every_vector_level_this_cpu_has_gives_the_plain_kernels_results() {
+        // GELU, cross-entropy, and (their files' own) SwiGLU, RMSNorm and BatchNorm's kernels.
         let x: Vec<f32> = (0..37 * 29)
             .map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0)
             .collect();
@@ -415,7 +419,22 @@ mod tests {
             let mut scratch = vec![0.0; 29];
             let targets: Vec<usize> = (0..37).map(|i| i % 29).collect();
             let total = cross_entropy_forward(&x, 29, &targets, &mut lse, &mut scratch);
+            // The other files' kernels: SwiGLU's gate, RMSNorm, BatchNorm's sums and output.
+            let mut gated = vec![0.0; x.len()];
+            super::super::gated::swiglu_forward(&x, &x, &mut gated);
+            let (mut normed, mut inv) = (vec![0.0; x.len()], vec![0.0; 37]);
+            let gamma = vec![1.5; 29];
+            super::super::gated::rms_norm_forward(&x, 29, &gamma, 1e-5, &mut normed, &mut inv);
+            let dims = [1, 37, 29];
+            let sums = super::super::conv::channel_sums(&x, dims, &[0.5; 37], true);
+            let mut bn = vec![0.0; x.len()];
+            let stats: (&[f32], &[f32]) = (&[0.25; 37], &[2.0; 37]);
+            super::super::conv::batch_norm_apply(
+                &x, dims, &[1.5; 37], &[0.1; 37], stats, 1e-5, &mut bn,
+            );
             force_level(None);
+            y.extend(gated.into_iter().chain(normed).chain(inv).chain(bn));
+            y.extend(sums.iter().map(|&v| v as f32 / 29.0));
             (y, lse, total)
         };
         let plain = run(Level::Plain);
