@@ -5,6 +5,7 @@
 //! `y_b = W · col(x_b) + bias`, `[O, C·kh·kw] · [C·kh·kw, Ho·Wo]`, written straight into the
 //! image's NCHW output with the bias as its starting value; backward, `dW += dy_b · col(x_b)ᵀ`,
 //! `db += Σ dy_b` and `dx_b = fold(Wᵀ · dy_b)`, the patches unfolded again rather than kept.
+//! A layer with many input channels unfolds along the width only instead (`conv_rows.rs`).
 //! Burn's Flex unfolds the forward in NHWC tiles, computes the weight's gradient as a
 //! convolution of the input by the output's gradient (a kernel the size of the image) and the
 //! input's as a transposed convolution.
@@ -49,18 +50,18 @@ impl ConvGeometry {
         self.channels * self.kernel[0] * self.kernel[1]
     }
 
-    fn image(&self) -> usize {
+    pub(super) fn image(&self) -> usize {
         self.channels * self.height * self.width
     }
 
-    fn out_plane(&self) -> usize {
+    pub(super) fn out_plane(&self) -> usize {
         let [ho, wo] = self.out_hw();
         ho * wo
     }
 }
 
 /// Values copied at a time when unfolding: one AVX-512 register.
-const CHUNK: usize = 16;
+pub(super) const CHUNK: usize = 16;
 
 thread_local! {
     /// Scratch buffers reused from call to call on a thread: the padded image and the unfolded
@@ -72,7 +73,7 @@ thread_local! {
 
 /// `f(padded image, patches)` with the thread's scratch buffers grown to `sizes` (their
 /// contents left from the last call).
-fn with_scratch<R>(sizes: [usize; 2], f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+pub(super) fn with_scratch<R>(sizes: [usize; 2], f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
     SCRATCH.with_borrow_mut(|[a, b]| {
         for (v, &n) in [&mut *a, &mut *b].into_iter().zip(&sizes) {
             if v.len() < n {
@@ -85,7 +86,7 @@ fn with_scratch<R>(sizes: [usize; 2], f: impl FnOnce(&mut [f32], &mut [f32]) -> 
 
 impl ConvGeometry {
     /// The padded image's height and width.
-    fn padded(&self) -> [usize; 2] {
+    pub(super) fn padded(&self) -> [usize; 2] {
         [
             self.height + 2 * self.padding[0],
             self.width + 2 * self.padding[1],
@@ -93,7 +94,7 @@ impl ConvGeometry {
     }
 
     /// Values of a padded image buffer: `C·Hp·Wp`, and a chunk of slack for the last copy.
-    fn padded_len(&self) -> usize {
+    pub(super) fn padded_len(&self) -> usize {
         let [hp, wp] = self.padded();
         self.channels * hp * wp + CHUNK
     }
@@ -105,7 +106,7 @@ impl ConvGeometry {
 }
 
 /// `xp` (`[C, Hp, Wp]`, slack after) = one image `x` (`[C, H, W]`) with its zero border.
-fn pad(g: &ConvGeometry, x: &[f32], xp: &mut [f32]) {
+pub(super) fn pad(g: &ConvGeometry, x: &[f32], xp: &mut [f32]) {
     let [hp, wp] = g.padded();
     let [ph, pw] = g.padding;
     let (h, w) = (g.height, g.width);
@@ -168,7 +169,7 @@ fn fold(g: &ConvGeometry, col: &[f32], dxp: &mut [f32]) {
 }
 
 /// One image's `dx` (`[C, H, W]`) = the inside of its padded gradient `dxp`.
-fn crop(g: &ConvGeometry, dxp: &[f32], dx: &mut [f32]) {
+pub(super) fn crop(g: &ConvGeometry, dxp: &[f32], dx: &mut [f32]) {
     let [hp, wp] = g.padded();
     let [ph, pw] = g.padding;
     let (h, w) = (g.height, g.width);

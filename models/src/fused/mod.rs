@@ -17,6 +17,7 @@
 //! Linear's products are: the same `gemm` calls as Flex's matmul).
 
 mod conv;
+mod conv_rows;
 mod ext;
 mod flex;
 mod gated;

@@ -11,6 +11,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Flex, backend_extension};
 
 use super::conv::{self, ConvGeometry};
+use super::conv_rows;
 use super::flex::{contiguous, dims, f32s, tensor};
 
 /// The fused image operations. Each takes and returns f32 tensors on Flex.
@@ -89,7 +90,12 @@ fn conv_forward(
 ) -> FlexTensor {
     let g = geometry(x, w, p);
     let (x, w, b) = (contiguous(x), contiguous(w), b.map(contiguous));
-    let y = conv::conv_forward(&g, f32s(&x), f32s(&w), b.as_ref().map(f32s));
+    let (x, w, b) = (f32s(&x), f32s(&w), b.as_ref().map(f32s));
+    let y = if conv_rows::fits(&g) {
+        conv_rows::forward(&g, x, w, b)
+    } else {
+        conv::conv_forward(&g, x, w, b)
+    };
     let [ho, wo] = g.out_hw();
     tensor(y, [g.batch, g.out_channels, ho, wo])
 }
@@ -206,7 +212,12 @@ impl<const N: usize> Backward<Flex, N> for ConvBackward {
         let g = geometry(&x, &w, padding);
         let want = std::array::from_fn(|i| ops.parents.get(i).is_some_and(Option::is_some));
         let (x_c, w_c) = (contiguous(&x), contiguous(&w));
-        let [dx, dw, db] = conv::conv_backward(&g, f32s(&x_c), f32s(&w_c), f32s(&dy), want);
+        let (x_s, w_s, dy) = (f32s(&x_c), f32s(&w_c), f32s(&dy));
+        let [dx, dw, db] = if conv_rows::fits(&g) {
+            conv_rows::backward(&g, x_s, w_s, dy, want)
+        } else {
+            conv::conv_backward(&g, x_s, w_s, dy, want)
+        };
         let shapes = [dims(&x), dims(&w), vec![g.out_channels]];
         let computed = [dx, dw, db].into_iter().zip(shapes);
         for (node, (grad, shape)) in ops.parents.into_iter().zip(computed) {

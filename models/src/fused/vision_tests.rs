@@ -33,13 +33,17 @@ fn conv2d_equals_burns_forward_and_backward() {
     use burn::nn::conv::Conv2dConfig;
     let device = Device::flex().autodiff();
     // [B, C, H, W], out channels, kernel, padding (top, left), bias: one pixel; no padding;
-    // an oblong kernel; padding wider than the kernel's half; the MNIST ConvNet's two layers.
+    // an oblong kernel; padding wider than the kernel's half; the MNIST ConvNet's first layer.
     let cases = [
         ([1, 1, 1, 1], 1, [1, 1], [0, 0], true),
         ([2, 3, 5, 7], 4, [3, 3], [0, 0], false),
         ([2, 3, 6, 5], 2, [5, 3], [2, 1], true),
         ([1, 2, 4, 4], 3, [3, 3], [2, 2], true),
         ([8, 1, 28, 28], 16, [5, 5], [2, 2], true),
+        // Unfolded by rows (`conv_rows.rs`: C·kw ≥ 32): an oblong kernel, no bias, and the
+        // ConvNet's second layer.
+        ([2, 12, 6, 5], 4, [3, 5], [1, 2], false),
+        ([2, 16, 5, 4], 3, [4, 2], [3, 0], true),
         ([8, 16, 14, 14], 32, [5, 5], [2, 2], true),
     ];
     for (shape, out, kernel, [ph, pw], bias) in cases {
