@@ -5,7 +5,7 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, OpsPrep};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, Flex, backend_extension};
@@ -373,6 +373,26 @@ impl<const N: usize> Backward<Flex, N> for LinearBackward {
     }
 }
 
+/// `y`, an op's output computed on Flex, as the output on `Autodiff<Flex>` of the op whose
+/// backward `prep` prepared: recorded with its backward's `state` (made only then) where an
+/// input is tracked, untracked otherwise. Every fused op's autodiff arm, here and in
+/// [`super::vision`] and [`super::seed`], ends so.
+pub(super) fn record<BO, S, C, const N: usize>(
+    prep: OpsPrep<BO, Flex, S, C, N>,
+    state: impl FnOnce() -> S,
+    y: FlexTensor,
+) -> FloatTensor<Autodiff<Flex, C>>
+where
+    BO: Backward<Flex, N, State = S>,
+    S: Clone + Send + std::fmt::Debug + 'static,
+    C: CheckpointStrategy,
+{
+    match prep.compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(state(), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
+
 impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
     fn fused_layer_norm(
         x: FloatTensor<Self>,
@@ -380,31 +400,19 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         beta: FloatTensor<Self>,
         eps: f64,
     ) -> FloatTensor<Self> {
+        let (p, g) = (x.primitive(), gamma.primitive());
+        let (y, stats) = layer_norm_forward(p, g, beta.primitive(), eps);
         let prep = LayerNormBackward.prepare::<C>([x.node(), gamma.node(), beta.node()]);
-        match prep.compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let (y, stats) =
-                    layer_norm_forward(x.primitive(), gamma.primitive(), beta.primitive(), eps);
-                prep.finish((x.primitive().clone(), gamma.primitive().clone(), stats), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(
-                layer_norm_forward(x.primitive(), gamma.primitive(), beta.primitive(), eps).0,
-            ),
-        }
+        record(prep, || (p.clone(), g.clone(), stats), y)
     }
 
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        match GeluBackward
-            .prepare::<C>([x.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let y = gelu_forward(x.primitive());
-                prep.finish(x.primitive().clone(), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(gelu_forward(x.primitive())),
-        }
+        let y = gelu_forward(x.primitive());
+        record(
+            GeluBackward.prepare::<C>([x.node()]),
+            || x.primitive().clone(),
+            y,
+        )
     }
 
     fn fused_rms_norm(
@@ -412,65 +420,34 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         gamma: FloatTensor<Self>,
         eps: f64,
     ) -> FloatTensor<Self> {
+        let (p, g) = (x.primitive(), gamma.primitive());
+        let (y, inv) = rms_norm_forward(p, g, eps);
         let prep = RmsNormBackward.prepare::<C>([x.node(), gamma.node()]);
-        match prep.compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let (y, inv) = rms_norm_forward(x.primitive(), gamma.primitive(), eps);
-                prep.finish((x.primitive().clone(), gamma.primitive().clone(), inv), y)
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(rms_norm_forward(x.primitive(), gamma.primitive(), eps).0)
-            }
-        }
+        record(prep, || (p.clone(), g.clone(), inv), y)
     }
 
     fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
-        let y = swiglu_forward(gate.primitive(), up.primitive());
-        match SwigluBackward
-            .prepare::<C>([gate.node(), up.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                prep.finish((gate.primitive().clone(), up.primitive().clone()), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        let (g, u) = (gate.primitive(), up.primitive());
+        let y = swiglu_forward(g, u);
+        let prep = SwigluBackward.prepare::<C>([gate.node(), up.node()]);
+        record(prep, || (g.clone(), u.clone()), y)
     }
 
     fn fused_relu_max_pool2(x: FloatTensor<Self>) -> FloatTensor<Self> {
         let (y, arg) = relu_max_pool2_forward(x.primitive());
-        match PoolBackward
-            .prepare::<C>([x.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let shape: [usize; 4] = dims(x.primitive()).try_into().unwrap();
-                prep.finish((shape, arg), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        let shape = || -> [usize; 4] { dims(x.primitive()).try_into().unwrap() };
+        record(PoolBackward.prepare::<C>([x.node()]), || (shape(), arg), y)
     }
 
     fn fused_cross_entropy(logits: FloatTensor<Self>, t: IntTensor<Self>) -> FloatTensor<Self> {
         let t = targets(&t);
-        match CrossEntropyBackward
-            .prepare::<C>([logits.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let (loss, lse) = cross_entropy_forward(logits.primitive(), &t);
-                prep.finish(
-                    (logits.primitive().clone(), std::sync::Arc::new(t), lse),
-                    loss,
-                )
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(cross_entropy_forward(logits.primitive(), &t).0)
-            }
-        }
+        let (loss, lse) = cross_entropy_forward(logits.primitive(), &t);
+        let state = || (logits.primitive().clone(), std::sync::Arc::new(t), lse);
+        record(
+            CrossEntropyBackward.prepare::<C>([logits.node()]),
+            state,
+            loss,
+        )
     }
 
     fn fused_causal_attention(
@@ -478,51 +455,27 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let (qp, kp, vp) = (q.primitive(), k.primitive(), v.primitive());
+        let (y, lse) = attention_forward(qp, kp, vp);
         let prep = AttentionBackward.prepare::<C>([q.node(), k.node(), v.node()]);
-        match prep.compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let (y, lse) = attention_forward(q.primitive(), k.primitive(), v.primitive());
-                let state = (
-                    q.primitive().clone(),
-                    k.primitive().clone(),
-                    v.primitive().clone(),
-                    y.clone(),
-                    lse,
-                );
-                prep.finish(state, y)
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(attention_forward(q.primitive(), k.primitive(), v.primitive()).0)
-            }
-        }
+        let state = || (qp.clone(), kp.clone(), vp.clone(), y.clone(), lse);
+        record(prep, state, y.clone())
     }
 
     fn fused_causal_attention_packed(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self> {
-        match PackedAttentionBackward
-            .prepare::<C>([qkv.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let (y, lse) = packed_forward(qkv.primitive(), heads);
-                prep.finish((qkv.primitive().clone(), y.clone(), lse, heads), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(packed_forward(qkv.primitive(), heads).0),
-        }
+        let (y, lse) = packed_forward(qkv.primitive(), heads);
+        let state = || (qkv.primitive().clone(), y.clone(), lse, heads);
+        record(
+            PackedAttentionBackward.prepare::<C>([qkv.node()]),
+            state,
+            y.clone(),
+        )
     }
 
     fn fused_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
         let y = linear_forward(x.primitive(), w.primitive(), None);
-        match LinearBackward
-            .prepare::<C>([x.node(), w.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                prep.finish((x.primitive().clone(), w.primitive().clone()), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        let state = || (x.primitive().clone(), w.primitive().clone());
+        record(LinearBackward.prepare::<C>([x.node(), w.node()]), state, y)
     }
 
     fn fused_linear_bias(
@@ -531,15 +484,11 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         b: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let y = linear_forward(x.primitive(), w.primitive(), Some(b.primitive()));
-        match LinearBackward
-            .prepare::<C>([x.node(), w.node(), b.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                prep.finish((x.primitive().clone(), w.primitive().clone()), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        let state = || (x.primitive().clone(), w.primitive().clone());
+        record(
+            LinearBackward.prepare::<C>([x.node(), w.node(), b.node()]),
+            state,
+            y,
+        )
     }
 }

@@ -8,11 +8,12 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Flex, backend_extension};
 
+use super::ext::record;
 use super::flex::{contiguous, f32s, tensor};
 use super::math;
 
@@ -70,13 +71,7 @@ impl Backward<Flex, 1> for SeedBackward {
 impl<C: CheckpointStrategy> SeedOps for Autodiff<Flex, C> {
     fn fused_dot_seed(output: FloatTensor<Self>, upstream: FloatTensor<Self>) -> FloatTensor<Self> {
         let y = dot(output.primitive(), upstream.primitive());
-        match SeedBackward
-            .prepare::<C>([output.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(upstream.primitive().clone(), y),
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        let state = || upstream.primitive().clone();
+        record(SeedBackward.prepare::<C>([output.node()]), state, y)
     }
 }

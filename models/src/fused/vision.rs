@@ -5,13 +5,14 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Flex, backend_extension};
 
 use super::conv::{self, ConvGeometry};
 use super::conv_rows;
+use super::ext::record;
 use super::flex::{contiguous, dims, f32s, tensor};
 
 /// The fused image operations. Each takes and returns f32 tensors on Flex.
@@ -313,16 +314,8 @@ impl<C: CheckpointStrategy> VisionOps for Autodiff<Flex, C> {
     ) -> FloatTensor<Self> {
         let p = [pad_h, pad_w];
         let y = conv_forward(x.primitive(), w.primitive(), None, p);
-        match ConvBackward
-            .prepare::<C>([x.node(), w.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                prep.finish((x.primitive().clone(), w.primitive().clone(), p), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        let state = || (x.primitive().clone(), w.primitive().clone(), p);
+        record(ConvBackward.prepare::<C>([x.node(), w.node()]), state, y)
     }
 
     fn fused_conv2d_bias(
@@ -334,16 +327,12 @@ impl<C: CheckpointStrategy> VisionOps for Autodiff<Flex, C> {
     ) -> FloatTensor<Self> {
         let p = [pad_h, pad_w];
         let y = conv_forward(x.primitive(), w.primitive(), Some(b.primitive()), p);
-        match ConvBackward
-            .prepare::<C>([x.node(), w.node(), b.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                prep.finish((x.primitive().clone(), w.primitive().clone(), p), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        let state = || (x.primitive().clone(), w.primitive().clone(), p);
+        record(
+            ConvBackward.prepare::<C>([x.node(), w.node(), b.node()]),
+            state,
+            y,
+        )
     }
 
     fn fused_batch_norm_train(
@@ -352,25 +341,11 @@ impl<C: CheckpointStrategy> VisionOps for Autodiff<Flex, C> {
         beta: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (y, mean, var) =
-            batch_norm_forward(x.primitive(), gamma.primitive(), beta.primitive(), eps);
-        let y = match BatchNormBackward
-            .prepare::<C>([x.node(), gamma.node(), beta.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let state = (
-                    x.primitive().clone(),
-                    gamma.primitive().clone(),
-                    mean.clone(),
-                    var.clone(),
-                    eps,
-                );
-                prep.finish(state, y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        };
+        let (p, g) = (x.primitive(), gamma.primitive());
+        let (y, mean, var) = batch_norm_forward(p, g, beta.primitive(), eps);
+        let prep = BatchNormBackward.prepare::<C>([x.node(), gamma.node(), beta.node()]);
+        let state = || (p.clone(), g.clone(), mean.clone(), var.clone(), eps);
+        let y = record(prep, state, y);
         (
             y,
             <FloatTensor<Self>>::new(mean),
@@ -386,31 +361,11 @@ impl<C: CheckpointStrategy> VisionOps for Autodiff<Flex, C> {
         var: FloatTensor<Self>,
         eps: f64,
     ) -> FloatTensor<Self> {
-        let rest = [
-            gamma.primitive(),
-            beta.primitive(),
-            mean.primitive(),
-            var.primitive(),
-        ];
-        let y = batch_norm_stats_forward(x.primitive(), rest, eps);
+        let [p, g, m, v] = [&x, &gamma, &mean, &var].map(|t| t.primitive());
+        let y = batch_norm_stats_forward(p, [g, beta.primitive(), m, v], eps);
         let parents = [x.node(), gamma.node(), beta.node(), mean.node(), var.node()];
-        match BatchNormStatsBackward
-            .prepare::<C>(parents)
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let state = (
-                    x.primitive().clone(),
-                    gamma.primitive().clone(),
-                    mean.primitive().clone(),
-                    var.primitive().clone(),
-                    eps,
-                );
-                prep.finish(state, y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        let state = || (p.clone(), g.clone(), m.clone(), v.clone(), eps);
+        record(BatchNormStatsBackward.prepare::<C>(parents), state, y)
     }
 
     fn fused_channel_sums(
