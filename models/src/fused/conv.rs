@@ -181,6 +181,32 @@ pub(super) fn crop(g: &ConvGeometry, dxp: &[f32], dx: &mut [f32]) {
     }
 }
 
+/// The output buffer of `g`'s convolution, `[B, O, Ho·Wo]`, each plane starting at its output
+/// channel's bias (zeros without one), for the products to add to.
+pub(super) fn started(g: &ConvGeometry, bias: Option<&[f32]>) -> Vec<f32> {
+    let (n, o) = (g.out_plane(), g.out_channels);
+    let mut y = Vec::with_capacity(g.batch * o * n);
+    for _ in 0..g.batch {
+        match bias {
+            Some(bias) => bias.iter().for_each(|&v| y.resize(y.len() + n, v)),
+            None => y.resize(y.len() + o * n, 0.0),
+        }
+    }
+    y
+}
+
+/// The bias's gradient: each output channel's `dy` summed over its planes, image by image.
+pub(super) fn bias_grad(g: &ConvGeometry, dy: &[f32]) -> Vec<f32> {
+    let (n, o) = (g.out_plane(), g.out_channels);
+    let mut db = vec![0.0f32; o];
+    for image in dy.chunks_exact(o * n) {
+        for (s, plane) in db.iter_mut().zip(image.chunks_exact(n)) {
+            *s += math::sum(plane);
+        }
+    }
+    db
+}
+
 /// The convolution of `x` (`[B, C, H, W]`) by `w` (`[O, C, kh, kw]`), plus `bias` (`[O]`):
 /// `[B, O, Ho, Wo]`.
 pub(super) fn conv_forward(
@@ -193,13 +219,7 @@ pub(super) fn conv_forward(
     assert_eq!(x.len(), g.batch * g.image(), "conv input of {g:?}");
     assert_eq!(w.len(), o * k, "conv weight of {g:?}");
     let per_out = o * n;
-    let mut y = Vec::with_capacity(g.batch * per_out);
-    for _ in 0..g.batch {
-        match bias {
-            Some(bias) => bias.iter().for_each(|&v| y.resize(y.len() + n, v)),
-            None => y.resize(y.len() + per_out, 0.0),
-        }
-    }
+    let mut y = started(g, bias);
     let weight = Mat::rows(w, 0, [o, k], k);
     with_scratch([g.padded_len(), g.patches_len()], |xp, col| {
         for b in 0..g.batch {
@@ -226,19 +246,11 @@ pub(super) fn conv_backward(
     assert_eq!(dy.len(), g.batch * per_out, "conv output gradient of {g:?}");
     let mut dx = want[0].then(|| vec![0.0f32; g.batch * g.image()]);
     let mut dw = want[1].then(|| vec![0.0f32; o * k]);
-    let mut db = want[2].then(|| vec![0.0f32; o]);
+    let db = want[2].then(|| bias_grad(g, dy));
     let weight_t = Mat::rows(w, 0, [o, k], k).t();
     with_scratch([g.padded_len(), g.patches_len()], |xp, col| {
         for b in 0..g.batch {
             let dy_b = Mat::rows(dy, b * per_out, [o, n], n);
-            if let Some(db) = &mut db {
-                for (s, row) in db
-                    .iter_mut()
-                    .zip(dy[b * per_out..][..per_out].chunks_exact(n))
-                {
-                    *s += math::sum(row);
-                }
-            }
             if let Some(dw) = &mut dw {
                 pad(g, &x[b * g.image()..][..g.image()], xp);
                 unfold(g, xp, col);
@@ -410,6 +422,11 @@ pub(crate) fn channel_affine_grad(
 }
 }
 
+/// Each channel's `1/√(var + ε)`.
+fn inverse_std(var: &[f32], eps: f32) -> Vec<f32> {
+    var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect()
+}
+
 /// BatchNorm's backward where the statistics were the batch's own (computed from `x`): `dx`
 /// (when wanted) and each channel's `dgamma` and `dbeta`:
 /// `dx = s·(dy − mean(dy) − x̂·mean(dy·x̂))`, `s = γ/√(var + ε)`.
@@ -427,8 +444,7 @@ pub(super) fn batch_norm_backward(
 ) {
     let [b, _, s] = dims;
     let count = (b * s) as f64;
-    let sums = grad_sums(x, dims, mean, dy);
-    let inv: Vec<f32> = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+    let (sums, inv) = (grad_sums(x, dims, mean, dy), inverse_std(var, eps));
     for (ci, &(s1, s2)) in sums.iter().enumerate() {
         // Σ dy·x̂ = inv · Σ dy·(x − mean).
         (dbeta[ci], dgamma[ci]) = (s1 as f32, (s2 * inv[ci] as f64) as f32);
@@ -459,8 +475,7 @@ pub(super) fn batch_norm_stats_backward(
     dy: &[f32],
     dx: Option<&mut [f32]>,
 ) -> [Vec<f32>; 4] {
-    let sums = grad_sums(x, dims, mean, dy);
-    let inv: Vec<f32> = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+    let (sums, inv) = (grad_sums(x, dims, mean, dy), inverse_std(var, eps));
     let mut out: [Vec<f32>; 4] = std::array::from_fn(|_| Vec::with_capacity(sums.len()));
     for (ci, &(s1, s2)) in sums.iter().enumerate() {
         let (g, i) = (gamma[ci] as f64, inv[ci] as f64);

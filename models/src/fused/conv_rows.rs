@@ -4,9 +4,8 @@
 //! kernel row's weights (`[O, C·kw]`) by the unfolded rows shifted down by `ki` output rows:
 //! `kh` times fewer values copied than whole patches, the same multiply-adds.
 
-use super::conv::{CHUNK, ConvGeometry, crop, pad, with_scratch};
+use super::conv::{CHUNK, ConvGeometry, bias_grad, crop, pad, started, with_scratch};
 use super::gemm::{self, Mat};
-use super::math;
 
 /// Whether a convolution takes this path: a kernel of several rows over enough channels that
 /// a kernel row's product (`C·kw` deep) keeps the matrix units busy.
@@ -91,13 +90,7 @@ pub(super) fn forward(g: &ConvGeometry, x: &[f32], w: &[f32], bias: Option<&[f32
     let (n, o) = (g.out_plane(), g.out_channels);
     let per_out = o * n;
     let wr = by_kernel_row(g, w);
-    let mut y = Vec::with_capacity(g.batch * per_out);
-    for _ in 0..g.batch {
-        match bias {
-            Some(bias) => bias.iter().for_each(|&v| y.resize(y.len() + n, v)),
-            None => y.resize(y.len() + per_out, 0.0),
-        }
-    }
+    let mut y = started(g, bias);
     with_scratch([g.padded_len(), rows_len(g)], |xp, xw| {
         for b in 0..g.batch {
             pad(g, &x[b * g.image()..][..g.image()], xp);
@@ -127,16 +120,10 @@ pub(super) fn backward(
     let wr = by_kernel_row(g, w);
     let mut dx = want[0].then(|| vec![0.0f32; g.batch * g.image()]);
     let mut dwr = want[1].then(|| vec![0.0f32; kh * o * ckw]);
-    let mut db = want[2].then(|| vec![0.0f32; o]);
+    let db = want[2].then(|| bias_grad(g, dy));
     with_scratch([g.padded_len(), rows_len(g)], |xp, xw| {
         for b in 0..g.batch {
             let dy_b = Mat::rows(dy, b * per_out, [o, n], n);
-            if let Some(db) = &mut db {
-                let planes = dy[b * per_out..][..per_out].chunks_exact(n);
-                for (s, row) in db.iter_mut().zip(planes) {
-                    *s += math::sum(row);
-                }
-            }
             if let Some(dwr) = &mut dwr {
                 pad(g, &x[b * g.image()..][..g.image()], xp);
                 unfold_rows(g, xp, xw);
