@@ -102,8 +102,6 @@ def parse():
     ap.add_argument("--device", default="cpu", help="cpu or cuda (one process)")
     ap.add_argument("--precision", choices=["f32", "bf16-mixed"], default="f32")
     args = ap.parse_args()
-    if args.batch % args.world:
-        ap.error(f"--batch {args.batch} is not a multiple of --world {args.world}")
     if args.device != "cpu" and args.world > 1:
         ap.error("--device cuda runs one process (--world 1)")
     return args
