@@ -242,6 +242,62 @@ fn bf16_gradients_cross_processes_as_bf16_and_give_one_process_s_bits() {
 }
 
 #[test]
+fn gradients_past_the_blocking_size_cross_processes_in_rings_and_match_one_process() {
+    // An MLP whose gradients are past 64 KiB even in bf16: the size below which a collective
+    // is one blocking MPI call (`comm::mpi::ffi::BLOCKING_BELOW`), so gradients and parameters
+    // cross through the rings (`comm::mpi::ring`) and the non-blocking all-gather. The tests
+    // above use models whose gradients stay below it.
+    let dir = temp_dir("mpi-rings");
+    let text = text_file(&dir);
+    let wide = "model.mlp.hidden=[256, 64]";
+    // Three processes: blocks of unequal length in ddp's all-reduce.
+    for (procs, strategy, dtype) in [
+        (2, "ddp", "f32"),
+        (3, "ddp", "f32"),
+        (3, "zero2", "f32"),
+        (2, "zero3", "f32"),
+        (2, "ddp", "bf16"),
+        (2, "zero2", "bf16"),
+    ] {
+        let name = format!("{procs}-{strategy}-{dtype}");
+        let extra = [
+            "train.max_steps=4",
+            wide,
+            &format!("strategy.name={strategy:?}"),
+            &format!("precision.reduce_dtype={dtype:?}"),
+        ];
+        let many = dir.join(format!("{name}-mpi"));
+        mpirun(
+            procs,
+            &dir,
+            &with(args(Model::Mlp, &text, &many, &extra), &["--devices", "1"]),
+        );
+        let one = dir.join(format!("{name}-one"));
+        one_process(
+            &dir,
+            &with(
+                args(Model::Mlp, &text, &one, &extra),
+                &["--devices", &procs.to_string()],
+            ),
+        );
+        let (a, b) = (params(Model::Mlp, &many), params(Model::Mlp, &one));
+        let count: usize = a.iter().map(Vec::len).sum();
+        assert!(
+            count * 2 >= 64 * 1024,
+            "{count} parameters: under the blocking size"
+        );
+        if dtype == "bf16" && procs == 2 {
+            // Two processes' bf16 values added in f32 and rounded once, as in one process.
+            assert!(a == b, "{name}: parameters differ");
+        } else {
+            let d = max_relative_diff(&a, &b);
+            println!("{name}: {procs} processes vs one process of {procs} devices: {d:.3e}");
+            assert!(d <= 1e-6, "{name}: {d:e}");
+        }
+    }
+}
+
+#[test]
 fn diloco_islands_are_processes_with_one_process_s_bits_and_resume_in_one_process() {
     // Two processes of two devices: each process an island (ddp inside, the outer average
     // over MPI), against one process of four devices in two islands.

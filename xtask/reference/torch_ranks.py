@@ -1,6 +1,8 @@
 """The rank plumbing the reference scripts share: `--world N` runs a step function on N
 processes of one thread each, joined by torch.distributed over gloo on this machine, and a
-step's time is the slowest rank's.
+step's time is the slowest rank's. With `--rank R` this process is rank R alone, the others
+started by hand (one per machine: MASTER_ADDR and MASTER_PORT name rank 0's, and
+GLOO_SOCKET_IFNAME the interface to talk on), as `cargo xtask bench links` starts them.
 
     from torch_ranks import add_world_args, launch, join, slowest, leave
 """
@@ -13,13 +15,19 @@ def add_world_args(ap, port):
     """`--world` (processes, one thread each when > 1) and `--port` on an argparse parser."""
     ap.add_argument("--world", type=int, default=1, help="processes (one thread each when > 1)")
     ap.add_argument("--port", type=int, default=port)
+    ap.add_argument("--rank", type=int, default=None,
+                    help="this process is rank R of --world alone (the others started apart)")
 
 
 def launch(train, args):
     """`train(rank, args)` in this process (`--world 1`) or on `args.world` processes."""
     if args.batch % args.world:
         raise SystemExit(f"--batch {args.batch} is not a multiple of --world {args.world}")
-    if args.world == 1:
+    if args.rank is not None:
+        if not 0 <= args.rank < args.world:
+            raise SystemExit(f"--rank {args.rank} is not a rank of --world {args.world}")
+        train(args.rank, args)
+    elif args.world == 1:
         train(0, args)
     else:
         import torch.multiprocessing as mp
@@ -53,6 +61,9 @@ def slowest(dist, elapsed):
 
 
 def leave(dist):
-    """Leaves the process group, if there is one."""
+    """Leaves the process group, if there is one, once every rank is done with it (a rank that
+    tears its group down while another's last collective is in flight ends that one with
+    "terminate called without an active exception")."""
     if dist is not None:
+        dist.barrier()
         dist.destroy_process_group()

@@ -6,7 +6,11 @@
 //! of the step spent in synchronisation (`pct_sync`), and the bytes the link carried per step.
 //! With `--rounds N` the whole sequence runs N times, in-process and across the hosts in turn,
 //! and the table gives each figure's median (this box's step times drift by ±15 % over
-//! minutes: ratios of runs taken far apart are noise). Needs root, iproute2 and OpenMPI; builds kiln with the `mpi` feature.
+//! minutes: ratios of runs taken far apart are noise). With `--reference PYTHON`, PyTorch's
+//! twin of each strategy that has one (`xtask/reference/gpt_char_torch.py`: DDP over gloo for
+//! `ddp`, FSDP2 for `zero2`/`zero3`) runs beside kiln's in the same rounds: two processes on
+//! this machine, and one in each namespace over the same link. Needs root, iproute2 and
+//! OpenMPI; builds kiln with the `mpi` feature.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -21,7 +25,12 @@ pub struct Options {
     strategies: Vec<String>,
     config: String,
     sets: Vec<String>,
+    /// The Python that runs PyTorch's twins, if asked.
+    reference: Option<String>,
 }
+
+/// The recipe the PyTorch twins train (theirs is written for it).
+const RECIPE: &str = "configs/gpt-text.toml";
 
 pub fn parse(rest: &[&str]) -> Result<Options> {
     let mut o = Options {
@@ -34,8 +43,9 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
             "zero3".into(),
             "diloco".into(),
         ],
-        config: "configs/gpt-text.toml".into(),
+        config: RECIPE.into(),
         sets: Vec::new(),
+        reference: None,
     };
     each_flag(rest, |flag, value| {
         let list = |raw: String| raw.split(',').map(|s| s.trim().to_string()).collect();
@@ -46,16 +56,23 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
             "--strategies" => o.strategies = list(value()?),
             "--config" => o.config = value()?,
             "--set" => o.sets.push(value()?),
+            "--reference" => o.reference = Some(value()?),
             other => {
                 return Err(format!(
                     "bench links: unknown argument {other:?} (expected --steps N, --rounds N, \
                      --rates unshaped,10gbit,1gbit, --strategies ddp,zero2,zero3,diloco, --config FILE, \
-                     --set KEY=VALUE)"
+                     --set KEY=VALUE, --reference PYTHON)"
                 ));
             }
         }
         Ok(())
     })?;
+    if o.reference.is_some() && o.config != RECIPE {
+        return Err(format!(
+            "bench links: --reference times PyTorch's twin of {RECIPE}, not of {}",
+            o.config
+        ));
+    }
     Ok(o)
 }
 
@@ -66,6 +83,8 @@ struct Figures {
     pct_sync: f64,
     /// Bytes both ends of the link sent, per step (start-up included); none in one process.
     mb_per_step: Option<f64>,
+    /// PyTorch's twin's step on the same link, with `--reference`, where the strategy has one.
+    torch_ms: Option<f64>,
 }
 
 /// Takes the two-host test bed down when dropped (also on an error).
@@ -74,6 +93,9 @@ struct TestBed<'a> {
 }
 
 impl TestBed<'_> {
+    /// kiln-a's address on the link (`scripts/two-hosts`).
+    const ADDRESS_A: &'static str = "10.231.7.1";
+
     fn run(&self, args: &[&str]) -> Result<std::process::Output> {
         Command::new(self.script)
             .args(args)
@@ -136,17 +158,21 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                     .current_dir(root),
                 strategy,
             )?;
-            let f = figures(&dir, None)?;
+            let mut f = figures(&dir, None)?;
+            f.torch_ms = twin(o, root, strategy, None)?;
             println!(
                 "  round {round}  in-process, 2 devices   {strategy:<6} {:>7.1} ms/step  sync \
-                 {:>4.1}%",
-                f.step_ms, f.pct_sync
+                 {:>4.1}%{}",
+                f.step_ms,
+                f.pct_sync,
+                said(f.torch_ms)
             );
             runs[0][s].push(f);
         }
         for (r, rate) in o.rates.iter().enumerate() {
             let bed = TestBed { script: &script };
             let figs = over_link(
+                root,
                 &bed,
                 &train,
                 o,
@@ -156,11 +182,12 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             for (s, f) in figs.into_iter().enumerate() {
                 println!(
                     "  round {round}  two hosts, {rate:<12} {:<6} {:>7.1} ms/step  sync \
-                     {:>4.1}%  {:>6.2} MB on the link per step",
+                     {:>4.1}%  {:>6.2} MB on the link per step{}",
                     o.strategies[s],
                     f.step_ms,
                     f.pct_sync,
-                    f.mb_per_step.unwrap_or(0.0)
+                    f.mb_per_step.unwrap_or(0.0),
+                    said(f.torch_ms)
                 );
                 runs[r + 1][s].push(f);
             }
@@ -203,6 +230,7 @@ fn train_args(o: &Options, strategy: &str, dir: &Path, devices: &str) -> Vec<Str
 /// Every strategy's figures across the two hosts with the link at `rate`: the bed brought up
 /// (shaped unless `unshaped`), one `mpirun` per strategy, the bytes the link carried counted.
 fn over_link(
+    root: &Path,
     bed: &TestBed<'_>,
     train: &Path,
     o: &Options,
@@ -236,22 +264,145 @@ fn over_link(
             ));
         }
         let bytes = bed.sent()? - before;
-        figs.push(figures(&dir, Some(bytes as f64 / 1e6 / o.steps as f64))?);
+        let mut f = figures(&dir, Some(bytes as f64 / 1e6 / o.steps as f64))?;
+        f.torch_ms = twin(o, root, strategy, Some(bed))?;
+        figs.push(f);
     }
     Ok(figs)
+}
+
+/// PyTorch's name for `strategy`'s twin (`gpt_char_torch.py --mode`), where it has one.
+fn torch_mode(strategy: &str) -> Option<&str> {
+    matches!(strategy, "ddp" | "zero2" | "zero3").then_some(strategy)
+}
+
+/// PyTorch's twin of `strategy` (see [`twin_once`]), run a second time after a failure: gloo
+/// now and then ends a process with "terminate called without an active exception" as it
+/// starts or leaves (seen once in about thirty runs of FSDP2 on two processes here).
+fn twin(
+    o: &Options,
+    root: &Path,
+    strategy: &str,
+    bed: Option<&TestBed<'_>>,
+) -> Result<Option<f64>> {
+    twin_once(o, root, strategy, bed).or_else(|e| {
+        println!(
+            "  ({} — running it again)",
+            e.lines().next().unwrap_or_default()
+        );
+        twin_once(o, root, strategy, bed)
+    })
+}
+
+/// PyTorch's twin of `strategy` (with `--reference`, where it has one): two processes on this
+/// machine (`bed` none), or rank 0 in kiln-a and rank 1 in kiln-b over the bed's link, as
+/// `gpt_char_torch.py` times them (the median of the slowest rank's steps).
+fn twin_once(
+    o: &Options,
+    root: &Path,
+    strategy: &str,
+    bed: Option<&TestBed<'_>>,
+) -> Result<Option<f64>> {
+    let (Some(python), Some(mode)) = (&o.reference, torch_mode(strategy)) else {
+        return Ok(None);
+    };
+    let steps = o.steps.to_string();
+    let args = [
+        "xtask/reference/gpt_char_torch.py",
+        "--data",
+        "data/text/moby-dick.txt",
+        "--batch",
+        "24",
+        "--world",
+        "2",
+        "--mode",
+        mode,
+        "--steps",
+        &steps,
+    ];
+    let what = format!("PyTorch's {mode}");
+    let out = match bed {
+        None => Command::new(python)
+            .args(args)
+            .current_dir(root)
+            .output()
+            .map_err(|e| format!("cannot run {python}: {e}"))?,
+        Some(_) => {
+            // One rank per namespace, gloo over the link (rank 0's address is kiln-a's).
+            let rank = |ns: &str, dev: &str, r: &str| {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, "env"])
+                    .arg(format!("MASTER_ADDR={}", TestBed::ADDRESS_A))
+                    .arg("MASTER_PORT=29517")
+                    .arg(format!("GLOO_SOCKET_IFNAME={dev}"))
+                    .arg(python)
+                    .args(args)
+                    .args(["--rank", r])
+                    .current_dir(root);
+                c
+            };
+            let other = rank("kiln-b", "kiln-vb", "1")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("cannot start {what}'s rank 1: {e}"))?;
+            let out = rank("kiln-a", "kiln-va", "0")
+                .output()
+                .map_err(|e| format!("cannot run {what}'s rank 0: {e}"))?;
+            let other = other
+                .wait_with_output()
+                .map_err(|e| format!("{what}'s rank 1: {e}"))?;
+            if !other.status.success() {
+                return Err(format!(
+                    "{what}'s rank 1 failed: {}",
+                    String::from_utf8_lossy(&other.stderr).trim()
+                ));
+            }
+            out
+        }
+    };
+    if !out.status.success() {
+        return Err(format!(
+            "{what} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    json_number(&text, "ms_per_step")
+        .map(Some)
+        .ok_or_else(|| format!("{what} printed no ms_per_step: {}", text.trim()))
+}
+
+/// A progress line's words for PyTorch's step, if there is one.
+fn said(torch_ms: Option<f64>) -> String {
+    torch_ms.map_or(String::new(), |ms| format!("  PyTorch {ms:>6.1} ms/step"))
 }
 
 /// The table of every link and strategy: medians over the rounds, ranges, the ratio to the
 /// in-process run, the sync share and the bytes on the link.
 fn print_table(o: &Options, links: &[String], runs: &[Vec<Vec<Figures>>]) {
     let step = |figs: &[Figures]| median(&figs.iter().map(|f| f.step_ms).collect::<Vec<_>>());
+    // PyTorch's median, where every round has one.
+    let torch = |figs: &[Figures]| {
+        let ms: Vec<f64> = figs.iter().filter_map(|f| f.torch_ms).collect();
+        (!ms.is_empty() && ms.len() == figs.len()).then(|| median(&ms))
+    };
+    let twins = o.reference.is_some();
     println!();
     println!(
         "| link | strategy | ms/step (median of {}; range) | ÷ in-process | time in sync | MB on \
-         the link per step (start-up included) |",
-        o.rounds
+         the link per step (start-up included) |{}",
+        o.rounds,
+        if twins {
+            " PyTorch ms/step | PyTorch ÷ its in-process |"
+        } else {
+            ""
+        }
     );
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "|---|---|---|---|---|---|{}",
+        if twins { "---|---|" } else { "" }
+    );
     for (link, per_strategy) in links.iter().zip(runs) {
         for (s, (strategy, figs)) in o.strategies.iter().zip(per_strategy).enumerate() {
             let (lo, hi) = figs.iter().fold((f64::MAX, f64::MIN), |(lo, hi), f| {
@@ -259,8 +410,13 @@ fn print_table(o: &Options, links: &[String], runs: &[Vec<Vec<Figures>>]) {
             });
             let sync = median(&figs.iter().map(|f| f.pct_sync).collect::<Vec<_>>());
             let mb: Vec<f64> = figs.iter().filter_map(|f| f.mb_per_step).collect();
+            let theirs = match (torch(figs), torch(&runs[0][s])) {
+                (Some(ms), Some(home)) => format!(" {ms:.1} | {:.2} |", ms / home),
+                _ if twins => " – | – |".to_string(),
+                _ => String::new(),
+            };
             println!(
-                "| {link} | {strategy} | {:.1} ({lo:.0}–{hi:.0}) | {:.2} | {sync:.1} % | {} |",
+                "| {link} | {strategy} | {:.1} ({lo:.0}–{hi:.0}) | {:.2} | {sync:.1} % | {} |{theirs}",
                 step(figs),
                 step(figs) / step(&runs[0][s]),
                 if mb.is_empty() {
@@ -294,5 +450,6 @@ fn figures(dir: &Path, mb_per_step: Option<f64>) -> Result<Figures> {
         step_ms: step * 1e3,
         pct_sync: median(&sync),
         mb_per_step,
+        torch_ms: None,
     })
 }

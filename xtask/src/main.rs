@@ -76,12 +76,13 @@ commands:
                                         ConvNet on Fashion-MNIST as upscaled JPEGs, data.workers
                                         = 0 against each count (needs fetch-data fashion-mnist)
   bench links [--steps N] [--rounds R] [--rates unshaped,10gbit,1gbit]
-              [--strategies ddp,zero2,zero3,diloco] [--set KEY=VALUE]
+              [--strategies ddp,zero2,zero3,diloco] [--set KEY=VALUE] [--reference PYTHON]
                                         the GPT across two network namespaces joined by a veth
                                         link (scripts/two-hosts, one rank each) at each link
                                         rate, per strategy, against one process with 2 devices:
                                         step time, sync share, bytes on the link (root, OpenMPI);
-                                        R rounds in turn, medians
+                                        R rounds in turn, medians; PyTorch's DDP/FSDP2 on the
+                                        same link and in one process with --reference
   bench monitor [--steps N] [--rounds R] [--devices N] [--config FILE]
                                         throughput with monitoring on and off, alternating
                                         runs of `train` (default 60 steps, 5 rounds, 2 devices,

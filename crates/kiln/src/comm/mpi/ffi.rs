@@ -1,6 +1,10 @@
 //! The MPI calls kiln makes through C itself: the in-place all-reduce (`in_place.c`), the
-//! reduce-scatter of blocks, and the bf16 sum as a user-defined MPI operation.
+//! reduce-scatter of blocks, the all-gather of pieces of several lengths, and the bf16 sum as
+//! a user-defined MPI operation. What carries gradients or parameters (from
+//! [`BLOCKING_BELOW`] bytes) runs as a non-blocking collective, or `ring`'s sends and
+//! receives, that the calling thread waits for asleep.
 
+use super::ring;
 use crate::comm::mpi::runtime::Comm;
 use mpi::traits::*;
 use std::sync::OnceLock;
@@ -43,38 +47,82 @@ unsafe extern "C" {
     fn kiln_mpi_in_place() -> *mut std::ffi::c_void;
 }
 
-/// `MPI_Allreduce(MPI_IN_PLACE, data, …, MPI_SUM)` over `comm` (rsmpi has no in-place form).
-pub(super) fn sum_in_place(comm: &Comm, data: &mut [f32]) {
+/// Below this many bytes a collective is a blocking call: its cost is the round trips, which
+/// a blocking call's own algorithms keep fewest (a ring over many processes would not), and it
+/// ends too soon for a sleeping wait to give a core back.
+pub(super) const BLOCKING_BELOW: usize = 64 * 1024;
+
+/// `MPI_Allreduce(MPI_IN_PLACE, data, …, op)` over `comm` (rsmpi has no in-place form); from
+/// [`BLOCKING_BELOW`] bytes up `MPI_Iallreduce`, waited for asleep ([`ring::wait_all`]), whose
+/// algorithm `runtime` sets to OpenMPI's ring.
+fn reduce_in_place<T: Equivalence>(comm: &Comm, data: &mut [T], op: mpi::ffi::MPI_Op) {
     use mpi::raw::AsRaw;
     let count = std::ffi::c_int::try_from(data.len()).expect("a bucket fits MPI's count");
-    // SAFETY: `data` is `count` f32 values, valid for reading and writing during the call;
-    // MPI_IN_PLACE says the send buffer is the receive buffer.
+    let datatype = T::equivalent_datatype().as_raw();
+    if std::mem::size_of_val(data) < BLOCKING_BELOW {
+        // SAFETY: `data` is `count` values of `T`'s datatype, valid for reading and writing
+        // during the call; MPI_IN_PLACE says the send buffer is the receive buffer.
+        unsafe {
+            mpi::ffi::MPI_Allreduce(
+                kiln_mpi_in_place(),
+                data.as_mut_ptr().cast(),
+                count,
+                datatype,
+                op,
+                comm.0.as_raw(),
+            );
+        }
+        return;
+    }
+    // SAFETY: as above, the buffer valid until `wait_all` returns.
     unsafe {
-        mpi::ffi::MPI_Allreduce(
+        let mut request = mpi::ffi::RSMPI_REQUEST_NULL;
+        mpi::ffi::MPI_Iallreduce(
             kiln_mpi_in_place(),
             data.as_mut_ptr().cast(),
             count,
-            mpi::ffi::RSMPI_FLOAT,
-            mpi::ffi::RSMPI_SUM,
+            datatype,
+            op,
             comm.0.as_raw(),
+            &mut request,
         );
+        ring::wait_all(std::slice::from_mut(&mut request));
     }
 }
 
-/// `send`'s sum over `comm`'s processes, each receiving its equal block into `recv`:
-/// `MPI_Reduce_scatter` with equal counts, whose choice of algorithm (in OpenMPI, recursive
-/// halving or a ring for a commutative sum) sends each process about its block's share;
-/// OpenMPI's `MPI_Reduce_scatter_block` reduced to one process and scattered from it, half
-/// again as many bytes on the link.
-pub(super) fn sum_scatter<T: Equivalence>(
+/// The sum over `comm` of `data`, in place.
+pub(super) fn sum_in_place(comm: &Comm, data: &mut [f32]) {
+    // SAFETY: reading MPI's predefined sum.
+    reduce_in_place(comm, data, unsafe { mpi::ffi::RSMPI_SUM });
+}
+
+/// The bf16 sum over `comm` of `bits` (bf16 values as their patterns), in place.
+pub(super) fn bf16_sum_in_place(comm: &Comm, bits: &mut [u16]) {
+    use mpi::raw::AsRaw;
+    reduce_in_place(comm, bits, bf16_sum().as_raw());
+}
+
+/// `send`'s sum over `comm`'s processes, each receiving its equal block into `recv`: below
+/// [`BLOCKING_BELOW`] bytes `MPI_Reduce_scatter` with equal counts (OpenMPI's
+/// `MPI_Reduce_scatter_block` reduces to one process and scatters from it, half again as many
+/// bytes on the link), from there up the ring of [`ring::reduce_scatter`] adding with `add`.
+pub(super) fn sum_scatter<T: Equivalence + Copy + Default>(
     comm: &Comm,
     send: &[T],
     recv: &mut [T],
     op: mpi::ffi::MPI_Op,
+    add: fn(&mut [T], &[T]),
 ) {
     use mpi::raw::AsRaw;
     let procs = comm.0.size() as usize;
     assert_eq!(send.len(), recv.len() * procs, "equal blocks");
+    if std::mem::size_of_val(send) >= BLOCKING_BELOW {
+        let mut work = send.to_vec();
+        ring::reduce_scatter(comm, &mut work, add);
+        let me = comm.0.rank() as usize;
+        recv.copy_from_slice(&work[me * recv.len()..(me + 1) * recv.len()]);
+        return;
+    }
     let count = std::ffi::c_int::try_from(recv.len()).expect("a block fits MPI's count");
     let counts = vec![count; procs];
     // SAFETY: `send` holds `procs` blocks of `count` values and `recv` one block, both of
@@ -88,6 +136,64 @@ pub(super) fn sum_scatter<T: Equivalence>(
             op,
             comm.0.as_raw(),
         );
+    }
+}
+
+/// Every process's `send` into `recv`, process `p`'s `counts[p]` values at `displs[p]`:
+/// `MPI_Allgatherv`, non-blocking and waited for asleep ([`ring::wait_all`]) from
+/// [`BLOCKING_BELOW`] bytes up.
+pub(super) fn gather_into(
+    comm: &Comm,
+    send: &[f32],
+    recv: &mut [f32],
+    counts: &[i32],
+    displs: &[i32],
+) {
+    use mpi::raw::AsRaw;
+    let procs = comm.0.size() as usize;
+    assert!(
+        counts.len() == procs && displs.len() == procs,
+        "one count and place per process"
+    );
+    assert!(
+        counts
+            .iter()
+            .zip(displs)
+            .all(|(c, d)| (*c as usize) + (*d as usize) <= recv.len()),
+        "every piece fits the receive buffer"
+    );
+    let count = std::ffi::c_int::try_from(send.len()).expect("a piece fits MPI's count");
+    let datatype = f32::equivalent_datatype().as_raw();
+    // SAFETY: `send` is `count` f32 values and `recv` holds every process's piece at its
+    // place (checked above); both, and `counts` and `displs`, stay valid until the call or
+    // `wait` returns.
+    unsafe {
+        if std::mem::size_of_val(recv) < BLOCKING_BELOW {
+            mpi::ffi::MPI_Allgatherv(
+                send.as_ptr().cast(),
+                count,
+                datatype,
+                recv.as_mut_ptr().cast(),
+                counts.as_ptr(),
+                displs.as_ptr(),
+                datatype,
+                comm.0.as_raw(),
+            );
+            return;
+        }
+        let mut request = mpi::ffi::RSMPI_REQUEST_NULL;
+        mpi::ffi::MPI_Iallgatherv(
+            send.as_ptr().cast(),
+            count,
+            datatype,
+            recv.as_mut_ptr().cast(),
+            counts.as_ptr(),
+            displs.as_ptr(),
+            datatype,
+            comm.0.as_raw(),
+            &mut request,
+        );
+        ring::wait_all(std::slice::from_mut(&mut request));
     }
 }
 

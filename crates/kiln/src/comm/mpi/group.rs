@@ -10,7 +10,10 @@ use mpi::datatype::PartitionMut;
 use mpi::raw::AsRaw;
 use mpi::traits::*;
 
-use super::ffi::{bf16_sum, join_len, split_len, sum_in_place, sum_scatter};
+use super::ffi::{
+    bf16_sum, bf16_sum_in_place, gather_into, join_len, split_len, sum_in_place, sum_scatter,
+};
+use super::ring::{add_bf16, add_f32};
 use super::runtime::{Comm, STATE};
 use crate::comm::collective::{Collective, ReduceOp, chunk_range, reduce_scatter_widened};
 use crate::comm::local::local_group;
@@ -102,8 +105,10 @@ impl Hier {
         self.mpi.as_deref().filter(|_| self.procs > 1)
     }
 
+    /// The tag of activations from rank `from` to rank `to`: from 1 up, since the rings of
+    /// the collectives use 0 (`ring::TAG`).
     pub(super) fn tag(&self, from: usize, to: usize) -> i32 {
-        (from * self.world + to) as i32
+        (1 + from * self.world + to) as i32
     }
 
     /// Whether a reduce-scatter of `len` values can hand each process one equal block: equal
@@ -189,9 +194,8 @@ impl Collective for Hier {
             // One rank per process: bf16 crosses the wire, half the bytes of f32. MPI's
             // reduction adds pairs in f32 and rounds each sum to bf16; with two processes that
             // is the exact sum rounded once, as in-process.
-            let bits: Vec<u16> = data.iter().map(|x| x.to_bits()).collect();
-            let mut sums = vec![0u16; bits.len()];
-            comm.0.all_reduce_into(&bits[..], &mut sums[..], bf16_sum());
+            let mut sums: Vec<u16> = data.iter().map(|x| x.to_bits()).collect();
+            bf16_sum_in_place(comm, &mut sums);
             for (d, s) in data.iter_mut().zip(sums) {
                 *d = self.bf16_landed(s, op);
             }
@@ -280,10 +284,7 @@ impl Collective for Hier {
                 })
                 .collect();
             let mut all = vec![0f32; by_proc.iter().sum()];
-            comm.0.all_gather_varcount_into(
-                &here[..],
-                &mut PartitionMut::new(&mut all[..], &counts[..], &displs[..]),
-            );
+            gather_into(comm, &here, &mut all, &counts, &displs);
             // Back into group order.
             let mut pieces: Vec<&[f32]> = vec![&[]; self.world];
             let mut at = 0;
@@ -327,6 +328,7 @@ impl Collective for Hier {
                 &sum,
                 &mut block,
                 mpi::collective::SystemOperation::sum().as_raw(),
+                add_f32,
             );
         }
         drop(sum);
@@ -348,7 +350,7 @@ impl Collective for Hier {
             // One rank per process: bf16 crosses the wire, as in `all_reduce_bf16`.
             let bits: Vec<u16> = data.iter().map(|x| x.to_bits()).collect();
             let mut sums = vec![0u16; bits.len() / self.procs];
-            sum_scatter(comm, &bits, &mut sums, bf16_sum().as_raw());
+            sum_scatter(comm, &bits, &mut sums, bf16_sum().as_raw(), add_bf16);
             return Ok(sums.into_iter().map(|s| self.bf16_landed(s, op)).collect());
         }
         // The sums are exact in f32 and rounded once, as in-process.

@@ -24,6 +24,7 @@ mod control;
 mod ffi;
 mod group;
 mod p2p;
+mod ring;
 mod runtime;
 mod split;
 

@@ -59,7 +59,7 @@ pub fn init(processes: Processes) -> Result<Option<MpiGuard>> {
     if processes.count <= 1 {
         return Ok(None);
     }
-    yield_when_idle();
+    mca_defaults();
     let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
         .ok_or_else(|| Error::Device("MPI was initialised twice".into()))?;
     if threading != mpi::Threading::Multiple {
@@ -90,23 +90,34 @@ pub fn init(processes: Processes) -> Result<Option<MpiGuard>> {
     }))
 }
 
-/// OpenMPI's setting that makes a rank waiting for the network give its core away between
-/// polls instead of spinning on it.
-const YIELD_WHEN_IDLE: &str = "OMPI_MCA_mpi_yield_when_idle";
+/// OpenMPI settings kiln changes from OpenMPI's defaults, unless the launcher's environment
+/// (`mpirun --mca NAME VALUE`, or the variable itself) sets them:
+///
+/// - `mpi_yield_when_idle = 1`: a rank waiting in a blocking call (the short collectives, see
+///   `ffi::BLOCKING_BELOW`) gives its core away between polls instead of spinning on it.
+///   Spinning, a thread takes a core from the compute wherever ranks and their threads
+///   outnumber the cores (ddp, two processes on a 2-core machine at 1 Gbit/s, when the
+///   gradients' all-reduce blocked: 155 ms a step spinning, 128 ms yielding, 139 ms without
+///   overlap; see BENCHMARKS.md).
+/// - `coll_libnbc_iallreduce_algorithm = 1`: the non-blocking all-reduce that carries the
+///   gradients (`ffi::sum_in_place`) as a ring, a reduce-scatter then an all-gather in which
+///   every process sends and receives at once. OpenMPI's own choice for fewer than four
+///   processes, or in place, is a binomial tree: one process receives everything, sums it and
+///   sends it back, so each direction of a link is busy half the time (a 0.8 MB block over 1
+///   Gbit/s beside the compute: 10 ms against 5–6).
+const MCA_DEFAULTS: [(&str, &str); 2] = [
+    ("OMPI_MCA_mpi_yield_when_idle", "1"),
+    ("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1"),
+];
 
-/// Asks OpenMPI to yield the core while it waits, unless the launcher's environment (`mpirun
-/// --mca mpi_yield_when_idle 0`, or the variable itself) says otherwise. A rank's
-/// communication thread (`dist.overlap`) waits in MPI while the rank computes; spinning, it
-/// takes a core from the compute wherever ranks and their threads outnumber the cores (ddp,
-/// two processes on a 2-core machine at 1 Gbit/s: 155 ms a step spinning, 128 ms yielding,
-/// 139 ms without overlap; see BENCHMARKS.md). Yielding costs a `sched_yield` per poll where
-/// cores are idle.
-fn yield_when_idle() {
-    if std::env::var_os(YIELD_WHEN_IDLE).is_none() {
-        // SAFETY: this runs in `cli::run_training` before MPI starts and before kiln starts
-        // any thread (signal handlers, workers, monitors); no other thread of kiln reads or
-        // writes the environment meanwhile.
-        unsafe { std::env::set_var(YIELD_WHEN_IDLE, "1") };
+fn mca_defaults() {
+    for (name, value) in MCA_DEFAULTS {
+        if std::env::var_os(name).is_none() {
+            // SAFETY: this runs in `cli::run_training` before MPI starts and before kiln
+            // starts any thread (signal handlers, workers, monitors); no other thread of kiln
+            // reads or writes the environment meanwhile.
+            unsafe { std::env::set_var(name, value) };
+        }
     }
 }
 
