@@ -2,14 +2,17 @@
 //! planner's prediction for its own settings (`summary.json` `plan`) beside what it measured
 //! (`peak_rss_mib`, `step_seconds`); this runs a grid — the GPT recipe and the MNIST ConvNet;
 //! ddp, zero1, zero2, zero3 and pipeline; recompute none and blocks; 32 and bf16-mixed; 1, 2
-//! and 4 devices; two processes under `mpirun` — and prints each prediction, the measurement
-//! and the error, with their median and worst.
+//! and 4 devices; two processes under `mpirun`; the GAN and the autoencoder of
+//! `crates/generative`, programs of their own on kiln's library — and prints each prediction,
+//! the measurement and the error, with their median and worst.
 
 use std::path::Path;
 use std::process::Command;
 
 use crate::bench_mpi::built_mpi_train;
-use crate::common::{Result, TempDir, each_flag, json_number, median, positive, run_quietly};
+use crate::common::{
+    Result, TempDir, build_release, each_flag, json_number, median, positive, run_quietly,
+};
 
 /// What to measure.
 pub struct Options {
@@ -37,10 +40,12 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
     Ok(o)
 }
 
-/// One configuration of the grid: its words, processes, and the flags of `train`.
+/// One configuration of the grid: its words, processes, the program (`train`, or a binary of
+/// `crates/generative`) and its flags.
 struct Case {
     name: String,
     processes: usize,
+    program: &'static str,
     args: Vec<String>,
 }
 
@@ -50,7 +55,16 @@ fn case(name: &str, processes: usize, config: &str, flags: &str) -> Case {
     Case {
         name: name.to_string(),
         processes,
+        program: "train",
         args,
+    }
+}
+
+/// A case of `program`, a binary of `crates/generative`.
+fn generative(name: &str, program: &'static str, config: &str, flags: &str) -> Case {
+    Case {
+        program,
+        ..case(name, 1, config, flags)
     }
 }
 
@@ -125,6 +139,30 @@ fn grid() -> Vec<Case> {
         case("convnet 2 zero3", 1, cnn, "--devices 2 --strategy zero3"),
         case("convnet 2 zero2", 1, cnn, "--devices 2 --strategy zero2"),
         case("convnet 4 ddp", 1, cnn, "--devices 4 --strategy ddp"),
+        generative(
+            "gan 1 device",
+            "gan",
+            "configs/gan-mnist.toml",
+            "--devices 1",
+        ),
+        generative(
+            "gan 2 ddp",
+            "gan",
+            "configs/gan-mnist.toml",
+            "--devices 2 --strategy ddp",
+        ),
+        generative(
+            "autoencoder 1 device",
+            "autoencoder",
+            "configs/autoencoder-mnist.toml",
+            "--devices 1",
+        ),
+        generative(
+            "autoencoder 2 zero1",
+            "autoencoder",
+            "configs/autoencoder-mnist.toml",
+            "--devices 2 --strategy zero1",
+        ),
     ];
     for c in &mut g {
         // No validation or checkpoint inside the measured steps; the planner measures on
@@ -155,6 +193,11 @@ struct Row {
 
 pub fn run(root: &Path, o: &Options) -> Result<()> {
     let train = built_mpi_train(root, false)?;
+    let release = build_release(
+        root,
+        &["-p", "kiln-generative", "--bins"],
+        "the GAN and the autoencoder",
+    )?;
     let temp = TempDir::new("bench-plan")?;
     println!(
         "bench plan: {} steps per run; the planner's figures for each run's own settings \
@@ -170,14 +213,18 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             continue;
         }
         let dir = temp.path().join(format!("case-{i}"));
+        let program = match c.program {
+            "train" => train.clone(),
+            other => release.join(other),
+        };
         let mut command = if c.processes > 1 {
             let mut m = Command::new("mpirun");
             m.args(["--allow-run-as-root", "--oversubscribe", "-np"])
                 .arg(c.processes.to_string())
-                .arg(&train);
+                .arg(&program);
             m
         } else {
-            Command::new(&train)
+            Command::new(&program)
         };
         run_quietly(
             command
