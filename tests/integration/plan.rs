@@ -217,6 +217,75 @@ fn a_limit_no_plan_meets_is_refused_at_start_naming_the_smallest_need() {
     assert_one_line_error(&out, &["hardware.memory_limit_mib", "-3"]);
 }
 
+#[test]
+fn a_run_under_a_limit_hands_kept_pages_back_past_the_limit_less_the_headroom() {
+    let dir = temp_dir("plan-hold");
+    let text = text_file(&dir);
+    let summary = |run: &Path| -> Value {
+        serde_json::from_slice(&std::fs::read(run.join("summary.json")).unwrap()).unwrap()
+    };
+    // A limit of 1 MiB that the run is told to ignore: it starts, and its resident memory is
+    // past the limit at the end of every step of its one rank.
+    let held = dir.join("held");
+    let out = run_train(
+        &dir,
+        &gpt_flags(
+            &text,
+            &held,
+            &[
+                "--devices",
+                "1",
+                "--set",
+                "hardware.cpu_split=\"off\"",
+                "--set",
+                "hardware.memory_limit_mib=1",
+                "--set",
+                "hardware.memory_limit_force=true",
+            ],
+        ),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        summary(&held)["memory_holds"],
+        6,
+        "one hold per step of max_steps = 6"
+    );
+    // A limit far above the run: nothing handed back, and the count says so.
+    let roomy = dir.join("roomy");
+    let out = run_train(
+        &dir,
+        &gpt_flags(
+            &text,
+            &roomy,
+            &[
+                "--devices",
+                "1",
+                "--set",
+                "hardware.memory_limit_mib=1000000",
+            ],
+        ),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(summary(&roomy)["memory_holds"], 0);
+    // No limit: no count.
+    let free = dir.join("free");
+    let out = run_train(&dir, &gpt_flags(&text, &free, &["--devices", "1"]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(summary(&free).get("memory_holds").is_none());
+}
+
 /// `train` with `args` in `dir`, its planner's measurements kept in `cache`.
 fn run_kept(dir: &Path, cache: &Path, args: &[String]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_train"))

@@ -206,6 +206,11 @@ pub struct Summary {
     /// allocator keeps after a free.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_heap_mib: Option<f64>,
+    /// Under `hardware.memory_limit_mib`, how many times a rank handed the freed pages the
+    /// allocator keeps back to the system at a step's end, the process's resident memory being
+    /// past the limit less the planner's headroom (`heap::hold_under`); `None` without a limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_holds: Option<usize>,
     /// The most parameter bytes each rank held at once (master and compute copies, gathered
     /// units), counted by the strategy; index = rank.
     pub param_bytes_per_rank: Vec<usize>,

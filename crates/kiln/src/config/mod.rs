@@ -16,7 +16,9 @@ mod root;
 mod train;
 
 pub use finetune::{ExportConfig, ExportFormat, FinetuneConfig, LoraConfig, QuantBits};
-pub use hardware::{Accelerator, CpuSplit, DeviceList, HardwareConfig, MonitorConfig, SinkKind};
+pub use hardware::{
+    Accelerator, CpuSplit, DeviceList, HEADROOM, HardwareConfig, MonitorConfig, SinkKind,
+};
 pub use init::{InitConfig, WeightsFormat};
 pub(crate) use names::refusal;
 pub use names::{name_of, one_line};

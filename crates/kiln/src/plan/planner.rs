@@ -18,9 +18,7 @@ use crate::error::Result;
 use crate::strategy::{ModelFacts, Setup};
 use crate::trainer::{TrainerSettings, Workload, refusal, sampler};
 
-/// The share of a limit kept free for the prediction's error: a plan fits when its need and
-/// this much more do (`cargo xtask bench plan` measures the error; BENCHMARKS.md).
-pub const HEADROOM: f64 = 0.10;
+pub use crate::config::HEADROOM;
 
 /// The planner's answer for one config.
 #[derive(Debug, Clone, Serialize)]

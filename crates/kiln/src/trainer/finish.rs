@@ -70,6 +70,10 @@ impl<W: Workload> Worker<'_, W> {
             start_rss_mib: ran.start_rss_mib,
             peak_rss_mib: process_memory_mib("VmHWM"),
             peak_heap_mib: crate::heap::peak().map(|b| b as f64 / (1024.0 * 1024.0)),
+            memory_holds: s
+                .parallel
+                .memory_limit_mib
+                .map(|_| crate::heap::times_held()),
             param_bytes_per_rank: per_rank(0),
             grad_bytes_per_rank: per_rank(1),
             optim_bytes_per_rank: per_rank(2),

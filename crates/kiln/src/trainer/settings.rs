@@ -44,6 +44,9 @@ pub struct ParallelSettings {
     pub cores: Option<String>,
     /// The cores CPU ranks share (`hardware.cpu_cores`, or the machine's).
     pub cpu_cores: usize,
+    /// `hardware.memory_limit_mib`: the process's resident memory a run keeps under (on the
+    /// CPU, see [`crate::heap::hold_under`]).
+    pub memory_limit_mib: Option<f64>,
 }
 
 /// Where the run's output goes and how it is shown.
@@ -123,6 +126,7 @@ impl TrainerSettings {
                 sub_replicas: 1,
                 cores: None,
                 cpu_cores: config.hardware.cores(),
+                memory_limit_mib: config.hardware.memory_limit_mib,
             },
             precision: config.precision.clone(),
             recompute: config.recompute.clone(),

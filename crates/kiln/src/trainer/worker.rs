@@ -181,8 +181,18 @@ impl<W: Workload> Worker<'_, W> {
         let start_rss_mib = process_memory_mib("VmRSS");
         let (wall, started) = (state.wall_seconds, Instant::now());
         let (mut stopped_by, mut stopped_early) = (None, None);
+        // Past this share of `hardware.memory_limit_mib` at a step's end, the pages the
+        // allocator keeps go back: the share the planner's prediction was held to.
+        let hold = self
+            .settings
+            .parallel
+            .memory_limit_mib
+            .map(|limit| limit / (1.0 + crate::config::HEADROOM));
         while state.step < self.total {
             self.train_step(&mut state, feed, strategy, &mut log, &saver)?;
+            if let Some(threshold) = hold {
+                crate::heap::hold_under(process_memory_mib("VmRSS"), threshold);
+            }
             let last = state.step == self.total;
             if log.due(state.step, last) {
                 let logged = log.log(&state, strategy)?;
