@@ -341,22 +341,29 @@ fn twin_once(
                     .current_dir(root);
                 c
             };
-            let other = rank("kiln-b", "kiln-vb", "1")
+            let mut other = rank("kiln-b", "kiln-vb", "1")
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
                 .spawn()
                 .map_err(|e| format!("cannot start {what}'s rank 1: {e}"))?;
-            let out = rank("kiln-a", "kiln-va", "0")
-                .output()
-                .map_err(|e| format!("cannot run {what}'s rank 0: {e}"))?;
-            let other = other
-                .wait_with_output()
-                .map_err(|e| format!("{what}'s rank 1: {e}"))?;
-            if !other.status.success() {
-                return Err(format!(
-                    "{what}'s rank 1 failed: {}",
-                    String::from_utf8_lossy(&other.stderr).trim()
-                ));
+            // Its standard error read as it comes (a full pipe would stop it, and rank 0 with
+            // it), and kept for a failure's words.
+            let mut pipe = other.stderr.take().expect("piped");
+            let said = std::thread::spawn(move || {
+                let mut text = String::new();
+                let _ = std::io::Read::read_to_string(&mut pipe, &mut text);
+                text
+            });
+            let out = rank("kiln-a", "kiln-va", "0").output();
+            if !out.as_ref().is_ok_and(|o| o.status.success()) {
+                // Rank 1 would wait for a rank 0 that is gone, or join the next try's.
+                let _ = other.kill();
+            }
+            let status = other.wait().map_err(|e| format!("{what}'s rank 1: {e}"))?;
+            let said = said.join().unwrap_or_default();
+            let out = out.map_err(|e| format!("cannot run {what}'s rank 0: {e}"))?;
+            if out.status.success() && !status.success() {
+                return Err(format!("{what}'s rank 1 failed: {}", said.trim()));
             }
             out
         }

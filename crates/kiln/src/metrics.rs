@@ -206,9 +206,10 @@ pub struct Summary {
     /// allocator keeps after a free.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_heap_mib: Option<f64>,
-    /// Under `hardware.memory_limit_mib`, how many times a rank handed the freed pages the
-    /// allocator keeps back to the system at a step's end, the process's resident memory being
-    /// past the limit less the planner's headroom (`heap::hold_under`); `None` without a limit.
+    /// Under `hardware.memory_limit_mib` on the CPU, how many times the process's ranks (all of
+    /// them, counted together) handed the freed pages the allocator keeps back to the system at
+    /// a step's end, the process's resident memory being past the limit ÷ 1.1
+    /// (`heap::hold_under`); `None` without a limit, or on a GPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_holds: Option<usize>,
     /// The most parameter bytes each rank held at once (master and compute copies, gathered

@@ -7,8 +7,8 @@ use crate::error::Result;
 
 /// The share of `memory_limit_mib` kept free for the planner's error: a plan fits when its
 /// need and this much more do (`cargo xtask bench plan` measures the error; BENCHMARKS.md),
-/// and a run under a limit hands the allocator's kept pages back past the limit less this
-/// share (`heap::hold_under`).
+/// and a run under a limit on the CPU hands the allocator's kept pages back once its resident
+/// memory is past the limit ÷ (1 + this), where a plan that just fits ends (`heap::hold_under`).
 pub const HEADROOM: f64 = 0.10;
 /// Which kind of device replicas run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

@@ -166,13 +166,15 @@ pub(crate) fn beside<T>(
     })
 }
 
-/// The nice value a communication thread asks for: ten steps above the compute's 0.
+/// How many steps of nice a communication thread asks to stand above the thread that starts
+/// it (the rank's compute).
 const NICE: i32 = -10;
 
-/// Raises this thread's scheduling priority to [`NICE`] where the process may (root,
-/// `CAP_SYS_NICE`, or an `RLIMIT_NICE` of 30 or more: `ulimit -e`); elsewhere it stays at the
-/// compute's, and no later thread asks again. The thread sleeps while its collective waits
-/// on the network (`comm::mpi`'s non-blocking collectives), so the priority costs the compute
+/// Raises this thread's scheduling priority [`NICE`] steps above its own (a new thread's is
+/// the process's) where the process may (root, `CAP_SYS_NICE`, or an `RLIMIT_NICE` that allows
+/// the value: `ulimit -e` of 30 or more for nice −10 from 0); elsewhere it stays at the
+/// compute's, and no later thread asks again. The thread sleeps while its collective waits on
+/// the network (`comm::mpi`'s non-blocking collectives), so the priority costs the compute
 /// only the work the thread does; what it buys is that the thread gets a core as soon as it
 /// wakes, where the ranks' compute fills the cores (two processes on 2 cores at 1 Gbit/s: the
 /// GPT's ddp step 64–66 ms at the compute's priority, 59–60 ms raised; BENCHMARKS.md).
@@ -181,16 +183,21 @@ fn raise_priority() {
     {
         use std::sync::atomic::{AtomicBool, Ordering};
         static REFUSED: AtomicBool = AtomicBool::new(false);
-        if REFUSED.load(Ordering::Relaxed) {
-            return;
-        }
-        // SAFETY: gettid has no preconditions; setpriority on this thread's own id changes
-        // only its scheduling.
-        let raised =
-            unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, NICE) };
-        if raised != 0 {
+        if REFUSED.load(Ordering::Relaxed) || !set_nice(NICE) {
             REFUSED.store(true, Ordering::Relaxed);
         }
+    }
+}
+
+/// Moves this thread's nice value by `by` (within Linux's −20..19); whether it was allowed.
+#[cfg(target_os = "linux")]
+fn set_nice(by: i32) -> bool {
+    // SAFETY: gettid has no preconditions; getpriority and setpriority on this thread's own id
+    // read and change only its scheduling.
+    unsafe {
+        let me = libc::gettid() as libc::id_t;
+        let now = libc::getpriority(libc::PRIO_PROCESS, me);
+        libc::setpriority(libc::PRIO_PROCESS, me, (now + by).clamp(-20, 19)) == 0
     }
 }
 
@@ -224,27 +231,24 @@ mod tests {
 
     #[cfg(target_os = "linux")]
     #[test]
-    fn a_communication_thread_runs_at_its_nice_where_the_process_may_raise_it() {
-        // SAFETY: gettid and getpriority/setpriority on this thread's own id.
+    fn a_communication_thread_runs_above_the_compute_where_the_process_may_raise_it() {
+        // SAFETY: gettid and getpriority on this thread's own id.
         let nice =
             || unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) };
         let (before, after, allowed) = std::thread::spawn(move || {
             let before = nice();
-            // Whether this process may lower a nice value at all: try 0 → −1 on a throwaway
-            // thread of its own, as raise_priority would.
-            let allowed = std::thread::spawn(move || unsafe {
-                libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, NICE) == 0
-            })
-            .join()
-            .unwrap();
+            // Whether this process may raise a thread's priority that far: tried on a
+            // throwaway thread of its own.
+            let allowed = std::thread::spawn(move || set_nice(NICE)).join().unwrap();
             raise_priority();
             (before, nice(), allowed)
         })
         .join()
         .unwrap();
+        let raised = (before + NICE).clamp(-20, 19);
         assert_eq!(
             after,
-            if allowed { NICE } else { before },
+            if allowed { raised } else { before },
             "allowed: {allowed}"
         );
     }

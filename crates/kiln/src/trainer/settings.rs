@@ -44,8 +44,9 @@ pub struct ParallelSettings {
     pub cores: Option<String>,
     /// The cores CPU ranks share (`hardware.cpu_cores`, or the machine's).
     pub cpu_cores: usize,
-    /// `hardware.memory_limit_mib`: the process's resident memory a run keeps under (on the
-    /// CPU, see [`crate::heap::hold_under`]).
+    /// `hardware.memory_limit_mib` where it bounds the process's resident memory (on the CPU;
+    /// on a GPU it bounds each device's memory, and is `None` here): what a run keeps under
+    /// ([`crate::heap::hold_under`]).
     pub memory_limit_mib: Option<f64>,
 }
 
@@ -106,6 +107,7 @@ impl TrainerSettings {
             .strategy
             .name
             .resolve(devices.len() * processes.count);
+        let cpu = accelerator.starts_with("cpu");
         Self {
             train: config.train.clone(),
             optim: config.optim.clone(),
@@ -113,7 +115,7 @@ impl TrainerSettings {
             seed: config.run.seed,
             drop_last: false,
             parallel: ParallelSettings {
-                split_cpu_threads: accelerator.starts_with("cpu"),
+                split_cpu_threads: cpu,
                 devices,
                 accelerator,
                 strategy,
@@ -126,7 +128,7 @@ impl TrainerSettings {
                 sub_replicas: 1,
                 cores: None,
                 cpu_cores: config.hardware.cores(),
-                memory_limit_mib: config.hardware.memory_limit_mib,
+                memory_limit_mib: config.hardware.memory_limit_mib.filter(|_| cpu),
             },
             precision: config.precision.clone(),
             recompute: config.recompute.clone(),

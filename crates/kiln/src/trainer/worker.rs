@@ -181,8 +181,8 @@ impl<W: Workload> Worker<'_, W> {
         let start_rss_mib = process_memory_mib("VmRSS");
         let (wall, started) = (state.wall_seconds, Instant::now());
         let (mut stopped_by, mut stopped_early) = (None, None);
-        // Past this share of `hardware.memory_limit_mib` at a step's end, the pages the
-        // allocator keeps go back: the share the planner's prediction was held to.
+        // Past `hardware.memory_limit_mib` ÷ (1 + HEADROOM) at a step's end — where a plan that
+        // just fits ends — the pages the allocator keeps go back (on the CPU).
         let hold = self
             .settings
             .parallel

@@ -1,8 +1,9 @@
 //! The MPI calls kiln makes through C itself: the in-place all-reduce (`in_place.c`), the
 //! reduce-scatter of blocks, the all-gather of pieces of several lengths, and the bf16 sum as
-//! a user-defined MPI operation. What carries gradients or parameters (from
-//! [`BLOCKING_BELOW`] bytes) runs as a non-blocking collective, or `ring`'s sends and
-//! receives, that the calling thread waits for asleep.
+//! a user-defined MPI operation. The all-reduce, the reduce-scatter and the all-gather run,
+//! from [`BLOCKING_BELOW`] bytes, as a non-blocking collective or `ring`'s sends and receives
+//! that the calling thread waits for asleep (a broadcast still blocks). MPI's default error
+//! handler ends the job on a failing call, so their return codes are not read.
 
 use super::ring;
 use crate::comm::mpi::runtime::Comm;
@@ -105,10 +106,11 @@ pub(super) fn bf16_sum_in_place(comm: &Comm, bits: &mut [u16]) {
 /// `send`'s sum over `comm`'s processes, each receiving its equal block into `recv`: below
 /// [`BLOCKING_BELOW`] bytes `MPI_Reduce_scatter` with equal counts (OpenMPI's
 /// `MPI_Reduce_scatter_block` reduces to one process and scatters from it, half again as many
-/// bytes on the link), from there up the ring of [`ring::reduce_scatter`] adding with `add`.
+/// bytes on the link), from there up the ring of [`ring::reduce_scatter`] adding with `add`,
+/// in `send` (left holding partial sums).
 pub(super) fn sum_scatter<T: Equivalence + Copy + Default>(
     comm: &Comm,
-    send: &[T],
+    send: &mut [T],
     recv: &mut [T],
     op: mpi::ffi::MPI_Op,
     add: fn(&mut [T], &[T]),
@@ -117,10 +119,10 @@ pub(super) fn sum_scatter<T: Equivalence + Copy + Default>(
     let procs = comm.0.size() as usize;
     assert_eq!(send.len(), recv.len() * procs, "equal blocks");
     if std::mem::size_of_val(send) >= BLOCKING_BELOW {
-        let mut work = send.to_vec();
-        ring::reduce_scatter(comm, &mut work, add);
+        // The ring sums in `send` itself (its other blocks end as partial sums).
+        ring::reduce_scatter(comm, send, add);
         let me = comm.0.rank() as usize;
-        recv.copy_from_slice(&work[me * recv.len()..(me + 1) * recv.len()]);
+        recv.copy_from_slice(&send[me * recv.len()..(me + 1) * recv.len()]);
         return;
     }
     let count = std::ffi::c_int::try_from(recv.len()).expect("a block fits MPI's count");

@@ -274,12 +274,17 @@ impl Collective for Hier {
             for (i, g) in order.iter().enumerate() {
                 by_proc[self.proc_of[*g]] += member_lens[i];
             }
-            let counts: Vec<i32> = by_proc.iter().map(|n| *n as i32).collect();
+            let counts: Vec<i32> = by_proc
+                .iter()
+                .map(|n| i32::try_from(*n).expect("a process's values fit MPI's count"))
+                .collect();
             let displs: Vec<i32> = counts
                 .iter()
-                .scan(0, |at, c| {
+                .scan(0i32, |at, c| {
                     let d = *at;
-                    *at += c;
+                    *at = at
+                        .checked_add(*c)
+                        .expect("the gathered values fit MPI's displacements");
                     Some(d)
                 })
                 .collect();
@@ -325,7 +330,7 @@ impl Collective for Hier {
         if self.lead() {
             sum_scatter(
                 comm,
-                &sum,
+                &mut sum,
                 &mut block,
                 mpi::collective::SystemOperation::sum().as_raw(),
                 add_f32,
@@ -348,9 +353,9 @@ impl Collective for Hier {
             && self.blocks_by_process(data.len())
         {
             // One rank per process: bf16 crosses the wire, as in `all_reduce_bf16`.
-            let bits: Vec<u16> = data.iter().map(|x| x.to_bits()).collect();
+            let mut bits: Vec<u16> = data.iter().map(|x| x.to_bits()).collect();
             let mut sums = vec![0u16; bits.len() / self.procs];
-            sum_scatter(comm, &bits, &mut sums, bf16_sum().as_raw(), add_bf16);
+            sum_scatter(comm, &mut bits, &mut sums, bf16_sum().as_raw(), add_bf16);
             return Ok(sums.into_iter().map(|s| self.bf16_landed(s, op)).collect());
         }
         // The sums are exact in f32 and rounded once, as in-process.
