@@ -203,7 +203,15 @@ impl<W: Workload> Worker<'_, W> {
             let epoch_end = state.step_in_epoch == self.sampler.steps_per_epoch();
             let t = &self.settings.train;
             let mut early = None;
-            if val.due(&state, t, epoch_end, last, save && saver.scored()) {
+            let validate = val.due(&state, t, epoch_end, last, save && saver.scored());
+            if hold.is_some() && (validate || save || last) {
+                // Under a limit, what a validation, a checkpoint or the run's end (its export)
+                // allocates lands where the steps' kept pages were, not on top of them: the
+                // peak of a zero3 run under a limit beside a build came after its last step
+                // (227–232 MiB, with every step's end under the threshold).
+                crate::heap::release_free();
+            }
+            if validate {
                 let t0 = Instant::now();
                 let (scores, metrics) = self.validate(&strategy.full_model()?)?;
                 val.record(state.step, scores);
