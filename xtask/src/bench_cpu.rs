@@ -19,7 +19,8 @@ use std::process::{Command, Stdio};
 
 use crate::bench_policies::built_train;
 use crate::common::{
-    Result, TempDir, build_release, each_flag, json_number, median, positive, run_quietly,
+    Result, TempDir, build_release, each_flag, json_number, median, positive,
+    reference_ms_per_step, run_quietly,
 };
 
 /// What to measure.
@@ -445,14 +446,7 @@ fn reference_ms(
         .stderr(Stdio::piped())
         .output()
         .map_err(|e| format!("cannot run {python}: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    json_number(&text, "ms_per_step").ok_or_else(|| {
-        format!(
-            "{} printed no ms_per_step: {}",
-            reference.script,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )
-    })
+    reference_ms_per_step(reference.script, &out)
 }
 
 /// What a bench run measured: per recipe, kiln's ms/step of each variant, the model's FLOPs

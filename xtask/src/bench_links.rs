@@ -15,7 +15,9 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::common::{Result, TempDir, each_flag, json_number, median, positive, run_quietly};
+use crate::common::{
+    Result, TempDir, each_flag, json_number, median, positive, reference_ms_per_step, run_quietly,
+};
 
 /// What to measure.
 pub struct Options {
@@ -374,10 +376,7 @@ fn twin_once(
             String::from_utf8_lossy(&out.stderr).trim()
         ));
     }
-    let text = String::from_utf8_lossy(&out.stdout);
-    json_number(&text, "ms_per_step")
-        .map(Some)
-        .ok_or_else(|| format!("{what} printed no ms_per_step: {}", text.trim()))
+    reference_ms_per_step(&what, &out).map(Some)
 }
 
 /// A progress line's words for PyTorch's step, if there is one.

@@ -68,6 +68,17 @@ pub(crate) fn json_number(text: &str, key: &str) -> Option<f64> {
     rest[..end].parse().ok()
 }
 
+/// The `ms_per_step` a PyTorch reference script (`xtask/reference/`) printed, or why there is
+/// none: `what` and the script's standard error.
+pub(crate) fn reference_ms_per_step(what: &str, out: &std::process::Output) -> Result<f64> {
+    json_number(&String::from_utf8_lossy(&out.stdout), "ms_per_step").ok_or_else(|| {
+        format!(
+            "{what} printed no ms_per_step: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+    })
+}
+
 /// Every number of the JSON array under `key` (`None` where there is none, or a member is not a
 /// number).
 pub(crate) fn json_array(text: &str, key: &str) -> Option<Vec<f64>> {

@@ -168,7 +168,7 @@ pub(super) fn gather_into(
     let datatype = f32::equivalent_datatype().as_raw();
     // SAFETY: `send` is `count` f32 values and `recv` holds every process's piece at its
     // place (checked above); both, and `counts` and `displs`, stay valid until the call or
-    // `wait` returns.
+    // `wait_all` returns.
     unsafe {
         if std::mem::size_of_val(recv) < BLOCKING_BELOW {
             mpi::ffi::MPI_Allgatherv(
