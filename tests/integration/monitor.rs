@@ -308,6 +308,12 @@ fn the_train_program_counts_its_heap_below_its_resident_memory() {
     assert!(heap > 0.5, "{heap} MiB");
     if let Some(rss) = summary["peak_rss_mib"].as_f64() {
         assert!(heap < rss, "heap {heap} MiB, resident {rss} MiB");
+        // The peak before training (the planner's probe of the run's plan, the data read) is
+        // kept apart from the training's.
+        let startup = summary["startup_peak_rss_mib"]
+            .as_f64()
+            .expect("a startup peak beside the training's");
+        assert!(startup > 0.0, "{summary}");
     }
     // A program without kiln's allocator (this test binary) has no figure.
     assert_eq!(kiln::heap::peak(), None);

@@ -198,10 +198,15 @@ pub struct Summary {
     /// Resident memory of the process when training started (model, optimizer, data
     /// loaded), in MiB; Linux only.
     pub start_rss_mib: Option<f64>,
-    /// Peak resident memory of the process by the end of the run, in MiB; Linux only.
+    /// Peak resident memory of the process from the start of training (its ranks built) to
+    /// the end of the run, in MiB; Linux only.
     pub peak_rss_mib: Option<f64>,
-    /// The most bytes live on the heap at once in the process (every rank of it) by the end
-    /// of the run, in MiB, as kiln's allocator counts them (`None` in a program that declares
+    /// Peak resident memory of the process before training started — the planner's probes,
+    /// the data and the weights read — in MiB; Linux only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub startup_peak_rss_mib: Option<f64>,
+    /// The most bytes live on the heap at once in the process (every rank of it) from the
+    /// start of training to the end of the run, in MiB, as kiln's allocator counts them (`None` in a program that declares
     /// another global allocator). Below the resident set size, which also holds the pages the
     /// allocator keeps after a free.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -16,7 +16,7 @@ mod sample;
 mod system;
 mod throughput;
 
-pub use proc::process_memory_mib;
+pub use proc::{earlier_resident_peak_mib, process_memory_mib, restart_resident_peak};
 pub use sample::{DeviceSample, SystemSample};
 pub use system::{MonitorSetup, SystemMonitor};
 pub use throughput::{Ema, Throughput, peak_tflops, split_percent};

@@ -10,6 +10,32 @@ pub fn process_memory_mib(key: &str) -> Option<f64> {
     status_kib(&status, key).map(|k| k as f64 / 1024.0)
 }
 
+/// The process's peak resident memory, in KiB, when [`restart_resident_peak`] last restarted
+/// the kernel's count (the largest such, where it restarted more than once).
+static EARLIER_PEAK_KIB: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Restarts the kernel's count of this process's peak resident memory (`VmHWM`; Linux's
+/// `clear_refs` 5) and keeps the peak it had reached ([`earlier_resident_peak_mib`]): the
+/// trainer restarts it when the ranks start, so that a run's `peak_rss_mib` is its training's
+/// and not the planner's probes' before it.
+pub fn restart_resident_peak() {
+    let path = Path::new("/proc/self/status");
+    if let Some(kib) = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| status_kib(&s, "VmHWM"))
+    {
+        EARLIER_PEAK_KIB.fetch_max(kib, std::sync::atomic::Ordering::Relaxed);
+    }
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// The peak resident memory, in MiB, the process had reached when [`restart_resident_peak`]
+/// restarted the count (`None` before it did, or where there is no `/proc`).
+pub fn earlier_resident_peak_mib() -> Option<f64> {
+    let kib = EARLIER_PEAK_KIB.load(std::sync::atomic::Ordering::Relaxed);
+    (kib > 0).then(|| kib as f64 / 1024.0)
+}
+
 /// A `Key:   123 kB` field of `/proc/<pid>/status`, in KiB.
 pub(super) fn status_kib(status: &str, key: &str) -> Option<u64> {
     status.lines().find_map(|line| {

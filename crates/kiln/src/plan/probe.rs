@@ -52,21 +52,24 @@ pub struct Point {
     pub inside_sync_s: f64,
     /// Seconds building one batch.
     pub data_s: f64,
-    /// Resident bytes the process grew by beyond the heap it grew by, per thread (freed pages
-    /// the allocator keeps, stacks).
+    /// Resident bytes the process grew by in the steps beyond the heap it grew by, per thread
+    /// (freed pages the allocator keeps, stacks), counted from the strategies built and what
+    /// building them freed handed back, as a run's ranks start.
     pub resident_extra: f64,
 }
 
 /// Steps the probe takes before it times (the first builds the optimizer state and warms the
 /// allocator; a process's first probe takes one more, for the pages it touches first) and
-/// steps it times.
+/// steps it times at least.
 const WARM: usize = 1;
 const TIMED: usize = 3;
 
-/// Untimed steps after the timed ones on CPU devices, so that the resident memory the probe
+/// More steps after those on CPU devices, timed too, so that the resident memory the probe
 /// reads has reached what a run's settles at: the pages the allocator keeps grow over a run's
 /// first steps and then stay (the GPT recipe under zero3 + bf16-mixed: 243 MiB after 3
-/// steps, 271 after 10, 287 after 30, 290 after 100 and 200).
+/// steps, 271 after 10, 287 after 30, 290 after 100 and 200). Their times go into the median:
+/// three steps' median moved a one-device GPT step's prediction between 32.7 and 41.4 ms from
+/// launch to launch, where the run took 32–34.
 const SETTLE: usize = 25;
 
 /// Runs the probe at `batch` samples per thread; `first`: the first probe of a plan.
@@ -86,9 +89,9 @@ pub(crate) fn probe<W: Workload>(
     // from the live heap, not hidden in pages kept from earlier.
     crate::heap::release_free();
     let heap_before = crate::heap::live().unwrap_or(0) as f64;
-    reset_resident_peak();
-    let rss_before = resident_bytes();
-    let marks = std::sync::Mutex::new(0.0f64);
+    // The live heap and the resident bytes once the strategies are built, and the heap after
+    // their steps.
+    let marks = std::sync::Mutex::new([0.0f64; 3]);
     let results: Vec<Result<Times>> = std::thread::scope(|scope| {
         let handles: Vec<_> = devices
             .iter()
@@ -108,9 +111,16 @@ pub(crate) fn probe<W: Workload>(
                         let body = || {
                             let lead = i == 0;
                             let strategy = one_rank(workload, p, device, comm.as_ref());
+                            // What building freed goes back, as a rank's does before its
+                            // steps: the pages the steps keep are counted from here.
+                            crate::heap::release_free();
                             barriers[0].wait();
                             if lead {
                                 crate::heap::reset_peak();
+                                reset_resident_peak();
+                                let mut m = marks.lock().expect("marks");
+                                m[0] = crate::heap::live().unwrap_or(0) as f64;
+                                m[1] = resident_bytes();
                             }
                             barriers[1].wait();
                             let ran =
@@ -119,7 +129,7 @@ pub(crate) fn probe<W: Workload>(
                             if lead {
                                 // What the strategies hold after their steps (optimizer state
                                 // included), before any is dropped.
-                                *marks.lock().expect("marks") =
+                                marks.lock().expect("marks")[2] =
                                     crate::heap::live().unwrap_or(0) as f64;
                             }
                             barriers[3].wait();
@@ -149,19 +159,41 @@ pub(crate) fn probe<W: Workload>(
             .collect()
     });
     let times = results.into_iter().collect::<Result<Vec<_>>>()?;
-    let heap_after = *marks.lock().expect("marks");
-    let peak = crate::heap::peak().unwrap_or(0) as f64;
-    let n = threads as f64;
+    let [heap_built, rss_built, heap_after] = *marks.lock().expect("marks");
+    let heap = Heap {
+        before: heap_before,
+        built: heap_built,
+        after: heap_after,
+        peak: crate::heap::peak().unwrap_or(0) as f64,
+    };
+    Ok(point(batch, &times, &heap, rss_built))
+}
+
+/// The probe's heap marks: live before the strategies were built, once built, after their
+/// steps; the peak since they were built.
+struct Heap {
+    before: f64,
+    built: f64,
+    after: f64,
+    peak: f64,
+}
+
+/// The probe point of `batch` from each thread's `times`, the heap's marks and the resident
+/// bytes once the strategies were built.
+fn point(batch: usize, times: &[Times], heap: &Heap, rss_built: f64) -> Point {
+    let n = times.len().max(1) as f64;
     // A synchronous step ends when its slowest rank does: each timed step's slowest rank,
     // then the median over the steps.
+    let timed = times.iter().map(|t| t.steps.len()).min().unwrap_or(0);
     let slowest = |i: usize| {
-        let mut per_step: Vec<f64> = (0..TIMED)
+        let mut per_step: Vec<f64> = (0..timed)
             .map(|k| times.iter().map(|t| t.steps[k][i]).fold(0.0, f64::max))
             .collect();
         crate::trainer::median(&mut per_step).unwrap_or(0.0)
     };
-    let grown_heap = (peak - heap_before).max(0.0);
-    let grown_resident = (resident_peak() - rss_before).max(0.0);
+    // What the steps grew the heap and the resident set by, from the strategies built.
+    let grown_heap = (heap.peak - heap.built).max(0.0);
+    let grown_resident = (resident_peak() - rss_built).max(0.0);
     // On a device with a memory pool (a GPU) the bytes are the pool's, as each rank's strategy
     // sampled it; on the CPU, the heap's.
     let pools: Option<Vec<(f64, f64)>> = times.iter().map(|t| t.pool).collect();
@@ -171,11 +203,11 @@ pub(crate) fn probe<W: Workload>(
             pools.iter().map(|(_, a)| a).sum::<f64>() / n,
         ),
         _ => (
-            ((peak - heap_after) / n).max(0.0),
-            ((heap_after - heap_before) / n).max(0.0),
+            ((heap.peak - heap.after) / n).max(0.0),
+            ((heap.after - heap.before) / n).max(0.0),
         ),
     };
-    Ok(Point {
+    Point {
         batch,
         step_bytes,
         held_bytes,
@@ -184,7 +216,7 @@ pub(crate) fn probe<W: Workload>(
         data_s: slowest(2),
         inside_sync_s: slowest(3),
         resident_extra: ((grown_resident - grown_heap) / n).max(0.0),
-    })
+    }
 }
 
 /// One thread's measurements: per timed step, its compute, update, data and inside-sync
@@ -232,7 +264,7 @@ type Rank<'a, W> = Box<dyn Strategy<<W as Workload>::Model, <W as Workload>::Bat
 type Built<'a, W> = (Rank<'a, W>, usize);
 
 /// The probe's steps on one thread: `warm` untimed, then `TIMED` timed, then on CPU devices
-/// [`SETTLE`] untimed.
+/// [`SETTLE`] more, timed too.
 fn steps<'a, W: Workload>(
     workload: &W,
     p: &ProbeSetup,
@@ -261,8 +293,8 @@ where
             .map_err(|e| Error::Device(format!("{device:?} failed in the probe: {e}")))
     };
     // Per timed step: compute, update, data, inside.
-    let mut timed_steps: Vec<[f64; 4]> = Vec::with_capacity(TIMED);
     let settle = if p.cpu_cores.is_some() { SETTLE } else { 0 };
+    let mut timed_steps: Vec<[f64; 4]> = Vec::with_capacity(TIMED + settle);
     for step in 0..warm + TIMED + settle {
         let mut this = [0.0f64; 4];
         for g in 0..groups {
@@ -301,7 +333,7 @@ where
             this[2] += (t1 - t0).as_secs_f64();
             this[3] += inside;
         }
-        if (warm..warm + TIMED).contains(&step) {
+        if step >= warm {
             timed_steps.push(this);
         }
     }
@@ -330,5 +362,5 @@ fn resident_peak() -> f64 {
 
 /// Starts the kernel's count of the peak resident set again (Linux: `clear_refs` 5).
 fn reset_resident_peak() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    crate::monitor::restart_resident_peak();
 }

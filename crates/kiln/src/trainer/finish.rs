@@ -69,6 +69,7 @@ impl<W: Workload> Worker<'_, W> {
             flops_per_sample: self.workload.flops_per_sample(),
             start_rss_mib: ran.start_rss_mib,
             peak_rss_mib: process_memory_mib("VmHWM"),
+            startup_peak_rss_mib: crate::monitor::earlier_resident_peak_mib(),
             peak_heap_mib: crate::heap::peak().map(|b| b as f64 / (1024.0 * 1024.0)),
             memory_holds: s
                 .parallel

@@ -92,8 +92,11 @@ pub fn fit_checked<W: Workload>(
     }
     let comms = world_group(p.devices.len())?;
     // What the start-up freed on this thread (the probe's model, rank 0's weights read) goes
-    // back to the system before the ranks start.
+    // back to the system before the ranks start; the peaks counted from here are the
+    // training's, not the planner's probes' (the peak before is kept for the summary).
     crate::heap::release_free();
+    crate::monitor::restart_resident_peak();
+    crate::heap::reset_peak();
     run_all(
         workload,
         settings,

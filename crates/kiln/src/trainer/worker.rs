@@ -204,11 +204,14 @@ impl<W: Workload> Worker<'_, W> {
             let t = &self.settings.train;
             let mut early = None;
             let validate = val.due(&state, t, epoch_end, last, save && saver.scored());
-            if hold.is_some() && (validate || save || last) {
-                // Under a limit, what a validation, a checkpoint or the run's end (its export)
-                // allocates lands where the steps' kept pages were, not on top of them: the
-                // peak of a zero3 run under a limit beside a build came after its last step
-                // (227–232 MiB, with every step's end under the threshold).
+            if validate || save || last {
+                // What a validation, a checkpoint or the run's end (its export) allocates lands
+                // where the steps' kept pages were, not on top of them: a run's peak is its
+                // steps', the one the planner predicts. Kept, the pages put the GPT's zero2
+                // peak after its last step, 239–279 MiB over five launches against 247 in its
+                // steps; a zero3 run under a limit beside a build went over it there (227–232
+                // MiB, every step's end under the threshold). The steps after a validation
+                // fault their pages in once more.
                 crate::heap::release_free();
             }
             if validate {
