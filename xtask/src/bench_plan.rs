@@ -18,20 +18,26 @@ use crate::common::{
 pub struct Options {
     steps: usize,
     only: Option<String>,
+    /// `hardware.memory_limit_mib` for every run (under a limit a run forgoes transparent
+    /// huge pages, and holds what the planner predicted more closely).
+    limit: Option<usize>,
 }
 
 pub fn parse(rest: &[&str]) -> Result<Options> {
     let mut o = Options {
         steps: 30,
         only: None,
+        limit: None,
     };
     each_flag(rest, |flag, value| {
         match flag {
             "--steps" => o.steps = positive(flag, &value()?)?,
             "--only" => o.only = Some(value()?),
+            "--limit" => o.limit = Some(positive(flag, &value()?)?),
             other => {
                 return Err(format!(
-                    "bench plan: unknown argument {other:?} (expected --steps N, --only TEXT)"
+                    "bench plan: unknown argument {other:?} (expected --steps N, --only TEXT, \
+                     --limit MIB)"
                 ));
             }
         }
@@ -226,6 +232,9 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         } else {
             Command::new(&program)
         };
+        if let Some(limit) = o.limit {
+            command.args(["--set", &format!("hardware.memory_limit_mib={limit}")]);
+        }
         run_quietly(
             command
                 .args(&c.args)

@@ -430,9 +430,6 @@ impl<'a> App<'a> {
         W::Model: burn::store::ModuleSnapshot,
     {
         crate::panics::quiet_worker_panics();
-        // The allocator as a run sets it from the start, before the data is read: pages
-        // faulted in before are not made small again.
-        crate::heap::keep_freed_pages();
         std::process::exit(self.run(std::env::args_os(), build))
     }
 
@@ -475,7 +472,6 @@ impl<'a> App<'a> {
         D: Serialize + DeserializeOwned,
     {
         crate::panics::quiet_worker_panics();
-        crate::heap::keep_freed_pages();
         std::process::exit(self.run_with(std::env::args_os(), check, train))
     }
 

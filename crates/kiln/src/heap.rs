@@ -125,9 +125,6 @@ const RUN_PURGE_DELAY: std::ffi::c_long = 3_600_000;
 /// BENCHMARKS.md). [`release_free`] still hands everything back at once where the planner and
 /// the worker measure from a clean heap. Leaves a delay that the environment chose
 /// (`MIMALLOC_PURGE_DELAY`) or that a program set as it is; does nothing to another allocator.
-///
-/// Where kiln's allocator is the program's, the run also forgoes transparent huge pages
-/// ([`forgo_huge_pages`]).
 pub fn keep_freed_pages() {
     // SAFETY: option reads and writes take no pointer and may be called at any time.
     unsafe {
@@ -135,6 +132,12 @@ pub fn keep_freed_pages() {
             libmimalloc_sys::mi_option_set(PURGE_DELAY, RUN_PURGE_DELAY);
         }
     }
+}
+
+/// Under a memory limit, a run forgoes transparent huge pages ([`forgo_huge_pages`]) where
+/// kiln's allocator is the program's and the environment did not choose
+/// (`MIMALLOC_ALLOW_THP`): what it holds is then what the planner predicted.
+pub fn pages_for_a_limit() {
     if live().is_some() && std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
         forgo_huge_pages();
     }
@@ -151,8 +154,9 @@ const ALLOW_THP: libmimalloc_sys::mi_option_t = 43;
 /// at a time, so the resident set of a run moved with where its buffers fell: the planner's
 /// probe of one GPT zero2 plan read 236–243 MiB from launch to launch and its runs peaked at
 /// 222–263, against 218–222 and 215–235 without them; the MNIST ConvNet on one device held
-/// 187–202 MiB with them and 160–163 without, at the same step time (BENCHMARKS.md). A
-/// program that wants them sets `MIMALLOC_ALLOW_THP=1`, which [`keep_freed_pages`] leaves.
+/// 187–202 MiB with them and 160–163 without, at about the same step time. They pay on
+/// larger tensors, though: the Llama recipe's step took 5–9 % longer without them, so a run
+/// forgoes them only under a memory limit ([`pages_for_a_limit`]; BENCHMARKS.md).
 pub fn forgo_huge_pages() {
     // SAFETY: an option write takes no pointer and may be called at any time.
     unsafe { libmimalloc_sys::mi_option_set(ALLOW_THP, 0) };

@@ -35,6 +35,9 @@ where
 {
     kiln_models::fused::set_enabled(config.hardware.fused_kernels);
     crate::heap::keep_freed_pages();
+    if config.hardware.memory_limit_mib.is_some() {
+        crate::heap::pages_for_a_limit();
+    }
     let chosen = resolve_devices(&config.hardware)?;
     let (devices, accelerator) = (chosen.devices, chosen.name);
     super::devices::start(&devices, &accelerator)?;
