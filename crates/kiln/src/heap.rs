@@ -134,11 +134,14 @@ pub fn keep_freed_pages() {
     }
 }
 
-/// Under a memory limit, a run forgoes transparent huge pages ([`forgo_huge_pages`]) where
-/// kiln's allocator is the program's and the environment did not choose
-/// (`MIMALLOC_ALLOW_THP`): what it holds is then what the planner predicted.
-pub fn pages_for_a_limit() {
-    if live().is_some() && std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
+/// The allocator as a run (and the planner measuring for one) sets it: freed pages kept
+/// ([`keep_freed_pages`]) and, under a memory limit (`limited`), transparent huge pages
+/// forgone ([`forgo_huge_pages`]) where kiln's allocator is the program's and the environment
+/// did not choose (`MIMALLOC_ALLOW_THP`): what the run holds is then what the planner
+/// predicted.
+pub fn pages_for_a_run(limited: bool) {
+    keep_freed_pages();
+    if limited && live().is_some() && std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
         forgo_huge_pages();
     }
 }
@@ -156,7 +159,7 @@ const ALLOW_THP: libmimalloc_sys::mi_option_t = 43;
 /// 222–263, against 218–222 and 215–235 without them; the MNIST ConvNet on one device held
 /// 187–202 MiB with them and 160–163 without, at about the same step time. They pay on
 /// larger tensors, though: the Llama recipe's step took 5–9 % longer without them, so a run
-/// forgoes them only under a memory limit ([`pages_for_a_limit`]; BENCHMARKS.md).
+/// forgoes them only under a memory limit ([`pages_for_a_run`]; BENCHMARKS.md).
 pub fn forgo_huge_pages() {
     // SAFETY: an option write takes no pointer and may be called at any time.
     unsafe { libmimalloc_sys::mi_option_set(ALLOW_THP, 0) };

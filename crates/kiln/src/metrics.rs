@@ -206,9 +206,9 @@ pub struct Summary {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub startup_peak_rss_mib: Option<f64>,
     /// The most bytes live on the heap at once in the process (every rank of it) from the
-    /// start of training to the end of the run, in MiB, as kiln's allocator counts them (`None` in a program that declares
-    /// another global allocator). Below the resident set size, which also holds the pages the
-    /// allocator keeps after a free.
+    /// start of training to the end of the run, in MiB, as kiln's allocator counts them
+    /// (`None` in a program that declares another global allocator). Below the resident set
+    /// size, which also holds the pages the allocator keeps after a free.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_heap_mib: Option<f64>,
     /// Under `hardware.memory_limit_mib` on the CPU, how many times the process's ranks (all of

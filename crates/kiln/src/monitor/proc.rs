@@ -19,11 +19,8 @@ static EARLIER_PEAK_KIB: std::sync::atomic::AtomicU64 = std::sync::atomic::Atomi
 /// trainer restarts it when the ranks start, so that a run's `peak_rss_mib` is its training's
 /// and not the planner's probes' before it.
 pub fn restart_resident_peak() {
-    let path = Path::new("/proc/self/status");
-    if let Some(kib) = std::fs::read_to_string(path)
-        .ok()
-        .and_then(|s| status_kib(&s, "VmHWM"))
-    {
+    if let Some(mib) = process_memory_mib("VmHWM") {
+        let kib = (mib * 1024.0).round() as u64;
         EARLIER_PEAK_KIB.fetch_max(kib, std::sync::atomic::Ordering::Relaxed);
     }
     let _ = std::fs::write("/proc/self/clear_refs", "5");

@@ -112,10 +112,7 @@ pub fn plan<W: Workload>(
     let started = Instant::now();
     let (devices, accelerator) = (target.devices, target.accelerator);
     // The allocator as a run sets it, so that what the probe measures is what a run holds.
-    crate::heap::keep_freed_pages();
-    if config.hardware.memory_limit_mib.is_some() {
-        crate::heap::pages_for_a_limit();
-    }
+    crate::heap::pages_for_a_run(config.hardware.memory_limit_mib.is_some());
     crate::heap::release_free();
     let base_heap = crate::heap::live().unwrap_or(0) as f64;
     let floor_now = (base_heap, (resident_bytes() - base_heap).max(0.0));

@@ -117,7 +117,7 @@ pub(crate) fn probe<W: Workload>(
                             barriers[0].wait();
                             if lead {
                                 crate::heap::reset_peak();
-                                reset_resident_peak();
+                                crate::monitor::restart_resident_peak();
                                 let mut m = marks.lock().expect("marks");
                                 m[0] = crate::heap::live().unwrap_or(0) as f64;
                                 m[1] = resident_bytes();
@@ -355,12 +355,7 @@ pub(crate) fn resident_bytes() -> f64 {
     crate::monitor::process_memory_mib("VmRSS").map_or(0.0, |m| m * 1024.0 * 1024.0)
 }
 
-/// The process's peak resident bytes since the last [`reset_resident_peak`].
+/// The process's peak resident bytes since the last [`crate::monitor::restart_resident_peak`].
 fn resident_peak() -> f64 {
     crate::monitor::process_memory_mib("VmHWM").map_or(0.0, |m| m * 1024.0 * 1024.0)
-}
-
-/// Starts the kernel's count of the peak resident set again (Linux: `clear_refs` 5).
-fn reset_resident_peak() {
-    crate::monitor::restart_resident_peak();
 }

@@ -34,10 +34,7 @@ where
     W::Model: burn::store::ModuleSnapshot,
 {
     kiln_models::fused::set_enabled(config.hardware.fused_kernels);
-    crate::heap::keep_freed_pages();
-    if config.hardware.memory_limit_mib.is_some() {
-        crate::heap::pages_for_a_limit();
-    }
+    crate::heap::pages_for_a_run(config.hardware.memory_limit_mib.is_some());
     let chosen = resolve_devices(&config.hardware)?;
     let (devices, accelerator) = (chosen.devices, chosen.name);
     super::devices::start(&devices, &accelerator)?;
