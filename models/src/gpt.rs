@@ -238,12 +238,9 @@ impl GptConfig {
 impl Gpt {
     /// Runs the embeddings: `[batch, time]` token ids → `[batch, time, n_embd]`.
     pub fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let [b, t] = tokens.dims();
-        let positions = Tensor::<1, Int>::arange(0..t as i64, &tokens.device())
-            .reshape([1, t])
-            .expand([b, t]);
-        self.drop
-            .forward(self.wte.forward(tokens) + self.wpe.forward(positions))
+        let t = tokens.dims()[1];
+        let positions = crate::modules::position_rows(&self.wpe, 0, t);
+        self.drop.forward(self.wte.forward(tokens) + positions)
     }
 
     /// Final LayerNorm and the tied head: `[batch, time, n_embd]` → logits `[batch, time, vocab]`.

@@ -326,12 +326,9 @@ impl Gpt2 {
 
     /// Token and position embeddings of `tokens` at positions `start..`.
     fn embed(&self, tokens: Tensor<2, Int>, start: usize) -> Tensor<3> {
-        let [b, t] = tokens.dims();
-        let positions =
-            Tensor::<1, Int>::arange(start as i64..(start + t) as i64, &tokens.device())
-                .reshape([1, t])
-                .expand([b, t]);
-        self.transformer.wte.forward(tokens) + self.transformer.wpe.forward(positions)
+        let t = tokens.dims()[1];
+        self.transformer.wte.forward(tokens)
+            + crate::modules::position_rows(&self.transformer.wpe, start, t)
     }
 
     /// The final LayerNorm and the head: `[b, t, c]` → logits `[b, t, vocab]`.

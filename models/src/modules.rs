@@ -1,5 +1,6 @@
 //! What kiln does to any Burn module: seeded construction one at a time, a Linear over the
-//! rows of `[B, T, C]`, parameters materialised, their ids and dotted paths.
+//! rows of `[B, T, C]`, a position embedding's rows, parameters materialised, their ids and
+//! dotted paths.
 
 use burn::prelude::*;
 
@@ -36,6 +37,18 @@ pub fn on_rows(x: Tensor<3>, f: impl FnOnce(Tensor<2>) -> Tensor<2>) -> Tensor<3
     let y = f(x.reshape([b * t, c]));
     let n = y.dims()[1];
     y.reshape([b, t, n])
+}
+
+/// Rows `start..start + t` of a learned position embedding as `[1, t, C]`, added to a batch's
+/// `[B, t, C]` token embeddings by broadcasting. Its gradient sums over the batch and then
+/// fills those rows. Looking the positions up as `[B, t]` ids instead (what `Embedding` does)
+/// scatters `B·t` gradient rows into `t`; a GPU does that with atomic adds that collide on
+/// every row. Two such scatters took 5.8 ms of a 58 ms step of the GPT GPU recipe on CUDA
+/// (BENCHMARKS.md).
+pub fn position_rows(wpe: &burn::nn::Embedding, start: usize, t: usize) -> Tensor<3> {
+    let weight = wpe.weight.val();
+    let c = weight.dims()[1];
+    weight.slice([start..start + t, 0..c]).reshape([1, t, c])
 }
 
 /// Forces the initialisation of every parameter of `module`.

@@ -6,8 +6,9 @@
 //! Mesa and runs it (`--ignored wgpu::`).
 
 use std::path::Path;
+use std::process::{Command, Output};
 
-use crate::common::{assert_one_line_error, temp_dir, train_bin, train_losses};
+use crate::common::{assert_one_line_error, temp_dir, train_losses};
 
 /// The relative difference allowed between a WGPU loss and the CPU's at the same step, in f32:
 /// the kernels sum in other orders, and a few optimizer steps carry the differences on (7e-8 to
@@ -15,6 +16,16 @@ use crate::common::{assert_one_line_error, temp_dir, train_bin, train_losses};
 const F32_TOLERANCE: f64 = 1e-5;
 /// The same for mixed precision, where the compute rounds to 8 (bf16) or 11 (f16) bits.
 const MIXED_TOLERANCE: f64 = 3e-2;
+
+/// Runs `train` in `cwd` with kiln's cache folder in `cwd/cache`.
+fn train_bin(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(args)
+        .current_dir(cwd)
+        .env("KILN_CACHE_DIR", cwd.join("cache"))
+        .output()
+        .expect("run the train binary")
+}
 
 /// Runs `train` in `cwd`, failing with its stderr when it fails.
 fn train(cwd: &Path, args: &[&str]) {
@@ -57,6 +68,23 @@ fn cpu_and_wgpu_agree(cwd: &Path, name: &str, args: &[&str], precision: &str, to
         all.extend(args);
         train(cwd, &all);
         runs.push(losses(&dir));
+        let summary: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
+        let peak = &summary["device_memory_peak"];
+        if accelerator == "cpu" {
+            assert!(
+                peak.is_null(),
+                "{name}: a CPU run reports a device pool: {peak}"
+            );
+        } else {
+            // The monitor's samples of Burn's pool on the adapter: held at least what is live.
+            let (live, held) = (&peak[0]["pool_in_use_mib"], &peak[0]["pool_reserved_mib"]);
+            let (live, held) = (live.as_f64(), held.as_f64());
+            assert!(
+                matches!((live, held), (Some(l), Some(h)) if h > 0.0 && h >= l),
+                "{name}: device_memory_peak {peak}"
+            );
+        }
     }
     let (cpu, gpu) = (&runs[0], &runs[1]);
     assert_eq!(cpu.len(), gpu.len(), "{name}: steps logged");
@@ -127,6 +155,10 @@ fn the_convnet_and_the_gpt_on_wgpu_give_the_cpus_losses() {
     let mut steps = vec!["--max-steps", "6", "--set", &from];
     steps.extend(gpt);
     cpu_and_wgpu_agree(&cwd, "gpt", &steps, "32", F32_TOLERANCE);
+    // What CubeCL learned (autotune's choices) is kept in kiln's cache folder for the next run.
+    let kept = cwd.join("cache").join("cubecl");
+    let files = std::fs::read_dir(&kept).map_or(0, |d| d.count());
+    assert!(files > 0, "nothing kept in {}", kept.display());
     // Mixed precision where the adapter computes in the low dtype; where it does not (llvmpipe
     // computes in neither f16 nor bf16), a refusal in one line before anything is written.
     for mode in ["bf16-mixed", "16-mixed"] {

@@ -9,7 +9,8 @@ prints one line of JSON: the median milliseconds per step over the steps after a
 `--shape gpu` times configs/gpt-text-gpu.toml's model instead (6 layers, d=384, 6 heads,
 context 256), `--device cuda` on a GPU (synchronised at each step's end), `--precision
 bf16-mixed` under bf16 autocast, `--dropout` with nanoGPT's dropouts (embeddings, attention
-weights, both residual branches), where kiln's GPT applies them.
+weights, both residual branches), where kiln's GPT applies them, `--compile` with the model
+under `torch.compile` (one process; its compilation falls in the warm-up steps).
 
 With `--world N --mode ddp|zero2|zero3` it times the same step on N processes of one thread each
 (torch.distributed over gloo on this machine, each rank a local batch of batch/N, the global
@@ -101,6 +102,7 @@ def parse():
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (one process)")
     ap.add_argument("--precision", choices=["f32", "bf16-mixed"], default="f32")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (one process)")
     args = ap.parse_args()
     if args.device != "cpu" and args.world > 1:
         ap.error("--device cuda runs one process (--world 1)")
@@ -125,6 +127,8 @@ def train(rank, args):
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
+    elif dist is None and args.compile:
+        model = torch.compile(model)
     elif dist is not None:
         from torch.distributed.fsdp import fully_shard
 
@@ -173,6 +177,8 @@ def train(rank, args):
         "precision": args.precision,
         "tokens_per_s": args.batch * ctx / statistics.median(times),
         "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+        "reserved_memory_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
+        "compiled": args.compile,
         "torch": torch.__version__,
         "final_loss": loss.item(),
     }))

@@ -228,10 +228,18 @@ pub struct Summary {
     pub peak_bytes_per_rank: Vec<usize>,
     /// Bytes of frozen parameters each rank held (`[finetune]`; not in the figures above).
     pub frozen_bytes_per_rank: Vec<usize>,
-    /// The most bytes each device's memory pool had in use when sampled, where the backend
-    /// reports a pool (not on the CPU).
+    /// The most bytes each device's memory pool had in use at the end of a micro-batch (the
+    /// activations freed), where the backend reports a pool (not on the CPU);
+    /// `device_memory_peak` has the monitor's figures, taken at any point of a step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool_peak_bytes_per_rank: Option<Vec<u64>>,
+    /// Each of this process's devices' memory at its most as the monitor sampled it, on a GPU:
+    /// Burn's pool (live and held bytes) and NVML's figure for the card. Unlike
+    /// `pool_peak_bytes_per_rank`, which the strategy reads between micro-batches when the
+    /// activations are gone, a sample may fall inside a backward. `None` on the CPU or without
+    /// the monitor.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_memory_peak: Option<Vec<DeviceMemoryPeak>>,
     /// What the planner predicted for this run's settings before it started, beside the
     /// measured `peak_rss_mib` and `step_seconds`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -241,6 +249,29 @@ pub struct Summary {
     /// order; not counted in `step_seconds`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checkpoint_stall_s: Vec<f64>,
+}
+
+/// One device's memory at its most over the samples of a run (a GPU's; the CPU has no pool);
+/// `None` where nothing was sampled. The samples fall every `monitor.interval_s`, so a peak
+/// between two is missed.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct DeviceMemoryPeak {
+    /// The most bytes live in Burn's memory pool in a sample, MiB.
+    pub pool_in_use_mib: Option<f64>,
+    /// The most bytes Burn's pool held from the device in a sample, MiB.
+    pub pool_reserved_mib: Option<f64>,
+    /// NVML: the most memory in use on the card in a sample (every process's, the runtime's
+    /// own context included), MiB.
+    pub gpu_mem_used_mib: Option<f64>,
+}
+
+impl DeviceMemoryPeak {
+    /// Whether no figure was ever sampled.
+    pub fn is_empty(&self) -> bool {
+        self.pool_in_use_mib.is_none()
+            && self.pool_reserved_mib.is_none()
+            && self.gpu_mem_used_mib.is_none()
+    }
 }
 
 /// The planner's figures for a run's own settings, kept in its `summary.json` beside what

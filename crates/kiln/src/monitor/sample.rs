@@ -3,7 +3,7 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::metrics::num;
+use crate::metrics::{DeviceMemoryPeak, num};
 
 pub(super) const MIB: f64 = 1024.0 * 1024.0;
 
@@ -41,6 +41,20 @@ pub struct DeviceSample {
     pub gpu_mem_used_mib: Option<f64>,
     /// NVML: board power draw, W.
     pub power_w: Option<f64>,
+}
+
+impl DeviceSample {
+    /// Takes this sample's memory figures into `peak`.
+    pub fn add_to_peak(&self, peak: &mut DeviceMemoryPeak) {
+        let most = |peak: &mut Option<f64>, v: Option<f64>| {
+            if let Some(v) = v {
+                *peak = Some(peak.map_or(v, |p| p.max(v)));
+            }
+        };
+        most(&mut peak.pool_in_use_mib, self.mem_in_use_mib);
+        most(&mut peak.pool_reserved_mib, self.mem_reserved_mib);
+        most(&mut peak.gpu_mem_used_mib, self.gpu_mem_used_mib);
+    }
 }
 
 impl SystemSample {
@@ -114,5 +128,29 @@ pub(super) fn mib(x: f64) -> String {
         format!("{:.1} GiB", x / 1024.0)
     } else {
         format!("{x:.0} MiB")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_devices_memory_peak_keeps_each_figures_most_and_nothing_unsampled() {
+        let mut peak = DeviceMemoryPeak::default();
+        assert!(peak.is_empty());
+        let sample = |live, held| DeviceSample {
+            mem_in_use_mib: Some(live),
+            mem_reserved_mib: Some(held),
+            ..DeviceSample::default()
+        };
+        sample(300.0, 1000.0).add_to_peak(&mut peak);
+        sample(5000.0, 900.0).add_to_peak(&mut peak);
+        sample(200.0, 6000.0).add_to_peak(&mut peak);
+        assert_eq!(peak.pool_in_use_mib, Some(5000.0));
+        assert_eq!(peak.pool_reserved_mib, Some(6000.0));
+        // NVML never answered: no figure rather than a zero.
+        assert_eq!(peak.gpu_mem_used_mib, None);
+        assert!(!peak.is_empty());
     }
 }

@@ -14,6 +14,7 @@ use serde_json::{Map, Value};
 use super::gpus::Gpus;
 use super::proc::{host_cpu_ticks, process_cpu_seconds, thread_cpu_seconds};
 use super::sample::{DeviceSample, MIB, SystemSample};
+use crate::metrics::DeviceMemoryPeak;
 
 /// What the sampler needs to know about the run.
 #[derive(Debug, Clone)]
@@ -36,6 +37,7 @@ pub struct SystemMonitor {
     step: Arc<AtomicUsize>,
     samples: Mutex<Receiver<SystemSample>>,
     latest: Arc<Mutex<Option<SystemSample>>>,
+    peaks: Arc<Mutex<Vec<DeviceMemoryPeak>>>,
     stop: Mutex<Option<Sender<()>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -59,6 +61,11 @@ impl SystemMonitor {
         let (sample_tx, sample_rx) = mpsc::channel();
         let mut sampler = Sampler::new(setup.clone(), gpus, step.clone());
         let latest_out = latest.clone();
+        let peaks = Arc::new(Mutex::new(vec![
+            DeviceMemoryPeak::default();
+            setup.devices.len()
+        ]));
+        let peaks_out = peaks.clone();
         let interval = setup.interval;
         let thread = std::thread::Builder::new()
             .name("kiln-monitor".into())
@@ -73,6 +80,11 @@ impl SystemMonitor {
                         let sample = sampler.sample();
                         if let Ok(mut l) = latest_out.lock() {
                             *l = Some(sample.clone());
+                        }
+                        if let Ok(mut p) = peaks_out.lock() {
+                            for (peak, d) in p.iter_mut().zip(&sample.devices) {
+                                d.add_to_peak(peak);
+                            }
                         }
                         if sample_tx.send(sample).is_err() {
                             break;
@@ -89,6 +101,7 @@ impl SystemMonitor {
             step,
             samples: Mutex::new(sample_rx),
             latest,
+            peaks,
             stop: Mutex::new(Some(stop_tx)),
             thread: Mutex::new(thread),
         }
@@ -116,6 +129,11 @@ impl SystemMonitor {
     /// The newest sample.
     pub fn latest(&self) -> Option<SystemSample> {
         self.latest.lock().ok().and_then(|l| l.clone())
+    }
+
+    /// Each device's memory at its most over the samples so far (one per device).
+    pub fn memory_peaks(&self) -> Vec<DeviceMemoryPeak> {
+        self.peaks.lock().map(|p| p.clone()).unwrap_or_default()
     }
 
     /// Stops the thread (after a last sample) and waits for it; later calls do nothing.

@@ -192,7 +192,7 @@ pub(crate) fn point_id(key: &str, batch: usize, ranks: usize, sub: usize, cuts: 
 }
 
 /// The cache folder, if there is one.
-fn folder() -> Option<PathBuf> {
+pub(crate) fn folder() -> Option<PathBuf> {
     let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
     if let Some(dir) = var("KILN_CACHE_DIR") {
         return Some(PathBuf::from(dir));

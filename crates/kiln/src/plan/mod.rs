@@ -19,6 +19,7 @@ mod predict;
 mod probe;
 mod report;
 
+pub(crate) use kept::folder as cache_folder;
 pub use kept::{Keeping, check_kept};
 pub use links::Links;
 pub(crate) use planner::is_auto;

@@ -42,6 +42,13 @@ pub struct Adapter {
 /// The devices of the configured accelerator.
 pub fn resolve_devices(hw: &HardwareConfig) -> Result<Chosen> {
     let indices = hw.devices.indices();
+    if hw.accelerator != Accelerator::Cpu
+        && let Some(dir) = super::kept_tuning::folder()
+    {
+        // Before the runtime's first use (`auto` opens an adapter), which fixes CubeCL's
+        // configuration for the process: autotune's choices are kept between runs.
+        super::kept_tuning::keep_tuning_in(&dir);
+    }
     let (accelerator, why) = match hw.accelerator {
         Accelerator::Auto => {
             let (a, why) = auto_choice();

@@ -5,6 +5,7 @@
 mod devices;
 mod eval;
 mod info;
+mod kept_tuning;
 mod planned;
 mod resume;
 mod table;

@@ -84,6 +84,10 @@ impl<W: Workload> Worker<'_, W> {
                 .map(|m| (m[4] != u64::MAX).then_some(m[4]))
                 .collect(),
             frozen_bytes_per_rank: per_rank(5),
+            device_memory_peak: self
+                .monitor
+                .map(|m| m.memory_peaks())
+                .filter(|p| p.iter().any(|d| !d.is_empty())),
             plan: None,
             checkpoint_stall_s: ran.checkpoint_stalls,
             processes: s.parallel.processes.count,
