@@ -1,6 +1,6 @@
 //! The GPU path on every CI run: Burn's WGPU backend on the software adapter a machine without
 //! a GPU has (Mesa's llvmpipe) trains the ConvNet and the GPT from the same weights as the CPU,
-//! step by step with the CPU's losses. What a GPU run executes beyond the device itself —
+//! step by step with the CPU's losses (the GPT over 20 steps). What a GPU run executes beyond the device itself —
 //! kiln's loop, the strategies' host collectives, Burn's WGPU kernels and their fusion — runs
 //! here. Ignored in the plain test command (a machine may have no adapter at all); CI installs
 //! Mesa and runs it (`--ignored wgpu::`).
@@ -152,7 +152,8 @@ fn the_convnet_and_the_gpt_on_wgpu_give_the_cpus_losses() {
     first.extend(gpt);
     train(&cwd, &first);
     let from = format!("init.from={:?}", gpt_init.display().to_string());
-    let mut steps = vec!["--max-steps", "6", "--set", &from];
+    // Twenty steps: WGPU's kernels are fused (Burn's `fusion`), the CPU's are not.
+    let mut steps = vec!["--max-steps", "20", "--set", &from];
     steps.extend(gpt);
     cpu_and_wgpu_agree(&cwd, "gpt", &steps, "32", F32_TOLERANCE);
     // What CubeCL learned (autotune's choices) is kept in kiln's cache folder for the next run.
