@@ -96,6 +96,17 @@ pub fn train_bin(cwd: &Path, args: &[&str]) -> Output {
         .expect("run the train binary")
 }
 
+/// Runs the `train` binary with `args` in `cwd`, kiln's cache folder (the planner's kept
+/// measurements, CubeCL's kept tuning) in `cache`.
+pub fn train_bin_kept<S: AsRef<std::ffi::OsStr>>(cwd: &Path, cache: &Path, args: &[S]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(args)
+        .current_dir(cwd)
+        .env("KILN_CACHE_DIR", cache)
+        .output()
+        .expect("run the train binary")
+}
+
 /// Asserts that `out` failed with a one-line error containing every needle.
 pub fn assert_one_line_error(out: &Output, needles: &[&str]) {
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use crate::common::temp_dir;
+use crate::common::{temp_dir, train_bin_kept};
 
 /// The shell blocks the tests do not run, each named by its page and a piece of its text,
 /// with why. A block that is neither marked `sh,tested` nor listed here fails the test, as
@@ -602,12 +602,7 @@ fn the_tested_commands_of_every_page_run() {
                     Some(i) => (&words[1..i], words.get(i + 1)),
                     None => (&words[1..], None),
                 };
-                let out = Command::new(env!("CARGO_BIN_EXE_train"))
-                    .args(args)
-                    .current_dir(&dir)
-                    .env("KILN_CACHE_DIR", dir.join("cache"))
-                    .output()
-                    .unwrap();
+                let out = train_bin_kept(&dir, &dir.join("cache"), args);
                 assert!(
                     out.status.success(),
                     "{name}:{}: `{}` failed:\n{}",

@@ -9,7 +9,7 @@ use kiln_generative::autoencoder::AutoencoderWorkload;
 use kiln_generative::gan::GanWorkload;
 use serde_json::Value;
 
-use crate::common::{assert_one_line_error, temp_dir, train_bin};
+use crate::common::{assert_one_line_error, temp_dir, train_bin, train_bin_kept};
 use crate::gpt::text_file;
 
 /// `train` flags of a small GPT on `text` with `extra` flags after them.
@@ -286,21 +286,11 @@ fn a_run_under_a_limit_hands_kept_pages_back_past_the_limit_less_the_headroom() 
     assert!(summary(&free).get("memory_holds").is_none());
 }
 
-/// `train` with `args` in `dir`, its planner's measurements kept in `cache`.
-fn run_kept(dir: &Path, cache: &Path, args: &[String]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_train"))
-        .args(args)
-        .current_dir(dir)
-        .env("KILN_CACHE_DIR", cache)
-        .output()
-        .expect("run the train binary")
-}
-
 /// `train plan --json` of the small GPT on 2 devices, its measurements kept in `cache`.
 fn plan_kept(dir: &Path, cache: &Path, text: &Path) -> Value {
     let mut args = vec!["plan".to_string(), "--json".into()];
     args.extend(gpt_flags(text, &dir.join("never"), &["--devices", "2"]));
-    let out = run_kept(dir, cache, &args);
+    let out = train_bin_kept(dir, cache, &args);
     assert!(
         out.status.success(),
         "train plan failed: {}",
@@ -356,7 +346,7 @@ fn auto_under_a_limit_that_ddp_exceeds_runs_a_plan_that_fits() {
     let set = format!("hardware.memory_limit_mib={limit:.1}");
     // ddp asked by name is refused with its need as the plan measured it, naming a plan that
     // fits.
-    let out = run_kept(
+    let out = train_bin_kept(
         &dir,
         &cache,
         &gpt_flags(
@@ -376,7 +366,7 @@ fn auto_under_a_limit_that_ddp_exceeds_runs_a_plan_that_fits() {
     assert!(!run.exists());
     // auto runs one that fits and says why in the start-up table: one of the plans the rule
     // lets fit, with the very prediction `train plan` made of it.
-    let out = run_kept(
+    let out = train_bin_kept(
         &dir,
         &cache,
         &gpt_flags(&text, &run, &["--devices", "2", "--set", &set]),
@@ -438,7 +428,7 @@ fn the_same_command_near_a_limit_is_decided_the_same_way_every_time() {
     let (mut outcomes, mut dropped) = (Vec::new(), Vec::new());
     for i in 0..3 {
         let run = dir.join(format!("run-{i}"));
-        let out = run_kept(
+        let out = train_bin_kept(
             &dir,
             &cache,
             &gpt_flags(
@@ -480,7 +470,7 @@ fn the_same_command_near_a_limit_is_decided_the_same_way_every_time() {
     assert_eq!(entries, 1);
     // Without keeping, the planner measures every time and writes nothing.
     let bare = dir.join("bare");
-    let out = run_kept(
+    let out = train_bin_kept(
         &dir,
         &bare,
         &gpt_flags(
@@ -515,7 +505,7 @@ fn train_plan_says_where_its_measurements_come_from() {
     let table = |dir: &Path| {
         let mut args = vec!["plan".to_string()];
         args.extend(gpt_flags(&text, &dir.join("never"), &["--devices", "2"]));
-        let out = run_kept(dir, &cache, &args);
+        let out = train_bin_kept(dir, &cache, &args);
         assert!(
             out.status.success(),
             "{}",
@@ -552,10 +542,10 @@ fn train_plan_says_where_its_measurements_come_from() {
             "hardware.memory_limit_mib=100000",
         ],
     ));
-    let out = run_kept(&dir, &cache, &args);
+    let out = train_bin_kept(&dir, &cache, &args);
     assert!(String::from_utf8_lossy(&out.stdout).contains("read back from"));
     args.extend(["--set".to_string(), "model.gpt.n_embd=48".into()]);
-    let out = run_kept(&dir, &cache, &args);
+    let out = train_bin_kept(&dir, &cache, &args);
     assert!(String::from_utf8_lossy(&out.stdout).contains("measured now"));
 }
 
@@ -565,7 +555,7 @@ fn kept_measurements_that_predicted_too_low_a_peak_are_dropped_after_the_run() {
     let (cache, text) = (dir.join("cache"), text_file(&dir));
     let launch = |i: usize| -> Value {
         let run = dir.join(format!("run-{i}"));
-        let out = run_kept(&dir, &cache, &gpt_flags(&text, &run, &["--devices", "2"]));
+        let out = train_bin_kept(&dir, &cache, &gpt_flags(&text, &run, &["--devices", "2"]));
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{stderr}");
         serde_json::from_slice(&std::fs::read(run.join("summary.json")).unwrap()).unwrap()

@@ -1,14 +1,14 @@
 //! The GPU path on every CI run: Burn's WGPU backend on the software adapter a machine without
 //! a GPU has (Mesa's llvmpipe) trains the ConvNet and the GPT from the same weights as the CPU,
-//! step by step with the CPU's losses (the GPT over 20 steps). What a GPU run executes beyond the device itself —
-//! kiln's loop, the strategies' host collectives, Burn's WGPU kernels and their fusion — runs
-//! here. Ignored in the plain test command (a machine may have no adapter at all); CI installs
-//! Mesa and runs it (`--ignored wgpu::`).
+//! step by step with the CPU's losses (the GPT over 20 steps). What a GPU run executes beyond
+//! the device itself — kiln's loop, the strategies' host collectives, Burn's WGPU kernels and
+//! their fusion — runs here. Ignored in the plain test command (a machine may have no adapter
+//! at all); CI installs Mesa and runs it (`--ignored wgpu::`).
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use crate::common::{assert_one_line_error, temp_dir, train_losses};
+use crate::common::{assert_one_line_error, temp_dir, train_bin_kept, train_losses};
 
 /// The relative difference allowed between a WGPU loss and the CPU's at the same step, in f32:
 /// the kernels sum in other orders, and a few optimizer steps carry the differences on (7e-8 to
@@ -19,12 +19,7 @@ const MIXED_TOLERANCE: f64 = 3e-2;
 
 /// Runs `train` in `cwd` with kiln's cache folder in `cwd/cache`.
 fn train_bin(cwd: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_train"))
-        .args(args)
-        .current_dir(cwd)
-        .env("KILN_CACHE_DIR", cwd.join("cache"))
-        .output()
-        .expect("run the train binary")
+    train_bin_kept(cwd, &cwd.join("cache"), args)
 }
 
 /// Runs `train` in `cwd`, failing with its stderr when it fails.

@@ -106,6 +106,8 @@ def parse():
     args = ap.parse_args()
     if args.device != "cpu" and args.world > 1:
         ap.error("--device cuda runs one process (--world 1)")
+    if args.compile and args.world > 1:
+        ap.error("--compile runs one process (--world 1)")
     return args
 
 
@@ -127,7 +129,7 @@ def train(rank, args):
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
-    elif dist is None and args.compile:
+    elif args.compile:
         model = torch.compile(model)
     elif dist is not None:
         from torch.distributed.fsdp import fully_shard

@@ -42,12 +42,10 @@ pub struct Adapter {
 /// The devices of the configured accelerator.
 pub fn resolve_devices(hw: &HardwareConfig) -> Result<Chosen> {
     let indices = hw.devices.indices();
-    if hw.accelerator != Accelerator::Cpu
-        && let Some(dir) = super::kept_tuning::folder()
-    {
+    if hw.accelerator != Accelerator::Cpu {
         // Before the runtime's first use (`auto` opens an adapter), which fixes CubeCL's
         // configuration for the process: autotune's choices are kept between runs.
-        super::kept_tuning::keep_tuning_in(&dir);
+        super::kept_tuning::keep_tuning();
     }
     let (accelerator, why) = match hw.accelerator {
         Accelerator::Auto => {
