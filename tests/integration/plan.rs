@@ -649,3 +649,77 @@ fn a_program_of_ones_own_is_planned_and_records_its_plan() {
         );
     }
 }
+
+/// Under a limit a probe key's larger micro-batches are probed only where what the smaller
+/// measured predicts that their probe fits (a probe holds what a run at its micro-batch
+/// holds): with the limit a little above what ddp's ranks hold between steps, ddp is measured
+/// at its smallest micro-batch alone and predicted over the limit from it; without a limit it
+/// is measured at its largest too.
+#[test]
+fn under_a_limit_the_probe_climbs_no_higher_than_it_predicts_to_fit() {
+    let dir = temp_dir("plan-rungs");
+    let text = text_file(&dir);
+    let plan = |cache: &str, limit: f64| -> Value {
+        let mut args = vec!["plan".to_string(), "--json".into()];
+        let set = format!("hardware.memory_limit_mib={limit:.1}");
+        args.extend(gpt_flags(
+            &text,
+            &dir.join("never"),
+            &["--devices", "2", "--set", &set],
+        ));
+        let out = train_bin_kept(&dir, &dir.join(cache), &args);
+        assert!(
+            out.status.success(),
+            "train plan failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("train plan --json prints JSON")
+    };
+    let batch = |plan: &Value, end: &str| {
+        let fit = &plan["measured"]["fits"]["ddp/32/none"];
+        assert!(fit.is_object(), "no ddp probe: {}", plan["measured"]);
+        f(&fit[end], "batch")
+    };
+    let free = plan("free", 100_000.0);
+    let (lo, hi) = (batch(&free, "lo"), batch(&free, "hi"));
+    assert!(lo < hi && hi == 32.0, "ddp probed at {lo} and {hi}");
+    let all = free["fitting"].as_array().unwrap().clone();
+    let ddp = find(
+        &all,
+        &[
+            ("strategy", "ddp".into()),
+            ("batch_size", 32.into()),
+            ("recompute", "none".into()),
+            ("precision", "32".into()),
+        ],
+    );
+    let m = &free["measured"];
+    let held = f(m, "base_heap")
+        + f(m, "base_outside_heap")
+        + f(ddp, "ranks")
+            * (f(ddp, "params_bytes") + f(ddp, "grads_bytes") + f(ddp, "optim_bytes"));
+    // What ddp holds between steps fits with the plan's 10 % to spare and 3 MiB more; its step
+    // (activations and the pages the allocator keeps, several MiB a rank) does not.
+    let limit = held / MIB * 1.1 + 3.0;
+    let tight = plan("tight", limit);
+    assert_eq!(batch(&tight, "lo"), lo);
+    assert_eq!(
+        batch(&tight, "hi"),
+        lo,
+        "ddp probed above its smallest micro-batch"
+    );
+    let over = tight["over"].as_array().unwrap();
+    for b in [8, 16, 32] {
+        let p = find(
+            over,
+            &[
+                ("strategy", "ddp".into()),
+                ("batch_size", b.into()),
+                ("recompute", "none".into()),
+                ("precision", "32".into()),
+            ],
+        );
+        assert_eq!(p["probed"], true, "{p}");
+        assert!(f(p, "process_bytes") / MIB * 1.1 > limit, "{p}");
+    }
+}

@@ -2,7 +2,8 @@
 //! devices and processes it weighs every strategy × precision × recompute × micro-batch that
 //! gives the run's samples per step (`candidates.rs`), measures what no formula knows — the
 //! model's step bytes and seconds on the real backend at two micro-batches per precision and
-//! recompute mode (`probe.rs`), the collectives on the run's ranks (`links.rs`) — and predicts
+//! recompute mode (`probe.rs`; which two, and under a limit only those whose probe fits:
+//! `rungs.rs`), the collectives on the run's ranks (`links.rs`) — and predicts
 //! each candidate's memory per device and process and its step time (`predict.rs`).
 //! The measurements are kept between launches (`kept.rs`), so that a command near a memory
 //! limit is decided the same way every time, and dropped after a run whose peak was above
@@ -18,6 +19,7 @@ mod planner;
 mod predict;
 mod probe;
 mod report;
+mod rungs;
 
 pub(crate) use kept::folder as cache_folder;
 pub use kept::{Keeping, check_kept};

@@ -1,7 +1,6 @@
 //! [`plan`]: the candidates, their probes and the links measured, each candidate predicted and
 //! judged against the memory limit.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use burn::prelude::*;
@@ -9,10 +8,11 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::candidates::{Candidate, candidates};
-use super::kept::{Entry, Kept, build_identity, machine_identity, point_id};
+use super::kept::{Entry, Kept, build_identity, machine_identity};
 use super::links;
-use super::predict::{Fit, Measured, Prediction, fit_key, predict, settings_for, unprobed};
-use super::probe::{ProbeSetup, probe, resident_bytes};
+use super::predict::{Measured, Prediction, predict, settings_for, unprobed};
+use super::probe::resident_bytes;
+use super::rungs::{Guard, Rungs, fits, probed, rungs};
 use crate::config::{PrecisionMode, RootConfig, StrategyKind};
 use crate::error::Result;
 use crate::strategy::{ModelFacts, Setup};
@@ -102,7 +102,9 @@ struct Known {
 /// now and kept; every process uses the same, so one rule decides the same way on every
 /// process and every launch. Each probe key is measured at the smallest and largest
 /// micro-batch of every candidate with that key, whatever the scope: a candidate's prediction
-/// does not depend on which others were weighed beside it.
+/// does not depend on which others were weighed beside it. Under a memory limit the larger
+/// only where what is measured predicts that its probe fits (`rungs.rs`): the probes keep the
+/// process under the limit as the run does.
 pub fn plan<W: Workload>(
     workload: &W,
     config: &RootConfig,
@@ -140,7 +142,7 @@ pub fn plan<W: Workload>(
     } else {
         allowed_of(workload, &model, config, target, samples, &facts, scope)
     };
-    let batches = probe_batches(every.0.iter().chain(&allowed));
+    let rungs = rungs(every.0.iter().chain(&allowed));
     drop(model);
     let signature = || signature(config, target, &facts, workload.train_len());
     let (mut kept, known) = known(config, signature, floor_now, cpu)?;
@@ -165,14 +167,18 @@ pub fn plan<W: Workload>(
     }
     let cores = config.hardware.cores();
     let how = (cpu.then_some(cores), target.draws, facts.layout.total());
-    let fresh = fresh(workload, &held, &batches, &known.entry, how, &own)?;
+    let guard = Guard {
+        limit: limit_bytes,
+        cpu,
+    };
+    let fresh = fresh(workload, &held, &rungs, &known.entry, (how, guard), &own)?;
     let measured = Measured {
         base_heap,
         base_outside_heap,
         cpu,
         cores,
         probe_threads: own.parallel.devices.len(),
-        fits: fits(&held, &batches, &fresh, &known.entry),
+        fits: fits(&held, &rungs, &fresh, &known.entry),
         links: fresh
             .links
             .or(known.entry.links)
@@ -250,13 +256,13 @@ fn known(
 fn fresh<W: Workload>(
     workload: &W,
     held: &[(Prediction, TrainerSettings)],
-    batches: &BTreeMap<String, (usize, usize)>,
+    rungs: &Rungs,
     known: &Entry,
-    how: (Option<usize>, bool, usize),
+    how: ((Option<usize>, bool, usize), Guard),
     own: &TrainerSettings,
 ) -> Result<Entry> {
     let mut failed = None;
-    let here = match measure(workload, held, batches, known, how, own) {
+    let here = match measure(workload, held, rungs, known, how, own) {
         Ok(entry) => entry,
         Err(e) => {
             failed = Some(e);
@@ -271,36 +277,6 @@ fn fresh<W: Workload>(
         Some(e) => Err(e),
         None => Ok(fresh),
     }
-}
-
-/// Each probe key's line through its two points (kept or `fresh`), probed with the settings
-/// of its first candidate in `held`.
-fn fits(
-    held: &[(Prediction, TrainerSettings)],
-    batches: &BTreeMap<String, (usize, usize)>,
-    fresh: &Entry,
-    known: &Entry,
-) -> BTreeMap<String, Fit> {
-    let point = |s: &TrainerSettings, batch: usize| {
-        let id = point_id_of(s, batch);
-        fresh
-            .points
-            .get(&id)
-            .or_else(|| known.points.get(&id))
-            .copied()
-    };
-    let mut fits = BTreeMap::new();
-    for (_, s) in held {
-        let key = fit_key(s);
-        if fits.contains_key(&key) {
-            continue;
-        }
-        let (lo, hi) = batches[&key];
-        if let (Some(lo), Some(hi)) = (point(s, lo), point(s, hi)) {
-            fits.insert(key, Fit { lo, hi });
-        }
-    }
-    fits
 }
 
 /// Candidates of `scope` with their trainer settings, those the settings' checks allow, and
@@ -338,7 +314,7 @@ fn allowed_of<W: Workload>(
 
 /// `decide` on process 0, its answer (through JSON) on every process: process 0 parses the
 /// same text the others do, so every process holds the same bits.
-fn agreed<T: Serialize + serde::de::DeserializeOwned>(
+pub(super) fn agreed<T: Serialize + serde::de::DeserializeOwned>(
     decide: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
     let text = crate::comm::agree(|| {
@@ -434,16 +410,16 @@ fn listed(
 /// What `known` lacks, measured now on every process: each key's probe points (see
 /// [`probed`]) and the collectives' seconds over the run's ranks (`own`); `how`: the
 /// machine's cores when the devices are the CPU's, whether the model draws random numbers, and
-/// the model's trainable floats.
+/// the model's trainable floats; and the limit the probes keep under.
 fn measure<W: Workload>(
     workload: &W,
     held: &[(Prediction, TrainerSettings)],
-    batches: &BTreeMap<String, (usize, usize)>,
+    rungs: &Rungs,
     known: &Entry,
-    how: (Option<usize>, bool, usize),
+    how: ((Option<usize>, bool, usize), Guard),
     own: &TrainerSettings,
 ) -> Result<Entry> {
-    let (cpu_cores, draws, floats) = how;
+    let ((cpu_cores, draws, floats), guard) = how;
     let mut fresh = Entry {
         floor: known.floor,
         ..Entry::default()
@@ -451,9 +427,10 @@ fn measure<W: Workload>(
     probed(
         workload,
         held,
-        batches,
+        rungs,
         known,
         (cpu_cores, draws),
+        guard,
         &mut fresh,
     )?;
     if known.links.is_none() {
@@ -461,84 +438,6 @@ fn measure<W: Workload>(
         fresh.links = Some(links::measure(crate::comm::world_group(ranks)?, floats)?);
     }
     Ok(fresh)
-}
-
-/// Each probe key's two micro-batches among `candidates`: the largest, and the smallest but
-/// at most half the largest (two points make a line), so that every prediction lies between
-/// two measurements.
-fn probe_batches<'a>(
-    candidates: impl Iterator<Item = &'a (Candidate, TrainerSettings)>,
-) -> BTreeMap<String, (usize, usize)> {
-    let mut out: BTreeMap<String, (usize, usize)> = BTreeMap::new();
-    for (_, s) in candidates {
-        let b = s.train.batch_size;
-        let e = out.entry(fit_key(s)).or_insert((b, b));
-        *e = (e.0.min(b), e.1.max(b));
-    }
-    for (lo, hi) in out.values_mut() {
-        *lo = (*lo).min(*hi / 2).max(1);
-    }
-    out
-}
-
-/// The name of the probe point of `settings`' key at `batch` (its ranks' shape included).
-fn point_id_of(s: &TrainerSettings, batch: usize) -> String {
-    let cuts = match &s.parallel.pipeline.cuts {
-        Some(c) => format!(" cuts={c:?}"),
-        None => String::new(),
-    };
-    point_id(
-        &fit_key(s),
-        batch,
-        s.parallel.devices.len(),
-        s.parallel.sub_replicas.max(1),
-        &cuts,
-    )
-}
-
-/// Probes each key of `held` — with its first candidate's settings — at its two micro-batches
-/// (`batches`) where `known` lacks the point, into `fresh`; `how`: the machine's cores when the
-/// devices are the CPU's, and whether the model draws random numbers.
-fn probed<W: Workload>(
-    workload: &W,
-    held: &[(Prediction, TrainerSettings)],
-    batches: &BTreeMap<String, (usize, usize)>,
-    known: &Entry,
-    how: (Option<usize>, bool),
-    fresh: &mut Entry,
-) -> Result<()> {
-    crate::panics::quiet_worker_panics();
-    let (cpu_cores, draws) = how;
-    let mut keys = std::collections::BTreeSet::new();
-    let mut first = true;
-    for (_, settings) in held {
-        let key = fit_key(settings);
-        if !keys.insert(key.clone()) {
-            continue;
-        }
-        let (lo, hi) = batches[&key];
-        for batch in [hi, lo] {
-            let id = point_id_of(settings, batch);
-            if known.points.contains_key(&id) || fresh.points.contains_key(&id) {
-                continue;
-            }
-            let mut s = settings.clone();
-            s.train.batch_size = batch;
-            s.train.accumulate = 1;
-            // A pipeline is probed with one micro-batch per stage under 1F1B.
-            s.parallel.pipeline.microbatches = s.parallel.pipeline.stages;
-            s.parallel.pipeline.schedule = crate::config::PipelineSchedule::OneFOneB;
-            let setup = ProbeSetup {
-                settings: s,
-                cpu_cores,
-                draws,
-            };
-            let point = probe(workload, &setup, batch, first)?;
-            first = false;
-            fresh.points.insert(id, point);
-        }
-    }
-    Ok(())
 }
 
 /// The memory limit in bytes and where it comes from: `hardware.memory_limit_mib`, or on the

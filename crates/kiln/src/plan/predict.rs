@@ -29,16 +29,40 @@ pub struct Fit {
 }
 
 impl Fit {
-    /// `f` at micro-batch `b`: the line through the two points (a constant from one point).
-    fn at(&self, b: usize, f: fn(&Point) -> f64) -> f64 {
+    /// `f` at micro-batch `b`: the line through the two points (in proportion to the
+    /// micro-batch from one point). Beyond the larger point, the larger of the line and the
+    /// proportion: a key whose largest micro-batches were not probed under a limit
+    /// (`rungs.rs`) is not predicted below either reading of what was.
+    pub(crate) fn at(&self, b: usize, f: fn(&Point) -> f64) -> f64 {
         let (x0, x1) = (self.lo.batch as f64, self.hi.batch as f64);
         let (y0, y1) = (f(&self.lo), f(&self.hi));
+        let proportion = y1 * b as f64 / x1.max(1.0);
         if x1 <= x0 {
-            // One point: proportional to the batch.
-            return y1 * b as f64 / x1.max(1.0);
+            return proportion;
         }
         let slope = ((y1 - y0) / (x1 - x0)).max(0.0);
-        (y1 + slope * (b as f64 - x1)).max(0.0)
+        let line = (y1 + slope * (b as f64 - x1)).max(0.0);
+        if b as f64 > x1 {
+            line.max(proportion)
+        } else {
+            line
+        }
+    }
+
+    /// The pages the allocator keeps per rank at micro-batch `b`: the larger of the two
+    /// probes' (it does not follow the batch closely, and moves from launch to launch: each
+    /// probe is one draw of it, as the run is another; their mean put 5 of 27 runs of `bench
+    /// plan` 10-18 % above their prediction); beyond the larger point, that in proportion to
+    /// the micro-batch (the GPT's pipeline under a limit kept 12.5 MiB a rank at 3 samples and
+    /// 30.9 at 12).
+    pub(crate) fn extra_at(&self, b: usize) -> f64 {
+        let most = self.hi.resident_extra.max(self.lo.resident_extra);
+        let top = self.hi.batch.max(self.lo.batch).max(1);
+        if b > top {
+            most * b as f64 / top as f64
+        } else {
+            most
+        }
     }
 }
 
@@ -160,25 +184,8 @@ pub(crate) fn predict(
     let ranks = held.ranks;
     let (stages, flush) = (setup.stages(), setup.flush());
     let rules = setup.rules();
-    // Bytes: a rank holds its share of a micro-batch's activations (a pipeline stage's
-    // 1/stages) for every micro-batch in flight (a pipeline's were probed with as many
-    // micro-batches as stages under 1F1B: all of them in flight).
-    let step_bytes = fit.at(b, |p| p.step_bytes);
-    let activation = step_bytes * rules.in_flight(&setup) as f64 / stages as f64;
-    let sub = settings.parallel.sub_replicas.max(1);
-    // Pages the allocator keeps per rank, in the process's resident memory: the larger of the
-    // two probes' (it does not follow the batch closely, and moves from launch to launch: each
-    // probe is one draw of it, as the run is another; their mean put 5 of 27 runs of `bench
-    // plan` 10-18 % above their prediction).
-    let extra = if measured.cpu {
-        fit.hi.resident_extra.max(fit.lo.resident_extra)
-    } else {
-        0.0
-    };
     let mut p = held;
-    p.activation_bytes = activation;
-    p.device_bytes += activation * sub as f64;
-    p.process_bytes += ranks as f64 * (activation + extra);
+    add_step_bytes(&mut p, settings, fit, b, measured.cpu);
 
     // Seconds. The probe ran `probe_threads` ranks at once; on the CPU more ranks than cores
     // share them.
@@ -219,6 +226,30 @@ pub(crate) fn predict(
     p.samples_per_sec = samples as f64 / step.max(1e-12);
     p.probed = true;
     Ok(p)
+}
+
+/// Adds to `p` (a candidate's bytes between steps, [`unprobed`]) its step's bytes at
+/// micro-batch `b`, read from `fit`; `cpu`: the devices are the CPU's (the process's resident
+/// memory counts the pages its allocator keeps).
+pub(crate) fn add_step_bytes(
+    p: &mut Prediction,
+    settings: &TrainerSettings,
+    fit: &Fit,
+    b: usize,
+    cpu: bool,
+) {
+    let setup = settings.setup();
+    // A rank holds its share of a micro-batch's activations (a pipeline stage's 1/stages) for
+    // every micro-batch in flight (a pipeline's were probed with as many micro-batches as
+    // stages under 1F1B: all of them in flight).
+    let step_bytes = fit.at(b, |p| p.step_bytes);
+    let activation = step_bytes * setup.rules().in_flight(&setup) as f64 / setup.stages() as f64;
+    let sub = settings.parallel.sub_replicas.max(1);
+    // Pages the allocator keeps per rank, in the process's resident memory.
+    let extra = if cpu { fit.extra_at(b) } else { 0.0 };
+    p.activation_bytes = activation;
+    p.device_bytes += activation * sub as f64;
+    p.process_bytes += p.ranks as f64 * (activation + extra);
 }
 
 /// A candidate before the probe: what its ranks hold between steps (the strategy's estimate per
@@ -344,6 +375,30 @@ mod tests {
             hi: point(4, 80.0, 0.04),
         };
         assert!((one.at(2, |p| p.step_bytes) - 40.0).abs() < 1e-9);
+        // Beyond the larger point, never below the proportion: the line through (6, 100) and
+        // (12, 110) gives 130 at 24, the proportion 220.
+        let flat = Fit {
+            lo: point(6, 100.0, 0.05),
+            hi: point(12, 110.0, 0.11),
+        };
+        assert!((flat.at(24, |p| p.step_bytes) - 220.0).abs() < 1e-9);
+        assert!((flat.at(9, |p| p.step_bytes) - 105.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_pages_kept_are_the_larger_probes_and_grow_past_the_larger_batch() {
+        let kept = |batch, mib: f64| Point {
+            batch,
+            resident_extra: mib,
+            ..Point::default()
+        };
+        let fit = Fit {
+            lo: kept(3, 12.0),
+            hi: kept(6, 9.0),
+        };
+        assert_eq!(fit.extra_at(3), 12.0);
+        assert_eq!(fit.extra_at(6), 12.0);
+        assert_eq!(fit.extra_at(12), 24.0);
     }
 
     fn setup_of(kind: StrategyKind, world: usize) -> Setup {
