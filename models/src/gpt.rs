@@ -240,7 +240,8 @@ impl Gpt {
     pub fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         let t = tokens.dims()[1];
         let positions = crate::modules::position_rows(&self.wpe, 0, t);
-        self.drop.forward(self.wte.forward(tokens) + positions)
+        self.drop
+            .forward(crate::cube::embedding(&self.wte, tokens) + positions)
     }
 
     /// Final LayerNorm and the tied head: `[batch, time, n_embd]` → logits `[batch, time, vocab]`.

@@ -327,7 +327,7 @@ impl Gpt2 {
     /// Token and position embeddings of `tokens` at positions `start..`.
     fn embed(&self, tokens: Tensor<2, Int>, start: usize) -> Tensor<3> {
         let t = tokens.dims()[1];
-        self.transformer.wte.forward(tokens)
+        crate::cube::embedding(&self.transformer.wte, tokens)
             + crate::modules::position_rows(&self.transformer.wpe, start, t)
     }
 

@@ -9,6 +9,7 @@
 
 pub mod blocks;
 pub mod convnet;
+pub mod cube;
 pub mod families;
 pub mod fused;
 pub mod gpt;

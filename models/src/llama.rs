@@ -504,7 +504,7 @@ impl Llama {
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         let t = tokens.dims()[1];
         let (rope, mask) = self.positions(0, t, &tokens.device());
-        let mut x = self.model.embed_tokens.forward(tokens);
+        let mut x = crate::cube::embedding(&self.model.embed_tokens, tokens);
         for layer in &self.model.layers {
             x = layer.forward(x, &rope, &mask, self.heads(), None);
         }
@@ -518,7 +518,7 @@ impl Llama {
         let start = cache.len;
         let (rope, mask) = self.positions(start, t, &tokens.device());
         cache.layers.resize(self.model.layers.len(), (None, None));
-        let mut x = self.model.embed_tokens.forward(tokens);
+        let mut x = crate::cube::embedding(&self.model.embed_tokens, tokens);
         for (layer, kv) in self.model.layers.iter().zip(cache.layers.iter_mut()) {
             x = layer.forward(x, &rope, &mask, self.heads(), Some(kv));
         }
@@ -555,7 +555,10 @@ impl BlockStack<TokenBatch> for Llama {
     }
 
     fn stem(&self, batch: &TokenBatch) -> Activation {
-        Activation::Rank3(self.model.embed_tokens.forward(batch.inputs.clone()))
+        Activation::Rank3(crate::cube::embedding(
+            &self.model.embed_tokens,
+            batch.inputs.clone(),
+        ))
     }
 
     fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {

@@ -186,3 +186,90 @@ fn the_convnet_and_the_gpt_on_wgpu_give_the_cpus_losses() {
         }
     }
 }
+
+/// Values in [-1, 1) from a seed, the same on every device.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// The embedding's lookup and its table's gradient through `upstream`, on `device`.
+fn embedding_and_grad(
+    device: &burn::prelude::Device,
+    (vocab, width): (usize, usize),
+    tokens: &[i64],
+    batch: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    use burn::prelude::*;
+    let device = device.clone().autodiff();
+    let mut table = burn::nn::EmbeddingConfig::new(vocab, width).init(&device);
+    let weights = Tensor::<2>::from_data(
+        TensorData::new(values(vocab * width, 7), [vocab, width]),
+        &device,
+    );
+    table.weight = burn::module::Param::from_tensor(weights);
+    let t = tokens.len() / batch;
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(tokens.to_vec(), [batch, t]), &device);
+    let y = kiln_models::cube::embedding(&table, ids);
+    let upstream = Tensor::<3>::from_data(
+        TensorData::new(values(batch * t * width, 11), [batch, t, width]),
+        &device,
+    );
+    let grads = (y.clone() * upstream).sum().backward();
+    let grad = table.weight.grad(&grads).expect("the table's gradient");
+    let floats = |d: TensorData| d.convert::<f32>().try_to_vec::<f32>().unwrap();
+    (floats(y.into_data()), floats(grad.into_data()))
+}
+
+/// The embedding's GPU kernel (its gradient summed by parts of the batch) against Burn's
+/// embedding on the same adapter and on the CPU: the lookup the same to the bit, the table's
+/// gradient within 1e-5 relative, over a batch that is not a whole number of parts, a token
+/// that repeats in every part and tokens that never occur.
+#[test]
+#[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
+fn the_embedding_kernel_gives_burns_gradient_on_wgpu() {
+    use burn::prelude::*;
+    let wgpu = Device::enumerate(burn::tensor::DeviceType::Wgpu)
+        .into_iter()
+        .next()
+        .expect("a WGPU adapter");
+    assert!(
+        kiln_models::cube::kernels_here(burn::tensor::DType::F32, &wgpu.clone().autodiff()),
+        "the GPU kernels are not taken on {wgpu:?}"
+    );
+    let (vocab, width, batch, t) = (37, 24, 3, 411);
+    // Every 5th token is 0; the others spread over 1..31 (31..36 never occur).
+    let tokens: Vec<i64> = (0..batch * t)
+        .map(|i| if i % 5 == 0 { 0 } else { (i * 7 % 31) as i64 })
+        .collect();
+    let rows = batch * t;
+    assert!(kiln_models::cube::parts(rows, vocab, width) > 1);
+    assert!(!rows.is_multiple_of(kiln_models::cube::ROWS_PER_PART));
+    let (y, grad) = embedding_and_grad(&wgpu, (vocab, width), &tokens, batch);
+    kiln_models::cube::set_enabled(false);
+    let (burn_y, burn_grad) = embedding_and_grad(&wgpu, (vocab, width), &tokens, batch);
+    kiln_models::cube::set_enabled(true);
+    let (cpu_y, cpu_grad) = embedding_and_grad(&Device::flex(), (vocab, width), &tokens, batch);
+    assert_eq!(y, burn_y, "the lookup differs from Burn's");
+    assert_eq!(y, cpu_y, "the lookup differs from the CPU's");
+    let scale = cpu_grad.iter().fold(0f32, |m, g| m.max(g.abs()));
+    for (name, other) in [("Burn's on WGPU", &burn_grad), ("the CPU's", &cpu_grad)] {
+        for (i, (a, b)) in grad.iter().zip(other.iter()).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * scale,
+                "gradient element {i} (row {}): kernel {a}, {name} {b}",
+                i / width
+            );
+        }
+    }
+    // The rows no token names get nothing; the repeated token's row the most.
+    assert!(grad[31 * width..].iter().all(|g| *g == 0.0));
+    assert!(grad[..width].iter().any(|g| *g != 0.0));
+}

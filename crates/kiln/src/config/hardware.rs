@@ -70,11 +70,13 @@ pub struct HardwareConfig {
     pub memory_limit_mib: Option<f64>,
     /// Run even when the plan needs more than `memory_limit_mib`. Default `false`.
     pub memory_limit_force: bool,
-    /// On the CPU accelerator, run LayerNorm, RMSNorm, GELU, SwiGLU, softmax cross-entropy,
-    /// causal attention, the Linear, the stride-1 convolution, BatchNorm and ReLU + max-pool
-    /// as fused kernels (one pass forward, a backward written for each, vectorised for the
-    /// CPU's widest instructions), and AdamW's update as one loop, instead of Burn's composed
-    /// ops; `false` runs the composed ops, which is what a GPU runs either way. Default `true`.
+    /// kiln's own kernels in place of Burn's composed ops. On the CPU accelerator: LayerNorm,
+    /// RMSNorm, GELU, SwiGLU, softmax cross-entropy, causal attention, the Linear, the
+    /// stride-1 convolution, BatchNorm and ReLU + max-pool as fused kernels (one pass forward,
+    /// a backward written for each, vectorised for the CPU's widest instructions), and AdamW's
+    /// update as one loop. On a CubeCL GPU (CUDA, WGPU): the embedding table's gradient as a
+    /// CubeCL kernel (`kiln_models::cube`). `false` runs Burn's composed ops everywhere.
+    /// Default `true`.
     pub fused_kernels: bool,
     /// Keep the planner's measurements (the probe's steps, the collectives' seconds) in the
     /// cache folder (`$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`) and

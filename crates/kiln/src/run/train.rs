@@ -34,6 +34,7 @@ where
     W::Model: burn::store::ModuleSnapshot,
 {
     kiln_models::fused::set_enabled(config.hardware.fused_kernels);
+    kiln_models::cube::set_enabled(config.hardware.fused_kernels);
     crate::heap::pages_for_a_run(config.hardware.memory_limit_mib.is_some());
     let chosen = resolve_devices(&config.hardware)?;
     let (devices, accelerator) = (chosen.devices, chosen.name);

@@ -1,0 +1,61 @@
+//! The models' GPU kernels: CubeCL kernels behind Burn backend extensions, for the CubeCL
+//! devices (CUDA, WGPU, …) with or without autodiff, in f32. Elsewhere — the CPU, another
+//! dtype, or with [`set_enabled`]`(false)` — each function runs the Burn ops it replaces.
+//!
+//! - [`embedding`]: the lookup whose backward sums the table's gradient by parts of the batch
+//!   (`embedding.rs`) where Burn's walks every token in one thread per column.
+//!
+//! Each kernel equals the Burn ops it replaces within 1e-5 relative (forward and gradient) on
+//! WGPU with the software adapter (the integration tests' `wgpu` module).
+
+mod embedding;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::backend::{Dispatch, DispatchDevice};
+use burn::nn::Embedding;
+use burn::prelude::*;
+use burn::tensor::DType;
+
+pub use embedding::{CubeEmbeddingOps, ROWS_PER_PART, parts};
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the GPU kernels on or off for the whole process (on by default). Off, every function
+/// of this module runs the Burn ops it replaces: the switch compares the two.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Whether the GPU kernels are on (see [`set_enabled`]).
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Whether `device` is a CubeCL device, with or without autodiff.
+fn on_cube(device: &Device) -> bool {
+    match device.as_dispatch() {
+        DispatchDevice::Cube(_) => true,
+        DispatchDevice::Autodiff(inner) => matches!(&**inner, DispatchDevice::Cube(_)),
+        #[allow(unreachable_patterns)]
+        _ => false,
+    }
+}
+
+/// Whether the GPU kernels take tensors of this dtype on this device.
+pub fn kernels_here(dtype: DType, device: &Device) -> bool {
+    enabled() && dtype == DType::F32 && on_cube(device)
+}
+
+/// `table`'s rows for `tokens` (`[B, T]` → `[B, T, C]`), as [`Embedding::forward`]; on a
+/// CubeCL device in f32 its gradient is the kernel's.
+pub fn embedding(table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
+    let weights = table.weight.val();
+    if !kernels_here(weights.dtype(), &weights.device()) {
+        return table.forward(tokens);
+    }
+    Tensor::from_dispatch(<Dispatch as CubeEmbeddingOps>::kiln_embedding(
+        weights.into_dispatch(),
+        tokens.into_dispatch(),
+    ))
+}
