@@ -187,6 +187,22 @@ fn the_convnet_and_the_gpt_on_wgpu_give_the_cpus_losses() {
     }
 }
 
+/// Held by a test while it turns the GPU kernels off and on (the switch is the process's).
+static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The first WGPU adapter, on which the GPU kernels run.
+fn wgpu_device() -> burn::prelude::Device {
+    let wgpu = burn::prelude::Device::enumerate(burn::tensor::DeviceType::Wgpu)
+        .into_iter()
+        .next()
+        .expect("a WGPU adapter");
+    assert!(
+        kiln_models::cube::kernels_here(burn::tensor::DType::F32, &wgpu),
+        "the GPU kernels are not taken on {wgpu:?}"
+    );
+    wgpu
+}
+
 /// Values in [-1, 1) from a seed, the same on every device.
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -236,14 +252,11 @@ fn embedding_and_grad(
 #[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
 fn the_embedding_kernel_gives_burns_gradient_on_wgpu() {
     use burn::prelude::*;
-    let wgpu = Device::enumerate(burn::tensor::DeviceType::Wgpu)
-        .into_iter()
-        .next()
-        .expect("a WGPU adapter");
-    assert!(
-        kiln_models::cube::kernels_here(burn::tensor::DType::F32, &wgpu.clone().autodiff()),
-        "the GPU kernels are not taken on {wgpu:?}"
-    );
+    let wgpu = wgpu_device();
+    assert!(kiln_models::cube::kernels_here(
+        burn::tensor::DType::F32,
+        &wgpu.clone().autodiff()
+    ));
     let (vocab, width, batch, t) = (37, 24, 3, 411);
     // Every 5th token is 0; the others spread over 1..31 (31..36 never occur).
     let tokens: Vec<i64> = (0..batch * t)
@@ -252,6 +265,7 @@ fn the_embedding_kernel_gives_burns_gradient_on_wgpu() {
     let rows = batch * t;
     assert!(kiln_models::cube::parts(rows, vocab, width) > 1);
     assert!(!rows.is_multiple_of(kiln_models::cube::ROWS_PER_PART));
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let (y, grad) = embedding_and_grad(&wgpu, (vocab, width), &tokens, batch);
     kiln_models::cube::set_enabled(false);
     let (burn_y, burn_grad) = embedding_and_grad(&wgpu, (vocab, width), &tokens, batch);
@@ -272,4 +286,61 @@ fn the_embedding_kernel_gives_burns_gradient_on_wgpu() {
     // The rows no token names get nothing; the repeated token's row the most.
     assert!(grad[31 * width..].iter().all(|g| *g == 0.0));
     assert!(grad[..width].iter().any(|g| *g != 0.0));
+}
+
+/// Six AdamW steps of a flat shard with `FlatOptimizer` on `device`: the parameters and the
+/// state's tensors after them.
+fn adamw_steps(device: &burn::prelude::Device) -> Vec<(String, Vec<f32>)> {
+    use burn::prelude::*;
+    let n = 1037;
+    let config = kiln::config::OptimConfig {
+        weight_decay: 0.1,
+        beta2: 0.99,
+        ..Default::default()
+    };
+    let mask: Vec<bool> = (0..n).map(|i| i % 3 != 0).collect();
+    let mut optim =
+        kiln::optim::FlatOptimizer::new(&config, &mask, burn::tensor::FloatDType::F32, device);
+    let tensor = |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v, [n]), device);
+    let mut params = tensor(values(n, 1).iter().map(|v| v * 0.5).collect());
+    for step in 0..6u64 {
+        // Gradients from tiny to large, one exactly zero.
+        let scale = 10f32.powi(step as i32 - 3);
+        let mut g: Vec<f32> = values(n, 10 + step).iter().map(|v| v * scale).collect();
+        g[5] = 0.0;
+        params = optim.step(1e-3 * (step + 1) as f64, params, tensor(g));
+    }
+    let mut out = vec![(
+        "parameters".to_string(),
+        params.into_data().try_to_vec::<f32>().unwrap(),
+    )];
+    out.extend(optim.export().0);
+    out
+}
+
+/// AdamW's GPU kernel (one pass over the flat shard) against Burn's AdamW on the same adapter
+/// and the CPU's update (Burn's bits): the parameters and both moments within 1e-5 relative
+/// after six steps with decay on two elements in three.
+#[test]
+#[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
+fn the_adamw_kernel_gives_burns_update_on_wgpu() {
+    let wgpu = wgpu_device();
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let kernel = adamw_steps(&wgpu);
+    kiln_models::cube::set_enabled(false);
+    let burn = adamw_steps(&wgpu);
+    kiln_models::cube::set_enabled(true);
+    let cpu = adamw_steps(&burn::prelude::Device::flex());
+    assert_eq!(kernel.len(), 3, "parameters and two moments");
+    for (name, other) in [("Burn's on WGPU", &burn), ("the CPU's", &cpu)] {
+        for ((what, a), (what_other, b)) in kernel.iter().zip(other.iter()) {
+            assert_eq!(what, what_other);
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs().max(y.abs()),
+                    "{what} element {i}: kernel {x}, {name} {y}"
+                );
+            }
+        }
+    }
 }

@@ -4,10 +4,13 @@
 //!
 //! - [`embedding`]: the lookup whose backward sums the table's gradient by parts of the batch
 //!   (`embedding.rs`) where Burn's walks every token in one thread per column.
+//! - [`adamw`]: AdamW's update of a flat shard in one pass (`adamw.rs`), where Burn's runs a
+//!   dozen whole-vector ops.
 //!
 //! Each kernel equals the Burn ops it replaces within 1e-5 relative (forward and gradient) on
 //! WGPU with the software adapter (the integration tests' `wgpu` module).
 
+mod adamw;
 mod embedding;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +20,7 @@ use burn::nn::Embedding;
 use burn::prelude::*;
 use burn::tensor::DType;
 
+pub use adamw::{AdamStep, CubeAdamWOps};
 pub use embedding::{CubeEmbeddingOps, ROWS_PER_PART, parts};
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
@@ -58,4 +62,31 @@ pub fn embedding(table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
         weights.into_dispatch(),
         tokens.into_dispatch(),
     ))
+}
+
+/// One AdamW step of a flat f32 shard on a CubeCL device as one kernel: the parameters, first
+/// and second moments after it, from the parameters, the gradient, the moments before it
+/// (zeros before the first step) and `decay` (1.0 where an element decays by
+/// `step.decay_factor`, 0.0 where it does not). The caller checks [`kernels_here`].
+pub fn adamw(
+    params: Tensor<1>,
+    grads: Tensor<1>,
+    moments: (Tensor<1>, Tensor<1>),
+    decay: Tensor<1>,
+    step: AdamStep,
+) -> (Tensor<1>, Tensor<1>, Tensor<1>) {
+    let (m, v) = moments;
+    let (p, m, v) = <Dispatch as CubeAdamWOps>::kiln_adamw(
+        params.into_dispatch(),
+        grads.into_dispatch(),
+        m.into_dispatch(),
+        v.into_dispatch(),
+        decay.into_dispatch(),
+        step,
+    );
+    (
+        Tensor::from_dispatch(p),
+        Tensor::from_dispatch(m),
+        Tensor::from_dispatch(v),
+    )
 }

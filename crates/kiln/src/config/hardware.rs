@@ -74,8 +74,9 @@ pub struct HardwareConfig {
     /// RMSNorm, GELU, SwiGLU, softmax cross-entropy, causal attention, the Linear, the
     /// stride-1 convolution, BatchNorm and ReLU + max-pool as fused kernels (one pass forward,
     /// a backward written for each, vectorised for the CPU's widest instructions), and AdamW's
-    /// update as one loop. On a CubeCL GPU (CUDA, WGPU): the embedding table's gradient as a
-    /// CubeCL kernel (`kiln_models::cube`). `false` runs Burn's composed ops everywhere.
+    /// update as one loop. On a CubeCL GPU (CUDA, WGPU): the embedding table's gradient and
+    /// AdamW's update as CubeCL kernels (`kiln_models::cube`). `false` runs Burn's composed ops
+    /// everywhere.
     /// Default `true`.
     pub fused_kernels: bool,
     /// Keep the planner's measurements (the probe's steps, the collectives' seconds) in the

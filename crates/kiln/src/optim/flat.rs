@@ -54,11 +54,49 @@ pub struct FlatOptimizer {
     decay: Option<Tensor<1, Bool>>,
     /// The same on the host, for the fused AdamW loop.
     decay_flags: Option<Vec<bool>>,
-    /// AdamW's constants, for the fused loop.
+    /// AdamW's constants, for the fused loop and the GPU kernel.
     adam: fused::Adam,
+    /// The decay flags as 1.0 / 0.0 on a CubeCL device, for the GPU kernel (made at its first
+    /// step there).
+    decay_on_device: Option<Tensor<1>>,
     len: usize,
     dtype: FloatDType,
     device: Device,
+}
+
+/// One AdamW update on a CubeCL device as one kernel ([`kiln_models::cube::adamw`]): the new
+/// parameters and state from `params`, `grads` and the state (none before the first step) at
+/// learning rate `lr`; `decay` marks the decayed elements (1.0), which are multiplied by
+/// `1 − decay_rate` first, in Burn's arithmetic as the CPU's fused loop has it.
+fn cube_step(
+    adam: fused::Adam,
+    lr: f64,
+    decay_rate: f64,
+    params: Tensor<1>,
+    grads: Tensor<1>,
+    decay: Tensor<1>,
+    state: Option<AdamWState<1>>,
+) -> (Tensor<1>, AdamWState<1>) {
+    let (time, m, v) = match state {
+        Some(s) => (
+            s.momentum.time + 1,
+            s.momentum.moment_1,
+            s.momentum.moment_2,
+        ),
+        None => (1, params.zeros_like(), params.zeros_like()),
+    };
+    let t = time as i32;
+    let step = kiln_models::cube::AdamStep {
+        beta_1: adam.beta_1,
+        beta_2: adam.beta_2,
+        epsilon: adam.epsilon,
+        lr: lr as f32,
+        correction_1: 1f32 - adam.beta_1.powi(t),
+        correction_2: 1f32 - adam.beta_2.powi(t),
+        decay_factor: (1.0 - decay_rate) as f32,
+    };
+    let (out, m, v) = kiln_models::cube::adamw(params, grads, (m, v), decay, step);
+    (out, AdamWState::new(AdaptiveMomentumState::new(time, m, v)))
 }
 
 impl FlatOptimizer {
@@ -104,6 +142,7 @@ impl FlatOptimizer {
                 beta_2: config.beta2 as f32,
                 epsilon: config.eps as f32,
             },
+            decay_on_device: None,
             len,
             dtype,
             device,
@@ -134,6 +173,25 @@ impl FlatOptimizer {
                         .map(|flags| (flags, 1.0 - decay_rate));
                     let before = state.take().map(|s| *s);
                     let (out, next) = fused::step(self.adam, lr, decay, params, grads, before);
+                    *state = Some(Box::new(next));
+                    return out;
+                }
+                if kiln_models::cube::kernels_here(params.dtype(), &self.device) {
+                    let flags = self.decay_flags.as_deref();
+                    let (len, device) = (self.len, &self.device);
+                    let decay = self
+                        .decay_on_device
+                        .get_or_insert_with(|| {
+                            let values = match flags {
+                                Some(f) => f.iter().map(|d| f32::from(u8::from(*d))).collect(),
+                                None => vec![0.0f32; len],
+                            };
+                            Tensor::<1>::from_data(TensorData::new(values, [len]), device)
+                        })
+                        .clone();
+                    let before = state.take().map(|s| *s);
+                    let (out, next) =
+                        cube_step(self.adam, lr, decay_rate, params, grads, decay, before);
                     *state = Some(Box::new(next));
                     return out;
                 }

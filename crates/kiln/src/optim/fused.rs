@@ -7,7 +7,8 @@
 //! [`burn::optim::AdamW`] does with its element-wise ops, `weight_decay` 0 and kiln's decay
 //! mask applied first, as [`super::FlatOptimizer`] builds it), so the result is the same bits;
 //! the tests hold it to that. It runs where the fused kernels do (Flex, f32,
-//! `hardware.fused_kernels` on); elsewhere Burn's optimizer steps.
+//! `hardware.fused_kernels` on); on a CubeCL GPU the same arithmetic runs as one CubeCL kernel
+//! (`kiln_models::cube::adamw`, stepped from `flat.rs`); elsewhere Burn's optimizer steps.
 
 use burn::backend::DispatchDevice;
 use burn::optim::{AdamWState, AdaptiveMomentumState};

@@ -1,0 +1,154 @@
+//! AdamW's update of a flat f32 shard as one CubeCL kernel.
+//!
+//! kiln's strategies step one flat vector of parameters per rank; Burn's AdamW updates it with
+//! about a dozen whole-vector tensor ops (each moment scaled, the gradient squared, the
+//! corrections, the square root, the quotient, the decay), which fusion gathers into fewer
+//! kernels but still as several passes over memory with a buffer each. Here each element is
+//! read once and its parameter and moments written once, in Burn's arithmetic, op for op, in
+//! f32 (what the CPU's fused loop does, `kiln::optim`).
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, TensorMetadata, backend_extension};
+use burn_backend::cubecl::dtype_to_storage_type;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// AdamW's constants and this step's numbers, as the kernel takes them (f32, as Burn's
+/// `AdamWConfig` holds them).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamStep {
+    /// β₁.
+    pub beta_1: f32,
+    /// β₂.
+    pub beta_2: f32,
+    /// ε.
+    pub epsilon: f32,
+    /// The learning rate.
+    pub lr: f32,
+    /// `1 − β₁ᵗ` of this step `t` (1 for the first).
+    pub correction_1: f32,
+    /// `1 − β₂ᵗ`.
+    pub correction_2: f32,
+    /// The decay factor `1 − lr·λ` of the elements `decay` marks.
+    pub decay_factor: f32,
+}
+
+/// The update on a CubeCL device. Takes and returns f32 tensors of one length `[N]`.
+#[backend_extension(Cube, Fusion)]
+pub trait CubeAdamWOps: Backend {
+    /// One AdamW step: `(parameters, first moments, second moments)` after the step, from the
+    /// parameters, the gradient, the moments before it (zeros before the first step) and
+    /// `decay` (1 where an element decays, 0 where it does not). Not differentiated.
+    #[fusion(meta = |params, _grads, m, v, _decay, _step| (params.clone(), m.clone(), v.clone()))]
+    fn kiln_adamw(
+        params: FloatTensor<Self>,
+        grads: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        decay: FloatTensor<Self>,
+        step: AdamStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// One thread per element: the moments, the decay, the update (Burn's order of operations).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn adamw_kernel<F: Float>(
+    params: &Tensor<F>,
+    grads: &Tensor<F>,
+    m: &Tensor<F>,
+    v: &Tensor<F>,
+    decay: &Tensor<F>,
+    out_params: &mut Tensor<F>,
+    out_m: &mut Tensor<F>,
+    out_v: &mut Tensor<F>,
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    lr: f32,
+    correction_1: f32,
+    correction_2: f32,
+    decay_factor: f32,
+    #[define(F)] _dtype: ElemType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= params.len() {
+        terminate!();
+    }
+    let beta_1 = F::cast_from(beta_1);
+    let beta_2 = F::cast_from(beta_2);
+    let epsilon = F::cast_from(epsilon);
+    let lr = F::cast_from(lr);
+    let correction_1 = F::cast_from(correction_1);
+    let correction_2 = F::cast_from(correction_2);
+    let factor = F::cast_from(decay_factor);
+    let one = F::new(1.0);
+    let g = grads[i];
+    let m_new = m[i] * beta_1 + g * (one - beta_1);
+    let v_new = v[i] * beta_2 + (g * g) * (one - beta_2);
+    out_m[i] = m_new;
+    out_v[i] = v_new;
+    let delta = (m_new / correction_1) / (F::sqrt(v_new / correction_2) + epsilon);
+    let mut p = params[i];
+    if decay[i] != F::new(0.0) {
+        p *= factor;
+    }
+    out_params[i] = p - delta * lr;
+}
+
+impl CubeAdamWOps for CubeBackend {
+    fn kiln_adamw(
+        params: CubeTensor,
+        grads: CubeTensor,
+        m: CubeTensor,
+        v: CubeTensor,
+        decay: CubeTensor,
+        step: AdamStep,
+    ) -> (CubeTensor, CubeTensor, CubeTensor) {
+        let n = params.shape().num_elements();
+        for (name, t) in [
+            ("gradient", &grads),
+            ("moment", &m),
+            ("moment", &v),
+            ("decay", &decay),
+        ] {
+            assert_eq!(
+                t.shape().num_elements(),
+                n,
+                "an AdamW step of {n} parameters with a {name} of another length"
+            );
+        }
+        let [params, grads, m, v, decay] = [params, grads, m, v, decay].map(into_contiguous);
+        let (client, device, dtype) = (params.client.clone(), params.device.clone(), params.dtype);
+        let shape = params.shape();
+        let out = || empty_device_dtype(client.clone(), device.clone(), shape.clone(), dtype);
+        let (out_params, out_m, out_v) = (out(), out(), out());
+        let threads = 256u32;
+        let cubes = (n as u32).div_ceil(threads).max(1);
+        adamw_kernel::launch(
+            &client,
+            CubeCount::Static(cubes, 1, 1),
+            CubeDim::new_1d(threads),
+            params.into_tensor_arg(),
+            grads.into_tensor_arg(),
+            m.into_tensor_arg(),
+            v.into_tensor_arg(),
+            decay.into_tensor_arg(),
+            out_params.clone().into_tensor_arg(),
+            out_m.clone().into_tensor_arg(),
+            out_v.clone().into_tensor_arg(),
+            step.beta_1,
+            step.beta_2,
+            step.epsilon,
+            step.lr,
+            step.correction_1,
+            step.correction_2,
+            step.decay_factor,
+            dtype_to_storage_type(dtype),
+        );
+        (out_params, out_m, out_v)
+    }
+}
