@@ -7,7 +7,7 @@
 //! read once and its parameter and moments written once, in Burn's arithmetic, op for op, in
 //! f32 (what the CPU's fused loop does, `kiln::optim`).
 
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{BoolTensor, FloatTensor};
 use burn::backend::{Backend, TensorMetadata, backend_extension};
 use burn_backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::CubeBackend;
@@ -15,6 +15,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
+use cubecl::{CubeDim, calculate_cube_count_elemwise};
 
 /// AdamW's constants and this step's numbers, as the kernel takes them (f32, as Burn's
 /// `AdamWConfig` holds them).
@@ -34,6 +35,8 @@ pub struct AdamStep {
     pub correction_2: f32,
     /// The decay factor `1 − lr·λ` of the elements `decay` marks.
     pub decay_factor: f32,
+    /// Whether any element decays: without, the mask is not read (any bool tensor will do).
+    pub decays: bool,
 }
 
 /// The update on a CubeCL device. Takes and returns f32 tensors of one length `[N]`.
@@ -41,27 +44,29 @@ pub struct AdamStep {
 pub trait CubeAdamWOps: Backend {
     /// One AdamW step: `(parameters, first moments, second moments)` after the step, from the
     /// parameters, the gradient, the moments before it (zeros before the first step) and
-    /// `decay` (1 where an element decays, 0 where it does not). Not differentiated.
+    /// `decay` (true where an element decays, read where `step.decays`). Not differentiated.
     #[fusion(meta = |params, _grads, m, v, _decay, _step| (params.clone(), m.clone(), v.clone()))]
     fn kiln_adamw(
         params: FloatTensor<Self>,
         grads: FloatTensor<Self>,
         m: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        decay: FloatTensor<Self>,
+        decay: BoolTensor<Self>,
         step: AdamStep,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 }
 
 /// One thread per element: the moments, the decay, the update (Burn's order of operations).
+// `decays` is a comptime branch (a kernel without the mask's read): not one `if` with the
+// mask's runtime test.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-fn adamw_kernel<F: Float>(
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+fn adamw_kernel<F: Float, B: Int>(
     params: &Tensor<F>,
     grads: &Tensor<F>,
     m: &Tensor<F>,
     v: &Tensor<F>,
-    decay: &Tensor<F>,
+    decay: &Tensor<B>,
     out_params: &mut Tensor<F>,
     out_m: &mut Tensor<F>,
     out_v: &mut Tensor<F>,
@@ -72,7 +77,8 @@ fn adamw_kernel<F: Float>(
     correction_1: f32,
     correction_2: f32,
     decay_factor: f32,
-    #[define(F)] _dtype: ElemType,
+    #[comptime] decays: bool,
+    #[define(F, B)] _dtypes: [ElemType; 2],
 ) {
     let i = ABSOLUTE_POS;
     if i >= params.len() {
@@ -93,8 +99,10 @@ fn adamw_kernel<F: Float>(
     out_v[i] = v_new;
     let delta = (m_new / correction_1) / (F::sqrt(v_new / correction_2) + epsilon);
     let mut p = params[i];
-    if decay[i] != F::new(0.0) {
-        p *= factor;
+    if decays {
+        if u32::cast_from(decay[i]) != 0 {
+            p *= factor;
+        }
     }
     out_params[i] = p - delta * lr;
 }
@@ -109,12 +117,11 @@ impl CubeAdamWOps for CubeBackend {
         step: AdamStep,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
         let n = params.shape().num_elements();
-        for (name, t) in [
-            ("gradient", &grads),
-            ("moment", &m),
-            ("moment", &v),
-            ("decay", &decay),
-        ] {
+        let mut sized = vec![("gradient", &grads), ("moment", &m), ("moment", &v)];
+        if step.decays {
+            sized.push(("decay mask", &decay));
+        }
+        for (name, t) in sized {
             assert_eq!(
                 t.shape().num_elements(),
                 n,
@@ -126,12 +133,14 @@ impl CubeAdamWOps for CubeBackend {
         let shape = params.shape();
         let out = || empty_device_dtype(client.clone(), device.clone(), shape.clone(), dtype);
         let (out_params, out_m, out_v) = (out(), out(), out());
-        let threads = 256u32;
-        let cubes = (n as u32).div_ceil(threads).max(1);
+        // Spread over the cube count's dimensions: one dimension holds 65,535 cubes on WGPU.
+        let cube_dim = CubeDim::new(&client, n.max(1));
+        let cube_count = calculate_cube_count_elemwise(&client, n.max(1), cube_dim);
+        let mask_dtype = decay.dtype;
         adamw_kernel::launch(
             &client,
-            CubeCount::Static(cubes, 1, 1),
-            CubeDim::new_1d(threads),
+            cube_count,
+            cube_dim,
             params.into_tensor_arg(),
             grads.into_tensor_arg(),
             m.into_tensor_arg(),
@@ -147,7 +156,11 @@ impl CubeAdamWOps for CubeBackend {
             step.correction_1,
             step.correction_2,
             step.decay_factor,
-            dtype_to_storage_type(dtype),
+            step.decays,
+            [
+                dtype_to_storage_type(dtype),
+                dtype_to_storage_type(mask_dtype),
+            ],
         );
         (out_params, out_m, out_v)
     }

@@ -95,7 +95,8 @@ fn embedding_grad_kernel<F: Numeric, I: Numeric>(
 pub fn parts(rows: usize, vocab: usize, width: usize) -> usize {
     let wanted = rows.div_ceil(ROWS_PER_PART).max(1);
     let room = (MOST_PARTIAL / (vocab * width).max(1)).max(1);
-    wanted.min(room)
+    // The parts are the cube count's second dimension, which holds 65,535 on WGPU.
+    wanted.min(room).min(65_535)
 }
 
 impl CubeEmbeddingOps for CubeBackend {
@@ -118,7 +119,7 @@ impl CubeEmbeddingOps for CubeBackend {
             Shape::new([parts, vocab, width]),
             dtype,
         );
-        let threads = (width as u32).min(256);
+        let threads = (width as u32).clamp(1, 256);
         let cube_count = CubeCount::Static((width as u32).div_ceil(threads), parts as u32, 1);
         let index_dtype = indices.dtype;
         embedding_grad_kernel::launch(

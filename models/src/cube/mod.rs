@@ -66,16 +66,19 @@ pub fn embedding(table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
 
 /// One AdamW step of a flat f32 shard on a CubeCL device as one kernel: the parameters, first
 /// and second moments after it, from the parameters, the gradient, the moments before it
-/// (zeros before the first step) and `decay` (1.0 where an element decays by
-/// `step.decay_factor`, 0.0 where it does not). The caller checks [`kernels_here`].
+/// (zeros before the first step) and `decay` (true where an element decays by
+/// `step.decay_factor`; `None`: none does). The caller checks [`kernels_here`].
 pub fn adamw(
     params: Tensor<1>,
     grads: Tensor<1>,
     moments: (Tensor<1>, Tensor<1>),
-    decay: Tensor<1>,
-    step: AdamStep,
+    decay: Option<Tensor<1, Bool>>,
+    mut step: AdamStep,
 ) -> (Tensor<1>, Tensor<1>, Tensor<1>) {
     let (m, v) = moments;
+    step.decays = decay.is_some();
+    // Without decay the kernel reads no mask: one element stands in for it.
+    let decay = decay.unwrap_or_else(|| Tensor::<1, Bool>::from_data([false], &params.device()));
     let (p, m, v) = <Dispatch as CubeAdamWOps>::kiln_adamw(
         params.into_dispatch(),
         grads.into_dispatch(),

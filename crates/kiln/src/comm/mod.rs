@@ -19,4 +19,5 @@ mod world;
 pub use collective::{Collective, ReduceOp, chunk_range};
 pub use local::{LocalComm, local_group};
 pub use processes::Processes;
+pub(crate) use world::agreed;
 pub use world::{agree, process_barrier, processes, remote, start, world_group};

@@ -79,6 +79,17 @@ pub fn agree(decide: impl FnOnce() -> Result<String>) -> Result<String> {
     mine.expect("one process is process 0")
 }
 
+/// `decide` on process 0, its answer (through JSON) on every process: process 0 parses the
+/// same text the others do, so every process holds the same bits.
+pub(crate) fn agreed<T: serde::Serialize + serde::de::DeserializeOwned>(
+    decide: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let text =
+        agree(|| decide().map(|v| serde_json::to_string(&v).expect("an agreed value serialises")))?;
+    serde_json::from_str(&text)
+        .map_err(|e| crate::error::Error::Worker(format!("process 0's answer: {e}")))
+}
+
 /// Waits until every process arrives (nothing with one process).
 pub fn process_barrier() {
     #[cfg(feature = "mpi")]

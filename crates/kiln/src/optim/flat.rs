@@ -56,9 +56,6 @@ pub struct FlatOptimizer {
     decay_flags: Option<Vec<bool>>,
     /// AdamW's constants, for the fused loop and the GPU kernel.
     adam: fused::Adam,
-    /// The decay flags as 1.0 / 0.0 on a CubeCL device, for the GPU kernel (made at its first
-    /// step there).
-    decay_on_device: Option<Tensor<1>>,
     len: usize,
     dtype: FloatDType,
     device: Device,
@@ -66,15 +63,14 @@ pub struct FlatOptimizer {
 
 /// One AdamW update on a CubeCL device as one kernel ([`kiln_models::cube::adamw`]): the new
 /// parameters and state from `params`, `grads` and the state (none before the first step) at
-/// learning rate `lr`; `decay` marks the decayed elements (1.0), which are multiplied by
+/// learning rate `lr`; `decay` marks the decayed elements, which are multiplied by
 /// `1 − decay_rate` first, in Burn's arithmetic as the CPU's fused loop has it.
 fn cube_step(
     adam: fused::Adam,
     lr: f64,
     decay_rate: f64,
-    params: Tensor<1>,
-    grads: Tensor<1>,
-    decay: Tensor<1>,
+    (params, grads): (Tensor<1>, Tensor<1>),
+    decay: Option<Tensor<1, Bool>>,
     state: Option<AdamWState<1>>,
 ) -> (Tensor<1>, AdamWState<1>) {
     let (time, m, v) = match state {
@@ -94,6 +90,7 @@ fn cube_step(
         correction_1: 1f32 - adam.beta_1.powi(t),
         correction_2: 1f32 - adam.beta_2.powi(t),
         decay_factor: (1.0 - decay_rate) as f32,
+        decays: decay.is_some(),
     };
     let (out, m, v) = kiln_models::cube::adamw(params, grads, (m, v), decay, step);
     (out, AdamWState::new(AdaptiveMomentumState::new(time, m, v)))
@@ -142,7 +139,6 @@ impl FlatOptimizer {
                 beta_2: config.beta2 as f32,
                 epsilon: config.eps as f32,
             },
-            decay_on_device: None,
             len,
             dtype,
             device,
@@ -177,21 +173,10 @@ impl FlatOptimizer {
                     return out;
                 }
                 if kiln_models::cube::kernels_here(params.dtype(), &self.device) {
-                    let flags = self.decay_flags.as_deref();
-                    let (len, device) = (self.len, &self.device);
-                    let decay = self
-                        .decay_on_device
-                        .get_or_insert_with(|| {
-                            let values = match flags {
-                                Some(f) => f.iter().map(|d| f32::from(u8::from(*d))).collect(),
-                                None => vec![0.0f32; len],
-                            };
-                            Tensor::<1>::from_data(TensorData::new(values, [len]), device)
-                        })
-                        .clone();
+                    let decay = self.decay.clone().filter(|_| decay_rate != 0.0);
                     let before = state.take().map(|s| *s);
                     let (out, next) =
-                        cube_step(self.adam, lr, decay_rate, params, grads, decay, before);
+                        cube_step(self.adam, lr, decay_rate, (params, grads), decay, before);
                     *state = Some(Box::new(next));
                     return out;
                 }

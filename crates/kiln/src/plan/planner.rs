@@ -13,6 +13,7 @@ use super::links;
 use super::predict::{Measured, Prediction, predict, settings_for, unprobed};
 use super::probe::resident_bytes;
 use super::rungs::{Guard, Rungs, fits, probed, rungs};
+use crate::comm::agreed;
 use crate::config::{PrecisionMode, RootConfig, StrategyKind};
 use crate::error::Result;
 use crate::strategy::{ModelFacts, Setup};
@@ -310,18 +311,6 @@ fn allowed_of<W: Workload>(
         }
     }
     (allowed, refused)
-}
-
-/// `decide` on process 0, its answer (through JSON) on every process: process 0 parses the
-/// same text the others do, so every process holds the same bits.
-pub(super) fn agreed<T: Serialize + serde::de::DeserializeOwned>(
-    decide: impl FnOnce() -> Result<T>,
-) -> Result<T> {
-    let text = crate::comm::agree(|| {
-        decide().map(|v| serde_json::to_string(&v).expect("planner values serialise"))
-    })?;
-    serde_json::from_str(&text)
-        .map_err(|e| crate::error::Error::Worker(format!("the planner's measurements: {e}")))
 }
 
 /// The text that names a plan's kept measurements: the build, the machine, the devices and

@@ -31,8 +31,9 @@ pub struct Fit {
 impl Fit {
     /// `f` at micro-batch `b`: the line through the two points (in proportion to the
     /// micro-batch from one point). Beyond the larger point, the larger of the line and the
-    /// proportion: a key whose largest micro-batches were not probed under a limit
-    /// (`rungs.rs`) is not predicted below either reading of what was.
+    /// proportion, bytes and seconds alike: a key whose largest micro-batches were not probed
+    /// under a limit (`rungs.rs`) is predicted neither smaller nor faster per sample than
+    /// either reading of what was. (Without a limit no candidate lies beyond the larger.)
     pub(crate) fn at(&self, b: usize, f: fn(&Point) -> f64) -> f64 {
         let (x0, x1) = (self.lo.batch as f64, self.hi.batch as f64);
         let (y0, y1) = (f(&self.lo), f(&self.hi));

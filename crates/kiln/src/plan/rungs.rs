@@ -15,9 +15,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::candidates::Candidate;
 use super::kept::{Entry, point_id};
-use super::planner::{HEADROOM, agreed};
 use super::predict::{Fit, Prediction, add_step_bytes, fit_key};
 use super::probe::{Point, ProbeSetup, probe};
+use crate::comm::agreed;
+use crate::config::HEADROOM;
 use crate::error::Result;
 use crate::trainer::{TrainerSettings, Workload};
 
@@ -98,14 +99,8 @@ pub(crate) fn probed<W: Workload>(
             if let Some(p) = known.points.get(&id).or_else(|| fresh.points.get(&id)) {
                 return Ok(*p);
             }
-            let mut s = settings.clone();
-            s.train.batch_size = batch;
-            s.train.accumulate = 1;
-            // A pipeline is probed with one micro-batch per stage under 1F1B.
-            s.parallel.pipeline.microbatches = s.parallel.pipeline.stages;
-            s.parallel.pipeline.schedule = crate::config::PipelineSchedule::OneFOneB;
             let setup = ProbeSetup {
-                settings: s,
+                settings: probe_settings(settings, batch),
                 cpu_cores,
                 draws,
             };
@@ -142,6 +137,17 @@ pub(crate) fn probed<W: Workload>(
     Ok(())
 }
 
+/// The settings a probe of `settings`' key at `batch` runs: one micro-batch a step, and a
+/// pipeline with one micro-batch per stage under 1F1B.
+fn probe_settings(settings: &TrainerSettings, batch: usize) -> TrainerSettings {
+    let mut s = settings.clone();
+    s.train.batch_size = batch;
+    s.train.accumulate = 1;
+    s.parallel.pipeline.microbatches = s.parallel.pipeline.stages;
+    s.parallel.pipeline.schedule = crate::config::PipelineSchedule::OneFOneB;
+    s
+}
+
 /// The next rung above `fit.hi` to measure: the largest that is measured already (`have`) or
 /// whose estimate from `fit` fits (`fits`); `None` when none is.
 fn climb(
@@ -158,8 +164,8 @@ fn climb(
         .find(|&b| have(b) || fits(&fit, b))
 }
 
-/// Whether the candidate `held` describes, at micro-batch `batch` with its step's bytes read
-/// from `fit`, fits `guard`'s limit with the headroom a plan keeps.
+/// Whether the probe of the candidate `held` describes, at micro-batch `batch` with its
+/// step's bytes read from `fit`, fits `guard`'s limit with the headroom a plan keeps.
 fn fits_at(
     held: &Prediction,
     settings: &TrainerSettings,
@@ -171,7 +177,13 @@ fn fits_at(
         return true;
     };
     let mut p = held.clone();
-    add_step_bytes(&mut p, settings, fit, batch, guard.cpu);
+    add_step_bytes(
+        &mut p,
+        &probe_settings(settings, batch),
+        fit,
+        batch,
+        guard.cpu,
+    );
     p.need(guard.cpu) * (1.0 + HEADROOM) <= limit
 }
 
