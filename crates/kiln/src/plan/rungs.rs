@@ -7,9 +7,9 @@
 //! the limit before any run was chosen. So the smallest is probed first, and a larger one only
 //! where what is measured already predicts that its probe fits: the largest rung whose estimate
 //! fits is probed, the line through the measured points is drawn again, and so on up. A key
-//! whose largest rung is not probed is predicted from the line through the rungs that were
-//! (from its smallest alone, in proportion to the micro-batch: an upper bound on the step's
-//! bytes). Without a limit every key is measured at its smallest and largest rung.
+//! whose largest rung is not probed is predicted from the rungs that were: above the highest,
+//! no less than it in proportion to the micro-batch ([`Fit::at`]). Without a limit every key
+//! is measured at its smallest and largest rung.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -47,18 +47,17 @@ pub(crate) fn rungs<'a>(
             .insert(s.train.batch_size);
     }
     out.into_iter()
-        .map(|(key, batches)| {
-            let (least, most) = (batches.first().copied(), batches.last().copied());
-            let (least, most) = (least.unwrap_or(1), most.unwrap_or(1));
-            let mut v: BTreeSet<usize> = batches;
-            v.insert(least.min(most / 2).max(1));
-            (key, v.into_iter().collect())
+        .map(|(key, mut batches)| {
+            let least = batches.first().copied().unwrap_or(1);
+            let most = batches.last().copied().unwrap_or(1);
+            batches.insert(least.min(most / 2).max(1));
+            (key, batches.into_iter().collect())
         })
         .collect()
 }
 
 /// The name of the probe point of `settings`' key at `batch` (its ranks' shape included).
-pub(crate) fn point_id_of(s: &TrainerSettings, batch: usize) -> String {
+fn point_id_of(s: &TrainerSettings, batch: usize) -> String {
     let cuts = match &s.parallel.pipeline.cuts {
         Some(c) => format!(" cuts={c:?}"),
         None => String::new(),
@@ -70,6 +69,16 @@ pub(crate) fn point_id_of(s: &TrainerSettings, batch: usize) -> String {
         s.parallel.sub_replicas.max(1),
         &cuts,
     )
+}
+
+/// The point of `settings`' key at `batch`, kept (`known`) or measured now (`fresh`).
+fn measured(known: &Entry, fresh: &Entry, s: &TrainerSettings, batch: usize) -> Option<Point> {
+    let id = point_id_of(s, batch);
+    known
+        .points
+        .get(&id)
+        .or_else(|| fresh.points.get(&id))
+        .copied()
 }
 
 /// Probes each key of `held` — with its first candidate's settings — at its smallest rung and
@@ -95,9 +104,8 @@ pub(crate) fn probed<W: Workload>(
             continue;
         }
         let mut at = |batch: usize, fresh: &mut Entry| -> Result<Point> {
-            let id = point_id_of(settings, batch);
-            if let Some(p) = known.points.get(&id).or_else(|| fresh.points.get(&id)) {
-                return Ok(*p);
+            if let Some(p) = measured(known, fresh, settings, batch) {
+                return Ok(p);
             }
             let setup = ProbeSetup {
                 settings: probe_settings(settings, batch),
@@ -106,17 +114,14 @@ pub(crate) fn probed<W: Workload>(
             };
             let point = probe(workload, &setup, batch, first)?;
             first = false;
-            fresh.points.insert(id, point);
+            fresh.points.insert(point_id_of(settings, batch), point);
             Ok(point)
         };
         let rungs = &rungs[&key];
         let lo = at(rungs[0], fresh)?;
         let mut top = lo;
         loop {
-            let have = |b: usize| {
-                let id = point_id_of(settings, b);
-                known.points.contains_key(&id) || fresh.points.contains_key(&id)
-            };
+            let have = |b: usize| measured(known, fresh, settings, b).is_some();
             let choose = || {
                 climb(rungs, Fit { lo, hi: top }, &have, |fit, b| {
                     fits_at(held, settings, fit, b, guard)
@@ -195,14 +200,8 @@ pub(crate) fn fits(
     fresh: &Entry,
     known: &Entry,
 ) -> BTreeMap<String, Fit> {
-    let point = |s: &TrainerSettings, batch: usize| {
-        let id = point_id_of(s, batch);
-        fresh
-            .points
-            .get(&id)
-            .or_else(|| known.points.get(&id))
-            .copied()
-    };
+    // A point is measured now only where none was kept: the two never hold one name.
+    let point = |s: &TrainerSettings, batch: usize| measured(known, fresh, s, batch);
     let mut fits = BTreeMap::new();
     for (_, s) in held {
         let key = fit_key(s);
