@@ -8,6 +8,7 @@
 #![deny(missing_docs)]
 
 mod char_json;
+pub mod chat;
 mod digits;
 mod download;
 mod error;

@@ -19,6 +19,9 @@ use crate::error::DatasetError;
 /// The file name of a tokenizer inside a model directory.
 pub const TOKENIZER_JSON: &str = "tokenizer.json";
 
+/// A text's token ids and each one's byte range in the text.
+pub type Pieces = (Vec<u32>, Vec<(usize, usize)>);
+
 /// A subword tokenizer: ids of a text's pieces, and the text of ids.
 #[derive(Clone)]
 pub struct SubwordTokenizer {
@@ -88,6 +91,25 @@ impl SubwordTokenizer {
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| e.to_string())
+    }
+
+    /// The ids of `text`'s pieces, without special tokens, and each piece's byte range in
+    /// `text`.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<Pieces, String> {
+        self.inner
+            .encode(text, false)
+            .map(|e| (e.get_ids().to_vec(), e.get_offsets().to_vec()))
+            .map_err(|e| e.to_string())
+    }
+
+    /// The text of the token `id` (an added or special token included).
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The id of the token whose text is `token` (an added or special token included).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
     }
 
     /// The text of `ids` (special tokens kept).

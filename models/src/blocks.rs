@@ -160,6 +160,19 @@ pub trait BlockStack<B>: TrainStep<B> {
         let _ = (i, x);
         panic!("BlockStack::block is called only for a block the model describes")
     }
+    /// Block `i` on `x` for `batch`: what a block needs of the batch besides the activation
+    /// (a packed batch's documents, which attention stays within). Defaults to
+    /// [`BlockStack::block`].
+    fn block_in(&self, i: usize, x: Activation, batch: &B) -> Activation {
+        let _ = batch;
+        self.block(i, x)
+    }
+
+    /// Whether [`BlockStack::block_in`] reads the batch, so that a pipeline's middle stages
+    /// take it too. Default false.
+    fn blocks_read_batch(&self) -> bool {
+        false
+    }
     /// The layers after the last block and the loss.
     fn head(&self, x: Activation, batch: &B) -> StepOutput {
         let _ = (x, batch);

@@ -36,12 +36,11 @@ impl CausalLm for crate::gpt::Gpt {
         &self,
         prompt: &[u32],
         tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
+        how: &crate::lm::Sampling,
         uniform: &mut dyn FnMut() -> f64,
     ) -> Vec<u32> {
         let block = self.wpe.weight.val().dims()[0];
-        self.generate(prompt, tokens, temperature, top_k, block, uniform)
+        self.generate(prompt, tokens, how, block, uniform)
     }
 }
 
@@ -68,11 +67,10 @@ impl CausalLm for crate::llama::Llama {
         &self,
         prompt: &[u32],
         tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
+        how: &crate::lm::Sampling,
         uniform: &mut dyn FnMut() -> f64,
     ) -> Vec<u32> {
-        self.generate(prompt, tokens, temperature, top_k, uniform)
+        self.generate(prompt, tokens, how, uniform)
     }
 }
 
@@ -99,11 +97,10 @@ impl CausalLm for crate::gpt2::Gpt2 {
         &self,
         prompt: &[u32],
         tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
+        how: &crate::lm::Sampling,
         uniform: &mut dyn FnMut() -> f64,
     ) -> Vec<u32> {
-        self.generate(prompt, tokens, temperature, top_k, uniform)
+        self.generate(prompt, tokens, how, uniform)
     }
 }
 

@@ -10,6 +10,7 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::blocks::{Activation, BlockStack};
+use crate::lm::TokenBatch;
 use crate::step::{StepOutput, TrainStep};
 
 /// The LayerNorms' epsilon (Burn keeps a LayerNorm's own private; the fused kernel is told).
@@ -49,15 +50,6 @@ impl Default for GptConfig {
     }
 }
 
-/// A batch of token windows: `targets` are `inputs` shifted by one position.
-#[derive(Debug, Clone)]
-pub struct TokenBatch {
-    /// Token ids, shape `[batch, time]`.
-    pub inputs: Tensor<2, Int>,
-    /// Next-token ids, shape `[batch, time]`.
-    pub targets: Tensor<2, Int>,
-}
-
 /// Causal multi-head self-attention.
 #[derive(Module, Debug)]
 pub struct CausalSelfAttention {
@@ -70,8 +62,14 @@ pub struct CausalSelfAttention {
 impl CausalSelfAttention {
     /// `[batch, time, n_embd]` → `[batch, time, n_embd]`; position t attends to 0..=t only.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.forward_within(x, None)
+    }
+
+    /// [`CausalSelfAttention::forward`] within documents: position t attends to
+    /// `starts[t]..=t` (see [`TokenBatch::documents`]).
+    pub fn forward_within(&self, x: Tensor<3>, starts: Option<&Tensor<2, Int>>) -> Tensor<3> {
         let qkv = crate::modules::linear_rows(&self.qkv, x);
-        let y = crate::fused::causal_attention_packed(qkv, self.n_head, Some(&self.dropout));
+        let y = crate::fused::packed_within(qkv, self.n_head, starts, Some(&self.dropout));
         self.dropout
             .forward(crate::modules::linear_rows(&self.proj, y))
     }
@@ -107,8 +105,13 @@ pub struct Block {
 impl Block {
     /// `x + attn(ln(x))`, then `x + mlp(ln(x))`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.forward_within(x, None)
+    }
+
+    /// [`Block::forward`] with attention within documents (see [`TokenBatch::documents`]).
+    pub fn forward_within(&self, x: Tensor<3>, starts: Option<&Tensor<2, Int>>) -> Tensor<3> {
         let ln = |norm: &LayerNorm, x: Tensor<3>| crate::fused::layer_norm(norm, LN_EPSILON, x);
-        let x = x.clone() + self.attn.forward(ln(&self.ln_1, x.clone()));
+        let x = x.clone() + self.attn.forward_within(ln(&self.ln_1, x.clone()), starts);
         x.clone() + self.mlp.forward(ln(&self.ln_2, x))
     }
 }
@@ -238,10 +241,23 @@ impl GptConfig {
 impl Gpt {
     /// Runs the embeddings: `[batch, time]` token ids → `[batch, time, n_embd]`.
     pub fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.embed_within(tokens, None)
+    }
+
+    /// [`Gpt::embed`] of packed rows: positions restart where each example begins (see
+    /// [`TokenBatch::documents`]).
+    pub fn embed_within(
+        &self,
+        tokens: Tensor<2, Int>,
+        starts: Option<&Tensor<2, Int>>,
+    ) -> Tensor<3> {
         let t = tokens.dims()[1];
-        let positions = crate::modules::position_rows(&self.wpe, 0, t);
-        self.drop
-            .forward(crate::cube::embedding(&self.wte, tokens) + positions)
+        let tokens = crate::cube::embedding(&self.wte, tokens);
+        let x = match starts {
+            None => tokens + crate::modules::position_rows(&self.wpe, 0, t),
+            Some(s) => tokens + crate::cube::embedding(&self.wpe, crate::lm::positions_within(s)),
+        };
+        self.drop.forward(x)
     }
 
     /// Final LayerNorm and the tied head: `[batch, time, n_embd]` → logits `[batch, time, vocab]`.
@@ -255,9 +271,18 @@ impl Gpt {
 
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let mut x = self.embed(tokens);
+        self.forward_within(tokens, None)
+    }
+
+    /// [`Gpt::forward`] of packed rows (see [`TokenBatch::documents`]).
+    pub fn forward_within(
+        &self,
+        tokens: Tensor<2, Int>,
+        starts: Option<&Tensor<2, Int>>,
+    ) -> Tensor<3> {
+        let mut x = self.embed_within(tokens, starts);
         for block in &self.blocks {
-            x = block.forward(x);
+            x = block.forward_within(x, starts);
         }
         self.head(x)
     }
@@ -265,20 +290,18 @@ impl Gpt {
     /// Mean next-token cross-entropy of `logits` against `targets`, computed in f32 whatever
     /// the logits' dtype (softmax and its log lose too much in 16-bit floats).
     pub fn loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let [b, t, v] = logits.dims();
-        // One fused kernel on the CPU (`lm::lm_loss`, every language model's, is this one).
-        crate::fused::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]))
+        crate::lm::lm_loss(logits, targets)
     }
 
-    /// Continues `prompt` by `tokens` ids, sampling from the softmax at `temperature`
-    /// restricted to the `top_k` most likely ids (all when `None`). `uniform` supplies
-    /// numbers in [0, 1), so that sampling is reproducible.
+    /// Continues `prompt` by up to `tokens` ids, each picked as `how` says from the logits of
+    /// the last `block_size` positions (no cache: the GPT recomputes them), ending early at
+    /// one of its stop ids. `uniform` supplies numbers in [0, 1), so that sampling is
+    /// reproducible.
     pub fn generate(
         &self,
         prompt: &[u32],
         tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
+        how: &crate::lm::Sampling,
         block_size: usize,
         mut uniform: impl FnMut() -> f64,
     ) -> Vec<u32> {
@@ -291,7 +314,11 @@ impl Gpt {
             let input = Tensor::<2, Int>::from_data(TensorData::new(context, [1, t]), &device);
             let logits = self.forward(input).slice([0..1, t - 1..t]).reshape([-1]);
             let logits: Vec<f32> = logits.into_data().iter::<f32>().collect();
-            ids.push(sample(&logits, temperature, top_k, uniform()));
+            let next = how.pick(&logits, uniform());
+            ids.push(next);
+            if how.stop.contains(&next) {
+                break;
+            }
         }
         ids
     }
@@ -300,27 +327,11 @@ impl Gpt {
 /// Draws an id from `softmax(logits / temperature)` over the `top_k` largest logits, using one
 /// uniform number `u` in [0, 1). A temperature of 0 picks the most likely id.
 pub fn sample(logits: &[f32], temperature: f64, top_k: Option<usize>, u: f64) -> u32 {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    if temperature <= 0.0 {
-        return order[0] as u32;
-    }
-    let keep = top_k.unwrap_or(logits.len()).clamp(1, logits.len());
-    let top = &order[..keep];
-    let max = f64::from(logits[top[0]]);
-    let weights: Vec<f64> = top
-        .iter()
-        .map(|&i| ((f64::from(logits[i]) - max) / temperature).exp())
-        .collect();
-    let total: f64 = weights.iter().sum();
-    let mut target = u * total;
-    for (&i, w) in top.iter().zip(&weights) {
-        if target < *w {
-            return i as u32;
-        }
-        target -= w;
-    }
-    top[keep - 1] as u32
+    let how = crate::lm::Sampling {
+        top_k,
+        ..crate::lm::Sampling::at(temperature)
+    };
+    how.pick(logits, u)
 }
 
 impl BlockStack<TokenBatch> for Gpt {
@@ -329,7 +340,7 @@ impl BlockStack<TokenBatch> for Gpt {
     }
 
     fn stem(&self, batch: &TokenBatch) -> Activation {
-        Activation::Rank3(self.embed(batch.inputs.clone()))
+        Activation::Rank3(self.embed_within(batch.inputs.clone(), batch.documents.as_ref()))
     }
 
     fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
@@ -340,12 +351,17 @@ impl BlockStack<TokenBatch> for Gpt {
         Activation::Rank3(self.blocks[i].forward(x.into_rank()))
     }
 
+    fn block_in(&self, i: usize, x: Activation, batch: &TokenBatch) -> Activation {
+        let starts = batch.documents.as_ref();
+        Activation::Rank3(self.blocks[i].forward_within(x.into_rank(), starts))
+    }
+
+    fn blocks_read_batch(&self) -> bool {
+        true
+    }
+
     fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
-        let samples = batch.inputs.dims()[0];
-        StepOutput::new(
-            Gpt::loss(self.head(x.into_rank()), batch.targets.clone()),
-            samples,
-        )
+        crate::lm::lm_output(self.head(x.into_rank()), batch)
     }
 
     fn blocks_deterministic(&self) -> bool {
@@ -355,9 +371,8 @@ impl BlockStack<TokenBatch> for Gpt {
 
 impl TrainStep<TokenBatch> for Gpt {
     fn step(&self, batch: TokenBatch) -> StepOutput {
-        let samples = batch.inputs.dims()[0];
-        let logits = self.forward(batch.inputs);
-        StepOutput::new(Gpt::loss(logits, batch.targets), samples)
+        let logits = self.forward_within(batch.inputs.clone(), batch.documents.as_ref());
+        crate::lm::lm_output(logits, &batch)
     }
 }
 
@@ -430,6 +445,9 @@ mod tests {
         let device = Device::flex();
         let model = tiny().init(&device);
         let batch = || TokenBatch {
+            trained: None,
+            loss_weight: None,
+            documents: None,
             inputs: tokens(&[1, 2, 3, 4, 5, 6, 7, 8], &device),
             targets: tokens(&[2, 3, 4, 5, 6, 7, 8, 9], &device),
         };

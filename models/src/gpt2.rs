@@ -12,8 +12,8 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::blocks::{Activation, BlockStack};
-use crate::gpt::TokenBatch;
-use crate::lm::{KvCache, causal_mask, lm_loss};
+use crate::lm::TokenBatch;
+use crate::lm::{KvCache, causal_mask, lm_output};
 use crate::step::{StepOutput, TrainStep};
 
 /// GPT-2's MLP activation (`activation_function`).
@@ -207,11 +207,13 @@ pub struct Gpt2Attention {
 }
 
 impl Gpt2Attention {
+    /// `x` attended causally (within documents with `starts`, see
+    /// [`TokenBatch::documents`]); with a `cache`, after its positions, which `mask` covers.
     fn forward(
         &self,
         x: Tensor<3>,
         heads: usize,
-        mask: Option<Tensor<2, Bool>>,
+        (mask, starts): (Option<Tensor<2, Bool>>, Option<&Tensor<2, Int>>),
         cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
     ) -> Tensor<3> {
         let [b, t, c] = x.dims();
@@ -226,7 +228,7 @@ impl Gpt2Attention {
         let (q, mut k, mut v) = (split(0), split(1), split(2));
         let Some((ck, cv)) = cache else {
             // No cache: the mask is the plain causal one, which the fused kernel applies.
-            let y = crate::fused::causal_attention(q, k, v, None);
+            let y = crate::fused::attention_within(q, k, v, starts, None);
             return self.c_proj.forward(y.swap_dims(1, 2).reshape([b, t, c]));
         };
         {
@@ -275,14 +277,14 @@ impl Gpt2Block {
         &self,
         x: Tensor<3>,
         config: &Gpt2Config,
-        mask: Option<Tensor<2, Bool>>,
+        attend: (Option<Tensor<2, Bool>>, Option<&Tensor<2, Int>>),
         cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
     ) -> Tensor<3> {
         let eps = config.layer_norm_epsilon;
         let ln = |norm: &LayerNorm, x: Tensor<3>| crate::fused::layer_norm(norm, eps, x);
         let a = self
             .attn
-            .forward(ln(&self.ln_1, x.clone()), config.n_head, mask, cache);
+            .forward(ln(&self.ln_1, x.clone()), config.n_head, attend, cache);
         let x = x + a;
         let h = self.mlp.c_fc.forward(ln(&self.ln_2, x.clone()));
         let h = match config.activation_function {
@@ -331,6 +333,19 @@ impl Gpt2 {
             + crate::modules::position_rows(&self.transformer.wpe, start, t)
     }
 
+    /// The embeddings of a batch: positions from 0, or restarting at each example of packed
+    /// rows (`starts`, see [`TokenBatch::documents`]).
+    fn embed_within(&self, tokens: Tensor<2, Int>, starts: Option<&Tensor<2, Int>>) -> Tensor<3> {
+        match starts {
+            None => self.embed(tokens, 0),
+            Some(s) => {
+                let positions = crate::lm::positions_within(s);
+                crate::cube::embedding(&self.transformer.wte, tokens)
+                    + crate::cube::embedding(&self.transformer.wpe, positions)
+            }
+        }
+    }
+
     /// The final LayerNorm and the head: `[b, t, c]` → logits `[b, t, vocab]`.
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let eps = self.config.layer_norm_epsilon;
@@ -350,11 +365,18 @@ impl Gpt2 {
 
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let t = tokens.dims()[1];
-        let mask = (t > 1).then(|| causal_mask(0, t, None, &tokens.device()));
-        let mut x = self.embed(tokens, 0);
+        self.forward_within(tokens, None)
+    }
+
+    /// [`Gpt2::forward`] of packed rows (see [`TokenBatch::documents`]).
+    pub fn forward_within(
+        &self,
+        tokens: Tensor<2, Int>,
+        starts: Option<&Tensor<2, Int>>,
+    ) -> Tensor<3> {
+        let mut x = self.embed_within(tokens, starts);
         for block in &self.transformer.h {
-            x = block.forward(x, &self.config, mask.clone(), None);
+            x = block.forward(x, &self.config, (None, starts), None);
         }
         self.head(x)
     }
@@ -369,7 +391,7 @@ impl Gpt2 {
         cache.layers.resize(self.transformer.h.len(), (None, None));
         let mut x = self.embed(tokens, start);
         for (block, kv) in self.transformer.h.iter().zip(cache.layers.iter_mut()) {
-            x = block.forward(x, &self.config, mask.clone(), Some(kv));
+            x = block.forward(x, &self.config, (mask.clone(), None), Some(kv));
         }
         cache.len += t;
         self.head(x)
@@ -381,15 +403,14 @@ impl Gpt2 {
         &self,
         prompt: &[u32],
         tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
+        how: &crate::lm::Sampling,
         uniform: impl FnMut() -> f64,
     ) -> Vec<u32> {
         let device = self.transformer.wte.weight.val().device();
         crate::lm::generate(
             prompt,
             tokens,
-            (temperature, top_k, self.config.n_positions),
+            (how, self.config.n_positions),
             &device,
             |ids, cache| self.forward_cached(ids, cache),
             uniform,
@@ -403,7 +424,7 @@ impl BlockStack<TokenBatch> for Gpt2 {
     }
 
     fn stem(&self, batch: &TokenBatch) -> Activation {
-        Activation::Rank3(self.embed(batch.inputs.clone(), 0))
+        Activation::Rank3(self.embed_within(batch.inputs.clone(), batch.documents.as_ref()))
     }
 
     fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
@@ -411,18 +432,21 @@ impl BlockStack<TokenBatch> for Gpt2 {
     }
 
     fn block(&self, i: usize, x: Activation) -> Activation {
-        let x: Tensor<3> = x.into_rank();
-        let t = x.dims()[1];
-        let mask = (t > 1).then(|| causal_mask(0, t, None, &x.device()));
-        Activation::Rank3(self.transformer.h[i].forward(x, &self.config, mask, None))
+        let x = x.into_rank();
+        Activation::Rank3(self.transformer.h[i].forward(x, &self.config, (None, None), None))
+    }
+
+    fn block_in(&self, i: usize, x: Activation, batch: &TokenBatch) -> Activation {
+        let attend = (None, batch.documents.as_ref());
+        Activation::Rank3(self.transformer.h[i].forward(x.into_rank(), &self.config, attend, None))
+    }
+
+    fn blocks_read_batch(&self) -> bool {
+        true
     }
 
     fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
-        let samples = batch.inputs.dims()[0];
-        StepOutput::new(
-            lm_loss(Gpt2::head(self, x.into_rank()), batch.targets.clone()),
-            samples,
-        )
+        lm_output(Gpt2::head(self, x.into_rank()), batch)
     }
 
     fn blocks_deterministic(&self) -> bool {
@@ -432,7 +456,7 @@ impl BlockStack<TokenBatch> for Gpt2 {
 
 impl TrainStep<TokenBatch> for Gpt2 {
     fn step(&self, batch: TokenBatch) -> StepOutput {
-        let samples = batch.inputs.dims()[0];
-        StepOutput::new(lm_loss(self.forward(batch.inputs), batch.targets), samples)
+        let starts = batch.documents.as_ref();
+        lm_output(self.forward_within(batch.inputs.clone(), starts), &batch)
     }
 }

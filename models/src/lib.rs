@@ -14,6 +14,7 @@ pub mod families;
 pub mod fused;
 pub mod gpt;
 pub mod gpt2;
+mod gqa;
 pub mod hf;
 pub mod llama;
 pub mod lm;
@@ -27,11 +28,11 @@ pub mod step;
 pub use blocks::{Activation, BlockStack};
 pub use convnet::{ConvNet, ConvNetConfig};
 pub use families::HfFamily;
-pub use gpt::{Gpt, GptConfig, TokenBatch};
+pub use gpt::{Gpt, GptConfig};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use hf::{HfArchitecture, HfLoaded};
 pub use llama::{Llama, LlamaConfig};
-pub use lm::{CausalLm, KvCache};
+pub use lm::{CausalLm, IGNORE, KvCache, Sampling, TokenBatch};
 pub use load::{
     Classifier, LanguageModel, LoadError, ModelKind, ModelSection, ModelSpec, load_classifier,
     load_gpt_run, load_lm_run, load_run, read_spec, save_safetensors,

@@ -12,8 +12,10 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::blocks::{Activation, BlockStack};
-use crate::gpt::TokenBatch;
-use crate::lm::{KvCache, causal_mask, lm_loss};
+pub use crate::gqa::Attention;
+use crate::gqa::Masking;
+use crate::lm::TokenBatch;
+use crate::lm::{KvCache, lm_output};
 use crate::rope::Rope;
 use crate::step::{StepOutput, TrainStep};
 
@@ -299,95 +301,6 @@ impl LlamaConfig {
     }
 }
 
-/// Grouped-query self-attention with rotary positions.
-#[derive(Module, Debug)]
-pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-}
-
-impl Attention {
-    /// `[b, t, c]` → `[b, t, c]` at positions given by `rope`; with a `cache`, the keys and
-    /// values of earlier positions are read from it and this call's appended (then `mask`
-    /// covers the cached positions too).
-    fn forward(
-        &self,
-        x: Tensor<3>,
-        rope: &Rope,
-        mask: &Masking,
-        heads: (usize, usize),
-        cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
-    ) -> Tensor<3> {
-        let [b, t, _] = x.dims();
-        let (h, kv) = heads;
-        let split = |y: Tensor<3>, n: usize| {
-            let d = y.dims()[2] / n;
-            y.reshape([b, t, n, d]).swap_dims(1, 2)
-        };
-        let q = rope.apply(split(
-            crate::modules::linear_rows(&self.q_proj, x.clone()),
-            h,
-        ));
-        let mut k = rope.apply(split(
-            crate::modules::linear_rows(&self.k_proj, x.clone()),
-            kv,
-        ));
-        let mut v = split(crate::modules::linear_rows(&self.v_proj, x), kv);
-        if let Some((ck, cv)) = cache {
-            if let Some(old) = ck.take() {
-                k = Tensor::cat(vec![old, k], 2);
-            }
-            if let Some(old) = cv.take() {
-                v = Tensor::cat(vec![old, v], 2);
-            }
-            *ck = Some(k.clone());
-            *cv = Some(v.clone());
-        }
-        let d = q.dims()[3];
-        let s = k.dims()[2];
-        // Each key/value head serves h / kv query heads.
-        let repeat = |y: Tensor<4>| {
-            if h == kv {
-                return y;
-            }
-            y.reshape([b, kv, 1, s, d])
-                .expand([b, kv, h / kv, s, d])
-                .reshape([b, h, s, d])
-        };
-        let (k, v) = (repeat(k), repeat(v));
-        let y = match mask {
-            // Every query sees itself and what came before: one fused kernel on the CPU.
-            Masking::Causal => crate::fused::causal_attention(q, k, v, None),
-            Masking::Keys(mask) => {
-                let scores = q
-                    .matmul(k.swap_dims(2, 3))
-                    .mul_scalar(1.0 / (d as f64).sqrt());
-                let scores = match mask {
-                    Some(m) => scores.mask_fill(
-                        (**m).clone().reshape([1, 1, t, s]).expand([b, h, t, s]),
-                        f32::NEG_INFINITY,
-                    ),
-                    None => scores,
-                };
-                burn::tensor::activation::softmax(scores, 3).matmul(v)
-            }
-        };
-        let y = y.swap_dims(1, 2).reshape([b, t, h * d]);
-        crate::modules::linear_rows(&self.o_proj, y)
-    }
-}
-
-/// Which keys each query of a span may see.
-enum Masking {
-    /// Itself and every earlier position (a span from the first position, no window shorter
-    /// than it): the fused causal attention, no mask built.
-    Causal,
-    /// Where the mask is `true` a key is hidden (`[t, start + t]`); `None`: every key seen.
-    Keys(Option<Box<Tensor<2, Bool>>>),
-}
-
 /// The SwiGLU MLP: `down(silu(gate(x)) · up(x))`.
 #[derive(Module, Debug)]
 pub struct SwiGlu {
@@ -470,18 +383,10 @@ impl Llama {
     /// The rotary tables and the attention mask of `t` new positions after `start` cached ones.
     fn positions(&self, start: usize, t: usize, device: &Device) -> (Rope, Masking) {
         let rope = Rope::new(&self.config.inv_freq(), start, t, device);
-        let window = self.config.sliding_window;
-        // From the first position, with no window shorter than the span: plain causal.
-        let causal = start == 0 && t > 1 && window.is_none_or(|w| w >= t);
-        let mask = if causal {
-            Masking::Causal
-        } else {
-            Masking::Keys(
-                (t > 1 || window.is_some())
-                    .then(|| Box::new(causal_mask(start, t, window, device))),
-            )
-        };
-        (rope, mask)
+        (
+            rope,
+            Masking::span(start, t, self.config.sliding_window, device),
+        )
     }
 
     /// The final norm and the head: `[b, t, c]` → logits `[b, t, vocab]`.
@@ -500,10 +405,31 @@ impl Llama {
         }
     }
 
+    /// The rotary tables and the attention mask of packed rows (`starts`, see
+    /// [`TokenBatch::documents`]): positions from 0 in each example, attention within it (and
+    /// within the sliding window, where there is one).
+    fn positions_within(&self, starts: &Tensor<2, Int>) -> (Rope, Masking) {
+        let within = crate::lm::positions_within(starts);
+        let rope = Rope::at(&self.config.inv_freq(), within);
+        (rope, Masking::within(starts, self.config.sliding_window))
+    }
+
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward_within(tokens, None)
+    }
+
+    /// [`Llama::forward`] of packed rows (see [`TokenBatch::documents`]).
+    pub fn forward_within(
+        &self,
+        tokens: Tensor<2, Int>,
+        starts: Option<&Tensor<2, Int>>,
+    ) -> Tensor<3> {
         let t = tokens.dims()[1];
-        let (rope, mask) = self.positions(0, t, &tokens.device());
+        let (rope, mask) = match starts {
+            Some(s) => self.positions_within(s),
+            None => self.positions(0, t, &tokens.device()),
+        };
         let mut x = crate::cube::embedding(&self.model.embed_tokens, tokens);
         for layer in &self.model.layers {
             x = layer.forward(x, &rope, &mask, self.heads(), None);
@@ -526,22 +452,20 @@ impl Llama {
         self.head(x)
     }
 
-    /// Continues `prompt` by `tokens` ids, each the most likely (`temperature` 0) or drawn as
-    /// [`crate::gpt::sample`] draws, with a key/value cache: the prompt once, then one
-    /// position per new token.
+    /// Continues `prompt` by up to `tokens` ids, each picked as `how` says, with a key/value
+    /// cache: the prompt once, then one position per new token; ends early at a stop id.
     pub fn generate(
         &self,
         prompt: &[u32],
         tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
+        how: &crate::lm::Sampling,
         uniform: impl FnMut() -> f64,
     ) -> Vec<u32> {
         let device = self.model.embed_tokens.weight.val().device();
         crate::lm::generate(
             prompt,
             tokens,
-            (temperature, top_k, self.config.max_position_embeddings),
+            (how, self.config.max_position_embeddings),
             &device,
             |ids, cache| self.forward_cached(ids, cache),
             uniform,
@@ -572,12 +496,21 @@ impl BlockStack<TokenBatch> for Llama {
         Activation::Rank3(self.model.layers[i].forward(x, &rope, &mask, self.heads(), None))
     }
 
+    fn block_in(&self, i: usize, x: Activation, batch: &TokenBatch) -> Activation {
+        let Some(starts) = &batch.documents else {
+            return self.block(i, x);
+        };
+        let (rope, mask) = self.positions_within(starts);
+        let x = x.into_rank();
+        Activation::Rank3(self.model.layers[i].forward(x, &rope, &mask, self.heads(), None))
+    }
+
+    fn blocks_read_batch(&self) -> bool {
+        true
+    }
+
     fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
-        let samples = batch.inputs.dims()[0];
-        StepOutput::new(
-            lm_loss(Llama::head(self, x.into_rank()), batch.targets.clone()),
-            samples,
-        )
+        lm_output(Llama::head(self, x.into_rank()), batch)
     }
 
     fn blocks_deterministic(&self) -> bool {
@@ -587,7 +520,7 @@ impl BlockStack<TokenBatch> for Llama {
 
 impl TrainStep<TokenBatch> for Llama {
     fn step(&self, batch: TokenBatch) -> StepOutput {
-        let samples = batch.inputs.dims()[0];
-        StepOutput::new(lm_loss(self.forward(batch.inputs), batch.targets), samples)
+        let starts = batch.documents.as_ref();
+        lm_output(self.forward_within(batch.inputs.clone(), starts), &batch)
     }
 }

@@ -362,15 +362,14 @@ impl LanguageModel {
         &self,
         prompt: &[u32],
         tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
+        how: &crate::lm::Sampling,
         uniform: &mut dyn FnMut() -> f64,
     ) -> Vec<u32> {
         use crate::lm::CausalLm;
         match self {
-            LanguageModel::Gpt(m) => m.continue_ids(prompt, tokens, temperature, top_k, uniform),
-            LanguageModel::Llama(m) => m.continue_ids(prompt, tokens, temperature, top_k, uniform),
-            LanguageModel::Gpt2(m) => m.continue_ids(prompt, tokens, temperature, top_k, uniform),
+            LanguageModel::Gpt(m) => m.continue_ids(prompt, tokens, how, uniform),
+            LanguageModel::Llama(m) => m.continue_ids(prompt, tokens, how, uniform),
+            LanguageModel::Gpt2(m) => m.continue_ids(prompt, tokens, how, uniform),
         }
     }
 

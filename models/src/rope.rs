@@ -5,12 +5,13 @@ use burn::prelude::*;
 
 use crate::modules::{DeviceKey, device_key, kept_per_thread};
 
-/// The rotary embedding's tables for positions `start..start + t`: `cos` and `sin`, `[t, d]`,
-/// each frequency twice (the half-split layout).
+/// The rotary embedding's tables: `cos` and `sin`, `[rows, t, d]`, each frequency twice (the
+/// half-split layout) — one row for positions `start..start + t` shared by a batch, or one per
+/// batch row for positions of their own (packed examples).
 #[derive(Debug, Clone)]
 pub struct Rope {
-    cos: Tensor<2>,
-    sin: Tensor<2>,
+    cos: Tensor<3>,
+    sin: Tensor<3>,
 }
 
 impl Rope {
@@ -36,7 +37,24 @@ impl Rope {
                 angles.extend(inv_freq.iter().map(|f| p as f32 * f));
             }
         }
-        let angles = Tensor::<2>::from_data(TensorData::new(angles, [t, 2 * half]), device);
+        let angles = Tensor::<3>::from_data(TensorData::new(angles, [1, t, 2 * half]), device);
+        Self {
+            cos: angles.clone().cos(),
+            sin: angles.sin(),
+        }
+    }
+
+    /// The tables of `inv_freq` for each batch row's own `positions` (`[batch, t]`: packed
+    /// examples, each from position 0), on the positions' device.
+    pub fn at(inv_freq: &[f32], positions: Tensor<2, Int>) -> Self {
+        let [b, t] = positions.dims();
+        let device = positions.device();
+        let twice = [inv_freq, inv_freq].concat();
+        let d = twice.len();
+        let freq = Tensor::<1>::from_data(TensorData::new(twice, [d]), &device).reshape([1, 1, d]);
+        // The same f32 product as the shared tables' `p · f`.
+        let angles =
+            positions.float().reshape([b, t, 1]).expand([b, t, d]) * freq.expand([b, t, d]);
         Self {
             cos: angles.clone().cos(),
             sin: angles.sin(),
@@ -52,8 +70,9 @@ impl Rope {
         let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
         // The tables are f32; the activations may be bf16 or f16 (mixed precision).
         let dtype = x.dtype();
-        let cos = self.cos.clone().cast(dtype).reshape([1, 1, t, d]);
-        let sin = self.sin.clone().cast(dtype).reshape([1, 1, t, d]);
+        let rows = self.cos.dims()[0];
+        let cos = self.cos.clone().cast(dtype).reshape([rows, 1, t, d]);
+        let sin = self.sin.clone().cast(dtype).reshape([rows, 1, t, d]);
         x * cos + rotated * sin
     }
 }

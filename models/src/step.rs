@@ -27,6 +27,9 @@ pub struct StepOutput {
     pub correct: Option<Tensor<1, Int>>,
     /// Number of samples in the batch.
     pub samples: usize,
+    /// Tokens the loss is the mean over (a language model's targets that train), counted on
+    /// the host: the log's tokens per second adds them up when any output has them.
+    pub tokens: Option<usize>,
     /// Further scalars by name (`recon_loss`, `d_real`), each a mean over the batch of shape
     /// `[1]`: the trainer averages them over micro-batches and ranks and logs them beside the
     /// loss, in training and in validation.
@@ -44,9 +47,16 @@ impl StepOutput {
             loss,
             correct: None,
             samples,
+            tokens: None,
             metrics: Vec::new(),
             set_metrics: Vec::new(),
         }
+    }
+
+    /// This output with the count of tokens its loss is the mean over.
+    pub fn with_tokens(mut self, tokens: usize) -> Self {
+        self.tokens = Some(tokens);
+        self
     }
 
     /// This output with a count of correct predictions (a classifier's accuracy).

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
 use kiln_models::hf::{self, HfArchitecture};
-use kiln_models::{Gpt2, Llama};
+use kiln_models::{Gpt2, Llama, Sampling};
 use serde_json::Value;
 
 fn fixture(name: &str) -> PathBuf {
@@ -75,8 +75,8 @@ impl Lm {
 
     fn generate(&self, prompt: &[u32], tokens: usize) -> Vec<u32> {
         match self {
-            Lm::Llama(m) => m.generate(prompt, tokens, 0.0, None, || 0.0),
-            Lm::Gpt2(m) => m.generate(prompt, tokens, 0.0, None, || 0.0),
+            Lm::Llama(m) => m.generate(prompt, tokens, &Sampling::greedy(), || 0.0),
+            Lm::Gpt2(m) => m.generate(prompt, tokens, &Sampling::greedy(), || 0.0),
         }
     }
 }

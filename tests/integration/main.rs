@@ -1,5 +1,6 @@
 //! kiln's integration tests: one test binary, one module per area.
 
+mod chat;
 mod cli;
 mod common;
 mod cores;

@@ -91,12 +91,14 @@ fn recomputed_blocks_give_the_plain_gradients_for_the_gpt() {
         )
     });
     let ids: Vec<i64> = (0..4 * 8).map(|i| (i * 5 + 1) % 13).collect();
-    let batch = || TokenBatch {
-        inputs: Tensor::from_data(TensorData::new(ids.clone(), [4, 8]), &device),
-        targets: Tensor::from_data(
-            TensorData::new(ids.iter().map(|i| (i + 1) % 13).collect::<Vec<_>>(), [4, 8]),
-            &device,
-        ),
+    let batch = || {
+        TokenBatch::new(
+            Tensor::from_data(TensorData::new(ids.clone(), [4, 8]), &device),
+            Tensor::from_data(
+                TensorData::new(ids.iter().map(|i| (i + 1) % 13).collect::<Vec<_>>(), [4, 8]),
+                &device,
+            ),
+        )
     };
     let (all, every_second) = recompute_gap(&model, batch, &device);
     println!("gpt: recompute gap {all:.3e} (every block), {every_second:.3e} (every 2nd)");

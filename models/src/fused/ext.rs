@@ -14,8 +14,8 @@ use burn::tensor::{DType, Shape};
 use super::flex::{
     attention_forward, attention_shape, contiguous, cross_entropy_forward, dims, f32s,
     gelu_forward, heads_of, layer_norm_forward, linear_backward, linear_forward, operand,
-    packed_forward, packed_shape, relu_max_pool2_forward, rms_norm_forward, swiglu_forward,
-    targets, tensor, view4,
+    packed_forward, packed_shape, relu_max_pool2_forward, rms_norm_forward, scored, starts,
+    swiglu_forward, targets, tensor, view4,
 };
 use super::{gated, kernels};
 
@@ -46,15 +46,23 @@ pub trait FusedOps: burn::backend::Backend {
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,
     ) -> FloatTensor<Self>;
-    /// Causal attention of `q`, `k`, `v` (`[B, H, T, D]`), scaled by 1/√D.
+    /// Causal attention of `q`, `k`, `v` (`[B, H, T, D]`), scaled by 1/√D; `starts`: each
+    /// row's first key (`[B, T]`: the first position of its document in a packed row), or
+    /// empty (every row sees the keys from 0).
     fn fused_causal_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        starts: IntTensor<Self>,
     ) -> FloatTensor<Self>;
     /// Causal attention of a packed projection `qkv` (`[B, T, 3·C]`: q, k and v side by side,
-    /// each of `heads` heads), `[B, T, C]` with the heads side by side.
-    fn fused_causal_attention_packed(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self>;
+    /// each of `heads` heads), `[B, T, C]` with the heads side by side; `starts` as
+    /// [`FusedOps::fused_causal_attention`]'s.
+    fn fused_causal_attention_packed(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        starts: IntTensor<Self>,
+    ) -> FloatTensor<Self>;
     /// `x · w` (`[M, K] · [K, N]`).
     fn fused_linear(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
     /// `x · w + b` (`b`: `[N]`).
@@ -95,12 +103,21 @@ impl FusedOps for Flex {
         cross_entropy_forward(&logits, &targets(&t)).0
     }
 
-    fn fused_causal_attention(q: FlexTensor, k: FlexTensor, v: FlexTensor) -> FlexTensor {
-        attention_forward(&q, &k, &v).0
+    fn fused_causal_attention(
+        q: FlexTensor,
+        k: FlexTensor,
+        v: FlexTensor,
+        s: IntTensor<Flex>,
+    ) -> FlexTensor {
+        attention_forward(&q, &k, &v, &starts(&s)).0
     }
 
-    fn fused_causal_attention_packed(qkv: FlexTensor, heads: usize) -> FlexTensor {
-        packed_forward(&qkv, heads).0
+    fn fused_causal_attention_packed(
+        qkv: FlexTensor,
+        heads: usize,
+        s: IntTensor<Flex>,
+    ) -> FlexTensor {
+        packed_forward(&qkv, heads, &starts(&s)).0
     }
 
     fn fused_linear(x: FlexTensor, w: FlexTensor) -> FlexTensor {
@@ -264,7 +281,7 @@ impl Backward<Flex, 1> for CrossEntropyBackward {
             let (logits, targets, lse) = ops.state;
             let [n, v]: [usize; 2] = dims(&logits).try_into().unwrap();
             let logits = contiguous(&logits);
-            let scale = f32s(&dloss)[0] / n as f32;
+            let scale = f32s(&dloss)[0] / scored(&targets) as f32;
             let mut dlogits = vec![0.0f32; n * v];
             kernels::cross_entropy_backward(
                 f32s(&logits),
@@ -282,14 +299,24 @@ impl Backward<Flex, 1> for CrossEntropyBackward {
 #[derive(Debug)]
 struct AttentionBackward;
 
+/// Each row's first key, as the attention's forward took them.
+type Starts = std::sync::Arc<Vec<usize>>;
+
 impl Backward<Flex, 3> for AttentionBackward {
-    /// q, k, v, the output laid out `[B, T, H, D]` and the rows' log-sum-exp.
-    type State = (FlexTensor, FlexTensor, FlexTensor, FlexTensor, FlexTensor);
+    /// q, k, v, the output laid out `[B, T, H, D]`, the rows' log-sum-exp and first keys.
+    type State = (
+        FlexTensor,
+        FlexTensor,
+        FlexTensor,
+        FlexTensor,
+        FlexTensor,
+        Starts,
+    );
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_q, node_k, node_v] = ops.parents;
         let dout = grads.consume::<Flex>(&ops.node);
-        let (q, k, v, out, lse) = ops.state;
+        let (q, k, v, out, lse, starts) = ops.state;
         let shape = attention_shape(&q, &k, &v);
         let [b, h, t, d] = shape;
         let c = h * d;
@@ -304,6 +331,7 @@ impl Backward<Flex, 3> for AttentionBackward {
             view4(&dout),
             shape,
             1.0 / (d as f32).sqrt(),
+            &starts,
             &mut all,
             [3 * c, 0, c, 2 * c],
         );
@@ -323,14 +351,14 @@ impl Backward<Flex, 3> for AttentionBackward {
 struct PackedAttentionBackward;
 
 impl Backward<Flex, 1> for PackedAttentionBackward {
-    /// The packed projection, the output, the rows' log-sum-exp, the heads.
-    type State = (FlexTensor, FlexTensor, FlexTensor, usize);
+    /// The packed projection, the output, the rows' log-sum-exp, the heads, the first keys.
+    type State = (FlexTensor, FlexTensor, FlexTensor, usize, Starts);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node] = ops.parents;
         let dout = operand(&grads.consume::<Flex>(&ops.node));
         let Some(node) = node else { return };
-        let (qkv, out, lse, heads) = ops.state;
+        let (qkv, out, lse, heads, starts) = ops.state;
         let qkv = operand(&qkv);
         let shape = packed_shape(&qkv, heads);
         let [b, h, t, d] = shape;
@@ -345,6 +373,7 @@ impl Backward<Flex, 1> for PackedAttentionBackward {
             heads_of(&dout, 0, shape),
             shape,
             1.0 / (d as f32).sqrt(),
+            &starts,
             &mut dqkv,
             [3 * c, 0, c, 2 * c],
         );
@@ -454,17 +483,24 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        s: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         let (qp, kp, vp) = (q.primitive(), k.primitive(), v.primitive());
-        let (y, lse) = attention_forward(qp, kp, vp);
+        let s = std::sync::Arc::new(starts(&s));
+        let (y, lse) = attention_forward(qp, kp, vp, &s);
         let prep = AttentionBackward.prepare::<C>([q.node(), k.node(), v.node()]);
-        let state = || (qp.clone(), kp.clone(), vp.clone(), y.clone(), lse);
+        let state = || (qp.clone(), kp.clone(), vp.clone(), y.clone(), lse, s);
         record(prep, state, y.clone())
     }
 
-    fn fused_causal_attention_packed(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self> {
-        let (y, lse) = packed_forward(qkv.primitive(), heads);
-        let state = || (qkv.primitive().clone(), y.clone(), lse, heads);
+    fn fused_causal_attention_packed(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        s: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let s = std::sync::Arc::new(starts(&s));
+        let (y, lse) = packed_forward(qkv.primitive(), heads, &s);
+        let state = || (qkv.primitive().clone(), y.clone(), lse, heads, s);
         record(
             PackedAttentionBackward.prepare::<C>([qkv.node()]),
             state,

@@ -60,29 +60,30 @@ pub(super) fn heads_view(values: Vec<f32>, [b, h, t, d]: [usize; 4]) -> FlexTens
     tensor(values, [b, t, h, d]).transpose(1, 2)
 }
 
+/// The targets as row indices; a negative one (PyTorch's `-100`, [`crate::IGNORE`]) is
+/// [`IGNORED`]: its row takes no part in the loss.
 pub(super) fn targets(t: &IntTensor<Flex>) -> Vec<usize> {
     let t = t.to_contiguous();
-    let as_index = |i: i64, n: usize| -> usize {
-        usize::try_from(i).unwrap_or_else(|_| panic!("target {i} of row {n} is negative"))
-    };
+    let as_index = |i: i64| -> usize { usize::try_from(i).unwrap_or(IGNORED) };
     match t.dtype() {
         DType::I64 => t
             .as_slice::<i64>()
             .unwrap()
             .iter()
-            .enumerate()
-            .map(|(n, &i)| as_index(i, n))
+            .map(|&i| as_index(i))
             .collect(),
         DType::I32 => t
             .as_slice::<i32>()
             .unwrap()
             .iter()
-            .enumerate()
-            .map(|(n, &i)| as_index(i as i64, n))
+            .map(|&i| as_index(i as i64))
             .collect(),
         other => panic!("cross-entropy targets must be i64 or i32, got {other:?}"),
     }
 }
+
+/// A row whose target is negative: no loss, no gradient.
+pub(super) const IGNORED: usize = usize::MAX;
 
 pub(super) fn layer_norm_forward(
     x: &FlexTensor,
@@ -169,7 +170,8 @@ pub(super) fn cross_entropy_forward(
         "{n} rows of logits, {} targets",
         targets.len()
     );
-    if let Some((row, &t)) = targets.iter().enumerate().find(|(_, t)| **t >= v) {
+    let out_of_range = |t: &usize| *t >= v && *t != IGNORED;
+    if let Some((row, &t)) = targets.iter().enumerate().find(|(_, t)| out_of_range(t)) {
         panic!("target {t} of row {row} is not below the {v} classes");
     }
     let logits = contiguous(logits);
@@ -177,9 +179,15 @@ pub(super) fn cross_entropy_forward(
     let mut scratch = vec![0.0f32; v];
     let total = kernels::cross_entropy_forward(f32s(&logits), v, targets, &mut lse, &mut scratch);
     (
-        tensor(vec![(total / n as f64) as f32], [1]),
+        tensor(vec![(total / scored(targets) as f64) as f32], [1]),
         tensor(lse, [n]),
     )
+}
+
+/// The rows a loss is the mean over: those with a target, at least one (a batch with none
+/// has the loss 0 and no gradient, not 0/0).
+pub(super) fn scored(targets: &[usize]) -> usize {
+    targets.iter().filter(|&&t| t != IGNORED).count().max(1)
 }
 
 pub(super) fn attention_shape(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> [usize; 4] {
@@ -193,11 +201,19 @@ pub(super) fn attention_shape(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) ->
     shape
 }
 
-/// The output (a `[B, H, T, D]` view of a `[B, T, H, D]` buffer) and the rows' log-sum-exp.
+/// Each row's first key (`[B, T]`: the first position of its document in a packed row), or
+/// empty (every row from 0).
+pub(super) fn starts(t: &IntTensor<Flex>) -> Vec<usize> {
+    targets(t)
+}
+
+/// The output (a `[B, H, T, D]` view of a `[B, T, H, D]` buffer) and the rows' log-sum-exp;
+/// `starts` as [`kernels::attention_forward`]'s.
 pub(super) fn attention_forward(
     q: &FlexTensor,
     k: &FlexTensor,
     v: &FlexTensor,
+    starts: &[usize],
 ) -> (FlexTensor, FlexTensor) {
     let shape = attention_shape(q, k, v);
     let [b, h, t, d] = shape;
@@ -210,6 +226,7 @@ pub(super) fn attention_forward(
         view4(v),
         shape,
         scale,
+        starts,
         &mut out,
         &mut lse,
     );
@@ -273,8 +290,13 @@ pub(super) fn heads_of(t: &FlexTensor, start: usize, [_, _, _, d]: [usize; 4]) -
     }
 }
 
-/// The output (`[B, T, H·D]`) and the rows' log-sum-exp of attention over a packed projection.
-pub(super) fn packed_forward(qkv: &FlexTensor, heads: usize) -> (FlexTensor, FlexTensor) {
+/// The output (`[B, T, H·D]`) and the rows' log-sum-exp of attention over a packed projection;
+/// `starts` as [`kernels::attention_forward`]'s.
+pub(super) fn packed_forward(
+    qkv: &FlexTensor,
+    heads: usize,
+    starts: &[usize],
+) -> (FlexTensor, FlexTensor) {
     let qkv = operand(qkv);
     let shape = packed_shape(&qkv, heads);
     let [b, h, t, d] = shape;
@@ -287,6 +309,7 @@ pub(super) fn packed_forward(qkv: &FlexTensor, heads: usize) -> (FlexTensor, Fle
         heads_of(&qkv, 2 * c, shape),
         shape,
         1.0 / (d as f32).sqrt(),
+        starts,
         &mut out,
         &mut lse,
     );

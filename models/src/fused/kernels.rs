@@ -232,7 +232,8 @@ versions! {
     }
 
     /// Each row's log-sum-exp of `logits` (`[rows, v]`) into `lse`; returns the summed
-    /// cross-entropy `Σ lse - logit[target]` (in f64, the mean's sum over many rows).
+    /// cross-entropy `Σ lse - logit[target]` (in f64, the mean's sum over many rows) of the
+    /// rows whose target is not `usize::MAX` (ignored: not summed, its `lse` 0).
     pub(crate) fn cross_entropy_forward(
         logits: &[f32],
         v: usize,
@@ -242,6 +243,10 @@ versions! {
     ) -> f64 {
         let mut total = 0.0f64;
         for ((row, &target), lse) in logits.chunks_exact(v).zip(targets).zip(lse.iter_mut()) {
+            if target == usize::MAX {
+                *lse = 0.0;
+                continue;
+            }
             let m = max(row);
             scratch.copy_from_slice(row);
             let s = exp_shifted(scratch, m);
@@ -251,7 +256,8 @@ versions! {
         total
     }
 
-    /// Cross-entropy's backward: `dlogits = scale·(softmax(logits) - onehot(target))`.
+    /// Cross-entropy's backward: `dlogits = scale·(softmax(logits) - onehot(target))`, zero
+    /// on a row whose target is ignored (`usize::MAX`).
     pub(crate) fn cross_entropy_backward(
         logits: &[f32],
         v: usize,
@@ -262,6 +268,10 @@ versions! {
     ) {
         let rows = logits.chunks_exact(v).zip(dlogits.chunks_exact_mut(v));
         for (((row, d), &target), &lse) in rows.zip(targets).zip(lse) {
+            if target == usize::MAX {
+                d.fill(0.0);
+                continue;
+            }
             for (d, &l) in d.iter_mut().zip(row) {
                 *d = scale * exp(l - lse);
             }
@@ -272,16 +282,22 @@ versions! {
     /// Causal attention, `softmax(q·kᵀ·scale, masked to keys ≤ query)·v`, by blocks of
     /// [`QUERY_BLOCK`] query rows: a block's scores against the keys up to its last row are one
     /// matrix product (at most `QUERY_BLOCK × T` of them held, never `T × T`), each row's
-    /// softmax is taken over its own keys (the later ones set to zero), and the block's output
+    /// softmax is taken over its own keys (the others set to zero), and the block's output
     /// is the product of those weights with the values, written straight into `out` (laid
     /// out `[B, T, H, D]`: the model's next step reads it so). `lse` (`[B, H, T]`) gets each
     /// row's log-sum-exp for the backward.
+    ///
+    /// `starts` (`[B, T]`, or empty: every row from 0) is, for each row, the first key it may
+    /// see — the first position of its document in a packed row: the row sees `start..=i`,
+    /// and a block's product covers the keys from its rows' first start only.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_forward(
         q: View4,
         k: View4,
         v: View4,
         shape: [usize; 4],
         scale: f32,
+        starts: &[usize],
         out: &mut [f32],
         lse: &mut [f32],
     ) {
@@ -289,19 +305,24 @@ versions! {
         let (mut qr, mut kr, mut vr) = (vec![0.0f32; t * d], vec![0.0f32; t * d], vec![0.0f32; t * d]);
         let mut p = vec![0.0f32; QUERY_BLOCK.min(t) * t];
         for b in 0..nb {
+            let first_key = |i: usize| starts.get(b * t + i).copied().unwrap_or(0);
             for h in 0..nh {
                 q.gather(b, h, t, d, &mut qr);
                 k.gather(b, h, t, d, &mut kr);
                 v.gather(b, h, t, d, &mut vr);
                 for i0 in (0..t).step_by(QUERY_BLOCK) {
                     let i1 = (i0 + QUERY_BLOCK).min(t);
-                    // The block's rows see the keys up to its last row.
-                    let (rows, keys) = (i1 - i0, i1);
+                    // The block's rows see the keys from their first start to its last row.
+                    let k0 = (i0..i1).map(first_key).min().unwrap_or(0);
+                    let (rows, keys) = (i1 - i0, i1 - k0);
                     let p = &mut p[..rows * keys];
                     let q_blk = Mat::rows(&qr, i0 * d, [rows, d], d);
-                    gemm::product_into(p, 0, keys, q_blk, Mat::rows(&kr, 0, [keys, d], d).t(), false);
+                    let keys_k = Mat::rows(&kr, k0 * d, [keys, d], d);
+                    gemm::product_into(p, 0, keys, q_blk, keys_k.t(), false);
                     for (r, row) in p.chunks_exact_mut(keys).enumerate() {
-                        let (seen, later) = row.split_at_mut(i0 + r + 1);
+                        let i = i0 + r;
+                        let (before, rest) = row.split_at_mut(first_key(i) - k0);
+                        let (seen, later) = rest.split_at_mut(i + 1 - first_key(i));
                         for s in seen.iter_mut() {
                             *s *= scale;
                         }
@@ -311,11 +332,12 @@ versions! {
                         for s in seen.iter_mut() {
                             *s *= inv;
                         }
+                        before.fill(0.0);
                         later.fill(0.0);
-                        lse[(b * nh + h) * t + i0 + r] = m + total.ln();
+                        lse[(b * nh + h) * t + i] = m + total.ln();
                     }
                     let at = (b * t + i0) * nh * d + h * d;
-                    let values = Mat::rows(&vr, 0, [keys, d], d);
+                    let values = Mat::rows(&vr, k0 * d, [keys, d], d);
                     gemm::product_into(out, at, nh * d, Mat::rows(p, 0, [rows, keys], keys), values, false);
                 }
             }
@@ -328,13 +350,14 @@ versions! {
     /// out by `layout = [row, q, k, v]`: head `h`'s gradient at time `i` of batch row `b`
     /// starts at `(b·T + i)·row + base + h·D` with `base` the tensor's (`[B, T, 3, H, D]` when
     /// `row = 3·H·D` and the bases are `0, H·D, 2·H·D`: the gradient of a packed q/k/v
-    /// projection).
+    /// projection). `starts` as the forward's.
     ///
     /// By blocks of [`QUERY_BLOCK`] query rows, as the forward: the block's probabilities `p`
-    /// and `dp = dout·vᵀ` against the keys up to its last row (two products), the score
-    /// gradients `ds = p·(dp − dout·out)·scale`, then `dq = ds·k` for the block's rows and
+    /// and `dp = dout·vᵀ` against the keys it sees (two products), the score gradients
+    /// `ds = p·(dp − dout·out)·scale`, then `dq = ds·k` for the block's rows and
     /// `dk += dsᵀ·q`, `dv += pᵀ·dout` for its keys (three more), each product written
     /// straight into `grads`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_backward(
         q: View4,
         k: View4,
@@ -344,6 +367,7 @@ versions! {
         dout: View4,
         shape: [usize; 4],
         scale: f32,
+        starts: &[usize],
         grads: &mut [f32],
         layout: [usize; 4],
     ) {
@@ -354,6 +378,7 @@ versions! {
         let mut p = vec![0.0f32; QUERY_BLOCK.min(t) * t];
         let mut ds = vec![0.0f32; QUERY_BLOCK.min(t) * t];
         for b in 0..nb {
+            let first_key = |i: usize| starts.get(b * t + i).copied().unwrap_or(0);
             for h in 0..nh {
                 q.gather(b, h, t, d, &mut qr);
                 k.gather(b, h, t, d, &mut kr);
@@ -362,35 +387,39 @@ versions! {
                 let first = (b * t) * row_len + h * d;
                 for i0 in (0..t).step_by(QUERY_BLOCK) {
                     let i1 = (i0 + QUERY_BLOCK).min(t);
-                    // The block's rows see the keys up to its last row.
-                    let (rows, keys) = (i1 - i0, i1);
+                    let k0 = (i0..i1).map(first_key).min().unwrap_or(0);
+                    let (rows, keys) = (i1 - i0, i1 - k0);
                     let (p, ds) = (&mut p[..rows * keys], &mut ds[..rows * keys]);
                     let q_blk = Mat::rows(&qr, i0 * d, [rows, d], d);
                     let do_blk = Mat::rows(&dor, i0 * d, [rows, d], d);
-                    let keys_k = Mat::rows(&kr, 0, [keys, d], d);
-                    let keys_v = Mat::rows(&vr, 0, [keys, d], d);
+                    let keys_k = Mat::rows(&kr, k0 * d, [keys, d], d);
+                    let keys_v = Mat::rows(&vr, k0 * d, [keys, d], d);
                     gemm::product_into(p, 0, keys, q_blk, keys_k.t(), false);
                     gemm::product_into(ds, 0, keys, do_blk, keys_v.t(), false);
                     for (r, (p_row, ds_row)) in
                         p.chunks_exact_mut(keys).zip(ds.chunks_exact_mut(keys)).enumerate()
                     {
                         let i = i0 + r;
+                        let (lo, hi) = (first_key(i) - k0, i + 1 - k0);
                         let lse_i = lse[(b * nh + h) * t + i];
                         let at = (b * t + i) * nh * d + h * d;
                         // D_i = dout_i · out_i.
                         let delta = dot(&dor[i * d..(i + 1) * d], &out[at..at + d]);
-                        for (pj, dsj) in p_row[..=i].iter_mut().zip(ds_row[..=i].iter_mut()) {
+                        for (pj, dsj) in p_row[lo..hi].iter_mut().zip(ds_row[lo..hi].iter_mut()) {
                             *pj = exp(*pj * scale - lse_i);
                             *dsj = *pj * (*dsj - delta) * scale;
                         }
-                        p_row[i + 1..].fill(0.0);
-                        ds_row[i + 1..].fill(0.0);
+                        p_row[..lo].fill(0.0);
+                        ds_row[..lo].fill(0.0);
+                        p_row[hi..].fill(0.0);
+                        ds_row[hi..].fill(0.0);
                     }
                     let (p, ds) = (Mat::rows(p, 0, [rows, keys], keys), Mat::rows(ds, 0, [rows, keys], keys));
                     let at = first + i0 * row_len;
+                    let keys_at = first + k0 * row_len;
                     gemm::product_into(grads, at + base_q, row_len, ds, keys_k, false);
-                    gemm::product_into(grads, first + base_k, row_len, ds.t(), q_blk, true);
-                    gemm::product_into(grads, first + base_v, row_len, p.t(), do_blk, true);
+                    gemm::product_into(grads, keys_at + base_k, row_len, ds.t(), q_blk, true);
+                    gemm::product_into(grads, keys_at + base_v, row_len, p.t(), do_blk, true);
                 }
             }
         }

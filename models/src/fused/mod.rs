@@ -337,7 +337,9 @@ pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 }
 
 /// Mean cross-entropy of `logits` (`[rows, classes]`, any float dtype: computed in f32) against
-/// the class ids `targets` (`[rows]`), shape `[1]`.
+/// the class ids `targets` (`[rows]`), shape `[1]`. A row whose target is negative
+/// ([`crate::IGNORE`], PyTorch's `ignore_index = -100`) takes no part: the mean is over the
+/// other rows, and its logits get no gradient; with no row left the loss is 0.
 pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
     let logits = logits.cast(burn::tensor::FloatDType::F32);
     if !fused_here(logits.dtype(), &logits.device()) {
@@ -349,10 +351,18 @@ pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
     ))
 }
 
+/// [`cross_entropy`] in Burn's ops: the log-softmax's entry at each target, the ignored rows'
+/// (a negative target, read at class 0) multiplied by 0, summed over the rows scored.
 fn cross_entropy_composed(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
-    burn::nn::loss::CrossEntropyLossConfig::new()
-        .init(&logits.device())
-        .forward(logits, targets)
+    let [n, _] = logits.dims();
+    let scored = targets.clone().greater_equal_elem(0);
+    let at = targets.clamp_min(0).reshape([n, 1]);
+    let picked = burn::tensor::activation::log_softmax(logits, 1)
+        .gather(1, at)
+        .reshape([n]);
+    let weight = scored.float();
+    let count = weight.clone().sum().clamp_min(1.0);
+    (picked * weight).sum().neg() / count
 }
 
 /// Causal self-attention of `q`, `k`, `v` (`[batch, heads, time, head_dim]`): position `t`
@@ -365,13 +375,53 @@ pub fn causal_attention(
     v: Tensor<4>,
     dropout: Option<&Dropout>,
 ) -> Tensor<4> {
+    attention_within(q, k, v, None, dropout)
+}
+
+/// [`causal_attention`] within documents: with `starts` (`[batch, time]`, the position where
+/// each position's document begins in its row — several examples packed into one row),
+/// position `t` attends to `starts[t]..=t` only, so that no example sees another.
+pub fn attention_within(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    starts: Option<&Tensor<2, Int>>,
+    dropout: Option<&Dropout>,
+) -> Tensor<4> {
     let device = q.device();
     let dropout_acts = dropout.is_some_and(|d| d.prob > 0.0 && device.is_autodiff());
     let dtypes = [q.dtype(), k.dtype(), v.dtype()];
     if dropout_acts || !dtypes.iter().all(|&d| fused_here(d, &device)) {
-        return causal_attention_composed(q, k, v, dropout);
+        return causal_attention_composed(q, k, v, starts, dropout);
     }
-    causal_attention_fused(q, k, v)
+    attention_fused(q, k, v, starts)
+}
+
+fn attention_fused(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    starts: Option<&Tensor<2, Int>>,
+) -> Tensor<4> {
+    let device = q.device();
+    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_causal_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        starts_or_none(starts, &device),
+    ))
+}
+
+/// The starts as the fused ops take them: the tensor, or an empty one (every row from 0).
+fn starts_or_none(
+    starts: Option<&Tensor<2, Int>>,
+    device: &Device,
+) -> burn::tensor::DispatchTensor {
+    match starts {
+        Some(s) => s.clone().into_dispatch(),
+        None => Tensor::<1, Int>::from_data(TensorData::new(Vec::<i64>::new(), [0]), device)
+            .into_dispatch(),
+    }
 }
 
 /// [`causal_attention`] of a packed projection: `qkv` is `[batch, time, 3·channels]` (q, k and
@@ -385,6 +435,16 @@ pub fn causal_attention_packed(
     heads: usize,
     dropout: Option<&Dropout>,
 ) -> Tensor<3> {
+    packed_within(qkv, heads, None, dropout)
+}
+
+/// [`causal_attention_packed`] within documents (`starts` as [`attention_within`]'s).
+pub fn packed_within(
+    qkv: Tensor<3>,
+    heads: usize,
+    starts: Option<&Tensor<2, Int>>,
+    dropout: Option<&Dropout>,
+) -> Tensor<3> {
     let c3 = qkv.dims()[2];
     assert!(
         heads > 0 && c3.is_multiple_of(3 * heads),
@@ -393,17 +453,24 @@ pub fn causal_attention_packed(
     let device = qkv.device();
     let dropout_acts = dropout.is_some_and(|d| d.prob > 0.0 && device.is_autodiff());
     if !dropout_acts && fused_here(qkv.dtype(), &device) {
+        let starts = starts_or_none(starts, &device);
         return Tensor::from_dispatch(<Dispatch as FusedOps>::fused_causal_attention_packed(
             qkv.into_dispatch(),
             heads,
+            starts,
         ));
     }
-    packed_composed(qkv, heads, dropout)
+    packed_composed(qkv, heads, starts, dropout)
 }
 
 /// The Burn ops that [`causal_attention_packed`] replaces: q, k and v sliced out of the
 /// projection, attention, the heads put side by side again.
-fn packed_composed(qkv: Tensor<3>, heads: usize, dropout: Option<&Dropout>) -> Tensor<3> {
+fn packed_composed(
+    qkv: Tensor<3>,
+    heads: usize,
+    starts: Option<&Tensor<2, Int>>,
+    dropout: Option<&Dropout>,
+) -> Tensor<3> {
     let [b, t, c3] = qkv.dims();
     let (c, d) = (c3 / 3, c3 / 3 / heads);
     let split = |i: usize| {
@@ -412,7 +479,7 @@ fn packed_composed(qkv: Tensor<3>, heads: usize, dropout: Option<&Dropout>) -> T
             .reshape([b, t, heads, d])
             .swap_dims(1, 2)
     };
-    causal_attention_composed(split(0), split(1), split(2), dropout)
+    causal_attention_composed(split(0), split(1), split(2), starts, dropout)
         .swap_dims(1, 2)
         .reshape([b, t, c])
 }
@@ -440,26 +507,30 @@ pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tenso
     })
 }
 
-fn causal_attention_fused(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
-    Tensor::from_dispatch(<Dispatch as FusedOps>::fused_causal_attention(
-        q.into_dispatch(),
-        k.into_dispatch(),
-        v.into_dispatch(),
-    ))
-}
-
 fn causal_attention_composed(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
+    starts: Option<&Tensor<2, Int>>,
     dropout: Option<&Dropout>,
 ) -> Tensor<4> {
     let [b, h, t, d] = q.dims();
+    let device = q.device();
     let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((d as f32).sqrt());
-    let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
-        .reshape([1, 1, t, t])
-        .expand([b, h, t, t]);
-    let weights = burn::tensor::activation::softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
+    let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &device).reshape([1, t, t]);
+    let hidden = match starts {
+        // A key before the query's document begins is hidden too.
+        Some(s) => {
+            let keys = Tensor::<1, Int>::arange(0..t as i64, &device)
+                .reshape([1, 1, t])
+                .expand([b, t, t]);
+            let before = keys.lower(s.clone().reshape([b, t, 1]).expand([b, t, t]));
+            future.expand([b, t, t]).bool_or(before)
+        }
+        None => future.expand([b, t, t]),
+    };
+    let hidden = hidden.reshape([b, 1, t, t]).expand([b, h, t, t]);
+    let weights = burn::tensor::activation::softmax(scores.mask_fill(hidden, f32::NEG_INFINITY), 3);
     match dropout {
         Some(dropout) => dropout.forward(weights),
         None => weights,

@@ -227,16 +227,87 @@ fn gelu_equals_burns_forward_and_backward() {
 #[test]
 fn cross_entropy_equals_burns_forward_and_backward() {
     let device = Device::flex().autodiff();
+    let burns = |logits: Tensor<2>, targets: Tensor<1, Int>| {
+        burn::nn::loss::CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, targets)
+    };
     for (n, v) in [(1, 2), (37, 65), (24 * 64, 97), (5, 50_257)] {
         let logits = spread([n, v], 21, 4.0, 0.0, &device);
         let ids: Vec<i64> = (0..n).map(|i| ((i * 7919 + 13) % v) as i64).collect();
         let targets = Tensor::<1, Int>::from_data(TensorData::new(ids, [n]), &device);
-        assert_same(
-            &format!("cross-entropy {n} × {v}"),
-            &[logits],
-            |x| cross_entropy(x[0].clone(), targets.clone()),
-            |x| cross_entropy_composed(x[0].clone(), targets.clone()),
+        for (name, composed) in [
+            ("Burn's loss", &burns as &dyn Fn(_, _) -> _),
+            ("the composed ops", &cross_entropy_composed),
+        ] {
+            assert_same(
+                &format!("cross-entropy {n} × {v} against {name}"),
+                std::slice::from_ref(&logits),
+                |x| cross_entropy(x[0].clone(), targets.clone()),
+                |x| composed(x[0].clone(), targets.clone()),
+            );
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_leaves_out_the_ignored_rows_and_gives_them_no_gradient() {
+    let device = Device::flex().autodiff();
+    let (n, v) = (37, 65);
+    let ids: Vec<i64> = (0..n)
+        .map(|i| {
+            if i % 3 == 1 {
+                crate::IGNORE
+            } else {
+                ((i * 7919 + 13) % v) as i64
+            }
+        })
+        .collect();
+    let kept: Vec<usize> = (0..n).filter(|i| i % 3 != 1).collect();
+    let logits = spread([n, v], 21, 4.0, 0.0, &device);
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(ids.clone(), [n]), &device);
+    // Both ways agree with each other ...
+    assert_same(
+        "cross-entropy with ignored rows",
+        std::slice::from_ref(&logits),
+        |x| cross_entropy(x[0].clone(), targets.clone()),
+        |x| cross_entropy_composed(x[0].clone(), targets.clone()),
+    );
+    // ... and with Burn's loss over the kept rows alone.
+    let (y, g) = run(std::slice::from_ref(&logits), |x| {
+        cross_entropy(x[0].clone(), targets.clone())
+    });
+    let index = Tensor::<1, Int>::from_data(
+        TensorData::new(kept.iter().map(|&i| i as i64).collect(), [kept.len()]),
+        &device,
+    );
+    let kept_targets: Vec<i64> = kept.iter().map(|&i| ids[i]).collect();
+    let kept_targets =
+        Tensor::<1, Int>::from_data(TensorData::new(kept_targets, [kept.len()]), &device);
+    let (y2, _) = run(std::slice::from_ref(&logits), |x| {
+        burn::nn::loss::CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(x[0].clone().select(0, index.clone()), kept_targets.clone())
+    });
+    assert_close("the mean over the kept rows", &y, &y2, 1e-6);
+    for row in (0..n).filter(|i| i % 3 == 1) {
+        assert!(
+            g[0][row * v..(row + 1) * v].iter().all(|&d| d == 0.0),
+            "row {row} is ignored but its logits have a gradient"
         );
+    }
+    assert!(g[0][..v].iter().any(|&d| d != 0.0), "a kept row's gradient");
+    // Every row ignored: the loss 0 and no gradient, not NaN.
+    let none = Tensor::<1, Int>::from_data(TensorData::new(vec![crate::IGNORE; n], [n]), &device);
+    for (name, loss) in [
+        ("fused", &cross_entropy as &dyn Fn(_, _) -> Tensor<1>),
+        ("composed", &cross_entropy_composed),
+    ] {
+        let (y, g) = run(std::slice::from_ref(&logits), |x| {
+            loss(x[0].clone(), none.clone())
+        });
+        assert_eq!(y, [0.0], "{name}: no row scored");
+        assert!(g[0].iter().all(|&d| d == 0.0), "{name}: no row scored");
     }
 }
 
@@ -266,12 +337,13 @@ fn causal_attention_equals_burns_forward_and_backward() {
         assert_same(
             &what,
             std::slice::from_ref(&qkv),
-            |x| causal_attention_fused(split(&x[0], 0), split(&x[0], 1), split(&x[0], 2)),
+            |x| attention_fused(split(&x[0], 0), split(&x[0], 1), split(&x[0], 2), None),
             |x| {
                 causal_attention_composed(
                     split(&x[0], 0),
                     split(&x[0], 1),
                     split(&x[0], 2),
+                    None,
                     Some(&off),
                 )
             },
@@ -285,8 +357,16 @@ fn causal_attention_equals_burns_forward_and_backward() {
         assert_same(
             &format!("{what}, contiguous"),
             &[q, k, v],
-            |x| causal_attention_fused(x[0].clone(), x[1].clone(), x[2].clone()),
-            |x| causal_attention_composed(x[0].clone(), x[1].clone(), x[2].clone(), Some(&off)),
+            |x| attention_fused(x[0].clone(), x[1].clone(), x[2].clone(), None),
+            |x| {
+                causal_attention_composed(
+                    x[0].clone(),
+                    x[1].clone(),
+                    x[2].clone(),
+                    None,
+                    Some(&off),
+                )
+            },
         );
     }
 }
@@ -306,7 +386,7 @@ fn packed_attention_equals_burns_forward_and_backward() {
             &format!("packed attention {:?}", [b, h, t, d]),
             std::slice::from_ref(&qkv),
             |x| causal_attention_packed(x[0].clone(), h, None),
-            |x| packed_composed(x[0].clone(), h, None),
+            |x| packed_composed(x[0].clone(), h, None, None),
         );
         // A projection that is itself a view: the first 3·C of wider rows.
         let wide = leaf([b, t, 3 * h * d + 5], 52, &device);
@@ -315,9 +395,79 @@ fn packed_attention_equals_burns_forward_and_backward() {
             &format!("packed attention {:?}, strided", [b, h, t, d]),
             std::slice::from_ref(&wide),
             |x| causal_attention_packed(view(&x[0]), h, None),
-            |x| packed_composed(view(&x[0]), h, None),
+            |x| packed_composed(view(&x[0]), h, None, None),
         );
     }
+}
+
+/// Each position's document start in rows packed with documents of `lengths` (one list per
+/// row, summing to `t`), as a `[rows, t]` tensor.
+fn document_starts(lengths: &[&[usize]], device: &Device) -> Tensor<2, Int> {
+    let t: usize = lengths[0].iter().sum();
+    let mut starts = Vec::new();
+    for row in lengths {
+        let mut at = 0;
+        for &n in *row {
+            starts.extend(std::iter::repeat_n(at as i64, n));
+            at += n;
+        }
+        assert_eq!(at, t);
+    }
+    Tensor::from_data(TensorData::new(starts, [lengths.len(), t]), device)
+}
+
+#[test]
+fn attention_within_documents_equals_the_masked_composition_and_each_document_alone() {
+    let device = Device::flex().autodiff();
+    let (h, d) = (2, 8);
+    // Documents that straddle the kernel's blocks of 64 rows, one of a single token, a row
+    // that is one document.
+    let rows: [&[usize]; 3] = [&[40, 70, 40], &[1, 149], &[150]];
+    let starts = document_starts(&rows, &device);
+    let (b, t) = (rows.len(), 150);
+    let qkv = leaf([b, t, 3 * h * d], 71, &device);
+    let c = h * d;
+    let split = |x: &Tensor<3>, i: usize| {
+        x.clone()
+            .slice([0..b, 0..t, i * c..(i + 1) * c])
+            .reshape([b, t, h, d])
+            .swap_dims(1, 2)
+    };
+    assert_same(
+        "attention within documents",
+        std::slice::from_ref(&qkv),
+        |x| {
+            attention_fused(
+                split(&x[0], 0),
+                split(&x[0], 1),
+                split(&x[0], 2),
+                Some(&starts),
+            )
+        },
+        |x| {
+            causal_attention_composed(
+                split(&x[0], 0),
+                split(&x[0], 1),
+                split(&x[0], 2),
+                Some(&starts),
+                None,
+            )
+        },
+    );
+    assert_same(
+        "packed attention within documents",
+        std::slice::from_ref(&qkv),
+        |x| packed_within(x[0].clone(), h, Some(&starts), None),
+        |x| packed_composed(x[0].clone(), h, Some(&starts), None),
+    );
+    // Row 0's middle document alone gives the rows it gives packed.
+    let packed = values(&packed_within(qkv.clone(), h, Some(&starts), None));
+    let alone = qkv.clone().slice([0..1, 40..110, 0..3 * c]);
+    let alone = values(&causal_attention_packed(alone, h, None));
+    let inside: Vec<f32> = (40..110)
+        .flat_map(|i| packed[i * c..(i + 1) * c].to_vec())
+        .collect();
+    assert_close("a document alone", &inside, &alone, 1e-6);
 }
 
 /// The output and the gradients of `x`, `w` and `b` of `Σ linear(x, w or wᵀ, b)·r`.
@@ -439,14 +589,20 @@ fn without_autodiff_the_kernels_give_the_same_outputs() {
             q.clone(),
             Some(&off),
         )),
-        &values(&causal_attention_composed(q.clone(), q.clone(), q, None)),
+        &values(&causal_attention_composed(
+            q.clone(),
+            q.clone(),
+            q,
+            None,
+            None,
+        )),
         1e-5,
     );
     let qkv = x.clone().reshape([2, 4, 30]);
     assert_close(
         "packed attention",
         &values(&causal_attention_packed(qkv.clone(), 5, None)),
-        &values(&packed_composed(qkv, 5, None)),
+        &values(&packed_composed(qkv, 5, None, None)),
         1e-5,
     );
     let conv = burn::nn::conv::Conv2dConfig::new([2, 3], [3, 3])
@@ -480,6 +636,6 @@ fn other_dtypes_and_live_dropout_take_burns_ops() {
     let live = DropoutConfig::new(0.5).init();
     let q = leaf([1, 1, 4, 8], 2, &device);
     let a = causal_attention(q.clone(), q.clone(), q.clone(), Some(&live));
-    let b = causal_attention_fused(q.clone(), q.clone(), q);
+    let b = attention_fused(q.clone(), q.clone(), q, None);
     assert_ne!(values(&a), values(&b), "dropout at 0.5 changed nothing");
 }

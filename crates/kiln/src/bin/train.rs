@@ -10,8 +10,13 @@ fn main() {
         .recipe_origin(kiln::builtin::RECIPE_ORIGIN)
         .command(
             "sample",
-            "Generate text with a trained language-model run (GPT, Llama, GPT-2)",
-            kiln::builtin::text::sample,
+            "Generate text with a trained language-model run (GPT, Llama, GPT-2), or its answer to a prompt",
+            kiln::builtin::talk::sample,
+        )
+        .command(
+            "chat",
+            "Talk to a fine-tuned run (instruct or chat data): a turn per line of input",
+            kiln::builtin::talk::chat,
         )
         .main_with(kiln::builtin::check, kiln::builtin::train)
 }

@@ -40,6 +40,64 @@ pub enum DatasetKind {
     /// A CSV table in `data.path` (numeric columns; `data.target` the class), for
     /// `model.kind = "mlp"`.
     Csv,
+    /// Prompt and answer pairs, one JSON object per line of `data.path` (Alpaca's
+    /// `instruction`/`input`/`output`, `prompt`/`completion`, or the fields `data.fields`
+    /// names), rendered with the checkpoint's chat template, for the language models.
+    Instruct,
+    /// Conversations, one JSON object per line of `data.path` with a `messages` list of
+    /// `{role, content}` (`system`, `user`, `assistant`), rendered with the checkpoint's chat
+    /// template, for the language models.
+    Chat,
+}
+
+impl DatasetKind {
+    /// Whether a language model trains on it.
+    pub fn is_text(self) -> bool {
+        matches!(self, Self::Text | Self::Instruct | Self::Chat)
+    }
+}
+
+/// `instruct`/`chat`: which tokens the loss is taken on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TrainOn {
+    /// The assistant's answers alone (with the template's end of the turn): the prompt's
+    /// tokens, the system message's and the template's own have no loss.
+    Responses,
+    /// Every token of the rendered conversation.
+    All,
+}
+
+/// `instruct`/`chat`: what happens to an example longer than `data.context` + 1 tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Overlong {
+    /// Its first tokens are kept (it still trains where an answer lies in them).
+    Truncate,
+    /// It is left out, and counted with the records set aside.
+    Drop,
+}
+
+/// `instruct`/`chat`: the fields of a record, where they are not the usual ones.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FieldNames {
+    /// `instruct`: the prompt's field (`instruction` or `prompt` by default).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
+    /// `instruct`: an input that follows the prompt after a blank line (`input` with
+    /// `instruction`; none with `prompt`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub input: Option<String>,
+    /// `instruct`: the answer's field (`output` or `completion` by default).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub response: Option<String>,
+    /// `instruct`: a system message's field (`system` by default).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub system: Option<String>,
+    /// `chat`: the list of turns (`messages` by default).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub messages: Option<String>,
 }
 
 /// `[data]`: dataset choice and location.
@@ -82,7 +140,8 @@ pub struct DataConfig {
     /// `text`: the vocabulary of a trained model — its run directory or its `tokenizer.json`
     /// — instead of one built from the text: what fine-tuning a text GPT on another text
     /// needs. The text's characters outside it are left out (the start-up table counts them).
-    /// Not with `on_disk`. Default: the text's own.
+    /// Not with `on_disk`. Default: the text's own. `instruct`/`chat`: the directory (or its
+    /// `tokenizer.json`) of the tokenizer and chat template. Default: `init.from`'s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<PathBuf>,
     /// `text`: tokens per training and validation window for `llama`, `gpt2` and `hf` models
@@ -99,10 +158,28 @@ pub struct DataConfig {
     /// `csv`: the feature columns. Default: every column but the target.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub features: Vec<String>,
-    /// `csv`: a table of evaluation rows (the same columns). Default: the rows left after
-    /// `train_fraction` of a seeded shuffle.
+    /// `csv`: a table of evaluation rows (the same columns); `instruct`/`chat`: a JSONL file
+    /// of validation records. Default: the rows or records left after `train_fraction` of a
+    /// seeded shuffle.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_path: Option<PathBuf>,
+    /// `instruct`/`chat`: the fields of a record, where they are not the usual ones.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fields: Option<FieldNames>,
+    /// `instruct`/`chat`: `responses` (the loss on the answers alone) or `all`. Default
+    /// `responses`.
+    pub train_on: TrainOn,
+    /// `instruct`/`chat`: `truncate` or `drop` an example longer than the context. Default
+    /// `truncate`.
+    pub overlong: Overlong,
+    /// `instruct`/`chat`: the largest share of the records that may be set aside (a line that
+    /// does not parse, a record without its fields, an unknown role, a template that does not
+    /// render it, an example dropped for its length) before the run is refused. Default 0.01.
+    pub max_dropped: f64,
+    /// `instruct`/`chat`: pack the training examples into rows of `data.context` tokens
+    /// (attention within each example, positions from 0 in each) instead of padding each to
+    /// its batch's longest. Default false.
+    pub pack: bool,
 }
 
 impl Default for DataConfig {
@@ -125,6 +202,11 @@ impl Default for DataConfig {
             target: "label".to_string(),
             features: Vec::new(),
             eval_path: None,
+            fields: None,
+            train_on: TrainOn::Responses,
+            overlong: Overlong::Truncate,
+            max_dropped: 0.01,
+            pack: false,
         }
     }
 }
@@ -138,7 +220,7 @@ impl DataConfig {
             DatasetKind::FashionMnist => PathBuf::from("data/fashion-mnist"),
             DatasetKind::Text => PathBuf::from("data/text"),
             DatasetKind::ImageFolder => PathBuf::from("data/image-folder"),
-            DatasetKind::Csv => PathBuf::from("data"),
+            DatasetKind::Csv | DatasetKind::Instruct | DatasetKind::Chat => PathBuf::from("data"),
         })
     }
 
@@ -170,6 +252,12 @@ impl DataConfig {
         {
             return Err(Error::config(format!(
                 "key `data.channels`: must be 1 (grey) or 3 (RGB), got {c}"
+            )));
+        }
+        let m = self.max_dropped;
+        if !(0.0..=1.0).contains(&m) {
+            return Err(Error::config(format!(
+                "key `data.max_dropped`: a share of the records from 0 to 1, got {m}"
             )));
         }
         if self.context == Some(0) {
@@ -207,11 +295,11 @@ impl DataConfig {
 pub fn check(config: &Config) -> Result<()> {
     config.data.check()?;
     let text_model = config.model.kind.is_language_model();
-    let text_data = config.data.dataset == DatasetKind::Text;
+    let text_data = config.data.dataset.is_text();
     if text_model != text_data {
         return Err(Error::config(format!(
             "key `data.dataset`: {:?} does not fit model.kind = {:?} (gpt, llama, gpt2 and hf \
-             train on \"text\", image models on image datasets)",
+             train on \"text\", \"instruct\" and \"chat\", image models on image datasets)",
             name_of(&config.data.dataset),
             name_of(&config.model.kind)
         )));

@@ -81,7 +81,11 @@ impl Workload for ImageWorkload {
 pub fn load_data(config: &DataConfig) -> Result<ImageSplits> {
     let kind = match config.dataset {
         DatasetKind::Digits => return Ok(kiln_datasets::digits()),
-        DatasetKind::Text | DatasetKind::ImageFolder | DatasetKind::Csv => {
+        DatasetKind::Text
+        | DatasetKind::ImageFolder
+        | DatasetKind::Csv
+        | DatasetKind::Instruct
+        | DatasetKind::Chat => {
             return Err(Error::config(format!(
                 "key `data.dataset`: {:?} is not a dataset held in memory",
                 crate::config::name_of(&config.dataset)

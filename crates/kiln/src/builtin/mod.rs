@@ -10,19 +10,26 @@
 //! ```ignore
 //! kiln::App::new("train", "…")
 //!     .recipe(kiln::builtin::RECIPE)
-//!     .command("sample", "…", kiln::builtin::text::sample)
+//!     .command("sample", "…", kiln::builtin::talk::sample)
+//!     .command("chat", "…", kiln::builtin::talk::chat)
 //!     .main_with(kiln::builtin::check, kiln::builtin::train)
 //! ```
 
 mod config;
 pub mod folder;
 pub mod image;
+pub mod instruct;
 mod launch;
+pub mod sequences;
 pub mod table;
+pub mod talk;
 pub mod text;
 mod vocab;
 
-pub use config::{Config, DataConfig, DatasetKind, RECIPE, RECIPE_ORIGIN, check, load};
+pub use config::{
+    Config, DataConfig, DatasetKind, FieldNames, Overlong, RECIPE, RECIPE_ORIGIN, TrainOn, check,
+    load,
+};
 
 use kiln_models::ModelKind;
 
@@ -32,7 +39,10 @@ use crate::run::{RunOptions, RunResult};
 /// Trains the workload `config` describes: an image classifier or a GPT on text.
 pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
     match config.model.kind {
-        kind if kind.is_language_model() => text::train(config, options),
+        kind if kind.is_language_model() => match config.data.dataset {
+            DatasetKind::Instruct | DatasetKind::Chat => instruct::train(config, options),
+            _ => text::train(config, options),
+        },
         _ if config.data.dataset == DatasetKind::Csv => table::train(config, options),
         ModelKind::Convnet | ModelKind::Mlp if config.data.dataset == DatasetKind::ImageFolder => {
             folder::train(config, options)

@@ -4,11 +4,13 @@
 //! sample`.
 
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::prelude::*;
 use kiln_models::hf::HfArchitecture;
-use kiln_models::{CausalLm, Gpt, Gpt2, HfFamily, Llama, ModelKind, ModelSpec, TokenBatch};
+use kiln_models::{
+    CausalLm, Gpt, Gpt2, HfFamily, Llama, ModelKind, ModelSection, ModelSpec, TokenBatch,
+};
 
 use super::config::Config;
 use super::launch::launch;
@@ -37,26 +39,55 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
     }
     let text = read_text(config, &path)?;
     let vocab = text.vocab.size();
+    let run = Windows {
+        config,
+        options,
+        text,
+    };
+    with_family(config, vocab, &path, run)
+}
+
+/// What runs once the model's family, its architecture and the context are known (from the
+/// config and, for `model.kind = "hf"`, the checkpoint's `config.json`).
+pub(super) trait WithFamily {
+    /// Runs with family `M` of architecture `model_config`, windows of `context` tokens;
+    /// `model` is the `[model]` section the run records (a checkpoint's family resolved).
+    fn run<M: HfFamily + 'static>(
+        self,
+        model_config: M::Config,
+        context: usize,
+        model: ModelSection,
+    ) -> Result<RunResult>;
+}
+
+/// The language model of `config` (its vocabulary resolved against the `vocab` ids of the
+/// tokenizer of `source`) handed to `then`.
+pub(super) fn with_family(
+    config: &Config,
+    vocab: usize,
+    source: &Path,
+    then: impl WithFamily,
+) -> Result<RunResult> {
     let mut model = config.model.clone();
     match config.model.kind {
         ModelKind::Gpt => {
-            model.gpt.vocab_size = resolve_vocab("model.gpt", model.gpt.vocab_size, vocab, &path)?;
+            model.gpt.vocab_size = resolve_vocab("model.gpt", model.gpt.vocab_size, vocab, source)?;
             let context = model.gpt.block_size;
-            language::<Gpt>(config, options, text, model.gpt.clone(), context, model)
+            then.run::<Gpt>(model.gpt.clone(), context, model)
         }
         ModelKind::Llama => {
             let c = &mut model.llama;
-            c.vocab_size = resolve_vocab("model.llama", c.vocab_size, vocab, &path)?;
+            c.vocab_size = resolve_vocab("model.llama", c.vocab_size, vocab, source)?;
             let context = config.data.context.unwrap_or(c.max_position_embeddings);
             let c = c.clone();
-            language::<Llama>(config, options, text, c, context, model)
+            then.run::<Llama>(c, context, model)
         }
         ModelKind::Gpt2 => {
             let c = &mut model.gpt2;
-            c.vocab_size = resolve_vocab("model.gpt2", c.vocab_size, vocab, &path)?;
+            c.vocab_size = resolve_vocab("model.gpt2", c.vocab_size, vocab, source)?;
             let context = config.data.context.unwrap_or(c.n_positions);
             let c = c.clone();
-            language::<Gpt2>(config, options, text, c, context, model)
+            then.run::<Gpt2>(c, context, model)
         }
         ModelKind::Hf => {
             let dir = config.kiln.init.from.clone().ok_or_else(|| {
@@ -80,13 +111,13 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
                     model.kind = ModelKind::Llama;
                     model.llama = c.clone();
                     let context = config.data.context.unwrap_or(c.max_position_embeddings);
-                    language::<Llama>(config, options, text, c, context, model)
+                    then.run::<Llama>(c, context, model)
                 }
                 HfArchitecture::Gpt2(c) => {
                     model.kind = ModelKind::Gpt2;
                     model.gpt2 = c.clone();
                     let context = config.data.context.unwrap_or(c.n_positions);
-                    language::<Gpt2>(config, options, text, c, context, model)
+                    then.run::<Gpt2>(c, context, model)
                 }
             }
         }
@@ -94,6 +125,31 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
             "key `model.kind`: {:?} does not train on text",
             crate::config::name_of(&kind)
         ))),
+    }
+}
+
+/// Random windows of a text.
+struct Windows<'a> {
+    config: &'a Config,
+    options: &'a RunOptions,
+    text: TextParts,
+}
+
+impl WithFamily for Windows<'_> {
+    fn run<M: HfFamily + 'static>(
+        self,
+        model_config: M::Config,
+        context: usize,
+        model: ModelSection,
+    ) -> Result<RunResult> {
+        language::<M>(
+            self.config,
+            self.options,
+            self.text,
+            model_config,
+            context,
+            model,
+        )
     }
 }
 
@@ -121,7 +177,7 @@ fn language<M>(
     text: TextParts,
     model_config: M::Config,
     context: usize,
-    model: kiln_models::ModelSection,
+    model: ModelSection,
 ) -> Result<RunResult>
 where
     M: HfFamily + 'static,
@@ -214,7 +270,7 @@ where
 /// With `export.format = "hf"`, the `config.json` of the run's Hugging Face directory: a
 /// checkpoint's own (`model.kind = "hf"`), else one written for the architecture; refused for
 /// kiln's GPT, which has none.
-fn hf_config<M: HfFamily>(
+pub(super) fn hf_config<M: HfFamily>(
     config: &Config,
     model_config: &M::Config,
 ) -> Result<Option<serde_json::Value>> {
@@ -268,10 +324,10 @@ impl<M: CausalLm> TextWorkload<M> {
             targets.extend(window[1..].iter().map(|&x| i64::from(x)));
         }
         let n = starts.len();
-        Ok(TokenBatch {
-            inputs: Tensor::from_data(TensorData::new(inputs, [n, t]), device),
-            targets: Tensor::from_data(TensorData::new(targets, [n, t]), device),
-        })
+        Ok(TokenBatch::new(
+            Tensor::from_data(TensorData::new(inputs, [n, t]), device),
+            Tensor::from_data(TensorData::new(targets, [n, t]), device),
+        ))
     }
 }
 
@@ -343,77 +399,4 @@ impl<M: CausalLm + 'static> Workload for TextWorkload<M> {
     fn flops_per_sample(&self) -> Option<f64> {
         Some(M::flops_per_token(&self.config, self.context) * self.context as f64)
     }
-}
-
-/// `train sample`: continue a prompt with a trained language model (kiln's GPT, a Llama-family
-/// or GPT-2 checkpoint).
-#[derive(Debug, clap::Args)]
-pub struct SampleArgs {
-    /// The run directory of a language-model run (kiln's GPT, `llama`, `gpt2` or `hf`).
-    #[arg(long, value_name = "PATH")]
-    pub run: PathBuf,
-    /// Text to continue, encoded with the run's tokenizer (characters or subword tokens).
-    #[arg(long, default_value = "\n")]
-    pub prompt: String,
-    /// Number of tokens to generate (characters, for a character vocabulary).
-    #[arg(long, default_value_t = 500)]
-    pub tokens: usize,
-    /// Softmax temperature; 0 picks the most likely token.
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f64,
-    /// Sample only among the K most likely tokens.
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Seed of the sampling.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
-}
-
-/// `train sample`: prints the continuation of a prompt by a trained language-model run.
-pub fn sample(args: SampleArgs) -> Result<()> {
-    say!("{}", generate(&args)?);
-    Ok(())
-}
-
-/// Generates text from a trained language-model run (kiln's GPT, Llama, GPT-2); returns
-/// prompt + continuation.
-pub fn generate(args: &SampleArgs) -> Result<String> {
-    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
-        return Err(Error::config(format!(
-            "--temperature {}: expected a number >= 0",
-            args.temperature
-        )));
-    }
-    if args.top_k == Some(0) {
-        return Err(Error::config("--top-k 0: expected at least 1".to_string()));
-    }
-    let tokenizer_path = args.run.join(TOKENIZER_FILE);
-    if !tokenizer_path.is_file() {
-        return Err(Error::checkpoint(format!(
-            "{}: not found; is {} a language-model run directory?",
-            tokenizer_path.display(),
-            args.run.display()
-        )));
-    }
-    let vocab = Vocab::load(&tokenizer_path)?;
-    let device = burn::prelude::Device::flex();
-    let model = kiln_models::load_lm_run(&args.run, &device)
-        .map_err(|e| Error::checkpoint(e.to_string()))?;
-    let prompt = vocab
-        .encode(&args.prompt)
-        .map_err(|e| Error::config(format!("--prompt: {e}")))?;
-    if prompt.is_empty() {
-        return Err(Error::config("--prompt: must not be empty".to_string()));
-    }
-    let mut rng = kiln_datasets::rng::SplitMix64::new(args.seed);
-    let ids = model.continue_ids(
-        &prompt,
-        args.tokens,
-        args.temperature,
-        args.top_k,
-        &mut || rng.next_f64(),
-    );
-    vocab
-        .decode(&ids)
-        .map_err(|e| Error::checkpoint(format!("{}: {e}", tokenizer_path.display())))
 }

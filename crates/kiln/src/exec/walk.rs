@@ -234,14 +234,30 @@ impl Stash {
     }
 }
 
-/// Runs blocks `blocks` of `model` on `x` (the output of the block before, or of the stem),
-/// recomputing the blocks `plan` says (counted within the range: its last block is never
-/// recomputed). Returns the output (detached), what the backward needs, and the model as the
-/// hooks left it.
+/// Block `i` of `model` on `x`, handed the micro-batch where the stage has it
+/// ([`BlockStack::block_in`]: a packed batch's documents).
+fn block_on<B, M: BlockStack<B>>(
+    model: &M,
+    i: usize,
+    x: Activation,
+    batch: Option<&B>,
+) -> Activation {
+    match batch {
+        Some(batch) => model.block_in(i, x, batch),
+        None => model.block(i, x),
+    }
+}
+
+/// Runs blocks `blocks` of `model` on `x` (the output of the block before, or of the stem)
+/// for the micro-batch `batch` (where the caller has it: a pipeline's middle stages have it
+/// only for a model whose blocks read it), recomputing the blocks `plan` says (counted within
+/// the range: its last block is never recomputed). Returns the output (detached), what the
+/// backward needs, and the model as the hooks left it.
 pub fn forward_blocks<B, M, H>(
     mut model: M,
     mut x: Activation,
     blocks: Range<usize>,
+    batch: Option<&B>,
     plan: &Plan,
     hooks: &mut H,
 ) -> Result<(Activation, Stash, M)>
@@ -272,12 +288,13 @@ where
                 // A copy whose parameters need no gradient: its forward records no graph. It
                 // shares the model's tensors and buffers, so nothing is copied.
                 let input = x.detach();
-                x = draws::forward(|| model.clone().no_grad().block(i, input.clone()));
+                let frozen = model.clone().no_grad();
+                x = draws::forward(|| block_on(&frozen, i, input.clone(), batch));
                 Saved::Recomputed(Box::new(input))
             }
             None => {
                 let input = x.detach().require_grad();
-                let output = draws::forward(|| model.block(i, input.clone()));
+                let output = draws::forward(|| block_on(&model, i, input.clone(), batch));
                 x = output.clone().detach();
                 Saved::Kept(Box::new((input, output)))
             }
@@ -290,12 +307,14 @@ where
 }
 
 /// The backward of the blocks whose forward left `stash`, seeded with `upstream` (the
-/// gradient at their output); each block's parameter gradients go to `hooks`. Returns the
-/// gradient at the range's input and the model as the hooks left it.
+/// gradient at their output), for the micro-batch the forward had; each block's parameter
+/// gradients go to `hooks`. Returns the gradient at the range's input and the model as the
+/// hooks left it.
 pub fn backward_blocks<B, M, H>(
     mut model: M,
     stash: Stash,
     mut upstream: Activation,
+    batch: Option<&B>,
     plan: &Plan,
     hooks: &mut H,
 ) -> Result<(Activation, M)>
@@ -321,7 +340,7 @@ where
                     collect_floats(&model, false)
                 });
                 let input = input.require_grad();
-                let output = draws::forward(|| model.block(i, input.clone()));
+                let output = draws::forward(|| block_on(&model, i, input.clone(), batch));
                 if let Some(values) = buffers {
                     sync_running_state(&model);
                     // Running states are shared between clones: restoring them on a clone
@@ -412,10 +431,10 @@ where
     let n = model.num_blocks();
     let any_recomputed = (0..n).any(|i| plan.recompute.recomputes(i, n));
     let (x, stem_graph) = stem_forward(&model, &batch, any_recomputed);
-    let (x, stash, model) = forward_blocks(model, x, 0..n, plan, hooks)?;
+    let (x, stash, model) = forward_blocks(model, x, 0..n, Some(&batch), plan, hooks)?;
     let (out, upstream, head) = head_backward(&model, x, &batch, objective);
     hooks.grads(&model, Part::Head, head)?;
-    let (upstream, model) = backward_blocks(model, stash, upstream, plan, hooks)?;
+    let (upstream, model) = backward_blocks(model, stash, upstream, Some(&batch), plan, hooks)?;
     if let Some(grads) = stem_backward(&model, &batch, stem_graph, upstream) {
         hooks.grads(&model, Part::Stem, grads)?;
     }

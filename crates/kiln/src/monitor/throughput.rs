@@ -109,13 +109,16 @@ impl Throughput {
         }
     }
 
-    /// Adds the columns for a window that trained `rate` samples per second and spent
-    /// `times` (data, compute, sync, optimizer) in each part of a step; returns the words the
-    /// progress display adds.
+    /// Adds the columns for a window that trained `rate` samples per second — `tokens` tokens
+    /// per second, where the steps' outputs counted the tokens their losses were the means
+    /// over (a language model's trained targets), else `rate` × the tokens per sample — and
+    /// spent `times` (data, compute, sync, optimizer) in each part of a step; returns the
+    /// words the progress display adds.
     pub fn annotate(
         &mut self,
         record: &mut Map<String, Value>,
         rate: f64,
+        tokens: Option<f64>,
         times: [f64; 4],
     ) -> String {
         let world = self.world as f64;
@@ -125,12 +128,14 @@ impl Throughput {
         let smooth = self.samples_ema.update(rate);
         put("samples_per_sec_ema", smooth);
         put("samples_per_sec_per_device", rate / world);
-        let mut words = match self.tokens_per_sample {
-            Some(t) => {
-                put("tokens_per_sec", rate * t);
-                put("tokens_per_sec_ema", self.tokens_ema.update(rate * t));
-                put("tokens_per_sec_per_device", rate * t / world);
-                format!("{:.0} tokens/s", smooth * t)
+        let tokens = tokens.or(self.tokens_per_sample.map(|t| rate * t));
+        let mut words = match tokens {
+            Some(tokens) => {
+                put("tokens_per_sec", tokens);
+                let smooth = self.tokens_ema.update(tokens);
+                put("tokens_per_sec_ema", smooth);
+                put("tokens_per_sec_per_device", tokens / world);
+                format!("{smooth:.0} tokens/s")
             }
             None => format!("{smooth:.0} samples/s"),
         };
@@ -200,7 +205,7 @@ mod tests {
     fn throughput_columns_follow_from_the_rate() {
         let mut t = Throughput::new(2, Some(64), Some(6.0e6 * 64.0), Some(1.0), 0.5);
         let mut r = Map::new();
-        let words = t.annotate(&mut r, 100.0, [1.0, 7.0, 1.0, 1.0]);
+        let words = t.annotate(&mut r, 100.0, None, [1.0, 7.0, 1.0, 1.0]);
         assert_eq!(r["tokens_per_sec"], 6400.0);
         assert_eq!(r["tokens_per_sec_per_device"], 3200.0);
         assert_eq!(r["samples_per_sec_per_device"], 50.0);
@@ -209,12 +214,17 @@ mod tests {
         assert!((r["mfu"].as_f64().unwrap() - 0.0192).abs() < 1e-12);
         assert_eq!(r["pct_compute"], 70.0);
         assert!(words.contains("mfu 1.9%"), "{words}");
-        t.annotate(&mut r, 200.0, [1.0, 1.0, 1.0, 1.0]);
+        t.annotate(&mut r, 200.0, None, [1.0, 1.0, 1.0, 1.0]);
         assert_eq!(r["samples_per_sec_ema"], 150.0);
         assert_eq!(r["pct_sync"], 25.0);
         let mut images = Throughput::new(1, None, None, Some(1.0), 0.5);
         let mut r = Map::new();
-        images.annotate(&mut r, 10.0, [0.0; 4]);
+        images.annotate(&mut r, 10.0, None, [0.0; 4]);
         assert!(!r.contains_key("mfu") && !r.contains_key("tokens_per_sec"));
+        // Tokens counted by the steps (the targets that trained) replace rate × tokens.
+        let words = t.annotate(&mut r, 100.0, Some(1000.0), [1.0; 4]);
+        assert_eq!(r["tokens_per_sec"], 1000.0);
+        assert_eq!(r["tokens_per_sec_per_device"], 500.0);
+        assert!(words.contains("tokens/s"), "{words}");
     }
 }

@@ -41,6 +41,9 @@ struct Window {
     metrics: BTreeMap<String, (Tensor<1>, usize)>,
     steps: usize,
     samples: usize,
+    /// Tokens the scored micro-batches' losses were the means over (the first group's), when
+    /// their outputs count them.
+    tokens: Option<f64>,
     started: Instant,
     /// Seconds of the window spent outside training (validation, checkpoints).
     excluded: f64,
@@ -55,6 +58,7 @@ impl Window {
             metrics: BTreeMap::new(),
             steps: 0,
             samples: 0,
+            tokens: None,
             started: Instant::now(),
             excluded: 0.0,
             times: Times::default(),
@@ -137,6 +141,9 @@ impl<'a> Logger<'a> {
         self.lrs[phase] = lr;
         w.scored[phase] += outs.len();
         for out in outs {
+            if let (0, Some(t)) = (phase, out.tokens) {
+                w.tokens = Some(w.tokens.unwrap_or(0.0) + t as f64);
+            }
             let l = out.loss.clone();
             w.loss[phase] = Some(match w.loss[phase].take() {
                 Some(sum) => sum + l,
@@ -187,7 +194,13 @@ impl<'a> Logger<'a> {
             .map(|l| l.take().map_or(0.0, |l| l.into_scalar::<f32>()))
             .collect();
         stats.extend(w.scored.iter().map(|n| *n as f32));
+        // The tokens trained, and how many ranks counted any.
+        stats.extend([
+            w.tokens.unwrap_or(0.0) as f32,
+            f32::from(u8::from(w.tokens.is_some())),
+        ]);
         self.comm.all_reduce(&mut stats, ReduceOp::Sum)?;
+        let tokens = (stats[2 * phases + 1] > 0.0).then(|| f64::from(stats[2 * phases]));
         let group_losses: Vec<f64> = (0..phases)
             .map(|g| f64::from(stats[g]) / f64::from(stats[phases + g]).max(1.0))
             .collect();
@@ -228,7 +241,8 @@ impl<'a> Logger<'a> {
                 ("time_optim", num(per(t.optim))),
             ]);
             let times = [t.data, t.compute, t.sync, t.optim];
-            rates = self.throughput.annotate(&mut r, rate, times);
+            let token_rate = tokens.map(|t| t / elapsed.max(1e-9));
+            rates = self.throughput.annotate(&mut r, rate, token_rate, times);
             if let Some(sc) = &state.scaler {
                 r.insert("loss_scale".into(), num(sc.scale));
                 r.insert("skipped_steps".into(), json!(sc.skipped));

@@ -80,16 +80,18 @@ pub(super) fn validate<W: Workload>(
         let mut correct: Option<Tensor<1, Int>> = None;
         let mut named = BTreeMap::new();
         let mut sets = SetParts::default();
+        // The loss is a mean over what the batches' losses are means over: their tokens where
+        // they count them (a language model's trained targets), else their samples.
+        let mut weights = 0.0f64;
         let mut start = range.start;
         while start < range.end {
             let end = (start + bs).min(range.end);
             let batch = workload.try_eval_batch(start..end, &eval_device)?;
             let batch = policy.cast_batch(batch, |b, d| workload.cast_batch(b, d));
             let out = model.step(batch);
-            let weighted = out
-                .loss
-                .cast(FloatDType::F32)
-                .mul_scalar(out.samples as f32);
+            let weight = out.tokens.unwrap_or(out.samples) as f32;
+            weights += f64::from(weight);
+            let weighted = out.loss.cast(FloatDType::F32).mul_scalar(weight);
             loss_sum = Some(match loss_sum {
                 Some(l) => l + weighted,
                 None => weighted,
@@ -112,6 +114,7 @@ pub(super) fn validate<W: Workload>(
                 .map_or(0.0, |c| c.clone().into_scalar::<i64>() as f32),
             range.len() as f32,
             f32::from(u8::from(correct.is_some() || range.is_empty())),
+            weights as f32,
         ];
         comm.all_reduce(&mut stats, ReduceOp::Sum)?;
         let n = f64::from(stats[2]).max(1.0);
@@ -120,7 +123,7 @@ pub(super) fn validate<W: Workload>(
         let mut metrics = mean_metrics(comm, &names, named)?;
         metrics.extend(sets.finish(comm)?);
         let scores = (
-            f64::from(stats[0]) / n,
+            f64::from(stats[0]) / f64::from(stats[4]).max(1.0),
             has_accuracy.then(|| f64::from(stats[1]) / n),
         );
         Ok((scores, metrics))

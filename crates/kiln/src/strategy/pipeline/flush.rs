@@ -19,6 +19,17 @@ use crate::exec::{
 use crate::strategy::pipeline::schedule;
 use crate::strategy::step::scored;
 
+/// The next micro-batch where the stage takes it (`wanted`).
+fn take<B>(batches: &mut dyn Iterator<Item = Result<B>>, wanted: bool) -> Result<Option<B>> {
+    match wanted.then(|| batches.next()) {
+        Some(Some(batch)) => batch.map(Some),
+        Some(None) => Err(Error::Worker(
+            "the loop handed fewer micro-batches than the schedule runs".into(),
+        )),
+        None => Ok(None),
+    }
+}
+
 impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
     /// One flush: the micro-batches of `batches` in the schedule's order on this stage.
     /// Returns the losses this stage computed (on the last stage).
@@ -28,6 +39,7 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
         objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
     ) -> Result<Vec<StepOutput>> {
         let (first, last) = (self.first(), self.last());
+        let takes = self.takes();
         let (stage, micro) = (self.stage, self.microbatches);
         let blocks = self.blocks();
         let ops = schedule::ops(self.schedule, self.stages, stage, micro);
@@ -44,7 +56,6 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
         let recompute_stem = blocks
             .clone()
             .any(|i| plan.recompute.recomputes(i - blocks.start, blocks.len()));
-
         let mut held_batches: BTreeMap<usize, B> = BTreeMap::new();
         let mut stem_graphs: BTreeMap<usize, Option<Activation>> = BTreeMap::new();
         let mut stashes = BTreeMap::new();
@@ -56,15 +67,7 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
         for op in ops {
             match op {
                 Op::Forward(m) => {
-                    let batch = match (first || last).then(|| batches.next()) {
-                        Some(Some(batch)) => Some(batch?),
-                        Some(None) => {
-                            return Err(Error::Worker(
-                                "the loop handed fewer micro-batches than the schedule runs".into(),
-                            ));
-                        }
-                        None => None,
-                    };
+                    let batch = take(batches, takes)?;
                     let (x, start) = if first {
                         let start = now();
                         let batch = batch.as_ref().expect("the first stage takes the batch");
@@ -75,8 +78,14 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
                         let x = self.core.timed(|_| self.pipe.recv(stage - 1))?;
                         (x.arrive(&device), now())
                     };
-                    let (out, stash, _) =
-                        forward_blocks(model.clone(), x, blocks.clone(), &plan, &mut self.acc)?;
+                    let (out, stash, _) = forward_blocks(
+                        model.clone(),
+                        x,
+                        blocks.clone(),
+                        batch.as_ref(),
+                        &plan,
+                        &mut self.acc,
+                    )?;
                     if last {
                         let batch = batch.as_ref().expect("the last stage takes the batch");
                         let (o, up, grads) = head_backward(&model, out, batch, objective);
@@ -86,7 +95,8 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
                     } else {
                         self.core.timed(|_| self.pipe.send(stage + 1, out))?;
                     }
-                    if first && let Some(batch) = batch {
+                    if let Some(batch) = batch {
+                        // The stem's or the blocks' backward reads it again (the head's ran).
                         held_batches.insert(m, batch);
                     }
                     stashes.insert(m, stash);
@@ -108,10 +118,17 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
                     };
                     let start = now();
                     let stash = stashes.remove(&m).expect("the forward ran first");
-                    let (below, _) =
-                        backward_blocks(model.clone(), stash, upstream, &plan, &mut self.acc)?;
+                    let kept = held_batches.remove(&m);
+                    let (below, _) = backward_blocks(
+                        model.clone(),
+                        stash,
+                        upstream,
+                        kept.as_ref(),
+                        &plan,
+                        &mut self.acc,
+                    )?;
                     if first {
-                        let batch = held_batches.remove(&m).expect("kept from the forward");
+                        let batch = kept.expect("kept from the forward");
                         let graph = stem_graphs.remove(&m).flatten();
                         if let Some(grads) = stem_backward(&model, &batch, graph, below) {
                             self.acc.grads(&model, Part::Stem, grads)?;

@@ -133,6 +133,13 @@ impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
         })
     }
 
+    /// Whether this stage takes the micro-batches: the first embeds them, the last scores
+    /// them, and every stage runs its blocks on them when the model's blocks read the batch
+    /// (a packed batch's documents).
+    pub(super) fn takes(&self) -> bool {
+        self.first() || self.last() || self.model.blocks_read_batch()
+    }
+
     pub(super) fn first(&self) -> bool {
         self.stage == 0
     }

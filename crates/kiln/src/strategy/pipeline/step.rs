@@ -35,7 +35,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
     }
 
     fn takes_batches(&self) -> bool {
-        self.first() || self.last()
+        self.takes()
     }
 
     fn micro_steps(
