@@ -1,7 +1,7 @@
 //! Examples to fine-tune a checkpoint on: prompt and answer pairs or conversations read from
-//! JSONL files ([`records`]), rendered with the checkpoint's chat template
+//! JSONL or Parquet files ([`records`]), rendered with the checkpoint's chat template
 //! ([`template`], a Jinja template from its `tokenizer_config.json`), tokenized with its
-//! `tokenizer.json` and marked where the answers are ([`encode`]), so that the loss can be
+//! `tokenizer.json` and marked where the answers are ([`mod@encode`]), so that the loss can be
 //! taken on the answers only.
 
 pub mod encode;
