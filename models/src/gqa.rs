@@ -67,34 +67,29 @@ impl Attention {
                 .reshape([b, h, s, d])
         };
         let (k, v) = (repeat(k), repeat(v));
+        // The composed product, the keys `hidden` hides (one mask for every row, or one per
+        // row) at −∞.
+        let composed =
+            |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, hidden: Option<Tensor<4, Bool>>| {
+                let scores = q
+                    .matmul(k.swap_dims(2, 3))
+                    .mul_scalar(1.0 / (d as f64).sqrt());
+                let scores = match hidden {
+                    Some(m) => scores.mask_fill(m.expand([b, h, t, s]), f32::NEG_INFINITY),
+                    None => scores,
+                };
+                burn::tensor::activation::softmax(scores, 3).matmul(v)
+            };
         let y = match mask {
             // Every query sees itself and what came before: one fused kernel on the CPU.
             Masking::Causal => crate::fused::causal_attention(q, k, v, None),
             // The same within each packed example.
             Masking::Within(starts) => crate::fused::attention_within(q, k, v, Some(starts), None),
-            Masking::Batch(hidden) => {
-                let scores = q
-                    .matmul(k.swap_dims(2, 3))
-                    .mul_scalar(1.0 / (d as f64).sqrt())
-                    .mask_fill(
-                        hidden.clone().reshape([b, 1, t, s]).expand([b, h, t, s]),
-                        f32::NEG_INFINITY,
-                    );
-                burn::tensor::activation::softmax(scores, 3).matmul(v)
-            }
             Masking::Keys(mask) => {
-                let scores = q
-                    .matmul(k.swap_dims(2, 3))
-                    .mul_scalar(1.0 / (d as f64).sqrt());
-                let scores = match mask {
-                    Some(m) => scores.mask_fill(
-                        (**m).clone().reshape([1, 1, t, s]).expand([b, h, t, s]),
-                        f32::NEG_INFINITY,
-                    ),
-                    None => scores,
-                };
-                burn::tensor::activation::softmax(scores, 3).matmul(v)
+                let hidden = mask.as_ref().map(|m| (**m).clone().reshape([1, 1, t, s]));
+                composed(q, k, v, hidden)
             }
+            Masking::Batch(hidden) => composed(q, k, v, Some(hidden.clone().reshape([b, 1, t, s]))),
         };
         let y = y.swap_dims(1, 2).reshape([b, t, h * d]);
         crate::modules::linear_rows(&self.o_proj, y)

@@ -373,8 +373,6 @@ fn bad_records_are_named_by_file_and_line_and_too_many_refuse_the_run() {
     let out = run(base(&data, &["data.fields.response=\"answer\""]));
     crate::common::assert_one_line_error(&out, &[&format!("{file}:1: no field `answer`")]);
     let inst = fixtures().join("inst").display().to_string();
-    let tok = fixtures().join("tokenizer.json").display().to_string();
-    let _ = tok;
     let two_users = dir.join("two.jsonl");
     let l = serde_json::json!({"messages": [turn("user", "a"), turn("user", "b"), turn("assistant", "c")]});
     std::fs::write(&two_users, format!("{}\n{l}\n", lines[0])).unwrap();
@@ -625,11 +623,6 @@ fn packed_fine_tuning_gives_one_devices_weights_under_ddp_zero3_and_a_three_stag
     let dir = crate::common::temp_dir("chat-packed");
     let data = pairs_file(&dir, 48, 0);
     let tok = fixtures().join("turns");
-    std::fs::copy(
-        fixtures().join("tokenizer.json"),
-        dir.join("tokenizer.json"),
-    )
-    .unwrap();
     let tdir = dir.join("tok");
     std::fs::create_dir_all(&tdir).unwrap();
     std::fs::copy(

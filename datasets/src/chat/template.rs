@@ -50,15 +50,7 @@ impl ChatTemplate {
     /// `tokenizer_config.json`; `None` when it has no template.
     pub fn of_checkpoint(dir: &Path) -> Result<Option<Self>, DatasetError> {
         let config_path = dir.join(TOKENIZER_CONFIG);
-        let config = if config_path.is_file() {
-            let text = std::fs::read_to_string(&config_path)
-                .map_err(|e| DatasetError::bad(&config_path, format!("cannot read it: {e}")))?;
-            serde_json::from_str::<Json>(&text).map_err(|e| {
-                DatasetError::bad(&config_path, format!("does not parse as JSON: {e}"))
-            })?
-        } else {
-            Json::Object(Default::default())
-        };
+        let config = settings(dir)?;
         let tokens = special_tokens(&config);
         let file = dir.join(TEMPLATE_FILE);
         let (source, origin) = if file.is_file() {
@@ -169,6 +161,24 @@ impl ChatTemplate {
             .render(Value::from(ctx))
             .map_err(|e| format!("{} does not render: {}", self.origin, one_line(&e)))
     }
+}
+
+/// The checkpoint directory `dir`'s `tokenizer_config.json` (an empty object where it has none).
+fn settings(dir: &Path) -> Result<Json, DatasetError> {
+    let path = dir.join(TOKENIZER_CONFIG);
+    if !path.is_file() {
+        return Ok(Json::Object(Default::default()));
+    }
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| DatasetError::bad(&path, format!("cannot read it: {e}")))?;
+    serde_json::from_str(&text)
+        .map_err(|e| DatasetError::bad(&path, format!("does not parse as JSON: {e}")))
+}
+
+/// The special tokens (`bos_token`, `eos_token`, `pad_token`, `unk_token`) the checkpoint
+/// directory `dir`'s `tokenizer_config.json` names, as a template sees them.
+pub fn special_tokens_of(dir: &Path) -> Result<Vec<(String, String)>, DatasetError> {
+    Ok(special_tokens(&settings(dir)?))
 }
 
 /// An error of minijinja's with its cause, on one line.

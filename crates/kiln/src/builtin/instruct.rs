@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use super::config::{Config, DatasetKind, FieldNames, Overlong, TrainOn};
 use super::launch::launch;
 use super::sequences::{InstructWorkload, Sequence, pack};
-use super::text::{WithFamily, hf_config, with_family};
+use super::text::{WithFamily, hf_config, with_family, write_hf_config};
 use super::vocab::TOKENIZER_FILE;
 use crate::error::{Error, Result};
 use crate::run::{RunOptions, RunResult};
@@ -105,17 +105,13 @@ fn tokenizer_dir(config: &Config) -> Result<PathBuf> {
 /// The end-of-sequence token kiln's plain format ends an answer with: the settings'
 /// `eos_token`, else the token of `config.json`'s `eos_token_id`.
 fn end_of_sequence(dir: &Path, tokenizer: &SubwordTokenizer) -> Result<String> {
-    let read = |name: &str| -> Option<serde_json::Value> {
-        serde_json::from_str(&std::fs::read_to_string(dir.join(name)).ok()?).ok()
-    };
-    let from_settings = read("tokenizer_config.json").and_then(|c| {
-        let v = c.get("eos_token")?;
-        v.as_str()
-            .or_else(|| v.get("content")?.as_str())
-            .map(str::to_string)
-    });
+    let from_settings = kiln_datasets::chat::template::special_tokens_of(dir)?
+        .into_iter()
+        .find_map(|(name, token)| (name == "eos_token").then_some(token));
     let from_config = || {
-        let id = read("config.json")?.get("eos_token_id")?.as_u64()?;
+        let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+        let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+        let id = config.get("eos_token_id")?.as_u64()?;
         tokenizer.id_to_token(u32::try_from(id).ok()?)
     };
     from_settings.or_else(from_config).ok_or_else(|| {
@@ -354,14 +350,7 @@ impl WithFamily for Examples<'_> {
         launch(self.config, self.options, &workload, &spec, rows, |dir| {
             save_tokenizer(dir, &source, &tokenizer, &self.template)?;
             if let Some(json) = hf {
-                let hf_dir = dir.join(crate::weights::HF_DIR);
-                std::fs::create_dir_all(&hf_dir).map_err(|e| Error::io(&hf_dir, e))?;
-                crate::files::write_atomic(
-                    &hf_dir.join("config.json"),
-                    serde_json::to_string_pretty(&json)
-                        .expect("a config serialises")
-                        .as_bytes(),
-                )?;
+                let hf_dir = write_hf_config(dir, &json)?;
                 save_tokenizer(&hf_dir, &source, &tokenizer, &self.template)?;
             }
             Ok(())

@@ -4,7 +4,7 @@
 //! sample`.
 
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
 use kiln_models::hf::HfArchitecture;
@@ -250,21 +250,23 @@ where
     launch(config, options, &workload, &spec, rows, |dir| {
         vocab.save(&dir.join(TOKENIZER_FILE))?;
         if let Some(json) = hf {
-            // The Hugging Face directory's config and tokenizer now; its weights at the end.
-            let hf_dir = dir.join(crate::weights::HF_DIR);
-            std::fs::create_dir_all(&hf_dir).map_err(|e| Error::io(&hf_dir, e))?;
-            crate::files::write_atomic(
-                &hf_dir.join("config.json"),
-                serde_json::to_string_pretty(&json)
-                    .expect("a config serialises")
-                    .as_bytes(),
-            )?;
+            let hf_dir = write_hf_config(dir, &json)?;
             if let Vocab::Subword(_) = vocab {
                 vocab.save(&hf_dir.join(TOKENIZER_FILE))?;
             }
         }
         Ok(())
     })
+}
+
+/// The run's Hugging Face directory made, with its `config.json` (`json`) now — the tokenizer
+/// follows, the weights at the end. Returns the directory.
+pub(super) fn write_hf_config(run_dir: &Path, json: &serde_json::Value) -> Result<PathBuf> {
+    let hf_dir = run_dir.join(crate::weights::HF_DIR);
+    std::fs::create_dir_all(&hf_dir).map_err(|e| Error::io(&hf_dir, e))?;
+    let text = serde_json::to_string_pretty(json).expect("a config serialises");
+    crate::files::write_atomic(&hf_dir.join("config.json"), text.as_bytes())?;
+    Ok(hf_dir)
 }
 
 /// With `export.format = "hf"`, the `config.json` of the run's Hugging Face directory: a
