@@ -300,6 +300,58 @@ fn instruct_fine_tuning_gives_one_devices_adapters_on_two_under_ddp_and_zero3() 
     }
 }
 
+/// Each device's loss is weighted by its share of the step's trained tokens: one SGD step
+/// on 16 examples, half with a one-word answer and half with a long one (the step sorts them
+/// by length, so under ddp one device holds the short answers and the other the long), gives
+/// on two devices the adapters of one device that runs the 16 as one batch. An unweighted
+/// mean of the two devices' means would give the few short answers' tokens as much say as
+/// the many long ones'.
+#[test]
+fn a_step_weighs_each_devices_loss_by_its_trained_tokens() {
+    use crate::finetune::{pick, values};
+    let dir = crate::common::temp_dir("chat-weights");
+    let mut text = String::new();
+    for i in 0..16 {
+        let output = if i % 2 == 0 {
+            "whale".to_string()
+        } else {
+            "the whale and the ship and the sea and the storm beyond the captain".repeat(2)
+        };
+        let record = serde_json::json!({"instruction": format!("Say {i}"), "output": output});
+        text += &format!("{record}\n");
+    }
+    let data = dir.join("uneven.jsonl");
+    std::fs::write(&data, text).unwrap();
+    let adapters = |r: &kiln::run::RunResult| {
+        let path = r.dir.join("checkpoints/step-00000001/model.bpk");
+        let t = kiln::weights::read_tensors(&path).unwrap();
+        pick(&t, |k| k.contains(".lora."))
+    };
+    // Every record trains (the same file validates).
+    let eval = format!("data.eval_path={:?}", data.display().to_string());
+    let step = [
+        "train.max_steps=1",
+        "train.checkpoint_every=1",
+        "optim.name=\"sgd\"",
+        "optim.lr=0.5",
+        eval.as_str(),
+    ];
+    // One replica with the whole batch: no per-core split.
+    let whole = ["train.batch_size=16", "hardware.cpu_split=\"off\""];
+    let one = instruct(&dir, "one", &data, &[&step[..], &whole].concat());
+    let split = [
+        "train.batch_size=8",
+        "hardware.devices=2",
+        "strategy.name=\"ddp\"",
+    ];
+    let two = instruct(&dir, "ddp", &data, &[&step[..], &split].concat());
+    let (a, b) = (values(&adapters(&one)), values(&adapters(&two)));
+    // B starts at zero: a value off zero in every tensor says the step moved them.
+    assert!(a.iter().all(|t| t.iter().any(|&v| v != 0.0)), "{a:?}");
+    let diff = crate::common::max_relative_diff(&a, &b);
+    assert!(diff < 1e-5, "ddp on 2 devices against one: {diff:e}");
+}
+
 #[test]
 fn bad_records_are_named_by_file_and_line_and_too_many_refuse_the_run() {
     let dir = crate::common::temp_dir("chat-bad");
