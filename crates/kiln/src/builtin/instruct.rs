@@ -103,8 +103,10 @@ fn tokenizer_dir(config: &Config) -> Result<PathBuf> {
 }
 
 /// The end-of-sequence token kiln's plain format ends an answer with: the settings'
-/// `eos_token`, else the token of `config.json`'s `eos_token_id`.
-fn end_of_sequence(dir: &Path, tokenizer: &SubwordTokenizer) -> Result<String> {
+/// `eos_token`, else the token of `config.json`'s `eos_token_id`, else a token of the
+/// vocabulary's that ends documents by convention: `<|endoftext|>` (kiln's byte-level BPE and
+/// GPT-2's) or `</s>`.
+pub(super) fn end_of_sequence(dir: &Path, tokenizer: &SubwordTokenizer) -> Result<String> {
     let from_settings = kiln_datasets::chat::template::special_tokens_of(dir)?
         .into_iter()
         .find_map(|(name, token)| (name == "eos_token").then_some(token));
@@ -114,11 +116,18 @@ fn end_of_sequence(dir: &Path, tokenizer: &SubwordTokenizer) -> Result<String> {
         let id = config.get("eos_token_id")?.as_u64()?;
         tokenizer.id_to_token(u32::try_from(id).ok()?)
     };
-    from_settings.or_else(from_config).ok_or_else(|| {
+    let from_vocabulary = || {
+        ["<|endoftext|>", "</s>"]
+            .into_iter()
+            .find(|t| tokenizer.token_id(t).is_some())
+            .map(str::to_string)
+    };
+    let eos = from_settings.or_else(from_config).or_else(from_vocabulary);
+    eos.ok_or_else(|| {
         Error::data(format!(
             "{}: no chat template and no end-of-sequence token (tokenizer_config.json's \
-             eos_token or config.json's eos_token_id) for kiln's plain prompt format to end \
-             answers with",
+             eos_token, config.json's eos_token_id, or <|endoftext|> or </s> in the \
+             vocabulary) for kiln's plain prompt format to end answers with",
             dir.display()
         ))
     })
@@ -126,7 +135,7 @@ fn end_of_sequence(dir: &Path, tokenizer: &SubwordTokenizer) -> Result<String> {
 
 /// The fields `data.fields` names for `dataset`; `None` for pairs of the usual names, which
 /// the first record decides.
-fn fields(dataset: DatasetKind, names: Option<&FieldNames>) -> Option<Fields> {
+pub(super) fn fields(dataset: DatasetKind, names: Option<&FieldNames>) -> Option<Fields> {
     let n = names.cloned().unwrap_or_default();
     match dataset {
         DatasetKind::Chat => Some(Fields::Messages(
@@ -144,7 +153,7 @@ fn fields(dataset: DatasetKind, names: Option<&FieldNames>) -> Option<Fields> {
     }
 }
 
-fn read(path: &Path, fields: Option<&Fields>) -> Result<Records> {
+pub(super) fn read(path: &Path, fields: Option<&Fields>) -> Result<Records> {
     if !path.is_file() {
         return Err(Error::data(format!(
             "{}: no such file (a JSONL or Parquet file of records)",
@@ -224,7 +233,8 @@ fn encode_all(
 }
 
 /// `examples` within `context` inputs (and one more target): a longer one truncated or
-/// dropped (and set aside) as `data.overlong` says.
+/// dropped (and set aside) as `data.overlong` says; one whose truncation leaves no token to
+/// train on set aside too.
 fn within(
     examples: Vec<Example>,
     context: usize,
@@ -237,7 +247,18 @@ fn within(
         let n = e.encoded.ids.len();
         match overlong {
             _ if n <= limit => kept.push(e.encoded),
-            Overlong::Truncate => kept.push(e.encoded.truncated(limit)),
+            Overlong::Truncate => {
+                let cut = e.encoded.truncated(limit);
+                if cut.trained_count() > 0 {
+                    kept.push(cut);
+                } else {
+                    aside.said.push(format!(
+                        "{}: {n} tokens, longer than the context + 1 = {limit}, and no token \
+                         it trains on within them (data.overlong = \"truncate\")",
+                        e.at
+                    ));
+                }
+            }
             Overlong::Drop => aside.said.push(format!(
                 "{}: {n} tokens, longer than the context + 1 = {limit} (data.overlong = \"drop\")",
                 e.at

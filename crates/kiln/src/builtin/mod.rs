@@ -12,9 +12,11 @@
 //!     .recipe(kiln::builtin::RECIPE)
 //!     .command("sample", "…", kiln::builtin::talk::sample)
 //!     .command("chat", "…", kiln::builtin::talk::chat)
+//!     .command("answer", "…", kiln::builtin::answers::answer)
 //!     .main_with(kiln::builtin::check, kiln::builtin::train)
 //! ```
 
+pub mod answers;
 mod config;
 pub mod folder;
 pub mod image;

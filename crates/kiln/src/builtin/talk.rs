@@ -109,6 +109,11 @@ impl Talker {
         })
     }
 
+    /// The run's vocabulary.
+    pub fn vocab(&self) -> &Vocab {
+        &self.vocab
+    }
+
     /// How `picking` picks, its stop tokens (and the template's end-of-sequence token) as ids.
     pub fn sampling(&self, picking: &Picking) -> Result<Sampling> {
         if !(picking.temperature >= 0.0 && picking.temperature.is_finite()) {
