@@ -115,7 +115,7 @@ impl<M: Module> Hooks<M> for Accumulate<M> {
 
 /// How a micro-batch runs.
 #[derive(Clone, Copy)]
-pub struct Plan<'a> {
+pub struct Pass<'a> {
     /// Which blocks are recomputed.
     pub recompute: Recompute,
     /// Synchronise BatchNorm statistics over this group (none: each rank its own batch).
@@ -137,7 +137,7 @@ pub struct Plan<'a> {
 pub fn run<B, M, H>(
     model: M,
     batch: B,
-    plan: &Plan,
+    pass: &Pass,
     hooks: &mut H,
     objective: impl FnOnce(Tensor<1>) -> Tensor<1>,
 ) -> Result<(StepOutput, M)>
@@ -148,8 +148,8 @@ where
     // A model that describes no blocks always runs whole (the settings that need its blocks
     // are refused at start).
     let walk = model.num_blocks() > 0
-        && (hooks.blockwise() || plan.recompute != Recompute::Keep || plan.sync_bn.is_some());
-    if let Some(group) = plan.group {
+        && (hooks.blockwise() || pass.recompute != Recompute::Keep || pass.sync_bn.is_some());
+    if let Some(group) = pass.group {
         if walk {
             return Err(crate::error::Error::Worker(
                 "a parameter group's loss runs whole; the block walk takes one loss".into(),
@@ -166,7 +166,7 @@ where
         hooks.grads(&model, Part::All, grads)?;
         return Ok((detached(out), model));
     }
-    blockwise(model, batch, plan, hooks, objective)
+    blockwise(model, batch, pass, hooks, objective)
 }
 
 /// [`run`] with hooks that add the gradients up: the output and the gradients of the whole
@@ -181,14 +181,14 @@ pub fn forward_backward<B, M>(
 where
     M: BlockStack<B> + Module,
 {
-    let plan = Plan {
+    let pass = Pass {
         recompute,
         sync_bn: None,
         device,
         group: None,
     };
     let mut acc = Accumulate::default();
-    let (out, _) = run(model.clone(), batch, &plan, &mut acc, objective)
+    let (out, _) = run(model.clone(), batch, &pass, &mut acc, objective)
         .expect("a walk without collectives cannot fail");
     (out, acc.take())
 }
@@ -250,7 +250,7 @@ fn block_on<B, M: BlockStack<B>>(
 
 /// Runs blocks `blocks` of `model` on `x` (the output of the block before, or of the stem)
 /// for the micro-batch `batch` (where the caller has it: a pipeline's middle stages have it
-/// only for a model whose blocks read it), recomputing the blocks `plan` says (counted within
+/// only for a model whose blocks read it), recomputing the blocks `pass` says (counted within
 /// the range: its last block is never recomputed). Returns the output (detached), what the
 /// backward needs, and the model as the hooks left it.
 pub fn forward_blocks<B, M, H>(
@@ -258,7 +258,7 @@ pub fn forward_blocks<B, M, H>(
     mut x: Activation,
     blocks: Range<usize>,
     batch: Option<&B>,
-    plan: &Plan,
+    pass: &Pass,
     hooks: &mut H,
 ) -> Result<(Activation, Stash, M)>
 where
@@ -271,10 +271,10 @@ where
     };
     for i in blocks {
         model = hooks.before_forward(model, i)?;
-        let synced = match (plan.sync_bn, model.block_norm(i)) {
+        let synced = match (pass.sync_bn, model.block_norm(i)) {
             (Some(comm), Some(_)) => {
                 let (out, segments) =
-                    syncbn::block_forward(&model, i, x.clone(), comm, plan.device)?;
+                    syncbn::block_forward(&model, i, x.clone(), comm, pass.device)?;
                 Some((out, Saved::Synced(segments)))
             }
             _ => None,
@@ -284,7 +284,7 @@ where
                 x = out;
                 s
             }
-            None if plan.recompute.recomputes(i - start, n) => {
+            None if pass.recompute.recomputes(i - start, n) => {
                 // A copy whose parameters need no gradient: its forward records no graph. It
                 // shares the model's tensors and buffers, so nothing is copied.
                 let input = x.detach();
@@ -315,7 +315,7 @@ pub fn backward_blocks<B, M, H>(
     stash: Stash,
     mut upstream: Activation,
     batch: Option<&B>,
-    plan: &Plan,
+    pass: &Pass,
     hooks: &mut H,
 ) -> Result<(Activation, M)>
 where
@@ -328,7 +328,7 @@ where
         let grads = match s {
             Saved::Synced(segments) => {
                 let (below, grads) =
-                    syncbn::block_backward(&model, segments, upstream, plan.sync_bn, plan.device)?;
+                    syncbn::block_backward(&model, segments, upstream, pass.sync_bn, pass.device)?;
                 upstream = below;
                 grads
             }
@@ -345,7 +345,7 @@ where
                     sync_running_state(&model);
                     // Running states are shared between clones: restoring them on a clone
                     // restores the model's own.
-                    let _ = replace_floats(model.clone(), false, values, plan.device);
+                    let _ = replace_floats(model.clone(), false, values, pass.device);
                 }
                 let (below, grads) = block_grads(&model, input, output, upstream);
                 upstream = below;
@@ -420,7 +420,7 @@ pub fn stem_backward<B, M: BlockStack<B> + Module>(
 fn blockwise<B, M, H>(
     model: M,
     batch: B,
-    plan: &Plan,
+    pass: &Pass,
     hooks: &mut H,
     objective: impl FnOnce(Tensor<1>) -> Tensor<1>,
 ) -> Result<(StepOutput, M)>
@@ -429,12 +429,12 @@ where
     H: Hooks<M>,
 {
     let n = model.num_blocks();
-    let any_recomputed = (0..n).any(|i| plan.recompute.recomputes(i, n));
+    let any_recomputed = (0..n).any(|i| pass.recompute.recomputes(i, n));
     let (x, stem_graph) = stem_forward(&model, &batch, any_recomputed);
-    let (x, stash, model) = forward_blocks(model, x, 0..n, Some(&batch), plan, hooks)?;
+    let (x, stash, model) = forward_blocks(model, x, 0..n, Some(&batch), pass, hooks)?;
     let (out, upstream, head) = head_backward(&model, x, &batch, objective);
     hooks.grads(&model, Part::Head, head)?;
-    let (upstream, model) = backward_blocks(model, stash, upstream, Some(&batch), plan, hooks)?;
+    let (upstream, model) = backward_blocks(model, stash, upstream, Some(&batch), pass, hooks)?;
     if let Some(grads) = stem_backward(&model, &batch, stem_graph, upstream) {
         hooks.grads(&model, Part::Stem, grads)?;
     }

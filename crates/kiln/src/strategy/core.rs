@@ -16,7 +16,7 @@ use super::memory::Memory;
 use crate::comm::{Collective, ReduceOp};
 use crate::config::ReduceDtype;
 use crate::error::{Error, Result};
-use crate::exec::{Plan, Recompute};
+use crate::exec::{Pass, Recompute};
 use crate::optim::{FlatOptimizer, OptimState};
 use crate::params::{FlatLayout, collect_floats, has_buffers, replace_floats, sync_running_state};
 use crate::precision::{LossScaler, Policy};
@@ -107,8 +107,8 @@ impl<'a> Core<'a> {
     }
 
     /// How a micro-batch runs, with `recompute` as the strategy decides.
-    pub fn plan(&self, recompute: Recompute) -> Plan<'_> {
-        Plan {
+    pub fn pass(&self, recompute: Recompute) -> Pass<'_> {
+        Pass {
             recompute,
             sync_bn: (self.sync_batchnorm && self.world() > 1).then_some(&*self.comm),
             device: &self.device,

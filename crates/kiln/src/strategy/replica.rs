@@ -167,9 +167,9 @@ pub(crate) fn accumulate<B, M: BlockStack<B> + Module>(
     objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
     group: Option<usize>,
 ) -> Result<StepOutput> {
-    let mut plan = core.plan(core.recompute);
-    plan.group = group;
-    let (out, _) = exec::run(replica.current(), batch, &plan, acc, objective)?;
+    let mut pass = core.pass(core.recompute);
+    pass.group = group;
+    let (out, _) = exec::run(replica.current(), batch, &pass, acc, objective)?;
     let bytes = core.layout.total() * 4;
     core.memory.grads.set(bytes);
     core.sample_pool();
@@ -187,10 +187,10 @@ fn scatter<B, M: BlockStack<B> + Module>(
     objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
 ) -> Result<StepOutput> {
     let recompute = core.recompute;
-    let sync_bn = core.plan(recompute).sync_bn.is_some();
+    let sync_bn = core.pass(recompute).sync_bn.is_some();
     let device = core.device.clone();
     let comm = core.comm.clone();
-    let plan = exec::Plan {
+    let pass = exec::Pass {
         recompute,
         sync_bn: sync_bn.then_some(&*comm),
         device: &device,
@@ -203,7 +203,7 @@ fn scatter<B, M: BlockStack<B> + Module>(
                 shard,
                 beside: Some(Beside::new(courier)),
             };
-            let (out, _) = exec::run(replica.current(), batch, &plan, &mut hooks, objective)?;
+            let (out, _) = exec::run(replica.current(), batch, &pass, &mut hooks, objective)?;
             hooks.settle(usize::MAX)?;
             Ok(out)
         })?
@@ -213,7 +213,7 @@ fn scatter<B, M: BlockStack<B> + Module>(
             shard,
             beside: None,
         };
-        exec::run(replica.current(), batch, &plan, &mut hooks, objective)?.0
+        exec::run(replica.current(), batch, &pass, &mut hooks, objective)?.0
     };
     core.sample_pool();
     Ok(out)
@@ -320,7 +320,7 @@ pub(crate) fn overlaps<B, M: BlockStack<B> + Module>(core: &Core, model: &M) -> 
     core.overlap
         && core.world() > 1
         && model.num_blocks() > 0
-        && core.plan(core.recompute).sync_bn.is_none()
+        && core.pass(core.recompute).sync_bn.is_none()
 }
 
 /// The last micro-batch of a step as the block walk, each unit's gradients (with what the
@@ -343,7 +343,7 @@ fn overlapped<B, M: BlockStack<B> + Module>(
         in_earlier[u] = true;
     }
     let device = core.device.clone();
-    let plan = exec::Plan {
+    let pass = exec::Pass {
         recompute: core.recompute,
         sync_bn: None,
         device: &device,
@@ -359,7 +359,7 @@ fn overlapped<B, M: BlockStack<B> + Module>(
             tickets: vec![None; units],
             courier,
         };
-        let (out, model) = exec::run(replica.current(), batch, &plan, &mut hooks, objective)?;
+        let (out, model) = exec::run(replica.current(), batch, &pass, &mut hooks, objective)?;
         hooks.finish(&model)?;
         let mut reduced = Vec::with_capacity(hooks.core.layout.total());
         for ticket in std::mem::take(&mut hooks.tickets) {

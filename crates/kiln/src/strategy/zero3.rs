@@ -479,7 +479,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
         one_by_one(batches, count, |batch| -> Result<StepOutput> {
             let recompute = self.recompute;
             let device = self.core.device.clone();
-            let plan = exec::Plan {
+            let pass = exec::Pass {
                 recompute,
                 sync_bn: None,
                 device: &device,
@@ -511,7 +511,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
                     hooks.expected = walk_gathers(n, recompute);
                     hooks.prefetch()?;
                 }
-                let (out, model) = exec::run(model, batch, &plan, &mut hooks, objective)?;
+                let (out, model) = exec::run(model, batch, &pass, &mut hooks, objective)?;
                 hooks.finish()?;
                 Ok((out, model))
             };

@@ -3,7 +3,7 @@
 //! steps ahead.
 //!
 //! Every batch is a *job*, numbered in the order the rank takes them: step after step, each
-//! parameter group's micro-batches in turn. [`Plan`] maps a job to its samples — a function of
+//! parameter group's micro-batches in turn. [`Jobs`] maps a job to its samples — a function of
 //! (seed, epoch, step, rank), whoever builds it — so that any number of workers gives the same
 //! bits, and a resumed run's loader starts from the checkpoint's position. Loader threads
 //! claim jobs in order and put what they built (or the error that stopped them) into a
@@ -24,7 +24,7 @@ use crate::state::LoopState;
 
 /// Which samples every job of one rank's run takes.
 #[derive(Debug, Clone)]
-pub(crate) struct Plan {
+pub(crate) struct Jobs {
     pub sampler: DistributedSampler,
     /// The loop's position when the loader started (job 0 is its next step's first batch).
     pub step: usize,
@@ -50,8 +50,8 @@ struct At {
     micro: usize,
 }
 
-impl Plan {
-    /// The plan of a loop that is at `state`.
+impl Jobs {
+    /// The jobs of a loop that is at `state`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         sampler: DistributedSampler,
@@ -80,7 +80,7 @@ impl Plan {
     }
 
     /// Jobs from the start to the end of the run.
-    fn jobs(&self) -> usize {
+    fn count(&self) -> usize {
         self.total.saturating_sub(self.step) * self.jobs_per_step()
     }
 
@@ -171,7 +171,7 @@ impl<B> Shared<B> {
 /// A rank's source of training batches.
 pub(crate) struct Feed<'a, W: Workload> {
     workload: &'a W,
-    plan: Arc<Plan>,
+    jobs: Arc<Jobs>,
     device: Device,
     /// The last epoch order the rank's own builds used.
     order: Option<(usize, Vec<usize>)>,
@@ -183,10 +183,10 @@ pub(crate) struct Feed<'a, W: Workload> {
 
 impl<'a, W: Workload> Feed<'a, W> {
     /// A feed that builds every batch on the rank's thread when it is taken.
-    pub fn inline(workload: &'a W, plan: Plan, device: Device) -> Self {
+    pub fn inline(workload: &'a W, jobs: Jobs, device: Device) -> Self {
         Self {
             workload,
-            plan: Arc::new(plan),
+            jobs: Arc::new(jobs),
             device,
             order: None,
             ahead: None,
@@ -202,7 +202,7 @@ impl<'a, W: Workload> Feed<'a, W> {
     pub fn start<'scope>(
         scope: &'scope std::thread::Scope<'scope, '_>,
         workload: &'a W,
-        plan: Plan,
+        jobs: Jobs,
         device: Device,
         workers: usize,
         prefetch: usize,
@@ -212,7 +212,7 @@ impl<'a, W: Workload> Feed<'a, W> {
     where
         'a: 'scope,
     {
-        let mut feed = Self::inline(workload, plan, device);
+        let mut feed = Self::inline(workload, jobs, device);
         feed.rank = rank;
         feed.deadline = deadline;
         if workers == 0 {
@@ -227,13 +227,13 @@ impl<'a, W: Workload> Feed<'a, W> {
             }),
             ready: Condvar::new(),
             room: Condvar::new(),
-            capacity: (prefetch * feed.plan.jobs_per_step()).max(1),
+            capacity: (prefetch * feed.jobs.jobs_per_step()).max(1),
         });
         for i in 0..workers {
-            let (shared, plan, device) = (shared.clone(), feed.plan.clone(), feed.device.clone());
+            let (shared, jobs, device) = (shared.clone(), feed.jobs.clone(), feed.device.clone());
             std::thread::Builder::new()
                 .name(format!("kiln-worker-{rank}-loader-{i}"))
-                .spawn_scoped(scope, move || load(workload, &plan, &device, &shared, rank))
+                .spawn_scoped(scope, move || load(workload, &jobs, &device, &shared, rank))
                 .expect("spawn a loader thread");
         }
         feed.ahead = Some(shared);
@@ -244,10 +244,10 @@ impl<'a, W: Workload> Feed<'a, W> {
     /// from the loader threads (waiting for it if it is not built yet). A job the rank skips
     /// is dropped.
     pub fn take(&mut self, step: usize, phase: usize, micro: usize) -> Result<W::Batch> {
-        let job = self.plan.job(step, phase, micro);
+        let job = self.jobs.job(step, phase, micro);
         let Some(shared) = &self.ahead else {
             return self
-                .plan
+                .jobs
                 .build(self.workload, job, &self.device, &mut self.order);
         };
         let mut q = shared.lock();
@@ -300,7 +300,7 @@ impl<W: Workload> Drop for Feed<'_, W> {
 /// over, until the rank stops the feed.
 fn load<W: Workload>(
     workload: &W,
-    plan: &Plan,
+    jobs: &Jobs,
     device: &Device,
     shared: &Shared<W::Batch>,
     rank: usize,
@@ -309,7 +309,7 @@ fn load<W: Workload>(
     loop {
         let job = {
             let mut q = shared.lock();
-            while !q.stop && (q.claimed >= q.taken + shared.capacity || q.claimed >= plan.jobs()) {
+            while !q.stop && (q.claimed >= q.taken + shared.capacity || q.claimed >= jobs.count()) {
                 q = shared.room.wait(q).unwrap_or_else(|e| e.into_inner());
             }
             if q.stop {
@@ -319,20 +319,20 @@ fn load<W: Workload>(
             q.claimed - 1
         };
         let built = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            match loader_fault(rank, plan.at(job).step + 1) {
+            match loader_fault(rank, jobs.at(job).step + 1) {
                 Some(true) => loop {
                     std::thread::sleep(Duration::from_secs(3600));
                 },
                 Some(false) => {
                     panic!("injected loader failure ({})", FAULT_VAR)
                 }
-                None => plan.build(workload, job, device, &mut order),
+                None => jobs.build(workload, job, device, &mut order),
             }
         }))
         .unwrap_or_else(|payload| {
             Err(Error::Worker(format!(
                 "rank {rank}'s data loader failed building step {} (a panic): {}",
-                plan.at(job).step + 1,
+                jobs.at(job).step + 1,
                 crate::panics::panic_message(&payload)
             )))
         });
@@ -365,15 +365,15 @@ mod tests {
         }
     }
 
-    fn plan(len: usize, state: LoopState, micros: usize, phases: usize) -> Plan {
+    fn jobs(len: usize, state: LoopState, micros: usize, phases: usize) -> Jobs {
         let sampler = DistributedSampler::new(len, 3, 2, 4, micros, false);
-        Plan::new(sampler, &state, micros, phases, 1, 2, 4, 3, 100)
+        Jobs::new(sampler, &state, micros, phases, 1, 2, 4, 3, 100)
     }
 
     #[test]
     fn jobs_walk_steps_epochs_and_phases_as_the_loop_does() {
         // 40 samples, 2 ranks × 4 × 2 micro-batches = 16 per step: 3 steps per epoch.
-        let p = plan(40, at_step(0, 0, 0), 2, 2);
+        let p = jobs(40, at_step(0, 0, 0), 2, 2);
         assert_eq!(p.jobs_per_step(), 4);
         let at = |j| {
             let a = p.at(j);
@@ -386,7 +386,7 @@ mod tests {
         assert_eq!(at(12), (3, 1, 0, 0));
         assert_eq!(p.job(3, 1, 1), 15);
         // A loop resumed at the end of an epoch starts the next one.
-        let p = plan(40, at_step(3, 0, 3), 2, 1);
+        let p = jobs(40, at_step(3, 0, 3), 2, 1);
         let a = p.at(0);
         assert_eq!((a.step, a.epoch, a.step_in_epoch), (3, 1, 0));
         assert_eq!(p.job(4, 0, 1), 3);

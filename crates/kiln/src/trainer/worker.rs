@@ -11,7 +11,7 @@ use burn::prelude::*;
 
 use super::checkpointer::Checkpointer;
 use super::faults::{ABORTED, Fault, injected_fault, is_abort_echo};
-use super::loader::{Feed, Plan};
+use super::loader::{Feed, Jobs};
 use super::log::{Logger, LoggerParts, Scores};
 use super::plateau;
 use super::settings::TrainerSettings;
@@ -136,7 +136,7 @@ impl<W: Workload> Worker<'_, W> {
         crate::heap::release_free();
         let strategy = strategy.as_mut();
         let state = start.state.clone();
-        let plan = Plan::new(
+        let jobs = Jobs::new(
             self.sampler.clone(),
             &state,
             self.micros,
@@ -158,7 +158,7 @@ impl<W: Workload> Worker<'_, W> {
         let mut feed = Feed::start(
             scope,
             self.workload,
-            plan,
+            jobs,
             self.device.clone(),
             workers,
             loader.prefetch,
@@ -181,7 +181,7 @@ impl<W: Workload> Worker<'_, W> {
         let start_rss_mib = process_memory_mib("VmRSS");
         let (wall, started) = (state.wall_seconds, Instant::now());
         let (mut stopped_by, mut stopped_early) = (None, None);
-        // Past `hardware.memory_limit_mib` ÷ (1 + HEADROOM) at a step's end — where a plan that
+        // Past `hardware.memory_limit_mib` ÷ (1 + HEADROOM) at a step's end — where a jobs that
         // just fits ends — the pages the allocator keeps go back (on the CPU).
         let hold = self
             .settings

@@ -14,7 +14,7 @@ use super::timeline::{Event, now};
 use crate::comm::{Collective, ReduceOp};
 use crate::error::{Error, Result};
 use crate::exec::{
-    Hooks, Part, Plan, backward_blocks, forward_blocks, head_backward, stem_backward, stem_forward,
+    Hooks, Part, Pass, backward_blocks, forward_blocks, head_backward, stem_backward, stem_forward,
 };
 use crate::strategy::pipeline::schedule;
 use crate::strategy::step::scored;
@@ -47,7 +47,7 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
         let device = self.core.device.clone();
         let sync_bn = (self.core.sync_batchnorm && self.peers.world_size() > 1)
             .then_some(self.peers.as_ref() as &dyn Collective);
-        let plan = Plan {
+        let pass = Pass {
             recompute: self.core.recompute,
             sync_bn,
             device: &device,
@@ -55,7 +55,7 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
         };
         let recompute_stem = blocks
             .clone()
-            .any(|i| plan.recompute.recomputes(i - blocks.start, blocks.len()));
+            .any(|i| pass.recompute.recomputes(i - blocks.start, blocks.len()));
         let mut held_batches: BTreeMap<usize, B> = BTreeMap::new();
         let mut stem_graphs: BTreeMap<usize, Option<Activation>> = BTreeMap::new();
         let mut stashes = BTreeMap::new();
@@ -83,7 +83,7 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
                         x,
                         blocks.clone(),
                         batch.as_ref(),
-                        &plan,
+                        &pass,
                         &mut self.acc,
                     )?;
                     if last {
@@ -124,7 +124,7 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
                         stash,
                         upstream,
                         kept.as_ref(),
-                        &plan,
+                        &pass,
                         &mut self.acc,
                     )?;
                     if first {
