@@ -376,6 +376,37 @@ impl TrainStep<TokenBatch> for Gpt {
     }
 }
 
+impl crate::lm::CausalLm for Gpt {
+    type Config = GptConfig;
+
+    fn init(config: &Self::Config, device: &Device) -> Self {
+        config.init(device)
+    }
+
+    fn context(config: &Self::Config) -> usize {
+        config.block_size
+    }
+
+    fn flops_per_token(config: &Self::Config, _context: usize) -> f64 {
+        config.flops_per_token()
+    }
+
+    fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward(tokens)
+    }
+
+    fn continue_ids(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        how: &crate::lm::Sampling,
+        uniform: &mut dyn FnMut() -> f64,
+    ) -> Vec<u32> {
+        let block = self.wpe.weight.val().dims()[0];
+        self.generate(prompt, tokens, how, block, uniform)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,6 +4,8 @@
 //! Its projections are [`Conv1D`]s, which store their weight `[in, out]` as GPT-2's checkpoints
 //! do (Burn's layout already: nothing is transposed when they load).
 
+pub(crate) mod hf;
+
 use burn::module::Param;
 use burn::nn::{
     Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
@@ -458,5 +460,35 @@ impl TrainStep<TokenBatch> for Gpt2 {
     fn step(&self, batch: TokenBatch) -> StepOutput {
         let starts = batch.documents.as_ref();
         lm_output(self.forward_within(batch.inputs.clone(), starts), &batch)
+    }
+}
+
+impl crate::lm::CausalLm for Gpt2 {
+    type Config = Gpt2Config;
+
+    fn init(config: &Self::Config, device: &Device) -> Self {
+        config.init(device)
+    }
+
+    fn context(config: &Self::Config) -> usize {
+        config.n_positions
+    }
+
+    fn flops_per_token(config: &Self::Config, context: usize) -> f64 {
+        config.flops_per_token(context)
+    }
+
+    fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward(tokens)
+    }
+
+    fn continue_ids(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        how: &crate::lm::Sampling,
+        uniform: &mut dyn FnMut() -> f64,
+    ) -> Vec<u32> {
+        self.generate(prompt, tokens, how, uniform)
     }
 }

@@ -6,6 +6,7 @@
 //! and the key.
 
 mod config;
+pub(crate) mod keys;
 mod weights;
 
 pub use config::{HfArchitecture, config_json, config_json_from, parse_config, read_config};

@@ -15,6 +15,7 @@ use burn::tensor::DType;
 use serde_json::Value;
 
 use super::config::{HfArchitecture, read_config};
+use super::keys::Ignored;
 use crate::gpt2::{Gpt2, Gpt2Config};
 use crate::llama::{Llama, LlamaConfig};
 
@@ -107,38 +108,13 @@ fn misfit(e: &burn::store::ApplyError) -> String {
     }
 }
 
-/// Which of a file's tensors are left out on purpose.
-type Ignored = Box<dyn Fn(&str) -> bool>;
-
 /// How a family's weight files name their tensors: the prefix the files may lack, and the
 /// tensors left out on purpose (GPT-2's mask buffers, a tied head's copy, old rotary
 /// frequency buffers).
 fn naming(arch: &HfArchitecture) -> (KeyRemapper, Ignored) {
     match arch {
-        HfArchitecture::Llama(c) => {
-            let tied = c.tie_word_embeddings;
-            (
-                KeyRemapper::new()
-                    .add_pattern(r"^(embed_tokens|layers|norm)\.", "model.$1.")
-                    .expect("a valid pattern"),
-                Box::new(move |name: &str| {
-                    name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
-                }),
-            )
-        }
-        HfArchitecture::Gpt2(c) => {
-            let tied = c.tie_word_embeddings;
-            (
-                KeyRemapper::new()
-                    .add_pattern(r"^(wte|wpe|h|ln_f)\.", "transformer.$1.")
-                    .expect("a valid pattern"),
-                Box::new(move |name: &str| {
-                    name.ends_with(".attn.bias")
-                        || name.ends_with(".attn.masked_bias")
-                        || (tied && name == "lm_head.weight")
-                }),
-            )
-        }
+        HfArchitecture::Llama(c) => crate::llama::hf::naming(c),
+        HfArchitecture::Gpt2(c) => crate::gpt2::hf::naming(c),
     }
 }
 

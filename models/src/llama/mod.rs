@@ -5,6 +5,8 @@
 //! biases (Qwen2's on q, k and v only), a tied or untied head, and decoding with a key/value
 //! cache.
 
+pub(crate) mod hf;
+
 use burn::nn::{
     Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig, RmsNorm, RmsNormConfig,
 };
@@ -522,5 +524,35 @@ impl TrainStep<TokenBatch> for Llama {
     fn step(&self, batch: TokenBatch) -> StepOutput {
         let starts = batch.documents.as_ref();
         lm_output(self.forward_within(batch.inputs.clone(), starts), &batch)
+    }
+}
+
+impl crate::lm::CausalLm for Llama {
+    type Config = LlamaConfig;
+
+    fn init(config: &Self::Config, device: &Device) -> Self {
+        config.init(device)
+    }
+
+    fn context(config: &Self::Config) -> usize {
+        config.max_position_embeddings
+    }
+
+    fn flops_per_token(config: &Self::Config, context: usize) -> f64 {
+        config.flops_per_token(context)
+    }
+
+    fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward(tokens)
+    }
+
+    fn continue_ids(
+        &self,
+        prompt: &[u32],
+        tokens: usize,
+        how: &crate::lm::Sampling,
+        uniform: &mut dyn FnMut() -> f64,
+    ) -> Vec<u32> {
+        self.generate(prompt, tokens, how, uniform)
     }
 }

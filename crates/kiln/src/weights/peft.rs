@@ -37,7 +37,9 @@ pub(super) fn write<M: ModuleSnapshot>(
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
         .ok_or_else(|| Error::checkpoint(format!("{}: not readable", config_path.display())))?;
-    let conv1d = hf_config["model_type"] == "gpt2";
+    let conv1d = kiln_models::hf::parse_config(&hf_config)
+        .map_err(|e| Error::checkpoint(format!("{}: {e}", config_path.display())))?
+        .conv1d_projections();
     // PEFT's names and `[r, in]` / `[out, r]` data, sorted by name.
     let mut tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
     let mut modules = Vec::new();
