@@ -403,6 +403,87 @@ fn llama3_rope_scaling_divides_the_low_frequencies_and_keeps_the_high() {
 
 /// A run of the `[model] kind = "hf"` fine-tune of fixture `name` on the test text, with
 /// `extra` settings, into `dir/run`.
+/// A Llama and a GPT-2 trained from scratch (`model.kind = "llama"` / `"gpt2"`) write with
+/// `export.format = "hf"` a directory whose `config.json` names their family and shape, and
+/// which, loaded back as a checkpoint (`model.kind = "hf"`), scores the run's own validation
+/// loss on the same windows.
+#[test]
+fn a_llama_and_a_gpt2_from_scratch_export_a_checkpoint_that_loads_back() {
+    let dir = crate::common::temp_dir("hf-scratch");
+    let text = crate::gpt::text_file(&dir).display().to_string();
+    let tok = fixture("tokenizer").display().to_string();
+    let shapes: [(&str, &[&str]); 2] = [
+        (
+            "llama",
+            &[
+                "model.llama.hidden_size=32",
+                "model.llama.intermediate_size=64",
+                "model.llama.num_hidden_layers=2",
+                "model.llama.num_attention_heads=2",
+                "model.llama.num_key_value_heads=1",
+                "model.llama.max_position_embeddings=16",
+            ],
+        ),
+        (
+            "gpt2",
+            &[
+                "model.gpt2.n_embd=32",
+                "model.gpt2.n_layer=2",
+                "model.gpt2.n_head=2",
+                "model.gpt2.n_positions=16",
+            ],
+        ),
+    ];
+    for (kind, shape) in shapes {
+        let common = |run: &str| -> Vec<String> {
+            vec![
+                "data.dataset=\"text\"".into(),
+                format!("data.path={text:?}"),
+                format!("data.tokenizer={tok:?}"),
+                "data.eval_windows=16".into(),
+                "data.context=16".into(),
+                "train.epochs=0".into(),
+                "train.max_steps=4".into(),
+                "train.batch_size=4".into(),
+                format!("run.dir={:?}", dir.join(run).display().to_string()),
+            ]
+        };
+        let mut sets = common(kind);
+        sets.push(format!("model.kind={kind:?}"));
+        sets.push("export.format=\"hf\"".into());
+        sets.extend(shape.iter().map(|s| s.to_string()));
+        let config = kiln::builtin::load(None, &sets).unwrap();
+        let run = kiln::builtin::train(&config, &kiln::run::RunOptions::default()).unwrap();
+        let hf = run.dir.join("hf");
+        let arch = kiln_models::hf::read_config(&hf).unwrap();
+        match (&arch, kind) {
+            (HfArchitecture::Llama(c), "llama") => {
+                assert_eq!((c.hidden_size, c.num_key_value_heads), (32, 1), "{c:?}");
+            }
+            (HfArchitecture::Gpt2(c), "gpt2") => assert_eq!(c.n_embd, 32, "{c:?}"),
+            _ => panic!("{kind}: exported as {arch:?}"),
+        }
+        assert_eq!(arch.vocab_size(), 384);
+        let mut sets = common(&format!("{kind}-back"));
+        sets.push("model.kind=\"hf\"".into());
+        sets.push(format!("init.from={:?}", hf.display().to_string()));
+        let config = kiln::builtin::load(None, &sets).unwrap();
+        let options = kiln::run::RunOptions {
+            evaluate: true,
+            ..Default::default()
+        };
+        let back = kiln::builtin::train(&config, &options).unwrap();
+        let (a, b) = (
+            run.summary.val_loss.unwrap(),
+            back.summary.val_loss.unwrap(),
+        );
+        assert!(
+            (a - b).abs() < 1e-5 * a,
+            "{kind}: the run's {a}, loaded back {b}"
+        );
+    }
+}
+
 fn hf_config(dir: &Path, run: &str, name: &str, extra: &[&str]) -> kiln::builtin::Config {
     let text = crate::gpt::text_file(dir);
     let from = fixture(name).display().to_string();
