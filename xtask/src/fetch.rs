@@ -101,17 +101,33 @@ pub(crate) fn npm_unpack(spec: &str, temp: &TempDir) -> Result<PathBuf> {
     Ok(package)
 }
 
+/// `dest` with `.partial` added: where a file is written before it is renamed into place.
+fn partial_of(dest: &Path) -> PathBuf {
+    let mut partial = dest.as_os_str().to_owned();
+    partial.push(".partial");
+    PathBuf::from(partial)
+}
+
 /// Copies `src` to `dest` through a temporary name, so an interrupted copy never leaves a
 /// partial file that looks complete.
 pub(crate) fn copy_atomic(src: &Path, dest: &Path) -> Result<()> {
-    let mut partial = dest.as_os_str().to_owned();
-    partial.push(".partial");
-    let partial = PathBuf::from(partial);
+    let partial = partial_of(dest);
     fs::copy(src, &partial)
         .and_then(|_| fs::rename(&partial, dest))
         .map_err(|e| {
             let _ = fs::remove_file(&partial);
             format!("cannot copy {} to {}: {e}", src.display(), dest.display())
+        })
+}
+
+/// Writes `bytes` to `dest` through a temporary name, as [`copy_atomic`] copies.
+pub(crate) fn write_atomic(dest: &Path, bytes: &[u8]) -> Result<()> {
+    let partial = partial_of(dest);
+    fs::write(&partial, bytes)
+        .and_then(|_| fs::rename(&partial, dest))
+        .map_err(|e| {
+            let _ = fs::remove_file(&partial);
+            format!("cannot write {}: {e}", dest.display())
         })
 }
 

