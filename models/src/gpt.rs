@@ -376,6 +376,21 @@ impl TrainStep<TokenBatch> for Gpt {
     }
 }
 
+/// kiln's own: a `[model.gpt]` section, no Hugging Face layout.
+impl crate::family::Family for Gpt {
+    fn validate(config: &GptConfig, _key: &str) -> Result<(), String> {
+        config.validate()
+    }
+
+    fn vocab_size(config: &GptConfig) -> usize {
+        config.vocab_size
+    }
+
+    fn set_vocab_size(config: &mut GptConfig, size: usize) {
+        config.vocab_size = size;
+    }
+}
+
 impl crate::lm::CausalLm for Gpt {
     type Config = GptConfig;
 

@@ -1,4 +1,4 @@
-//! Grouped-query self-attention with rotary positions (the Llama family's), and which keys
+//! Grouped-query self-attention with rotary positions (the rotary decoders'), and which keys
 //! each query sees: a plain causal span (the fused kernel), a span after cached positions or
 //! under a sliding window (a mask), packed examples (the fused kernel within each, or a mask
 //! per batch row under a window).
@@ -8,6 +8,9 @@ use burn::prelude::*;
 
 use crate::lm::causal_mask;
 use crate::rope::Rope;
+
+/// A layer's key/value cache: the keys and values of the positions before.
+pub(crate) type LayerCache = (Option<Tensor<4>>, Option<Tensor<4>>);
 
 /// Grouped-query self-attention with rotary positions.
 #[derive(Module, Debug)]
@@ -28,72 +31,82 @@ impl Attention {
         rope: &Rope,
         mask: &Masking,
         heads: (usize, usize),
-        cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
+        cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let [b, t, _] = x.dims();
-        let (h, kv) = heads;
-        let split = |y: Tensor<3>, n: usize| {
-            let d = y.dims()[2] / n;
-            y.reshape([b, t, n, d]).swap_dims(1, 2)
-        };
-        let q = rope.apply(split(
-            crate::modules::linear_rows(&self.q_proj, x.clone()),
-            h,
-        ));
-        let mut k = rope.apply(split(
-            crate::modules::linear_rows(&self.k_proj, x.clone()),
-            kv,
-        ));
-        let mut v = split(crate::modules::linear_rows(&self.v_proj, x), kv);
-        if let Some((ck, cv)) = cache {
-            if let Some(old) = ck.take() {
-                k = Tensor::cat(vec![old, k], 2);
-            }
-            if let Some(old) = cv.take() {
-                v = Tensor::cat(vec![old, v], 2);
-            }
-            *ck = Some(k.clone());
-            *cv = Some(v.clone());
-        }
-        let d = q.dims()[3];
-        let s = k.dims()[2];
-        // Each key/value head serves h / kv query heads.
-        let repeat = |y: Tensor<4>| {
-            if h == kv {
-                return y;
-            }
-            y.reshape([b, kv, 1, s, d])
-                .expand([b, kv, h / kv, s, d])
-                .reshape([b, h, s, d])
-        };
-        let (k, v) = (repeat(k), repeat(v));
-        // The composed product, the keys `hidden` hides (one mask for every row, or one per
-        // row) at −∞.
-        let composed =
-            |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, hidden: Option<Tensor<4, Bool>>| {
-                let scores = q
-                    .matmul(k.swap_dims(2, 3))
-                    .mul_scalar(1.0 / (d as f64).sqrt());
-                let scores = match hidden {
-                    Some(m) => scores.mask_fill(m.expand([b, h, t, s]), f32::NEG_INFINITY),
-                    None => scores,
-                };
-                burn::tensor::activation::softmax(scores, 3).matmul(v)
-            };
-        let y = match mask {
-            // Every query sees itself and what came before: one fused kernel on the CPU.
-            Masking::Causal => crate::fused::causal_attention(q, k, v, None),
-            // The same within each packed example.
-            Masking::Within(starts) => crate::fused::attention_within(q, k, v, Some(starts), None),
-            Masking::Keys(mask) => {
-                let hidden = mask.as_ref().map(|m| (**m).clone().reshape([1, 1, t, s]));
-                composed(q, k, v, hidden)
-            }
-            Masking::Batch(hidden) => composed(q, k, v, Some(hidden.clone().reshape([b, 1, t, s]))),
-        };
-        let y = y.swap_dims(1, 2).reshape([b, t, h * d]);
+        let q = crate::modules::linear_rows(&self.q_proj, x.clone());
+        let k = crate::modules::linear_rows(&self.k_proj, x.clone());
+        let v = crate::modules::linear_rows(&self.v_proj, x);
+        let y = attend([q, k, v], rope, mask, heads, cache);
         crate::modules::linear_rows(&self.o_proj, y)
     }
+}
+
+/// Projected queries `[b, t, h·d]`, keys and values `[b, t, kv·d]` (`heads` = (h, kv)):
+/// queries and keys rotated by `rope`, each key/value head serving h / kv query heads, the
+/// keys `mask` hides left out; `[b, t, h·d]` for the output projection. With a `cache`, the
+/// keys and values of earlier positions are read from it and these appended.
+pub(crate) fn attend(
+    [q, k, v]: [Tensor<3>; 3],
+    rope: &Rope,
+    mask: &Masking,
+    heads: (usize, usize),
+    cache: Option<&mut LayerCache>,
+) -> Tensor<3> {
+    let [b, t, _] = q.dims();
+    let (h, kv) = heads;
+    let split = |y: Tensor<3>, n: usize| {
+        let d = y.dims()[2] / n;
+        y.reshape([b, t, n, d]).swap_dims(1, 2)
+    };
+    let q = rope.apply(split(q, h));
+    let mut k = rope.apply(split(k, kv));
+    let mut v = split(v, kv);
+    if let Some((ck, cv)) = cache {
+        if let Some(old) = ck.take() {
+            k = Tensor::cat(vec![old, k], 2);
+        }
+        if let Some(old) = cv.take() {
+            v = Tensor::cat(vec![old, v], 2);
+        }
+        *ck = Some(k.clone());
+        *cv = Some(v.clone());
+    }
+    let d = q.dims()[3];
+    let s = k.dims()[2];
+    // Each key/value head serves h / kv query heads.
+    let repeat = |y: Tensor<4>| {
+        if h == kv {
+            return y;
+        }
+        y.reshape([b, kv, 1, s, d])
+            .expand([b, kv, h / kv, s, d])
+            .reshape([b, h, s, d])
+    };
+    let (k, v) = (repeat(k), repeat(v));
+    // The composed product, the keys `hidden` hides (one mask for every row, or one per row)
+    // at −∞.
+    let composed = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, hidden: Option<Tensor<4, Bool>>| {
+        let scores = q
+            .matmul(k.swap_dims(2, 3))
+            .mul_scalar(1.0 / (d as f64).sqrt());
+        let scores = match hidden {
+            Some(m) => scores.mask_fill(m.expand([b, h, t, s]), f32::NEG_INFINITY),
+            None => scores,
+        };
+        burn::tensor::activation::softmax(scores, 3).matmul(v)
+    };
+    let y = match mask {
+        // Every query sees itself and what came before: one fused kernel on the CPU.
+        Masking::Causal => crate::fused::causal_attention(q, k, v, None),
+        // The same within each packed example.
+        Masking::Within(starts) => crate::fused::attention_within(q, k, v, Some(starts), None),
+        Masking::Keys(mask) => {
+            let hidden = mask.as_ref().map(|m| (**m).clone().reshape([1, 1, t, s]));
+            composed(q, k, v, hidden)
+        }
+        Masking::Batch(hidden) => composed(q, k, v, Some(hidden.clone().reshape([b, 1, t, s]))),
+    };
+    y.swap_dims(1, 2).reshape([b, t, h * d])
 }
 
 /// Which keys each query of a span may see.

@@ -236,13 +236,21 @@ pub fn generate(
     ids
 }
 
-/// A causal language model kiln trains on token windows and decodes from: kiln's GPT, and the
-/// Hugging Face families [`crate::llama::Llama`] and [`crate::gpt2::Gpt2`].
+/// A causal language model kiln trains on token windows and decodes from: each family the
+/// [`crate::registry`] lists.
 pub trait CausalLm:
     crate::step::TrainStep<TokenBatch> + crate::blocks::BlockStack<TokenBatch> + Sized
 {
-    /// Its architecture.
-    type Config: Clone + std::fmt::Debug + Send + Sync + 'static;
+    /// Its architecture: a config section (serialised in a run's `model.toml`).
+    type Config: Clone
+        + std::fmt::Debug
+        + Default
+        + PartialEq
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static;
 
     /// A freshly initialised model of `config` on `device`.
     fn init(config: &Self::Config, device: &Device) -> Self;

@@ -9,72 +9,10 @@ use burn::store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 
 use crate::blocks::{Activation, BlockStack};
-use crate::convnet::{ConvNet, ConvNetConfig};
-use crate::gpt::{Gpt, GptConfig};
-use crate::gpt2::{Gpt2, Gpt2Config};
-use crate::llama::{Llama, LlamaConfig};
-use crate::mlp::{Mlp, MlpConfig};
+use crate::convnet::ConvNet;
+use crate::mlp::Mlp;
+use crate::registry::{FamilyVisitor, LanguageModel, ModelKind, ModelSection, Registered};
 use crate::step::{ImageBatch, InputSpec, StepOutput, TrainStep};
-
-/// Which architecture a model section describes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ModelKind {
-    /// [`ConvNet`].
-    Convnet,
-    /// [`Mlp`].
-    Mlp,
-    /// [`Gpt`].
-    Gpt,
-    /// [`Llama`], from the `[model.llama]` section.
-    Llama,
-    /// [`Gpt2`], from the `[model.gpt2]` section.
-    Gpt2,
-    /// A Hugging Face checkpoint's architecture, read from the `config.json` of the directory
-    /// `init.from` names (a run records the family it resolved to).
-    Hf,
-}
-
-impl ModelKind {
-    /// Whether the kind is a causal language model (it trains on text).
-    pub fn is_language_model(self) -> bool {
-        matches!(
-            self,
-            ModelKind::Gpt | ModelKind::Llama | ModelKind::Gpt2 | ModelKind::Hf
-        )
-    }
-}
-
-/// The `[model]` section of a config: the architecture and each architecture's settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ModelSection {
-    /// Architecture to build: `convnet` or `mlp`. Default `convnet`.
-    pub kind: ModelKind,
-    /// Settings used when `kind = "convnet"`.
-    pub convnet: ConvNetConfig,
-    /// Settings used when `kind = "mlp"`.
-    pub mlp: MlpConfig,
-    /// Settings used when `kind = "gpt"`.
-    pub gpt: GptConfig,
-    /// Settings used when `kind = "llama"` (Hugging Face's `LlamaConfig` names).
-    pub llama: LlamaConfig,
-    /// Settings used when `kind = "gpt2"` (Hugging Face's `GPT2Config` names).
-    pub gpt2: Gpt2Config,
-}
-
-impl Default for ModelSection {
-    fn default() -> Self {
-        Self {
-            kind: ModelKind::Convnet,
-            convnet: ConvNetConfig::default(),
-            mlp: MlpConfig::default(),
-            gpt: GptConfig::default(),
-            llama: LlamaConfig::default(),
-            gpt2: Gpt2Config::default(),
-        }
-    }
-}
 
 /// Everything needed to rebuild a model: its architecture and, for image classifiers, the
 /// input shape (a GPT's vocabulary and context live in its own config).
@@ -98,14 +36,12 @@ impl ModelSpec {
         match self.model.kind {
             ModelKind::Convnet => self.model.convnet.validate(&input()?),
             ModelKind::Mlp => input().and_then(|_| self.model.mlp.validate()),
-            ModelKind::Gpt => self.model.gpt.validate(),
-            ModelKind::Llama => self.model.llama.validate("model.llama"),
-            ModelKind::Gpt2 => self.model.gpt2.validate("model.gpt2"),
             ModelKind::Hf => Err(
                 "model.kind = \"hf\" is resolved from init.from's config.json before a model \
                  is built"
                     .into(),
             ),
+            _ => self.model.validate_family(),
         }
     }
 
@@ -132,14 +68,6 @@ impl ModelSpec {
             ModelKind::Convnet => Some(self.model.convnet.flops_per_sample(&input)),
             ModelKind::Mlp => Some(self.model.mlp.flops_per_sample(&input)),
             _ => None,
-        }
-    }
-
-    /// Builds a freshly initialised GPT on `device`; any other kind is an error.
-    pub fn gpt(&self, device: &Device) -> Result<Gpt, String> {
-        match self.model.kind {
-            ModelKind::Gpt => Ok(self.model.gpt.init(device)),
-            _ => Err("this model spec is not a GPT".into()),
         }
     }
 }
@@ -332,87 +260,56 @@ pub fn load_classifier(
     }
 }
 
-/// Loads the final GPT of a kiln run directory (`model.toml` + `model.bpk`) and its config.
-pub fn load_gpt_run(run_dir: &Path, device: &Device) -> Result<(Gpt, GptConfig), LoadError> {
+/// Loads the final model of family `M` of a kiln run directory (`model.toml` + `model.bpk`)
+/// and its config: `load_family_run::<Gpt>(dir, &device)`.
+pub fn load_family_run<M: Registered>(
+    run_dir: &Path,
+    device: &Device,
+) -> Result<(M, M::Config), LoadError> {
     let spec_path = run_dir.join(SPEC_FILE);
     let spec = read_spec(&spec_path)?;
+    let config = spec
+        .model
+        .config_of::<M>()
+        .map_err(|e| LoadError::Spec(spec_path.clone(), e))?
+        .clone();
     let weights = run_dir.join(WEIGHTS_FILE);
-    let model = crate::modules::with_rng(|| spec.gpt(device))
-        .map_err(|e| LoadError::Spec(spec_path.clone(), e))?;
-    let model = model
+    let model = crate::modules::with_rng(|| M::init(&config, device))
         .try_load_file(&weights)
-        .map_err(|e| LoadError::Weights(weights.clone(), one_line(&e)))?;
-    Ok((model, spec.model.gpt))
+        .map_err(|e| LoadError::Weights(weights, one_line(&e)))?;
+    Ok((model, config))
 }
 
-/// Any of the causal language models, as a run directory holds it.
-#[derive(Debug)]
-pub enum LanguageModel {
-    /// kiln's GPT.
-    Gpt(Gpt),
-    /// A Llama-family model.
-    Llama(Llama),
-    /// GPT-2.
-    Gpt2(Gpt2),
-}
-
-impl LanguageModel {
-    /// `prompt` continued by `tokens` ids (see [`crate::lm::CausalLm::continue_ids`]).
-    pub fn continue_ids(
-        &self,
-        prompt: &[u32],
-        tokens: usize,
-        how: &crate::lm::Sampling,
-        uniform: &mut dyn FnMut() -> f64,
-    ) -> Vec<u32> {
-        use crate::lm::CausalLm;
-        match self {
-            LanguageModel::Gpt(m) => m.continue_ids(prompt, tokens, how, uniform),
-            LanguageModel::Llama(m) => m.continue_ids(prompt, tokens, how, uniform),
-            LanguageModel::Gpt2(m) => m.continue_ids(prompt, tokens, how, uniform),
-        }
-    }
-
-    /// Logits `[batch, time, vocab]` of token ids `[batch, time]`.
-    pub fn logits(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        match self {
-            LanguageModel::Gpt(m) => m.forward(tokens),
-            LanguageModel::Llama(m) => m.forward(tokens),
-            LanguageModel::Gpt2(m) => m.forward(tokens),
-        }
-    }
-}
-
-/// Loads the final language model of a kiln run directory (`model.toml` + `model.bpk`): a
-/// GPT, a Llama-family model or GPT-2.
+/// Loads the final language model of a kiln run directory (`model.toml` + `model.bpk`), of
+/// whichever family it records.
 pub fn load_lm_run(run_dir: &Path, device: &Device) -> Result<LanguageModel, LoadError> {
     let spec_path = run_dir.join(SPEC_FILE);
     let spec = read_spec(&spec_path)?;
-    let weights = run_dir.join(WEIGHTS_FILE);
-    let fail = |e: &dyn fmt::Display| LoadError::Weights(weights.clone(), one_line(e));
-    let m = &spec.model;
-    Ok(match m.kind {
-        ModelKind::Gpt => LanguageModel::Gpt(
-            crate::modules::with_rng(|| m.gpt.init(device))
-                .try_load_file(&weights)
-                .map_err(|e| fail(&e))?,
-        ),
-        ModelKind::Llama => LanguageModel::Llama(
-            crate::modules::with_rng(|| m.llama.init(device))
-                .try_load_file(&weights)
-                .map_err(|e| fail(&e))?,
-        ),
-        ModelKind::Gpt2 => LanguageModel::Gpt2(
-            crate::modules::with_rng(|| m.gpt2.init(device))
-                .try_load_file(&weights)
-                .map_err(|e| fail(&e))?,
-        ),
-        kind => {
-            return Err(LoadError::Spec(
-                spec_path,
-                format!("{kind:?} is not a language model"),
-            ));
+    struct Load<'a> {
+        weights: PathBuf,
+        device: &'a Device,
+    }
+    impl FamilyVisitor for Load<'_> {
+        type Output = Result<LanguageModel, LoadError>;
+        fn visit<M: Registered>(self, config: &M::Config) -> Self::Output {
+            let model = crate::modules::with_rng(|| M::init(config, self.device))
+                .try_load_file(&self.weights)
+                .map_err(|e| LoadError::Weights(self.weights.clone(), one_line(&e)))?;
+            Ok(model.into_language_model())
         }
+    }
+    let load = Load {
+        weights: run_dir.join(WEIGHTS_FILE),
+        device,
+    };
+    spec.model.visit(load).unwrap_or_else(|| {
+        Err(LoadError::Spec(
+            spec_path,
+            format!(
+                "model.kind = {:?} is not a language model",
+                crate::registry::kind_name(spec.model.kind)
+            ),
+        ))
     })
 }
 

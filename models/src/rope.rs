@@ -1,4 +1,4 @@
-//! Rotary position embeddings in the half-split layout (Llama, Mistral, Qwen2): the tables
+//! Rotary position embeddings in the half-split layout (Llama, Mistral, Qwen2, Phi-3): the tables
 //! of a span of positions, and the rotation of queries and keys by them.
 
 use burn::prelude::*;
@@ -62,9 +62,16 @@ impl Rope {
     }
 
     /// `x` (`[b, heads, t, d]`) rotated: `x·cos + rotate_half(x)·sin`, with `rotate_half(x) =
-    /// [-x₂, x₁]` for the halves x₁, x₂ of each head.
+    /// [-x₂, x₁]` for the halves x₁, x₂ of each head. Where the tables are narrower than a
+    /// head (a partial rotary factor, Phi-3's), its first dimensions rotate and the rest pass.
     pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
         let [b, h, t, d] = x.dims();
+        let r = self.cos.dims()[2];
+        if r < d {
+            let rotated = self.apply(x.clone().slice([0..b, 0..h, 0..t, 0..r]));
+            let kept = x.slice([0..b, 0..h, 0..t, r..d]);
+            return Tensor::cat(vec![rotated, kept], 3);
+        }
         let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
         let x2 = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
         let rotated = Tensor::cat(vec![x2.neg(), x1], 3);

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use burn::prelude::*;
 use kiln_datasets::chat::{ChatTemplate, Message, TrainOn, encode};
 use kiln_datasets::subword::SubwordTokenizer;
-use kiln_models::hf::{self, HfArchitecture};
-use kiln_models::{IGNORE, TokenBatch, TrainStep};
+use kiln_models::hf;
+use kiln_models::{Gpt2, IGNORE, Llama, TokenBatch, TrainStep};
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
@@ -87,10 +87,12 @@ fn the_loss_on_the_answers_alone_is_transformers_loss_with_labels_minus_100() {
         .unwrap()
         .expect("a template");
     let device = Device::flex();
-    let HfArchitecture::Llama(config) = hf::read_config(&dir).unwrap() else {
-        panic!("a Llama fixture")
-    };
-    let model = hf::load_llama(&dir, &config, &device).unwrap().0;
+    let config = hf::read_config(&dir)
+        .unwrap()
+        .config_of::<Llama>()
+        .unwrap()
+        .clone();
+    let model = hf::load::<Llama>(&dir, &config, &device).unwrap().0;
     let rows = reference["conversations"].as_array().unwrap();
     let mut batch = Vec::new();
     for (i, row) in rows.iter().enumerate() {
@@ -162,10 +164,12 @@ fn a_prompt_tokens_logit_gets_no_gradient() {
     let dir = fixtures().join("llama-chat");
     let reference = json(&dir.join("reference.json"));
     let device = Device::flex().autodiff();
-    let HfArchitecture::Llama(config) = hf::read_config(&dir).unwrap() else {
-        panic!("a Llama fixture")
-    };
-    let model = hf::load_llama(&dir, &config, &device).unwrap().0;
+    let config = hf::read_config(&dir)
+        .unwrap()
+        .config_of::<Llama>()
+        .unwrap()
+        .clone();
+    let model = hf::load::<Llama>(&dir, &config, &device).unwrap().0;
     let row = &reference["conversations"][0];
     let got = ids(&row["ids"]);
     let labels = ids(&row["labels"]);
@@ -874,16 +878,20 @@ where
 fn a_packed_batch_gives_the_loss_and_gradients_of_its_examples_one_by_one() {
     let device = Device::flex().autodiff();
     let dir = fixtures().join("llama-chat");
-    let HfArchitecture::Llama(c) = hf::read_config(&dir).unwrap() else {
-        panic!("a Llama fixture")
-    };
-    let llama = hf::load_llama(&dir, &c, &device).unwrap().0;
+    let c = hf::read_config(&dir)
+        .unwrap()
+        .config_of::<Llama>()
+        .unwrap()
+        .clone();
+    let llama = hf::load::<Llama>(&dir, &c, &device).unwrap().0;
     packed_equals_one_by_one(&llama, c.vocab_size, "llama");
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/gpt2");
-    let HfArchitecture::Gpt2(c) = hf::read_config(&dir).unwrap() else {
-        panic!("a GPT-2 fixture")
-    };
-    let gpt2 = hf::load_gpt2(&dir, &c, &device).unwrap().0;
+    let c = hf::read_config(&dir)
+        .unwrap()
+        .config_of::<Gpt2>()
+        .unwrap()
+        .clone();
+    let gpt2 = hf::load::<Gpt2>(&dir, &c, &device).unwrap().0;
     packed_equals_one_by_one(&gpt2, c.vocab_size, "gpt2");
     let config = kiln_models::GptConfig {
         n_layer: 2,

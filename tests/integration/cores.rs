@@ -33,7 +33,11 @@ fn params(dir: &std::path::Path) -> Vec<Vec<f32>> {
     let device = Device::flex();
     match load_run(dir, &device) {
         Ok(model) => parameter_values(&model),
-        Err(_) => parameter_values(&kiln_models::load_gpt_run(dir, &device).unwrap().0),
+        Err(_) => parameter_values(
+            &kiln_models::load_family_run::<kiln_models::Gpt>(dir, &device)
+                .unwrap()
+                .0,
+        ),
     }
 }
 

@@ -404,7 +404,7 @@ fn reducing_beside_the_backward_gives_the_same_bits_as_after_it() {
             let config = crate::gpt::gpt_config(&run_dir, &text, &o);
             train(&config, &RunOptions::default()).unwrap();
             let params = parameter_values(
-                &kiln_models::load_gpt_run(&run_dir, &Device::flex())
+                &kiln_models::load_family_run::<kiln_models::Gpt>(&run_dir, &Device::flex())
                     .unwrap()
                     .0,
             );

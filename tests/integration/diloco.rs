@@ -48,7 +48,11 @@ fn run(dir: &Path, text: &Path, extra: &[&str]) -> kiln::RunResult {
 }
 
 fn params(dir: &Path) -> Vec<Vec<f32>> {
-    parameter_values(&kiln_models::load_gpt_run(dir, &Device::flex()).unwrap().0)
+    parameter_values(
+        &kiln_models::load_family_run::<kiln_models::Gpt>(dir, &Device::flex())
+            .unwrap()
+            .0,
+    )
 }
 
 const SGD: [&str; 3] = [

@@ -125,8 +125,16 @@ fn gpt_windows_do_not_depend_on_the_device_count() {
     )
     .unwrap();
     let device = Device::flex();
-    let a = parameter_values(&kiln_models::load_gpt_run(&one.dir, &device).unwrap().0);
-    let b = parameter_values(&kiln_models::load_gpt_run(&two.dir, &device).unwrap().0);
+    let a = parameter_values(
+        &kiln_models::load_family_run::<kiln_models::Gpt>(&one.dir, &device)
+            .unwrap()
+            .0,
+    );
+    let b = parameter_values(
+        &kiln_models::load_family_run::<kiln_models::Gpt>(&two.dir, &device)
+            .unwrap()
+            .0,
+    );
     let d = max_relative_diff(&b, &a);
     assert!(d <= 1e-5, "max per-tensor relative difference {d:e}");
     // Nor on the split into accumulation: a step's windows are the step's, whoever takes
@@ -144,7 +152,11 @@ fn gpt_windows_do_not_depend_on_the_device_count() {
         &RunOptions::default(),
     )
     .unwrap();
-    let c = parameter_values(&kiln_models::load_gpt_run(&acc.dir, &device).unwrap().0);
+    let c = parameter_values(
+        &kiln_models::load_family_run::<kiln_models::Gpt>(&acc.dir, &device)
+            .unwrap()
+            .0,
+    );
     let d = max_relative_diff(&c, &a);
     assert!(
         d <= 1e-5,

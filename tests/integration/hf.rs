@@ -7,11 +7,11 @@
 use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
-use kiln_models::hf::{self, HfArchitecture};
-use kiln_models::{Gpt2, Llama, Sampling};
+use kiln_models::hf;
+use kiln_models::{Gpt2, Llama, ModelKind, ModelSection, Phi3, Sampling};
 use serde_json::Value;
 
-fn fixture(name: &str) -> PathBuf {
+pub(crate) fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/hf")
         .join(name)
@@ -45,18 +45,22 @@ fn reference(dir: &Path) -> Reference {
     }
 }
 
-/// A model of either family, as the fixture's config.json says.
+/// A model of any Hugging Face family, as the fixture's config.json says.
 enum Lm {
     Llama(Llama),
     Gpt2(Gpt2),
+    Phi3(Phi3),
 }
 
 impl Lm {
     fn load(dir: &Path) -> Lm {
         let device = Device::flex();
-        match hf::read_config(dir).unwrap() {
-            HfArchitecture::Llama(c) => Lm::Llama(hf::load_llama(dir, &c, &device).unwrap().0),
-            HfArchitecture::Gpt2(c) => Lm::Gpt2(hf::load_gpt2(dir, &c, &device).unwrap().0),
+        let s = hf::read_config(dir).unwrap();
+        match s.kind {
+            ModelKind::Llama => Lm::Llama(hf::load::<Llama>(dir, &s.llama, &device).unwrap().0),
+            ModelKind::Gpt2 => Lm::Gpt2(hf::load::<Gpt2>(dir, &s.gpt2, &device).unwrap().0),
+            ModelKind::Phi3 => Lm::Phi3(hf::load::<Phi3>(dir, &s.phi3, &device).unwrap().0),
+            kind => panic!("{kind:?}"),
         }
     }
 
@@ -70,6 +74,7 @@ impl Lm {
         match self {
             Lm::Llama(m) => m.forward(input),
             Lm::Gpt2(m) => m.forward(input),
+            Lm::Phi3(m) => m.forward(input),
         }
     }
 
@@ -77,6 +82,7 @@ impl Lm {
         match self {
             Lm::Llama(m) => m.generate(prompt, tokens, &Sampling::greedy(), || 0.0),
             Lm::Gpt2(m) => m.generate(prompt, tokens, &Sampling::greedy(), || 0.0),
+            Lm::Phi3(m) => m.generate(prompt, tokens, &Sampling::greedy(), || 0.0),
         }
     }
 }
@@ -93,7 +99,9 @@ fn greedy_without_cache(model: &Lm, prompt: &[u32], tokens: usize) -> Vec<u32> {
     ids
 }
 
-fn check(name: &str) {
+/// Fixture `name` read by kiln: transformers' logits within 1e-4 of their scale, its loss
+/// within 1e-5, its greedy tokens with the cache, and the same tokens without it.
+pub(crate) fn check(name: &str) {
     let dir = fixture(name);
     let r = reference(&dir);
     let model = Lm::load(&dir);
@@ -199,10 +207,12 @@ fn a_gpt2_checkpoint_gives_transformers_logits_loss_and_greedy_tokens() {
 fn an_original_gpt2_layout_without_prefix_and_with_mask_buffers_reads_the_same() {
     check("gpt2-legacy");
     let dir = fixture("gpt2-legacy");
-    let HfArchitecture::Gpt2(c) = hf::read_config(&dir).unwrap() else {
-        panic!("gpt2")
-    };
-    let (_, loaded) = hf::load_gpt2(&dir, &c, &Device::flex()).unwrap();
+    let c = hf::read_config(&dir)
+        .unwrap()
+        .config_of::<Gpt2>()
+        .unwrap()
+        .clone();
+    let (_, loaded) = hf::load::<Gpt2>(&dir, &c, &Device::flex()).unwrap();
     assert_eq!(
         loaded.ignored,
         ["transformer.h.0.attn.bias", "transformer.h.1.attn.bias"]
@@ -244,6 +254,26 @@ fn what_kiln_does_not_read_is_refused_in_one_line_naming_file_and_key() {
         hf::read_config(&dir).unwrap_err(),
         &["config.json", "model_type", "\"falcon\"", "llama"],
     );
+    // A key of the wrong type, and one missing, for each family's reader.
+    for (name, key, edit) in [
+        ("llama", "hidden_size", serde_json::json!("wide")),
+        ("gpt2", "n_head", serde_json::json!(-2)),
+    ] {
+        let dir = altered(name, |d| edit_config(d, |v| v[key] = edit.clone()));
+        one_line(
+            hf::read_config(&dir).unwrap_err(),
+            &["config.json", &format!("key `{key}`"), "invalid"],
+        );
+        let dir = altered(name, |d| {
+            edit_config(d, |v| {
+                v.as_object_mut().unwrap().remove(key);
+            })
+        });
+        one_line(
+            hf::read_config(&dir).unwrap_err(),
+            &["config.json", "missing", key],
+        );
+    }
     // A rotary scaling kiln lacks, in transformers 5's and 4's keys.
     let dir = altered("llama", |d| {
         edit_config(d, |v| v["rope_parameters"]["rope_type"] = "yarn".into())
@@ -272,6 +302,14 @@ fn what_kiln_does_not_read_is_refused_in_one_line_naming_file_and_key() {
         hf::read_config(&dir).unwrap_err(),
         &["rope_scaling.rope_type", "\"dynamic\""],
     );
+    // Phi-3's longrope (per-frequency factors), which kiln lacks.
+    let dir = altered("phi3", |d| {
+        edit_config(d, |v| v["rope_parameters"]["rope_type"] = "longrope".into())
+    });
+    one_line(
+        hf::read_config(&dir).unwrap_err(),
+        &["config.json", "rope_parameters.rope_type", "\"longrope\""],
+    );
     // A missing shard, named with the index that lists it.
     let dir = altered("llama-sharded", |d| {
         std::fs::remove_file(d.join("model-00002-of-00003.safetensors")).unwrap()
@@ -288,10 +326,12 @@ fn what_kiln_does_not_read_is_refused_in_one_line_naming_file_and_key() {
     let dir = altered("llama", |d| {
         edit_config(d, |v| v["intermediate_size"] = 128.into())
     });
-    let HfArchitecture::Llama(c) = hf::read_config(&dir).unwrap() else {
-        panic!("llama")
-    };
-    let e = hf::load_llama(&dir, &c, &Device::flex()).unwrap_err();
+    let c = hf::read_config(&dir)
+        .unwrap()
+        .config_of::<Llama>()
+        .unwrap()
+        .clone();
+    let e = hf::load::<Llama>(&dir, &c, &Device::flex()).unwrap_err();
     println!("{e}");
     one_line(e, &["model.safetensors", "mlp", "shape"]);
     // An export kiln cannot write, refused before the run: a model with no Hugging Face
@@ -303,10 +343,12 @@ fn what_kiln_does_not_read_is_refused_in_one_line_naming_file_and_key() {
 }
 
 /// The `config.json` kiln writes for a model it trained from scratch reads back as the same
-/// architecture, for each family and variant it names.
+/// architecture, for each family and variant, with the variant's own `model_type` — a Mistral
+/// without a window stays Mistral, a Qwen2 Qwen2 — and a variant's settings that its
+/// architecture cannot hold are refused in one line.
 #[test]
 fn written_configs_read_back_as_the_same_architecture() {
-    use kiln_models::llama::{LlamaConfig, RopeScaling};
+    use kiln_models::llama::{LlamaConfig, LlamaVariant, RopeScaling};
     let llama = LlamaConfig {
         vocab_size: 50,
         hidden_size: 16,
@@ -316,19 +358,29 @@ fn written_configs_read_back_as_the_same_architecture() {
         num_key_value_heads: 2,
         head_dim: 4,
         attention_bias: true,
+        mlp_bias: true,
         rope_scaling: Some(RopeScaling::Linear { factor: 2.0 }),
         ..Default::default()
     };
-    let qwen2 = LlamaConfig {
-        qkv_bias: true,
+    let plain = LlamaConfig {
         attention_bias: false,
-        rope_scaling: None,
+        mlp_bias: false,
         ..llama.clone()
     };
+    let qwen2 = LlamaConfig {
+        model_type: LlamaVariant::Qwen2,
+        rope_scaling: None,
+        ..plain.clone()
+    };
     let mistral = LlamaConfig {
+        model_type: LlamaVariant::Mistral,
         sliding_window: Some(8),
         tie_word_embeddings: true,
-        ..llama.clone()
+        ..plain.clone()
+    };
+    let mistral_unwindowed = LlamaConfig {
+        model_type: LlamaVariant::Mistral,
+        ..plain.clone()
     };
     let gpt2 = kiln_models::gpt2::Gpt2Config {
         vocab_size: 50,
@@ -337,16 +389,57 @@ fn written_configs_read_back_as_the_same_architecture() {
         n_layer: 1,
         ..Default::default()
     };
+    let section = |kind, llama: &LlamaConfig| ModelSection {
+        kind,
+        llama: llama.clone(),
+        gpt2: gpt2.clone(),
+        ..ModelSection::default()
+    };
     for (want_type, arch) in [
-        ("llama", HfArchitecture::Llama(llama)),
-        ("qwen2", HfArchitecture::Llama(qwen2)),
-        ("mistral", HfArchitecture::Llama(mistral)),
-        ("gpt2", HfArchitecture::Gpt2(gpt2)),
+        ("llama", section(ModelKind::Llama, &llama)),
+        ("qwen2", section(ModelKind::Llama, &qwen2)),
+        ("mistral", section(ModelKind::Llama, &mistral)),
+        ("mistral", section(ModelKind::Llama, &mistral_unwindowed)),
+        ("gpt2", section(ModelKind::Gpt2, &plain)),
     ] {
-        let json = hf::config_json(&arch);
+        arch.validate_family().unwrap();
+        let json = arch.hf_json().unwrap();
         assert_eq!(json["model_type"], want_type);
         let back = hf::parse_config(&json).unwrap();
-        assert_eq!(format!("{back:?}"), format!("{arch:?}"), "{want_type}");
+        assert_eq!(back.kind, arch.kind, "{want_type}");
+        match arch.kind {
+            ModelKind::Llama => assert_eq!(back.llama, arch.llama, "{want_type}"),
+            _ => assert_eq!(back.gpt2, arch.gpt2, "{want_type}"),
+        }
+    }
+    // kiln's GPT has no Hugging Face layout.
+    assert_eq!(section(ModelKind::Gpt, &plain).hf_json(), None);
+    // What a variant's architecture cannot hold.
+    for (variant, edit, key) in [
+        (LlamaVariant::Qwen2, "mlp_bias", "model.llama.mlp_bias"),
+        (
+            LlamaVariant::Mistral,
+            "attention_bias",
+            "model.llama.attention_bias",
+        ),
+        (
+            LlamaVariant::Llama,
+            "sliding_window",
+            "model.llama.sliding_window",
+        ),
+    ] {
+        let mut c = LlamaConfig {
+            model_type: variant,
+            ..plain.clone()
+        };
+        match edit {
+            "mlp_bias" => c.mlp_bias = true,
+            "attention_bias" => c.attention_bias = true,
+            _ => c.sliding_window = Some(8),
+        }
+        let e = section(ModelKind::Llama, &c).validate_family().unwrap_err();
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(e.contains(key) && e.contains(variant.model_type()), "{e}");
     }
 }
 
@@ -361,9 +454,11 @@ fn transformers_4_configs_read_as_5_s() {
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     });
-    let HfArchitecture::Llama(c) = hf::parse_config(&json).unwrap() else {
-        panic!("llama")
-    };
+    let c = hf::parse_config(&json)
+        .unwrap()
+        .config_of::<Llama>()
+        .unwrap()
+        .clone();
     assert_eq!(
         (c.rope_theta, c.head_width(), c.kv_heads()),
         (500000.0, 4, 1)
@@ -374,10 +469,12 @@ fn transformers_4_configs_read_as_5_s() {
         "model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 12,
         "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 1000000.0
     });
-    let HfArchitecture::Llama(c) = hf::parse_config(&json).unwrap() else {
-        panic!("qwen2")
-    };
-    assert!(c.qkv_bias && !c.attention_bias);
+    let c = hf::parse_config(&json)
+        .unwrap()
+        .config_of::<Llama>()
+        .unwrap()
+        .clone();
+    assert!(c.model_type == kiln_models::llama::LlamaVariant::Qwen2 && !c.attention_bias);
 }
 
 #[test]
@@ -401,18 +498,16 @@ fn llama3_rope_scaling_divides_the_low_frequencies_and_keeps_the_high() {
     assert!((scaled[last] - plain[last] / 8.0).abs() <= 1e-12 * plain[last].abs().max(1e-30));
 }
 
-/// A run of the `[model] kind = "hf"` fine-tune of fixture `name` on the test text, with
-/// `extra` settings, into `dir/run`.
-/// A Llama and a GPT-2 trained from scratch (`model.kind = "llama"` / `"gpt2"`) write with
-/// `export.format = "hf"` a directory whose `config.json` names their family and shape, and
-/// which, loaded back as a checkpoint (`model.kind = "hf"`), scores the run's own validation
-/// loss on the same windows.
+/// A Llama, a GPT-2 and a Phi-3 trained from scratch (`model.kind = "llama"` / `"gpt2"` /
+/// `"phi3"`) write with `export.format = "hf"` a directory whose `config.json` names their
+/// family and shape, and which, loaded back as a checkpoint (`model.kind = "hf"`), scores the
+/// run's own validation loss on the same windows.
 #[test]
-fn a_llama_and_a_gpt2_from_scratch_export_a_checkpoint_that_loads_back() {
+fn every_hf_family_from_scratch_exports_a_checkpoint_that_loads_back() {
     let dir = crate::common::temp_dir("hf-scratch");
     let text = crate::gpt::text_file(&dir).display().to_string();
     let tok = fixture("tokenizer").display().to_string();
-    let shapes: [(&str, &[&str]); 2] = [
+    let shapes: [(&str, &[&str]); 3] = [
         (
             "llama",
             &[
@@ -431,6 +526,19 @@ fn a_llama_and_a_gpt2_from_scratch_export_a_checkpoint_that_loads_back() {
                 "model.gpt2.n_layer=2",
                 "model.gpt2.n_head=2",
                 "model.gpt2.n_positions=16",
+            ],
+        ),
+        (
+            "phi3",
+            &[
+                "model.phi3.hidden_size=32",
+                "model.phi3.intermediate_size=64",
+                "model.phi3.num_hidden_layers=2",
+                "model.phi3.num_attention_heads=2",
+                "model.phi3.num_key_value_heads=1",
+                "model.phi3.max_position_embeddings=16",
+                "model.phi3.partial_rotary_factor=0.5",
+                "model.phi3.sliding_window=8",
             ],
         ),
     ];
@@ -455,15 +563,43 @@ fn a_llama_and_a_gpt2_from_scratch_export_a_checkpoint_that_loads_back() {
         let config = kiln::builtin::load(None, &sets).unwrap();
         let run = kiln::builtin::train(&config, &kiln::run::RunOptions::default()).unwrap();
         let hf = run.dir.join("hf");
+        // The token ids it names are none or within the vocabulary (transformers' Phi-3
+        // defaults, 32000, are not).
+        let json: Value =
+            serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap())
+                .unwrap();
+        for key in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+            let id = &json.get(key);
+            assert!(
+                id.is_none_or(|v| v.is_null() || v.as_u64().is_some_and(|i| i < 384)),
+                "{kind}: {key} = {id:?}"
+            );
+        }
+        if kind == "phi3" {
+            assert!(
+                json.get("pad_token_id").is_some_and(Value::is_null),
+                "{json}"
+            );
+        }
         let arch = kiln_models::hf::read_config(&hf).unwrap();
-        match (&arch, kind) {
-            (HfArchitecture::Llama(c), "llama") => {
+        match (arch.kind, kind) {
+            (ModelKind::Llama, "llama") => {
+                let c = &arch.llama;
                 assert_eq!((c.hidden_size, c.num_key_value_heads), (32, 1), "{c:?}");
             }
-            (HfArchitecture::Gpt2(c), "gpt2") => assert_eq!(c.n_embd, 32, "{c:?}"),
+            (ModelKind::Gpt2, "gpt2") => {
+                assert_eq!((arch.gpt2.n_embd, arch.gpt2.vocab_size), (32, 384))
+            }
+            (ModelKind::Phi3, "phi3") => {
+                let c = &arch.phi3;
+                assert_eq!(
+                    (c.partial_rotary_factor, c.sliding_window, c.vocab_size),
+                    (0.5, Some(8), 384),
+                    "{c:?}"
+                );
+            }
             _ => panic!("{kind}: exported as {arch:?}"),
         }
-        assert_eq!(arch.vocab_size(), 384);
         let mut sets = common(&format!("{kind}-back"));
         sets.push("model.kind=\"hf\"".into());
         sets.push(format!("init.from={:?}", hf.display().to_string()));
@@ -484,7 +620,14 @@ fn a_llama_and_a_gpt2_from_scratch_export_a_checkpoint_that_loads_back() {
     }
 }
 
-fn hf_config(dir: &Path, run: &str, name: &str, extra: &[&str]) -> kiln::builtin::Config {
+/// A run of the `[model] kind = "hf"` fine-tune of fixture `name` on the test text, with
+/// `extra` settings, into `dir/run`.
+pub(crate) fn hf_config(
+    dir: &Path,
+    run: &str,
+    name: &str,
+    extra: &[&str],
+) -> kiln::builtin::Config {
     let text = crate::gpt::text_file(dir);
     let from = fixture(name).display().to_string();
     let mut o: Vec<String> = vec![
@@ -540,10 +683,12 @@ fn lora_on_the_llama_checkpoint_under_ddp_zero3_and_pipeline_equals_one_device()
         assert!(v.iter().any(|x| *x != 0.0), "{k} is all zero");
     }
     // The frozen base is the checkpoint's, bit for bit.
-    let HfArchitecture::Llama(c) = hf::read_config(&fixture("llama")).unwrap() else {
-        panic!("llama")
-    };
-    let (start, _) = hf::load_llama(&fixture("llama"), &c, &Device::flex()).unwrap();
+    let c = hf::read_config(&fixture("llama"))
+        .unwrap()
+        .config_of::<Llama>()
+        .unwrap()
+        .clone();
+    let (start, _) = hf::load::<Llama>(&fixture("llama"), &c, &Device::flex()).unwrap();
     let start_file = dir.join("start.safetensors");
     kiln_models::save_safetensors(&start, &start_file).unwrap();
     let start = read_tensors(&start_file).unwrap();
@@ -673,15 +818,19 @@ fn a_gpt2_checkpoint_fine_tunes_from_the_cli_and_samples() {
     }
 }
 
-/// Both families under what the rest of kiln offers: recompute equals no recompute bit for
+/// Every Hugging Face family under what the rest of kiln offers: recompute equals no recompute bit for
 /// bit (f32), bf16-mixed under zero2, DiLoCo's islands, and QLoRA (8-bit bases in f32, 4-bit
 /// under bf16-mixed) each train to a finite validation loss below the checkpoint's; QLoRA's
 /// adapters move (each `b` factor, zero at the start, is not zero after the steps).
 #[test]
-fn both_families_take_recompute_mixed_precision_diloco_and_qlora() {
+fn every_hf_family_takes_recompute_mixed_precision_diloco_and_qlora() {
     use kiln::weights::read_tensors;
     let dir = crate::common::temp_dir("hf-modes");
-    for (name, target) in [("llama", "**.q_proj"), ("gpt2", "**.c_attn")] {
+    for (name, target) in [
+        ("llama", "**.q_proj"),
+        ("gpt2", "**.c_attn"),
+        ("phi3", "**.qkv_proj"),
+    ] {
         let qlora = format!("finetune.lora.targets=[{target:?}]");
         let start = kiln::builtin::train(
             &hf_config(&dir, &format!("{name}-start"), name, &[]),
@@ -914,6 +1063,17 @@ fn the_hf_export_has_the_checkpoints_layout_and_the_runs_logits() {
             7,
         ),
         ("gpt2", vec![], 1),
+        // Phi-3's fused projections, adapted whole.
+        (
+            "phi3",
+            vec![
+                "finetune.lora.rank=4",
+                "finetune.lora.alpha=8.0",
+                "finetune.lora.targets=[\"**.qkv_proj\", \"**.gate_up_proj\"]",
+                "export.adapters=true",
+            ],
+            1,
+        ),
         // GPT-2's `Conv1D` keeps `[in, out]` weights: its PEFT adapters say `fan_in_fan_out`.
         (
             "gpt2-lora",
@@ -981,14 +1141,20 @@ fn the_hf_export_has_the_checkpoints_layout_and_the_runs_logits() {
         let exported = Lm::load(&out).forward(&ids);
         let mut store = SafetensorsStore::from_file(r.dir.join("model.safetensors"));
         let device = Device::flex();
-        let run = match hf::read_config(&out).unwrap() {
-            HfArchitecture::Llama(c) => {
-                let mut m = c.init(&device);
+        let s = hf::read_config(&out).unwrap();
+        let run = match s.kind {
+            ModelKind::Llama => {
+                let mut m = s.llama.init(&device);
                 m.load_from(&mut store).unwrap();
                 Lm::Llama(m)
             }
-            HfArchitecture::Gpt2(c) => {
-                let mut m = c.init(&device);
+            ModelKind::Phi3 => {
+                let mut m = s.phi3.init(&device);
+                m.load_from(&mut store).unwrap();
+                Lm::Phi3(m)
+            }
+            _ => {
+                let mut m = s.gpt2.init(&device);
                 m.load_from(&mut store).unwrap();
                 Lm::Gpt2(m)
             }

@@ -21,6 +21,7 @@ mod lora;
 mod monitor;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod phi3;
 mod pipeline;
 mod plan;
 mod policies;

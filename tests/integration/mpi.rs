@@ -118,7 +118,11 @@ fn args(model: Model, text: &Path, run_dir: &Path, extra: &[&str]) -> Vec<String
 fn params(model: Model, dir: &Path) -> Vec<Vec<f32>> {
     let device = Device::flex();
     match model {
-        Model::Gpt => parameter_values(&kiln_models::load_gpt_run(dir, &device).unwrap().0),
+        Model::Gpt => parameter_values(
+            &kiln_models::load_family_run::<kiln_models::Gpt>(dir, &device)
+                .unwrap()
+                .0,
+        ),
         Model::Mlp => parameter_values(&kiln_models::load_run(dir, &device).unwrap()),
     }
 }
@@ -439,7 +443,8 @@ fn assert_checkpoints_whole(run: &Path) {
     assert!(state.step >= 1);
     kiln::checkpoint::load_optimizer(&newest).unwrap();
     let spec = kiln_models::read_spec(&run.join("model.toml")).unwrap();
-    let model = spec.gpt(&Device::flex()).unwrap();
+    let config = spec.model.config_of::<kiln_models::Gpt>().unwrap();
+    let model = config.init(&Device::flex());
     kiln::checkpoint::load_model(&newest, model).unwrap();
 }
 

@@ -74,7 +74,11 @@ fn config(model: Model, dir: &Path, text: &Path, extra: &[String]) -> kiln::buil
 fn params(model: Model, dir: &Path) -> Vec<Vec<f32>> {
     let device = Device::flex();
     match model {
-        Model::Gpt => parameter_values(&kiln_models::load_gpt_run(dir, &device).unwrap().0),
+        Model::Gpt => parameter_values(
+            &kiln_models::load_family_run::<kiln_models::Gpt>(dir, &device)
+                .unwrap()
+                .0,
+        ),
         _ => parameter_values(&kiln_models::load_run(dir, &device).unwrap()),
     }
 }

@@ -163,7 +163,9 @@ fn run_params(config: &kiln::builtin::Config) -> Vec<Vec<f32>> {
 }
 
 fn result_model(dir: &std::path::Path) -> kiln_models::Gpt {
-    kiln_models::load_gpt_run(dir, &Device::flex()).unwrap().0
+    kiln_models::load_family_run::<kiln_models::Gpt>(dir, &Device::flex())
+        .unwrap()
+        .0
 }
 
 #[test]

@@ -79,7 +79,11 @@ fn config(workload: Workload, dir: &Path, text: &Path, extra: &[String]) -> kiln
 fn final_params(workload: Workload, dir: &Path) -> Vec<Vec<f32>> {
     let device = Device::flex();
     match workload {
-        Workload::Gpt => parameter_values(&kiln_models::load_gpt_run(dir, &device).unwrap().0),
+        Workload::Gpt => parameter_values(
+            &kiln_models::load_family_run::<kiln_models::Gpt>(dir, &device)
+                .unwrap()
+                .0,
+        ),
         Workload::Mlp => parameter_values(&kiln_models::load_run(dir, &device).unwrap()),
     }
 }
@@ -233,7 +237,9 @@ fn each_rank_holds_a_quarter_of_the_state_plus_one_block_on_four_ranks() {
     let run = |strategy: &str| run_with(strategy, "off");
     // The model's sizes, from Burn's own count of the exported model.
     let ddp = run("ddp");
-    let (model, _) = kiln_models::load_gpt_run(&dir.join("ddp-off"), &Device::flex()).unwrap();
+    let (model, _) =
+        kiln_models::load_family_run::<kiln_models::Gpt>(&dir.join("ddp-off"), &Device::flex())
+            .unwrap();
     let full = model.num_params() * 4;
     let blocks: Vec<usize> = model.blocks.iter().map(|b| b.num_params() * 4).collect();
     let largest = *blocks.iter().max().unwrap();

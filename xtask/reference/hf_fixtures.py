@@ -28,6 +28,12 @@ writes, under --out:
                                           frequency factors 1/4, original context 32; head dim 16,
                                           so its 8 frequencies fall in all three regimes)
     llama-linear-rope/                    LlamaForCausalLM, rope_type linear (factor 2)
+    phi3/                                 Phi3ForCausalLM: GQA, the fused qkv_proj and
+                                          gate_up_proj, partial_rotary_factor 0.75 (12 of a
+                                          head's 16 dimensions rotate, as in Phi-4-mini), tied
+                                          head, sliding_window 8 (eager, as for mistral; the
+                                          script checks that the window and the partial factor
+                                          each change the logits)
 each model folder with config.json, tokenizer.json and reference.json: the prompt's token ids,
 the logits of the prompt (f32, computed in f32 with eager attention), the mean next-token loss
 of the prompt, and the 32 tokens greedy decoding adds to it (`generate`, no sampling). The
@@ -55,8 +61,8 @@ import sys
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          AutoModelForCausalLM)
+                          MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, AutoModelForCausalLM)
 
 VOCAB = 384
 PROMPT = "Call me Ishmael. Some years ago, never mind how long"
@@ -274,6 +280,41 @@ def make_llama_linear_rope(tok, tok_dir, out_root):
                                           model.model.rotary_emb.inv_freq.tolist()])
 
 
+def make_phi3(tok, tok_dir, out_root):
+    def config(**changes):
+        kw = dict(**LLAMA_SIZES, tie_word_embeddings=True, sliding_window=8, pad_token_id=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                   "partial_rotary_factor": 0.75})
+        kw.update(changes)
+        c = Phi3Config(**kw)
+        c._attn_implementation = "eager"
+        return c
+    model, ref = make_simple("phi3", Phi3ForCausalLM, config(), tok, tok_dir, out_root)
+    names = [n for n, _ in model.named_parameters()]
+    assert any(n.endswith("qkv_proj.weight") for n in names) and any(
+        n.endswith("gate_up_proj.weight") for n in names), names
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert len(ref["ids"]) > model.config.sliding_window
+    # The window and the partial rotary factor must each change the logits.
+    ids = torch.tensor([ref["ids"]])
+    logits = torch.tensor(ref["logits"]).view(ref["logits_shape"])
+    scale = float(logits.abs().max())
+    for what, changes in [("no window", dict(sliding_window=None)),
+                          ("every dimension rotating", dict(rope_parameters={
+                              "rope_type": "default", "rope_theta": 10000.0,
+                              "partial_rotary_factor": 1.0}))]:
+        other = Phi3ForCausalLM(config(**changes)).eval()
+        other.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            d = float((other(ids).logits[0] - logits).abs().max()) / scale
+        print(f"phi3: logits max |as made - {what}| / max = {d:.3e}")
+        assert d > 1e-3, what
+    seq = torch.tensor([ref["ids"] + ref["continuation"]])
+    with torch.no_grad():
+        argmax = model(seq[:, :-1]).logits[0, len(ref["ids"]) - 1:].argmax(-1).tolist()
+    assert argmax == ref["continuation"], "greedy continuation = cache-free argmax"
+
+
 FIXTURES = {
     "llama": make_llama_family,
     "gpt2": make_gpt2_family,
@@ -282,6 +323,7 @@ FIXTURES = {
     "llama-tied": make_llama_tied,
     "llama3-rope": make_llama3_rope,
     "llama-linear-rope": make_llama_linear_rope,
+    "phi3": make_phi3,
 }
 
 

@@ -1,6 +1,6 @@
 //! A model directory's weights (`model.safetensors`, or the shards its index lists; f32, bf16
 //! or f16, cast to f32; names with or without the `model.`/`transformer.` prefix) into a
-//! [`Llama`] or a [`Gpt2`].
+//! model of a registered family.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -8,16 +8,13 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use burn::prelude::*;
 use burn::store::{
-    FloatCastAdapter, KeyRemapper, ModuleAdapter, ModuleSnapshot, PyTorchToBurnAdapter,
-    SafetensorsStore,
+    FloatCastAdapter, ModuleAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore,
 };
 use burn::tensor::DType;
 use serde_json::Value;
 
-use super::config::{HfArchitecture, read_config};
-use super::keys::Ignored;
-use crate::gpt2::{Gpt2, Gpt2Config};
-use crate::llama::{Llama, LlamaConfig};
+use super::config::read_config;
+use crate::family::{Family, HfNaming};
 
 /// What a load read.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -108,41 +105,19 @@ fn misfit(e: &burn::store::ApplyError) -> String {
     }
 }
 
-/// How a family's weight files name their tensors: the prefix the files may lack, and the
-/// tensors left out on purpose (GPT-2's mask buffers, a tied head's copy, old rotary
-/// frequency buffers).
-fn naming(arch: &HfArchitecture) -> (KeyRemapper, Ignored) {
-    match arch {
-        HfArchitecture::Llama(c) => crate::llama::hf::naming(c),
-        HfArchitecture::Gpt2(c) => crate::gpt2::hf::naming(c),
-    }
-}
-
-/// A Llama-family model of `config` on `device` with the weights of `dir`.
-pub fn load_llama(
+/// A model of family `M` and `config` on `device` with the weights of `dir`.
+pub fn load<M: Family>(
     dir: &Path,
-    config: &LlamaConfig,
+    config: &M::Config,
     device: &Device,
-) -> Result<(Llama, HfLoaded), String> {
-    let (remap, ignore) = naming(&HfArchitecture::Llama(config.clone()));
-    load_weights(config.init(device), dir, remap, &*ignore)
-}
-
-/// GPT-2 of `config` on `device` with the weights of `dir`.
-pub fn load_gpt2(
-    dir: &Path,
-    config: &Gpt2Config,
-    device: &Device,
-) -> Result<(Gpt2, HfLoaded), String> {
-    let (remap, ignore) = naming(&HfArchitecture::Gpt2(config.clone()));
-    load_weights(config.init(device), dir, remap, &*ignore)
+) -> Result<(M, HfLoaded), String> {
+    load_weights(M::init(config, device), dir, M::hf_naming(config))
 }
 
 /// `model` — built as `dir`'s `config.json` describes, by whoever calls — with `dir`'s
 /// weights, named as its family names them.
 pub fn load_into<M: Module>(model: M, dir: &Path) -> Result<(M, HfLoaded), String> {
-    let (remap, ignore) = naming(&read_config(dir)?);
-    load_weights(model, dir, remap, &*ignore)
+    load_weights(model, dir, read_config(dir)?.hf_naming())
 }
 
 /// Whether `dir` is a Hugging Face model directory: a `config.json` beside SafeTensors
@@ -153,16 +128,19 @@ pub fn is_model_dir(dir: &Path) -> bool {
             || dir.join("model.safetensors.index.json").is_file())
 }
 
-/// `model` with every tensor of `dir`'s weight files, renamed by `remap`: Linear weights
+/// `model` with every tensor of `dir`'s weight files, renamed as `naming` says: Linear weights
 /// transposed from PyTorch's `[out, in]`, norm weights and biases to Burn's names, floats cast
 /// to f32. Every parameter of the model must be found, and every tensor of the files used or
-/// `ignore`d.
+/// left out on purpose.
 fn load_weights<M: Module>(
     mut model: M,
     dir: &Path,
-    remap: KeyRemapper,
-    ignore: &dyn Fn(&str) -> bool,
+    naming: HfNaming,
 ) -> Result<(M, HfLoaded), String> {
+    let HfNaming {
+        remap,
+        ignored: ignore,
+    } = naming;
     let files = weight_files(dir)?;
     let mut applied = BTreeSet::new();
     let mut unused = BTreeSet::new();

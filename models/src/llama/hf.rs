@@ -3,69 +3,128 @@
 //! `rope_parameters`) read and written back, and how its weight files name their tensors.
 
 use burn::store::KeyRemapper;
+use serde::Deserialize;
 use serde_json::Value;
 
-use super::{LlamaConfig, RopeScaling};
-use crate::hf::keys::{Ignored, Keys};
+use super::{Llama, LlamaConfig, LlamaVariant, RopeScaling};
+use crate::family::{Family, HfNaming, from_json};
 
-/// The config of a `config.json` of `model_type` `kind` (`llama`, `mistral` or `qwen2`).
-pub(crate) fn llama_config(kind: &str, c: &Keys) -> Result<LlamaConfig, String> {
-    let act = c.str_or("hidden_act", "silu")?;
+impl Family for Llama {
+    const MODEL_TYPES: &'static [&'static str] = &["llama", "mistral", "qwen2"];
+
+    fn validate(config: &LlamaConfig, key: &str) -> Result<(), String> {
+        config.validate(key)
+    }
+
+    fn vocab_size(config: &LlamaConfig) -> usize {
+        config.vocab_size
+    }
+
+    fn set_vocab_size(config: &mut LlamaConfig, size: usize) {
+        config.vocab_size = size;
+    }
+
+    fn from_hf(model_type: &str, json: &Value) -> Result<LlamaConfig, String> {
+        llama_config(model_type, json)
+    }
+
+    fn hf_json(config: &LlamaConfig) -> Option<Value> {
+        Some(config_json(config))
+    }
+
+    fn hf_naming(config: &LlamaConfig) -> HfNaming {
+        naming(config)
+    }
+}
+
+/// The keys of a `config.json` of the family that kiln reads (the rest is left alone).
+#[derive(Deserialize)]
+struct HfLlama {
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    max_position_embeddings: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    hidden_act: Option<String>,
+    rope_theta: Option<f64>,
+    /// transformers 5's rotary settings.
+    rope_parameters: Option<Value>,
+    /// transformers 4's rotary scaling.
+    rope_scaling: Option<Value>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    tie_word_embeddings: Option<bool>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+}
+
+/// The config of a `config.json` (`json`) of `model_type` `llama`, `mistral` or `qwen2`.
+fn llama_config(model_type: &str, json: &Value) -> Result<LlamaConfig, String> {
+    let c: HfLlama = from_json(json)?;
+    let act = c.hidden_act.as_deref().unwrap_or("silu");
     if act != "silu" {
         return Err(format!(
             "key `hidden_act`: {act:?} is not implemented (kiln's Llama family uses silu)"
         ));
     }
+    let max_position_embeddings = c.max_position_embeddings.unwrap_or(2048);
     // transformers 5 keeps the rotary settings in `rope_parameters`; 4 in `rope_theta` and
     // `rope_scaling`.
-    let (rope, rope_key) = match c.get("rope_parameters") {
+    let (rope, rope_key) = match &c.rope_parameters {
         Some(p) => (Some(p), "rope_parameters"),
-        None => (c.get("rope_scaling"), "rope_scaling"),
+        None => (c.rope_scaling.as_ref(), "rope_scaling"),
     };
     let theta = match rope.and_then(|p| p.get("rope_theta")) {
         Some(v) => v
             .as_f64()
             .ok_or_else(|| format!("key `{rope_key}.rope_theta`: expected a number, got {v}"))?,
-        None => c.f64_or("rope_theta", 10000.0)?,
+        None => c.rope_theta.unwrap_or(10000.0),
     };
     let rope_scaling = match rope {
         None => None,
-        Some(p) => rope_scaling(p, rope_key, c)?,
+        Some(p) => rope_scaling(p, rope_key, max_position_embeddings)?,
     };
-    let qwen = kind == "qwen2";
-    let sliding_window = match kind {
-        "mistral" => c.opt_usize("sliding_window")?,
-        "qwen2" if c.bool_or("use_sliding_window", false)? => {
-            return Err(
-                "key `use_sliding_window`: true is not implemented (Qwen2's per-layer sliding \
-                 window)"
-                    .into(),
-            );
-        }
-        _ => None,
+    let variant = match model_type {
+        "mistral" => LlamaVariant::Mistral,
+        "qwen2" => LlamaVariant::Qwen2,
+        _ => LlamaVariant::Llama,
     };
+    if variant == LlamaVariant::Qwen2 && c.use_sliding_window == Some(true) {
+        return Err(
+            "key `use_sliding_window`: true is not implemented (Qwen2's per-layer sliding window)"
+                .into(),
+        );
+    }
+    let llama = variant == LlamaVariant::Llama;
     Ok(LlamaConfig {
-        vocab_size: c.usize("vocab_size")?,
-        hidden_size: c.usize("hidden_size")?,
-        intermediate_size: c.usize("intermediate_size")?,
-        num_hidden_layers: c.usize("num_hidden_layers")?,
-        num_attention_heads: c.usize("num_attention_heads")?,
-        num_key_value_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(0),
-        head_dim: c.opt_usize("head_dim")?.unwrap_or(0),
-        max_position_embeddings: c.opt_usize("max_position_embeddings")?.unwrap_or(2048),
-        rms_norm_eps: c.f64_or("rms_norm_eps", 1e-6)?,
+        model_type: variant,
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        intermediate_size: c.intermediate_size,
+        num_hidden_layers: c.num_hidden_layers,
+        num_attention_heads: c.num_attention_heads,
+        num_key_value_heads: c.num_key_value_heads.unwrap_or(0),
+        head_dim: c.head_dim.unwrap_or(0),
+        max_position_embeddings,
+        rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
         rope_theta: theta,
         rope_scaling,
-        attention_bias: !qwen && c.bool_or("attention_bias", false)?,
-        qkv_bias: qwen,
-        mlp_bias: c.bool_or("mlp_bias", false)?,
-        tie_word_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        sliding_window,
+        attention_bias: llama && c.attention_bias.unwrap_or(false),
+        mlp_bias: llama && c.mlp_bias.unwrap_or(false),
+        tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
+        sliding_window: c
+            .sliding_window
+            .filter(|_| variant == LlamaVariant::Mistral),
     })
 }
 
 /// The rotary scaling of `p` (`rope_parameters` or `rope_scaling`); `None` for the default.
-fn rope_scaling(p: &Value, key: &str, c: &Keys) -> Result<Option<RopeScaling>, String> {
+/// `context` is the `max_position_embeddings` that llama3's scaling falls back on.
+fn rope_scaling(p: &Value, key: &str, context: usize) -> Result<Option<RopeScaling>, String> {
     let kind = p
         .get("rope_type")
         .or_else(|| p.get("type"))
@@ -89,7 +148,7 @@ fn rope_scaling(p: &Value, key: &str, c: &Keys) -> Result<Option<RopeScaling>, S
                 Some(v) => v.as_u64().ok_or_else(|| {
                     format!("key `{key}.original_max_position_embeddings`: expected a whole number")
                 })? as usize,
-                None => c.usize("max_position_embeddings")?,
+                None => context,
             },
         }),
         other => {
@@ -101,15 +160,13 @@ fn rope_scaling(p: &Value, key: &str, c: &Keys) -> Result<Option<RopeScaling>, S
     })
 }
 
-/// The `config.json` `transformers` reads for `c`, its weights in float32: Llama's (Qwen2's
-/// where the biases are on q, k and v only, Mistral's with a sliding window).
-pub(crate) fn config_json(c: &LlamaConfig) -> Value {
-    let (model_type, architecture) = if c.qkv_bias && !c.attention_bias {
-        ("qwen2", "Qwen2ForCausalLM")
-    } else if c.sliding_window.is_some() {
-        ("mistral", "MistralForCausalLM")
-    } else {
-        ("llama", "LlamaForCausalLM")
+/// The `config.json` `transformers` reads for `c`, its weights in float32, of its own
+/// `model_type`.
+fn config_json(c: &LlamaConfig) -> Value {
+    let (model_type, architecture) = match c.model_type {
+        LlamaVariant::Llama => ("llama", "LlamaForCausalLM"),
+        LlamaVariant::Mistral => ("mistral", "MistralForCausalLM"),
+        LlamaVariant::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
     };
     let mut rope = serde_json::json!({"rope_theta": c.rope_theta, "rope_type": "default"});
     match &c.rope_scaling {
@@ -149,7 +206,7 @@ pub(crate) fn config_json(c: &LlamaConfig) -> Value {
         "tie_word_embeddings": c.tie_word_embeddings,
         "dtype": "float32",
     });
-    if model_type != "qwen2" {
+    if c.model_type == LlamaVariant::Llama {
         json["attention_bias"] = c.attention_bias.into();
         json["mlp_bias"] = c.mlp_bias.into();
     }
@@ -161,14 +218,14 @@ pub(crate) fn config_json(c: &LlamaConfig) -> Value {
 
 /// The prefix the weight files may lack, and the tensors left out on purpose (a tied head's
 /// copy, old rotary frequency buffers).
-pub(crate) fn naming(c: &LlamaConfig) -> (KeyRemapper, Ignored) {
+fn naming(c: &LlamaConfig) -> HfNaming {
     let tied = c.tie_word_embeddings;
-    (
-        KeyRemapper::new()
+    HfNaming {
+        remap: KeyRemapper::new()
             .add_pattern(r"^(embed_tokens|layers|norm)\.", "model.$1.")
             .expect("a valid pattern"),
-        Box::new(move |name: &str| {
+        ignored: Box::new(move |name: &str| {
             name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
         }),
-    )
+    }
 }

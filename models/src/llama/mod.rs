@@ -14,8 +14,9 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::blocks::{Activation, BlockStack};
+use crate::decoder::{self, Decoder};
 pub use crate::gqa::Attention;
-use crate::gqa::Masking;
+use crate::gqa::{LayerCache, Masking};
 use crate::lm::TokenBatch;
 use crate::lm::{KvCache, lm_output};
 use crate::rope::Rope;
@@ -46,11 +47,38 @@ pub enum RopeScaling {
     },
 }
 
+/// Which of the family's Hugging Face architectures a [`Llama`] is: what its `config.json`
+/// says, and says again when kiln writes it back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LlamaVariant {
+    /// `LlamaForCausalLM`: optional biases on every attention projection and on the MLP.
+    #[default]
+    Llama,
+    /// `MistralForCausalLM`: no biases, an optional sliding window.
+    Mistral,
+    /// `Qwen2ForCausalLM`: biases on the q, k and v projections alone.
+    Qwen2,
+}
+
+impl LlamaVariant {
+    /// The `model_type` of its `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            LlamaVariant::Llama => "llama",
+            LlamaVariant::Mistral => "mistral",
+            LlamaVariant::Qwen2 => "qwen2",
+        }
+    }
+}
+
 /// Architecture of a [`Llama`]: the fields of a Hugging Face `config.json` of this family
 /// (read by [`crate::hf`]), or a `[model.llama]` section for a model trained from scratch.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LlamaConfig {
+    /// Which architecture of the family: `llama`, `mistral` or `qwen2`. Default `llama`.
+    pub model_type: LlamaVariant,
     /// Vocabulary size; 0 takes it from the data's tokenizer. Default 0.
     pub vocab_size: usize,
     /// Width of the residual stream. Default 256.
@@ -74,15 +102,14 @@ pub struct LlamaConfig {
     /// How the rotary frequencies are stretched, if at all. Default none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<RopeScaling>,
-    /// Biases on the q, k, v and o projections (Llama's `attention_bias`). Default false.
+    /// Biases on the q, k, v and o projections (`llama`'s `attention_bias`; `qwen2` has
+    /// them on q, k and v always). Default false.
     pub attention_bias: bool,
-    /// Biases on the q, k and v projections only (Qwen2). Default false.
-    pub qkv_bias: bool,
-    /// Biases on the MLP's projections. Default false.
+    /// Biases on the MLP's projections (`llama` only). Default false.
     pub mlp_bias: bool,
     /// The head shares the token embedding's weights. Default true.
     pub tie_word_embeddings: bool,
-    /// Mistral's sliding window: a position attends to at most this many positions back.
+    /// `mistral`'s sliding window: a position attends to at most this many positions back.
     /// Default none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
@@ -91,6 +118,7 @@ pub struct LlamaConfig {
 impl Default for LlamaConfig {
     fn default() -> Self {
         Self {
+            model_type: LlamaVariant::Llama,
             vocab_size: 0,
             hidden_size: 256,
             intermediate_size: 688,
@@ -103,7 +131,6 @@ impl Default for LlamaConfig {
             rope_theta: 10000.0,
             rope_scaling: None,
             attention_bias: false,
-            qkv_bias: false,
             mlp_bias: false,
             tie_word_embeddings: true,
             sliding_window: None,
@@ -163,6 +190,19 @@ impl LlamaConfig {
                  {key}.num_key_value_heads ({})",
                 self.num_attention_heads,
                 self.kv_heads()
+            ));
+        }
+        let variant = self.model_type.model_type();
+        if self.model_type != LlamaVariant::Llama && (self.attention_bias || self.mlp_bias) {
+            return Err(format!(
+                "{key}.attention_bias and {key}.mlp_bias are llama's; {key}.model_type = \
+                 {variant:?} has none of them"
+            ));
+        }
+        if self.model_type != LlamaVariant::Mistral && self.sliding_window.is_some() {
+            return Err(format!(
+                "{key}.sliding_window is mistral's, not {variant:?}'s (set {key}.model_type = \
+                 \"mistral\")"
             ));
         }
         if !(self.rope_theta > 0.0 && self.rms_norm_eps > 0.0) {
@@ -241,7 +281,7 @@ impl LlamaConfig {
         };
         let (c, d) = (self.hidden_size, self.head_width());
         let (h, kv) = (self.num_attention_heads, self.kv_heads());
-        let qkv = self.attention_bias || self.qkv_bias;
+        let qkv = self.attention_bias || self.model_type == LlamaVariant::Qwen2;
         let layers = (0..self.num_hidden_layers)
             .map(|_| DecoderLayer {
                 input_layernorm: norm(),
@@ -276,7 +316,7 @@ impl LlamaConfig {
     pub fn num_params(&self) -> usize {
         let (c, d, f) = (self.hidden_size, self.head_width(), self.intermediate_size);
         let (h, kv) = (self.num_attention_heads, self.kv_heads());
-        let qkv = usize::from(self.attention_bias || self.qkv_bias);
+        let qkv = usize::from(self.attention_bias || self.model_type == LlamaVariant::Qwen2);
         let o = usize::from(self.attention_bias);
         let m = usize::from(self.mlp_bias);
         let attention = c * h * d + 2 * c * kv * d + h * d * c + qkv * (h * d + 2 * kv * d) + o * c;
@@ -335,7 +375,7 @@ impl DecoderLayer {
         rope: &Rope,
         mask: &Masking,
         heads: (usize, usize),
-        cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
+        cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
         let a = self.self_attn.forward(
             crate::fused::rms_norm(&self.input_layernorm, x.clone()),
@@ -378,47 +418,14 @@ impl Llama {
         &self.config
     }
 
-    fn heads(&self) -> (usize, usize) {
-        (self.config.num_attention_heads, self.config.kv_heads())
-    }
-
-    /// The rotary tables and the attention mask of `t` new positions after `start` cached ones.
-    fn positions(&self, start: usize, t: usize, device: &Device) -> (Rope, Masking) {
-        let rope = Rope::new(&self.config.inv_freq(), start, t, device);
-        (
-            rope,
-            Masking::span(start, t, self.config.sliding_window, device),
-        )
-    }
-
     /// The final norm and the head: `[b, t, c]` → logits `[b, t, vocab]`.
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = crate::fused::rms_norm(&self.model.norm, x);
-        match &self.lm_head {
-            Some(head) => crate::modules::linear_rows(head, x),
-            None => {
-                let [b, t, c] = x.dims();
-                let weight = self.model.embed_tokens.weight.val();
-                let vocab = weight.dims()[0];
-                x.reshape([b * t, c])
-                    .matmul(weight.transpose())
-                    .reshape([b, t, vocab])
-            }
-        }
-    }
-
-    /// The rotary tables and the attention mask of packed rows (`starts`, see
-    /// [`TokenBatch::documents`]): positions from 0 in each example, attention within it (and
-    /// within the sliding window, where there is one).
-    fn positions_within(&self, starts: &Tensor<2, Int>) -> (Rope, Masking) {
-        let within = crate::lm::positions_within(starts);
-        let rope = Rope::at(&self.config.inv_freq(), within);
-        (rope, Masking::within(starts, self.config.sliding_window))
+        decoder::head(self, x)
     }
 
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        self.forward_within(tokens, None)
+        decoder::forward_within(self, tokens, None)
     }
 
     /// [`Llama::forward`] of packed rows (see [`TokenBatch::documents`]).
@@ -427,31 +434,13 @@ impl Llama {
         tokens: Tensor<2, Int>,
         starts: Option<&Tensor<2, Int>>,
     ) -> Tensor<3> {
-        let t = tokens.dims()[1];
-        let (rope, mask) = match starts {
-            Some(s) => self.positions_within(s),
-            None => self.positions(0, t, &tokens.device()),
-        };
-        let mut x = crate::cube::embedding(&self.model.embed_tokens, tokens);
-        for layer in &self.model.layers {
-            x = layer.forward(x, &rope, &mask, self.heads(), None);
-        }
-        self.head(x)
+        decoder::forward_within(self, tokens, starts)
     }
 
     /// Logits `[batch, time, vocab]` of `tokens` following the positions `cache` holds, which
     /// takes their keys and values.
     pub fn forward_cached(&self, tokens: Tensor<2, Int>, cache: &mut KvCache) -> Tensor<3> {
-        let t = tokens.dims()[1];
-        let start = cache.len;
-        let (rope, mask) = self.positions(start, t, &tokens.device());
-        cache.layers.resize(self.model.layers.len(), (None, None));
-        let mut x = crate::cube::embedding(&self.model.embed_tokens, tokens);
-        for (layer, kv) in self.model.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward(x, &rope, &mask, self.heads(), Some(kv));
-        }
-        cache.len += t;
-        self.head(x)
+        decoder::forward_cached(self, tokens, cache)
     }
 
     /// Continues `prompt` by up to `tokens` ids, each picked as `how` says, with a key/value
@@ -463,15 +452,54 @@ impl Llama {
         how: &crate::lm::Sampling,
         uniform: impl FnMut() -> f64,
     ) -> Vec<u32> {
-        let device = self.model.embed_tokens.weight.val().device();
-        crate::lm::generate(
-            prompt,
-            tokens,
-            (how, self.config.max_position_embeddings),
-            &device,
-            |ids, cache| self.forward_cached(ids, cache),
-            uniform,
-        )
+        decoder::generate(self, prompt, tokens, how, uniform)
+    }
+}
+
+impl Decoder for Llama {
+    type Layer = DecoderLayer;
+
+    fn embed_tokens(&self) -> &Embedding {
+        &self.model.embed_tokens
+    }
+
+    fn layers(&self) -> &[DecoderLayer] {
+        &self.model.layers
+    }
+
+    fn norm(&self) -> &RmsNorm {
+        &self.model.norm
+    }
+
+    fn lm_head(&self) -> Option<&Linear> {
+        self.lm_head.as_ref()
+    }
+
+    fn inv_freq(&self) -> Vec<f32> {
+        self.config.inv_freq()
+    }
+
+    fn window(&self) -> Option<usize> {
+        self.config.sliding_window
+    }
+
+    fn heads(&self) -> (usize, usize) {
+        (self.config.num_attention_heads, self.config.kv_heads())
+    }
+
+    fn max_positions(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+
+    fn layer(
+        &self,
+        layer: &DecoderLayer,
+        x: Tensor<3>,
+        rope: &Rope,
+        mask: &Masking,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
+        layer.forward(x, rope, mask, self.heads(), cache)
     }
 }
 
@@ -481,10 +509,7 @@ impl BlockStack<TokenBatch> for Llama {
     }
 
     fn stem(&self, batch: &TokenBatch) -> Activation {
-        Activation::Rank3(crate::cube::embedding(
-            &self.model.embed_tokens,
-            batch.inputs.clone(),
-        ))
+        decoder::stem(self, batch)
     }
 
     fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
@@ -492,19 +517,11 @@ impl BlockStack<TokenBatch> for Llama {
     }
 
     fn block(&self, i: usize, x: Activation) -> Activation {
-        let x: Tensor<3> = x.into_rank();
-        let t = x.dims()[1];
-        let (rope, mask) = self.positions(0, t, &x.device());
-        Activation::Rank3(self.model.layers[i].forward(x, &rope, &mask, self.heads(), None))
+        decoder::block(self, i, x, None)
     }
 
     fn block_in(&self, i: usize, x: Activation, batch: &TokenBatch) -> Activation {
-        let Some(starts) = &batch.documents else {
-            return self.block(i, x);
-        };
-        let (rope, mask) = self.positions_within(starts);
-        let x = x.into_rank();
-        Activation::Rank3(self.model.layers[i].forward(x, &rope, &mask, self.heads(), None))
+        decoder::block(self, i, x, Some(batch))
     }
 
     fn blocks_read_batch(&self) -> bool {
@@ -512,7 +529,7 @@ impl BlockStack<TokenBatch> for Llama {
     }
 
     fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
-        lm_output(Llama::head(self, x.into_rank()), batch)
+        lm_output(decoder::head(self, x.into_rank()), batch)
     }
 
     fn blocks_deterministic(&self) -> bool {

@@ -10,7 +10,7 @@ fn main() {
         .recipe_origin(kiln::builtin::RECIPE_ORIGIN)
         .command(
             "sample",
-            "Generate text with a trained language-model run (GPT, Llama, GPT-2), or its answer to a prompt",
+            "Generate text with a trained language-model run (any family), or its answer to a prompt",
             kiln::builtin::talk::sample,
         )
         .command(

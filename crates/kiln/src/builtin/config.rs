@@ -144,8 +144,8 @@ pub struct DataConfig {
     /// `tokenizer.json`) of the tokenizer and chat template. Default: `init.from`'s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<PathBuf>,
-    /// `text`: tokens per training and validation window for `llama`, `gpt2` and `hf` models
-    /// (a GPT's is its `block_size`). Default: the model's longest context.
+    /// `text`: tokens per training and validation window. Default: the model's longest
+    /// context (a GPT's `block_size`, a Llama's `max_position_embeddings`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context: Option<usize>,
     /// `text`: train a byte-level BPE tokenizer of this many ids on the text's training part
@@ -298,21 +298,17 @@ pub fn check(config: &Config) -> Result<()> {
     let text_data = config.data.dataset.is_text();
     if text_model != text_data {
         return Err(Error::config(format!(
-            "key `data.dataset`: {:?} does not fit model.kind = {:?} (gpt, llama, gpt2 and hf \
-             train on \"text\", \"instruct\" and \"chat\", image models on image datasets)",
+            "key `data.dataset`: {:?} does not fit model.kind = {:?} (language models train \
+             on \"text\", \"instruct\" and \"chat\", image models on image datasets)",
             name_of(&config.data.dataset),
             name_of(&config.model.kind)
         )));
     }
-    if config.kiln.export.format == crate::config::ExportFormat::Hf
-        && !matches!(
-            config.model.kind,
-            ModelKind::Llama | ModelKind::Gpt2 | ModelKind::Hf
-        )
+    if config.kiln.export.format == crate::config::ExportFormat::Hf && !config.model.has_hf_layout()
     {
         return Err(Error::config(format!(
-            "key `export.format`: \"hf\" writes the llama, gpt2 and hf models, not {:?}, which \
-             has no Hugging Face architecture (\"pytorch\" writes its PyTorch layout)",
+            "key `export.format`: \"hf\" writes a family with a Hugging Face layout; \
+             model.kind = {:?} has none (\"pytorch\" writes its PyTorch layout)",
             name_of(&config.model.kind)
         )));
     }

@@ -6,7 +6,7 @@
 
 use kiln_datasets::chat::{ChatTemplate, Encoded, Fields, Records, read_records};
 use kiln_datasets::subword::SubwordTokenizer;
-use kiln_models::{HfFamily, ModelSection, ModelSpec};
+use kiln_models::{ModelSection, ModelSpec, Registered};
 use std::path::{Path, PathBuf};
 
 use super::config::{Config, DatasetKind, FieldNames, Overlong, TrainOn};
@@ -300,7 +300,7 @@ struct Examples<'a> {
 }
 
 impl WithFamily for Examples<'_> {
-    fn run<M: HfFamily + 'static>(
+    fn run<M: Registered>(
         self,
         model_config: M::Config,
         context: usize,

@@ -7,9 +7,8 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
-use kiln_models::hf::HfArchitecture;
 use kiln_models::{
-    CausalLm, Gpt, Gpt2, HfFamily, Llama, ModelKind, ModelSection, ModelSpec, TokenBatch,
+    CausalLm, FamilyVisitor, ModelKind, ModelSection, ModelSpec, Registered, TokenBatch,
 };
 
 use super::config::Config;
@@ -52,7 +51,7 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
 pub(super) trait WithFamily {
     /// Runs with family `M` of architecture `model_config`, windows of `context` tokens;
     /// `model` is the `[model]` section the run records (a checkpoint's family resolved).
-    fn run<M: HfFamily + 'static>(
+    fn run<M: Registered>(
         self,
         model_config: M::Config,
         context: usize,
@@ -68,63 +67,77 @@ pub(super) fn with_family(
     source: &Path,
     then: impl WithFamily,
 ) -> Result<RunResult> {
-    let mut model = config.model.clone();
-    match config.model.kind {
-        ModelKind::Gpt => {
-            model.gpt.vocab_size = resolve_vocab("model.gpt", model.gpt.vocab_size, vocab, source)?;
-            let context = model.gpt.block_size;
-            then.run::<Gpt>(model.gpt.clone(), context, model)
-        }
-        ModelKind::Llama => {
-            let c = &mut model.llama;
-            c.vocab_size = resolve_vocab("model.llama", c.vocab_size, vocab, source)?;
-            let context = config.data.context.unwrap_or(c.max_position_embeddings);
-            let c = c.clone();
-            then.run::<Llama>(c, context, model)
-        }
-        ModelKind::Gpt2 => {
-            let c = &mut model.gpt2;
-            c.vocab_size = resolve_vocab("model.gpt2", c.vocab_size, vocab, source)?;
-            let context = config.data.context.unwrap_or(c.n_positions);
-            let c = c.clone();
-            then.run::<Gpt2>(c, context, model)
-        }
-        ModelKind::Hf => {
-            let dir = config.kiln.init.from.clone().ok_or_else(|| {
-                Error::config(
-                    "key `model.kind`: \"hf\" takes its architecture from the Hugging Face \
-                     directory init.from names; set init.from",
-                )
-            })?;
-            let arch = kiln_models::hf::read_config(&dir)
-                .map_err(|e| Error::config(format!("key `init.from`: {e}")))?;
-            if vocab > arch.vocab_size() {
+    let resolve = Resolve {
+        then,
+        model: config.model.clone(),
+        vocab,
+        source,
+        context: config.data.context,
+        checkpoint: None,
+    };
+    if config.model.kind != ModelKind::Hf {
+        return config.model.visit(resolve).unwrap_or_else(|| {
+            Err(Error::config(format!(
+                "key `model.kind`: {:?} does not train on text",
+                crate::config::name_of(&config.model.kind)
+            )))
+        });
+    }
+    let dir = config.kiln.init.from.clone().ok_or_else(|| {
+        Error::config(
+            "key `model.kind`: \"hf\" takes its architecture from the Hugging Face directory \
+             init.from names; set init.from",
+        )
+    })?;
+    let resolved = kiln_models::hf::read_config(&dir)
+        .map_err(|e| Error::config(format!("key `init.from`: {e}")))?;
+    let resolve = Resolve {
+        checkpoint: Some(&dir),
+        ..resolve
+    };
+    resolved
+        .visit(resolve)
+        .expect("a config.json resolves to a language model")
+}
+
+/// The family's settings with the vocabulary resolved and the context chosen, recorded in
+/// the run's `[model]` section (a checkpoint's family in place of `hf`), handed to `then`.
+struct Resolve<'a, T> {
+    then: T,
+    model: ModelSection,
+    vocab: usize,
+    source: &'a Path,
+    context: Option<usize>,
+    /// The Hugging Face directory the family was read from, for `hf`.
+    checkpoint: Option<&'a Path>,
+}
+
+impl<T: WithFamily> FamilyVisitor for Resolve<'_, T> {
+    type Output = Result<RunResult>;
+
+    fn visit<M: Registered>(self, config: &M::Config) -> Result<RunResult> {
+        let mut c = config.clone();
+        let size = M::vocab_size(&c);
+        match self.checkpoint {
+            Some(dir) if self.vocab > size => {
                 return Err(Error::config(format!(
-                    "key `data.tokenizer`: its {vocab} ids do not fit the {} of {}'s \
+                    "key `data.tokenizer`: its {} ids do not fit the {size} of {}'s \
                      config.json (vocab_size); use the checkpoint's own tokenizer.json",
-                    arch.vocab_size(),
+                    self.vocab,
                     dir.display()
                 )));
             }
-            match arch {
-                HfArchitecture::Llama(c) => {
-                    model.kind = ModelKind::Llama;
-                    model.llama = c.clone();
-                    let context = config.data.context.unwrap_or(c.max_position_embeddings);
-                    then.run::<Llama>(c, context, model)
-                }
-                HfArchitecture::Gpt2(c) => {
-                    model.kind = ModelKind::Gpt2;
-                    model.gpt2 = c.clone();
-                    let context = config.data.context.unwrap_or(c.n_positions);
-                    then.run::<Gpt2>(c, context, model)
-                }
+            Some(_) => {}
+            None => {
+                let key = format!("model.{}", M::NAME);
+                M::set_vocab_size(&mut c, resolve_vocab(&key, size, self.vocab, self.source)?);
             }
         }
-        kind => Err(Error::config(format!(
-            "key `model.kind`: {:?} does not train on text",
-            crate::config::name_of(&kind)
-        ))),
+        let mut model = self.model;
+        model.kind = M::KIND;
+        *M::config_mut(&mut model) = c.clone();
+        let context = self.context.unwrap_or(M::context(&c));
+        self.then.run::<M>(c, context, model)
     }
 }
 
@@ -136,7 +149,7 @@ struct Windows<'a> {
 }
 
 impl WithFamily for Windows<'_> {
-    fn run<M: HfFamily + 'static>(
+    fn run<M: Registered>(
         self,
         model_config: M::Config,
         context: usize,
@@ -180,7 +193,7 @@ fn language<M>(
     model: ModelSection,
 ) -> Result<RunResult>
 where
-    M: HfFamily + 'static,
+    M: Registered,
 {
     let longest = M::context(&model_config);
     if context == 0 || context > longest {
@@ -270,25 +283,26 @@ pub(super) fn write_hf_config(run_dir: &Path, json: &serde_json::Value) -> Resul
 }
 
 /// With `export.format = "hf"`, the `config.json` of the run's Hugging Face directory: a
-/// checkpoint's own (`model.kind = "hf"`), else one written for the architecture; refused for
-/// kiln's GPT, which has none.
-pub(super) fn hf_config<M: HfFamily>(
+/// checkpoint's own (`model.kind = "hf"`), else one written for the architecture, of its own
+/// `model_type`; refused for a family with no Hugging Face layout (kiln's GPT).
+pub(super) fn hf_config<M: Registered>(
     config: &Config,
     model_config: &M::Config,
 ) -> Result<Option<serde_json::Value>> {
     if config.kiln.export.format != crate::config::ExportFormat::Hf {
         return Ok(None);
     }
-    let arch = M::hf_architecture(model_config).ok_or_else(|| {
-        Error::config(
-            "key `export.format`: \"hf\" writes the Llama and GPT-2 families; kiln's GPT has no \
-             Hugging Face architecture (\"pytorch\" writes its PyTorch layout)",
-        )
+    let written = M::hf_json(model_config).ok_or_else(|| {
+        Error::config(format!(
+            "key `export.format`: \"hf\" writes a family with a Hugging Face layout; \
+             model.kind = {:?} has none (\"pytorch\" writes its PyTorch layout)",
+            M::NAME
+        ))
     })?;
     let json = match (&config.model.kind, &config.kiln.init.from) {
         (ModelKind::Hf, Some(dir)) => kiln_models::hf::config_json_from(dir)
             .map_err(|e| Error::config(format!("key `init.from`: {e}")))?,
-        _ => kiln_models::hf::config_json(&arch),
+        _ => written,
     };
     Ok(Some(json))
 }

@@ -82,7 +82,8 @@ fn hf_weights<M: Module + ModuleSnapshot>(dir: &Path, model: &M, shard_mb: f64) 
     if !dir.join("config.json").is_file() {
         return Err(Error::config(format!(
             "key `export.format`: \"hf\" needs the model's config.json in {}, which this \
-             workload does not write (the built-in llama, gpt2 and hf models do)",
+             workload does not write (the built-in language models with a Hugging Face layout \
+             do)",
             dir.display()
         )));
     }

@@ -1,0 +1,165 @@
+//! What the rotary decoders share — the Llama's shape, which Phi-3 has too: a token
+//! embedding, pre-norm layers of grouped-query attention with rotary positions and a gated
+//! MLP, a final RMSNorm and a tied or untied head. A family says how one of its layers runs
+//! ([`Decoder::layer`]) and where its parts are; the forward (plain, packed, cached),
+//! decoding and the block walk are written here once.
+
+use burn::nn::{Embedding, Linear, RmsNorm};
+use burn::prelude::*;
+
+use crate::blocks::Activation;
+use crate::gqa::{LayerCache, Masking};
+use crate::lm::{KvCache, TokenBatch};
+use crate::rope::Rope;
+
+/// A rotary decoder, as its family builds it.
+pub(crate) trait Decoder {
+    /// One decoder layer.
+    type Layer: Module;
+
+    /// The token embedding (also the head when tied).
+    fn embed_tokens(&self) -> &Embedding;
+    /// The decoder layers.
+    fn layers(&self) -> &[Self::Layer];
+    /// The final norm.
+    fn norm(&self) -> &RmsNorm;
+    /// The output head; `None` when tied to the token embedding.
+    fn lm_head(&self) -> Option<&Linear>;
+    /// The rotary embedding's inverse frequencies (fewer than half a head's width when only
+    /// part of each head rotates).
+    fn inv_freq(&self) -> Vec<f32>;
+    /// The sliding window, if any.
+    fn window(&self) -> Option<usize>;
+    /// Query and key/value heads.
+    fn heads(&self) -> (usize, usize);
+    /// The longest context.
+    fn max_positions(&self) -> usize;
+    /// `layer` on `x` `[b, t, c]` at the positions of `rope`, its keys as `mask` says, with
+    /// a `cache` when decoding.
+    fn layer(
+        &self,
+        layer: &Self::Layer,
+        x: Tensor<3>,
+        rope: &Rope,
+        mask: &Masking,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3>;
+}
+
+/// The rotary tables and the attention mask of `t` new positions after `start` cached ones.
+pub(crate) fn positions<D: Decoder>(
+    d: &D,
+    start: usize,
+    t: usize,
+    device: &Device,
+) -> (Rope, Masking) {
+    let rope = Rope::new(&d.inv_freq(), start, t, device);
+    (rope, Masking::span(start, t, d.window(), device))
+}
+
+/// The rotary tables and the attention mask of packed rows (`starts`, see
+/// [`TokenBatch::documents`]): positions from 0 in each example, attention within it (and
+/// within the sliding window, where there is one).
+pub(crate) fn positions_within<D: Decoder>(d: &D, starts: &Tensor<2, Int>) -> (Rope, Masking) {
+    let within = crate::lm::positions_within(starts);
+    let rope = Rope::at(&d.inv_freq(), within);
+    (rope, Masking::within(starts, d.window()))
+}
+
+/// The token embedding of `tokens`.
+pub(crate) fn embed<D: Decoder>(d: &D, tokens: Tensor<2, Int>) -> Tensor<3> {
+    crate::cube::embedding(d.embed_tokens(), tokens)
+}
+
+/// The final norm and the head: `[b, t, c]` → logits `[b, t, vocab]`.
+pub(crate) fn head<D: Decoder>(d: &D, x: Tensor<3>) -> Tensor<3> {
+    let x = crate::fused::rms_norm(d.norm(), x);
+    match d.lm_head() {
+        Some(head) => crate::modules::linear_rows(head, x),
+        None => {
+            let [b, t, c] = x.dims();
+            let weight = d.embed_tokens().weight.val();
+            let vocab = weight.dims()[0];
+            x.reshape([b * t, c])
+                .matmul(weight.transpose())
+                .reshape([b, t, vocab])
+        }
+    }
+}
+
+/// Logits `[batch, time, vocab]` of token ids `[batch, time]`, of packed rows where `starts`
+/// is given (see [`TokenBatch::documents`]).
+pub(crate) fn forward_within<D: Decoder>(
+    d: &D,
+    tokens: Tensor<2, Int>,
+    starts: Option<&Tensor<2, Int>>,
+) -> Tensor<3> {
+    let t = tokens.dims()[1];
+    let (rope, mask) = match starts {
+        Some(s) => positions_within(d, s),
+        None => positions(d, 0, t, &tokens.device()),
+    };
+    let mut x = embed(d, tokens);
+    for layer in d.layers() {
+        x = d.layer(layer, x, &rope, &mask, None);
+    }
+    head(d, x)
+}
+
+/// Logits `[batch, time, vocab]` of `tokens` following the positions `cache` holds, which
+/// takes their keys and values.
+pub(crate) fn forward_cached<D: Decoder>(
+    d: &D,
+    tokens: Tensor<2, Int>,
+    cache: &mut KvCache,
+) -> Tensor<3> {
+    let t = tokens.dims()[1];
+    let (rope, mask) = positions(d, cache.len, t, &tokens.device());
+    cache.layers.resize(d.layers().len(), (None, None));
+    let mut x = embed(d, tokens);
+    for (layer, kv) in d.layers().iter().zip(cache.layers.iter_mut()) {
+        x = d.layer(layer, x, &rope, &mask, Some(kv));
+    }
+    cache.len += t;
+    head(d, x)
+}
+
+/// `prompt` continued by up to `tokens` ids, each picked as `how` says, with a key/value
+/// cache: the prompt once, then one position per new token; ends early at a stop id.
+pub(crate) fn generate<D: Decoder>(
+    d: &D,
+    prompt: &[u32],
+    tokens: usize,
+    how: &crate::lm::Sampling,
+    uniform: impl FnMut() -> f64,
+) -> Vec<u32> {
+    let device = d.embed_tokens().weight.val().device();
+    crate::lm::generate(
+        prompt,
+        tokens,
+        (how, d.max_positions()),
+        &device,
+        |ids, cache| forward_cached(d, ids, cache),
+        uniform,
+    )
+}
+
+/// The block walk's stem: the token embedding.
+pub(crate) fn stem<D: Decoder>(d: &D, batch: &TokenBatch) -> Activation {
+    Activation::Rank3(embed(d, batch.inputs.clone()))
+}
+
+/// The block walk's block `i`, of packed rows where `batch` has documents.
+pub(crate) fn block<D: Decoder>(
+    d: &D,
+    i: usize,
+    x: Activation,
+    batch: Option<&TokenBatch>,
+) -> Activation {
+    let x: Tensor<3> = x.into_rank();
+    let (rope, mask) = match batch.and_then(|b| b.documents.as_ref()) {
+        Some(starts) => positions_within(d, starts),
+        None => positions(d, 0, x.dims()[1], &x.device()),
+    };
+    Activation::Rank3(d.layer(&d.layers()[i], x, &rope, &mask, None))
+}
