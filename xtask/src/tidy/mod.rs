@@ -1,6 +1,7 @@
 //! `cargo xtask tidy`: the shape of the workspace's sources read from their text — the
 //! import circles between the files of each crate, the files past a screenful, the longest
-//! functions, and concrete strategies named outside the strategies.
+//! functions, concrete strategies named outside the strategies, and model families named
+//! outside their modules and the registry.
 //!
 //! The reading is a small Rust lexer (comments, strings, characters and lifetimes told apart),
 //! not a compiler, and it is deliberately literal: a file imports the file whose module a path
@@ -46,6 +47,58 @@ pub const STRATEGIES: [&str; 7] = [
 /// that parses their names.
 pub const STRATEGY_HOMES: [&str; 2] = ["strategy/", "config/"];
 
+/// The one list of the model families (`families!`), from the workspace root.
+pub const REGISTRY: &str = "models/src/registry.rs";
+/// The models crate's root, which declares each family's module and re-exports its types.
+pub const MODELS_ROOT: &str = "models/src/lib.rs";
+
+/// A family as the registry lists it: `Llama => llama: crate::llama::Llama`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Family {
+    /// Its module under `models/src` (`llama`: `llama.rs` or `llama/`).
+    pub module: String,
+    /// Its model type (`Llama`); its config is that name and `Config`.
+    pub model: String,
+}
+
+impl Family {
+    /// Whether `path` (from the workspace root) may name the family: its own module, the
+    /// registry and the crate root.
+    pub fn at_home(&self, path: &str) -> bool {
+        let own = format!("models/src/{}", self.module);
+        path == REGISTRY
+            || path == MODELS_ROOT
+            || path == format!("{own}.rs")
+            || path.starts_with(&format!("{own}/"))
+    }
+
+    /// The identifiers that name it: its model and config types.
+    pub fn names(&self) -> [String; 2] {
+        [self.model.clone(), format!("{}Config", self.model)]
+    }
+}
+
+/// The families of the registry's `families! { … }` list, whose lines read `Kind => field:
+/// crate::module::Model,` (doc comments between them).
+pub fn families(registry: &str) -> Vec<Family> {
+    let Some(start) = registry.lines().position(|l| l.starts_with("families! {")) else {
+        return Vec::new();
+    };
+    registry
+        .lines()
+        .skip(start + 1)
+        .take_while(|l| !l.starts_with('}'))
+        .filter_map(|line| {
+            let (_, path) = line.trim().split_once(": crate::")?;
+            let segments: Vec<&str> = path.trim_end_matches(',').split("::").collect();
+            Some(Family {
+                module: segments.first()?.to_string(),
+                model: segments.last()?.to_string(),
+            })
+        })
+        .collect()
+}
+
 /// What `tidy` found in one tree.
 #[derive(Debug, Default)]
 pub struct Shape {
@@ -57,12 +110,15 @@ pub struct Shape {
     pub functions: Vec<(usize, String, String, usize)>,
     /// Every `StrategyKind::X` outside test code naming a concrete strategy: (file, line, X).
     pub strategies: Vec<(String, usize, String)>,
+    /// Each file with the identifiers outside its test code, and the first line of each.
+    pub idents: BTreeMap<String, BTreeMap<String, usize>>,
 }
 
 /// `cargo xtask tidy`: prints, over every tree of [`TREES`], the import circles, the long
-/// files and the five longest functions, and the concrete strategies kiln names outside
-/// [`STRATEGY_HOMES`]; fails on a circle, a file past [`FILE_LIMIT`], a function past
-/// [`FN_LIMIT`] or a strategy named out of place.
+/// files and the five longest functions, the concrete strategies kiln names outside
+/// [`STRATEGY_HOMES`], and the model families named outside their homes
+/// ([`Family::at_home`]); fails on a circle, a file past [`FILE_LIMIT`], a function past
+/// [`FN_LIMIT`], a strategy or a family named out of place.
 pub fn run(root: &Path, layers: bool) -> Result<()> {
     let mut trees = Vec::new();
     for tree in TREES {
@@ -125,6 +181,27 @@ pub fn run(root: &Path, layers: bool) -> Result<()> {
     for (file, line, name) in &misplaced {
         println!("  {KILN_SRC}/{file}:{line} StrategyKind::{name}");
     }
+    let registry = fs::read_to_string(root.join(REGISTRY))
+        .map_err(|e| format!("cannot read {REGISTRY}: {e}"))?;
+    let families = families(&registry);
+    let strays = families_out_of_place(&families, &trees);
+    println!(
+        "model families ({}) named outside their modules, {REGISTRY} and {MODELS_ROOT}: {}",
+        families.len(),
+        strays.len()
+    );
+    for (file, line, name) in &strays {
+        println!("  {file}:{line} {name}");
+    }
+    if families.is_empty() {
+        faults.push(format!("no family read from {REGISTRY}'s families! list"));
+    }
+    if !strays.is_empty() {
+        faults.push(format!(
+            "{} model famil(ies) named outside their modules",
+            strays.len()
+        ));
+    }
     if circle_count > 0 {
         faults.push(format!("{circle_count} import circle(s)"));
     }
@@ -147,6 +224,28 @@ pub fn run(root: &Path, layers: bool) -> Result<()> {
     } else {
         Err(format!("tidy: {}", faults.join(", ")))
     }
+}
+
+/// Where a file of `trees` names a family's model or config type outside its homes
+/// ([`Family::at_home`]): (file, line, name).
+fn families_out_of_place(
+    families: &[Family],
+    trees: &[(&str, Shape)],
+) -> Vec<(String, usize, String)> {
+    let mut out = Vec::new();
+    for (tree, shape) in trees {
+        for (file, idents) in &shape.idents {
+            let path = format!("{tree}/{file}");
+            for family in families.iter().filter(|f| !f.at_home(&path)) {
+                for name in family.names() {
+                    if let Some(line) = idents.get(&name) {
+                        out.push((path.clone(), *line, name));
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 /// One circle: its files, one loop, and what each of its files imports inside it.
@@ -239,6 +338,10 @@ pub fn read_tree(dir: &Path) -> Result<Shape> {
         }
         for (name, line, len) in file.functions {
             shape.functions.push((len, rel.clone(), name, line));
+        }
+        let idents = shape.idents.entry(rel.clone()).or_default();
+        for (line, name) in file.idents {
+            idents.entry(name).or_insert(line);
         }
     }
     Ok(shape)
@@ -411,6 +514,45 @@ mod tests {
             [(2, "Zero2".to_string()), (2, "Auto".to_string())]
         );
         assert!(STRATEGIES.contains(&"Zero2") && !STRATEGIES.contains(&"Auto"));
+    }
+
+    #[test]
+    fn the_registry_lists_each_family_with_its_module_and_type() {
+        let text = "macro_rules! families {\n}\n\nfamilies! {\n    /// kiln's own.\n    Gpt => \
+                    gpt: crate::gpt::Gpt,\n    Phi3 => phi3: crate::phi3::Phi3,\n}\n";
+        let found = families(text);
+        assert_eq!(
+            found,
+            [
+                Family {
+                    module: "gpt".into(),
+                    model: "Gpt".into()
+                },
+                Family {
+                    module: "phi3".into(),
+                    model: "Phi3".into()
+                }
+            ]
+        );
+        let phi3 = &found[1];
+        assert!(phi3.at_home("models/src/phi3/hf.rs") && phi3.at_home(REGISTRY));
+        assert!(!phi3.at_home("models/src/load.rs") && !phi3.at_home("models/src/phi3x.rs"));
+        assert!(found[0].at_home("models/src/gpt.rs"));
+        // A file outside the family's homes that names its config is found, a line given.
+        let mut shape = Shape::default();
+        shape.idents.insert(
+            "builtin/text.rs".into(),
+            BTreeMap::from([("Phi3Config".to_string(), 7), ("Other".to_string(), 1)]),
+        );
+        let trees = [(KILN_SRC, shape)];
+        assert_eq!(
+            families_out_of_place(&found, &trees),
+            [(
+                "crates/kiln/src/builtin/text.rs".to_string(),
+                7,
+                "Phi3Config".to_string()
+            )]
+        );
     }
 
     /// The check the project holds itself to: no circle between the files of the kiln crate,

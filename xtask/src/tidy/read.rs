@@ -29,6 +29,8 @@ pub(super) struct FileText {
     pub(super) functions: Vec<(String, usize, usize)>,
     /// (line, variant) of every `StrategyKind::X` outside test code.
     pub(super) strategies: Vec<(usize, String)>,
+    /// (line, name) of every identifier outside test code.
+    pub(super) idents: Vec<(usize, String)>,
 }
 
 impl FileText {
@@ -82,6 +84,13 @@ impl FileText {
                 out.strategies.push((*line, name.clone()));
             }
         }
+        out.idents = toks
+            .iter()
+            .filter_map(|(t, line)| match t {
+                Tok::Ident(name) => Some((*line, name.clone())),
+                _ => None,
+            })
+            .collect();
         out.paths = paths(&toks, &out.child_mods);
         out
     }

@@ -1,8 +1,17 @@
-//! Faults: the test facility that injects one into a rank (`KILN_FAULT_INJECT`), and how a
-//! rank tells the failure that started an abort from the aborts it caused.
+//! Faults: the test facility that injects one into a rank (`KILN_FAULT_INJECT`) — into its
+//! step by a wrapper around its strategy, into its loader threads and its checkpoint writer
+//! by one call each — and how a rank tells the failure that started an abort from the aborts
+//! it caused.
 
-use crate::error::Error;
 use std::time::Duration;
+
+use burn::prelude::*;
+use kiln_models::StepOutput;
+
+use crate::error::{Error, Result};
+use crate::optim::OptimState;
+use crate::precision::LossScaler;
+use crate::strategy::{Memory, Report, Strategy};
 
 pub(super) const ABORTED: &str = "stopped because ";
 
@@ -90,4 +99,140 @@ pub(super) fn injected_fault() -> Option<(usize, usize, Fault)> {
         };
         Some((rank, step, fault))
     })
+}
+
+/// A rank's strategy with the fault the variable injects into it around it: a straggler's
+/// pause after its micro-steps from the named step on (compute time, as a slow device's), a
+/// panic or a hang once the named step is taken. Built only when the variable names the rank
+/// and one of these faults ([`with_injected_fault`]), so that a run without it has nothing of
+/// the facility in its step.
+struct Faulty<'a, M, B> {
+    inner: Box<dyn Strategy<M, B> + 'a>,
+    fault: Fault,
+    /// The step the variable names (1-based).
+    at: usize,
+    /// Steps taken so far, and the optimizer steps of the one in progress (one per group).
+    done: usize,
+    phase: usize,
+    groups: usize,
+}
+
+/// `strategy`, wrapped in the fault the variable injects into `rank` (whose run starts after
+/// `done` steps and takes one optimizer step per each of `groups` groups), if it injects one
+/// into the step.
+pub(super) fn with_injected_fault<'a, M: 'a, B: 'a>(
+    strategy: Box<dyn Strategy<M, B> + 'a>,
+    rank: usize,
+    done: usize,
+    groups: usize,
+) -> Box<dyn Strategy<M, B> + 'a> {
+    match injected_fault() {
+        Some((r, at, fault @ (Fault::Panic | Fault::Hang | Fault::Slow(_)))) if r == rank => {
+            Box::new(Faulty {
+                inner: strategy,
+                fault,
+                at,
+                done,
+                phase: 0,
+                groups: groups.max(1),
+            })
+        }
+        _ => strategy,
+    }
+}
+
+impl<M, B> Strategy<M, B> for Faulty<'_, M, B> {
+    fn begin_step(&mut self) -> Result<()> {
+        self.inner.begin_step()
+    }
+
+    fn micro_steps(
+        &mut self,
+        batches: &mut dyn Iterator<Item = Result<B>>,
+        count: usize,
+        objective: &dyn Fn(Tensor<1>) -> Tensor<1>,
+    ) -> Result<Vec<StepOutput>> {
+        let outs = self.inner.micro_steps(batches, count, objective)?;
+        if let Fault::Slow(pause) = self.fault
+            && self.done + 1 >= self.at
+        {
+            std::thread::sleep(pause);
+        }
+        Ok(outs)
+    }
+
+    fn takes_batches(&self) -> bool {
+        self.inner.takes_batches()
+    }
+
+    fn optimizer_step(
+        &mut self,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+        clip: Option<f64>,
+    ) -> Result<bool> {
+        let stepped = self.inner.optimizer_step(lr, scaler, clip)?;
+        self.phase += 1;
+        if self.phase == self.groups {
+            self.phase = 0;
+            self.done += 1;
+            if self.done == self.at {
+                match self.fault {
+                    Fault::Panic => {
+                        panic!("injected failure after step {} ({FAULT_VAR})", self.at)
+                    }
+                    // The rank stops making progress, as a stuck kernel or a deadlock would.
+                    Fault::Hang => loop {
+                        std::thread::sleep(Duration::from_secs(3600));
+                    },
+                    _ => {}
+                }
+            }
+        }
+        Ok(stepped)
+    }
+
+    fn full_model(&mut self) -> Result<M> {
+        self.inner.full_model()
+    }
+
+    fn optimizer_state(&mut self) -> Result<Option<OptimState>> {
+        self.inner.optimizer_state()
+    }
+
+    fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
+        self.inner.load_optimizer_state(state)
+    }
+
+    fn optimizer_states(&mut self) -> Result<Option<Vec<(String, OptimState)>>> {
+        self.inner.optimizer_states()
+    }
+
+    fn load_optimizer_states(&mut self, states: &[(String, OptimState)]) -> Result<()> {
+        self.inner.load_optimizer_states(states)
+    }
+
+    fn select_group(&mut self, group: usize) -> Result<()> {
+        self.inner.select_group(group)
+    }
+
+    fn check_replicas(&mut self, step: usize) -> Result<()> {
+        self.inner.check_replicas(step)
+    }
+
+    fn report(&mut self) -> Result<Report> {
+        self.inner.report()
+    }
+
+    fn memory(&self) -> Memory {
+        self.inner.memory()
+    }
+
+    fn take_sync_seconds(&mut self) -> f64 {
+        self.inner.take_sync_seconds()
+    }
+
+    fn nonfinite(&self) -> bool {
+        self.inner.nonfinite()
+    }
 }

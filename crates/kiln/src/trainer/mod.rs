@@ -3,12 +3,14 @@
 //! [`fit`] is the launcher (`launch.rs`): it checks the settings and the model against the strategy's rules,
 //! reads a checkpoint to resume from (`start.rs`), creates the group of ranks (one thread per
 //! device, joined through a [`Collective`](crate::comm::Collective)) and starts one worker per
-//! rank. The loop itself (`worker.rs`) is a step (`train_step`) and the components that decide
-//! when they are due and act on the loop's [`LoopState`](crate::state::LoopState):
-//! logging (`log.rs`), validation (`validate.rs`), checkpoints and snapshots
-//! (`checkpointer.rs`), and the agreement on a stop signal. It talks to the collective and to a
+//! rank. The loop itself (`worker.rs`) is a step (`train_step`) and then, in order, the parts
+//! of `after.rs`'s list (each an `AfterStep`, reading one decision of what is due and acting
+//! on the loop's [`LoopState`](crate::state::LoopState)): the memory hold, logging
+//! (`log.rs`), validation (`validate.rs`) and the watches it feeds, the epoch's end,
+//! checkpoints and snapshots (`checkpointer.rs`), the stop at an agreed signal or early. It talks to the collective and to a
 //! [`Strategy`](crate::strategy::Strategy) through their traits only. Only rank 0 writes files.
 
+mod after;
 mod checkpointer;
 mod checks;
 mod faults;

@@ -5,7 +5,6 @@ use burn::prelude::*;
 use kiln_models::StepOutput;
 
 use super::checkpointer::Checkpointer;
-use super::faults::Fault;
 use super::loader::Feed;
 use super::log::Logger;
 use super::worker::Worker;
@@ -15,9 +14,7 @@ use crate::error::{Error, Result};
 use crate::exec::draws;
 use crate::state::LoopState;
 use crate::strategy::Strategy;
-use crate::trainer::FAULT_VAR;
 use crate::trainer::log::Times;
-use std::time::Duration;
 use std::time::Instant;
 
 impl<W: Workload> Worker<'_, W> {
@@ -87,10 +84,6 @@ impl<W: Workload> Worker<'_, W> {
                     step + 1
                 ))
             })?;
-            if let Some(Fault::Slow(pause)) = self.fault(state.step + 1, true) {
-                // A straggler: its compute takes longer.
-                std::thread::sleep(pause);
-            }
             // Collectives inside the micro-steps (ZeRO's reduce-scatters and gathers) count as
             // synchronisation, not compute.
             let inside = strategy.take_sync_seconds();
@@ -117,16 +110,6 @@ impl<W: Workload> Worker<'_, W> {
         self.recorder.step_done();
         if t.check_replicas && self.world() > 1 {
             strategy.check_replicas(state.step)?;
-        }
-        match self.fault(state.step, false) {
-            Some(Fault::Panic) => {
-                panic!("injected failure after step {} ({FAULT_VAR})", state.step)
-            }
-            Some(Fault::Hang) => loop {
-                // The rank stops making progress, as a stuck kernel or a deadlock would.
-                std::thread::sleep(Duration::from_secs(3600));
-            },
-            _ => {}
         }
         Ok(())
     }

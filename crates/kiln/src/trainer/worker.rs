@@ -1,6 +1,6 @@
-//! One rank's loop: a step, then whatever is due (a log line, validation, a checkpoint, a
-//! snapshot, a stop). It talks to its [`Strategy`] and its [`Collective`] through their
-//! traits only.
+//! One rank's run: its strategy built, its loader started, then the loop (`after.rs`: a
+//! step, then the parts after it in order). It talks to its [`Strategy`] and its
+//! [`Collective`] through their traits only.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 use burn::module::Module;
 use burn::prelude::*;
 
-use super::checkpointer::Checkpointer;
-use super::faults::{ABORTED, Fault, injected_fault, is_abort_echo};
+use super::faults::{ABORTED, is_abort_echo, with_injected_fault};
 use super::loader::{Feed, Jobs};
 use super::log::{Logger, LoggerParts, Scores};
 use super::plateau;
@@ -23,7 +22,7 @@ use crate::comm::watch::Recorder;
 use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
 use crate::metrics::{MetricsWriter, Progress, Summary};
-use crate::monitor::{SystemMonitor, Throughput, peak_tflops, process_memory_mib};
+use crate::monitor::{SystemMonitor, Throughput, peak_tflops};
 use crate::optim::Schedule;
 use crate::precision::Policy;
 use crate::state::LoopState;
@@ -168,114 +167,9 @@ impl<W: Workload> Worker<'_, W> {
         self.steps(strategy, state, &mut feed)
     }
 
-    /// The steps of the run from `state` on, each followed by the components that are due.
-    fn steps(
-        &self,
-        strategy: &mut dyn Strategy<W::Model, W::Batch>,
-        mut state: LoopState,
-        feed: &mut Feed<'_, W>,
-    ) -> Result<Outcome<W::Model>> {
-        let mut log = self.logger(state.step);
-        let mut val = Validator::default();
-        let saver = Checkpointer::new(&self.settings.train, self.settings.output.run_dir.clone());
-        let start_rss_mib = process_memory_mib("VmRSS");
-        let (wall, started) = (state.wall_seconds, Instant::now());
-        let (mut stopped_by, mut stopped_early) = (None, None);
-        // Past `hardware.memory_limit_mib` ÷ (1 + HEADROOM) at a step's end — where a jobs that
-        // just fits ends — the pages the allocator keeps go back (on the CPU).
-        let hold = self
-            .settings
-            .parallel
-            .memory_limit_mib
-            .map(|limit| limit / (1.0 + crate::config::HEADROOM));
-        while state.step < self.total {
-            self.train_step(&mut state, feed, strategy, &mut log, &saver)?;
-            if let Some(threshold) = hold {
-                crate::heap::hold_under(process_memory_mib("VmRSS"), threshold);
-            }
-            let last = state.step == self.total;
-            if log.due(state.step, last) {
-                let logged = log.log(&state, strategy)?;
-                self.notify(EventKind::Logged, &state, &logged, strategy)?;
-            }
-            let signal = self.agreed_signal(last)?;
-            let save = saver.due(state.step, last, signal.is_some());
-            let epoch_end = state.step_in_epoch == self.sampler.steps_per_epoch();
-            let t = &self.settings.train;
-            let mut early = None;
-            let validate = val.due(&state, t, epoch_end, last, save && saver.scored());
-            if validate || save || last {
-                // What a validation, a checkpoint or the run's end (its export) allocates lands
-                // where the steps' kept pages were, not on top of them: a run's peak is its
-                // steps', the one the planner predicts. Kept, the pages put the GPT's zero2
-                // peak after its last step, 239–279 MiB over five launches against 247 in its
-                // steps; a zero3 run under a limit beside a build went over it there (227–232
-                // MiB, every step's end under the threshold). The steps after a validation
-                // fault their pages in once more.
-                crate::heap::release_free();
-            }
-            if validate {
-                let t0 = Instant::now();
-                let (scores, metrics) = self.validate(&strategy.full_model()?)?;
-                val.record(state.step, scores);
-                log.validation(&state, scores, &metrics)?;
-                early = self.watch(&mut state, scores, &metrics)?;
-                let mut values = vec![("loss".to_string(), scores.0)];
-                values.extend(scores.1.map(|a| ("accuracy".to_string(), a)));
-                values.extend(metrics);
-                self.notify(EventKind::Validated, &state, &values, strategy)?;
-                // Validation time does not count against training throughput.
-                log.exclude(t0.elapsed().as_secs_f64());
-            }
-            if epoch_end {
-                self.notify(EventKind::EpochEnd, &state, &[], strategy)?;
-            }
-            // Early stopping ends the run with a checkpoint.
-            if save || (early.is_some() && !last) {
-                state.wall_seconds = wall + started.elapsed().as_secs_f64();
-                let final_one = last || signal.is_some() || early.is_some();
-                let stall = saver.save(strategy, &state, &val, self.comm.as_ref(), final_one)?;
-                log.exclude(stall);
-            }
-            if Checkpointer::snapshot_due(self.workload, state.step, last) {
-                let t0 = Instant::now();
-                let lead = self.rank() == 0;
-                saver.snapshot(self.workload, strategy, state.step, &self.policy, lead)?;
-                log.exclude(t0.elapsed().as_secs_f64());
-            }
-            if let Some(signal) = signal {
-                // No rank leaves before rank 0's checkpoint is on disk: a launcher takes the job
-                // down when its first process exits.
-                if self.world() > 1 {
-                    self.comm.barrier()?;
-                }
-                stopped_by = Some(crate::signal::name(signal));
-                break;
-            }
-            if let Some(reason) = early
-                && !last
-            {
-                stopped_early = Some(reason);
-                break;
-            }
-        }
-        // A write in flight lands before the run ends.
-        saver.wait()?;
-        let ran = Ran {
-            val,
-            wall,
-            started,
-            start_rss_mib,
-            stopped_by,
-            stopped_early,
-            checkpoint_stalls: saver.stalls(),
-        };
-        self.finish(strategy, state, log, ran)
-    }
-
     /// Runs the workload's callback for `kind` if it asked for it: every rank builds the
     /// whole model (ZeRO-3 and a pipeline gather it), rank 0 calls it.
-    fn notify(
+    pub(super) fn notify(
         &self,
         kind: EventKind,
         state: &LoopState,
@@ -302,7 +196,7 @@ impl<W: Workload> Worker<'_, W> {
     /// Feeds a validation to the run's watches: a reduce-on-plateau schedule that acts lowers
     /// its group's rate from the next step on; early stopping that acts returns why the run
     /// stops. Every rank sees the same values, so every rank decides the same.
-    fn watch(
+    pub(super) fn watch(
         &self,
         state: &mut LoopState,
         scores: Scores,
@@ -343,18 +237,6 @@ impl<W: Workload> Worker<'_, W> {
         Ok(early.observe(w, value, step).then(|| early.reason(w)))
     }
 
-    /// The fault injected into this rank at `step` (a straggler's slowness from that step on,
-    /// when `ongoing`).
-    pub(super) fn fault(&self, step: usize, ongoing: bool) -> Option<Fault> {
-        let (rank, at, fault) = injected_fault()?;
-        let due = match fault {
-            Fault::Slow(_) if ongoing => step >= at,
-            Fault::Slow(_) => false,
-            _ => !ongoing && step == at,
-        };
-        (rank == self.rank() && due).then_some(fault)
-    }
-
     /// This rank's strategy around its own module with rank 0's weights (in the master
     /// dtype), holding the optimizer state to continue.
     fn strategy(&self, start: &Start) -> Result<Box<dyn Strategy<W::Model, W::Batch> + '_>> {
@@ -382,11 +264,17 @@ impl<W: Workload> Worker<'_, W> {
         if let Some(optim) = &start.optim {
             strategy.load_optimizer_states(optim)?;
         }
-        Ok(strategy)
+        let phases = self.groups.len().max(1);
+        Ok(with_injected_fault(
+            strategy,
+            self.rank(),
+            start.state.step,
+            phases,
+        ))
     }
 
     /// The logger of this rank: rank 0 writes and shows.
-    fn logger(&self, step: usize) -> Logger<'_> {
+    pub(super) fn logger(&self, step: usize) -> Logger<'_> {
         let s = self.settings;
         let lead = self.rank() == 0;
         let device_name = s.parallel.devices[0].identity().map(|i| i.name);
@@ -412,23 +300,6 @@ impl<W: Workload> Worker<'_, W> {
             count_skips: s.train.skip_nonfinite > 0,
             stragglers: (self.setup.stages() == 1).then_some(s.parallel.dist.straggler_margin),
         })
-    }
-
-    /// The signal every rank agrees to stop at after this step, with a checkpoint (a signal
-    /// reaches processes and threads at different moments).
-    fn agreed_signal(&self, last: bool) -> Result<Option<i32>> {
-        if !self.settings.train.checkpoint_on_signal || last {
-            return Ok(None);
-        }
-        // Every rank's signal (0: none); the run stops when one has one and names the first
-        // rank's, the same on every rank.
-        let mine = [crate::signal::requested().map_or(0.0, |sig| sig as f32)];
-        let all = if self.world() > 1 {
-            self.comm.all_gather(&mine)?
-        } else {
-            mine.to_vec()
-        };
-        Ok(all.iter().find(|s| **s > 0.0).map(|s| *s as i32))
     }
 }
 
