@@ -36,9 +36,9 @@ impl<W: Workload> Worker<'_, W> {
         let start_rss_mib = process_memory_mib("VmRSS");
         let parts = after_step::<W>();
         let mut stopped = None;
-        while state.step < self.total {
+        while state.step < self.steps.total {
             self.train_step(&mut state, feed, strategy, &mut log, &kept.saver)?;
-            let last = state.step == self.total;
+            let last = state.step == self.steps.total;
             let due = self.due(&state, last, &log, &kept)?;
             let mut end = StepEnd {
                 state: &mut state,
@@ -83,7 +83,7 @@ impl<W: Workload> Worker<'_, W> {
     fn due(&self, state: &LoopState, last: bool, log: &Logger, kept: &Kept) -> Result<Due> {
         let signal = self.agreed_signal(last)?;
         let save = kept.saver.due(state.step, last, signal.is_some());
-        let epoch_end = state.step_in_epoch == self.sampler.steps_per_epoch();
+        let epoch_end = state.step_in_epoch == self.steps.sampler.steps_per_epoch();
         let t = &self.settings.train;
         let scored = save && kept.saver.scored();
         Ok(Due {
@@ -105,7 +105,7 @@ impl<W: Workload> Worker<'_, W> {
         // rank's, the same on every rank.
         let mine = [crate::signal::requested().map_or(0.0, |sig| sig as f32)];
         let all = if self.world() > 1 {
-            self.comm.all_gather(&mine)?
+            self.place.comm.all_gather(&mine)?
         } else {
             mine.to_vec()
         };
@@ -271,7 +271,7 @@ impl<W: Workload> AfterStep<W> for Checkpoint {
         let k = &mut *end.kept;
         end.state.wall_seconds = k.wall + k.started.elapsed().as_secs_f64();
         let final_one = end.last || end.due.signal.is_some() || end.early.is_some();
-        let comm = worker.comm.as_ref();
+        let comm = worker.place.comm.as_ref();
         let stall = k
             .saver
             .save(end.strategy, end.state, &k.val, comm, final_one)?;
@@ -307,7 +307,7 @@ impl<W: Workload> AfterStep<W> for Stop {
             // No rank leaves before rank 0's checkpoint is on disk: a launcher takes the job
             // down when its first process exits.
             if worker.world() > 1 {
-                worker.comm.barrier()?;
+                worker.place.comm.barrier()?;
             }
             end.stop = Some(Stopped::Signal(crate::signal::name(signal)));
         } else if let Some(reason) = end.early.take()

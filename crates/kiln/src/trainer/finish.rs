@@ -44,14 +44,14 @@ impl<W: Workload> Worker<'_, W> {
         let mut mine = counts.to_vec();
         mine.push(pool);
         mine.push(m.frozen as u64);
-        let memories = pack::gather_counts(self.comm.as_ref(), &mine)?;
-        if self.local != 0 {
+        let memories = pack::gather_counts(self.place.comm.as_ref(), &mine)?;
+        if self.place.local != 0 {
             return Ok(Outcome { lead: None });
         }
         let per_rank = |i: usize| memories.iter().map(|m| m[i] as usize).collect();
         let summary = Summary {
             steps: step,
-            epochs: step as f64 / self.sampler.steps_per_epoch() as f64,
+            epochs: step as f64 / self.steps.sampler.steps_per_epoch() as f64,
             final_train_loss: log.last_loss,
             val_loss: last_val.map(|v| v.0),
             val_accuracy: last_val.and_then(|v| v.1),

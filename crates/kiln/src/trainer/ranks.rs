@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::faults::is_abort_echo;
 use super::settings::TrainerSettings;
 use super::start::Start;
-use super::worker::{Outcome, Worker};
+use super::worker::{Outcome, Place, Steps, Worker};
 use super::workload::Workload;
 use crate::comm::Collective;
 use crate::comm::watch::{Watchdog, watched};
@@ -48,19 +48,23 @@ pub(super) fn run_all<W: Workload>(
                     settings,
                     policy: setup.policy.clone(),
                     setup: setup.clone(),
-                    groups: start.groups.clone(),
-                    sampler: sampler.clone(),
-                    schedules: schedules.clone(),
-                    micros: settings.micro_batches(),
-                    data_rank: settings.data_rank(rank),
-                    data_world: settings.data_world(),
-                    total,
-                    comm,
-                    recorder: watchdog.recorder(local),
-                    local,
-                    device: match settings.recompute.mode {
-                        RecomputeMode::Balanced => base.gradient_checkpointing(),
-                        _ => base,
+                    steps: Steps {
+                        groups: start.groups.clone(),
+                        sampler: sampler.clone(),
+                        schedules: schedules.clone(),
+                        micros: settings.micro_batches(),
+                        total,
+                    },
+                    place: Place {
+                        comm,
+                        recorder: watchdog.recorder(local),
+                        local,
+                        device: match settings.recompute.mode {
+                            RecomputeMode::Balanced => base.gradient_checkpointing(),
+                            _ => base,
+                        },
+                        data_rank: settings.data_rank(rank),
+                        data_world: settings.data_world(),
                     },
                     monitor: monitor.filter(|_| rank == 0),
                     draws: start.draws,

@@ -29,11 +29,12 @@ impl<W: Workload> Worker<'_, W> {
         saver: &Checkpointer,
     ) -> Result<()> {
         let t = &self.settings.train;
-        if state.step_in_epoch == self.sampler.steps_per_epoch() {
+        if state.step_in_epoch == self.steps.sampler.steps_per_epoch() {
             state.epoch += 1;
             state.step_in_epoch = 0;
         }
         let lrs: Vec<f64> = self
+            .steps
             .schedules
             .iter()
             .enumerate()
@@ -44,7 +45,7 @@ impl<W: Workload> Worker<'_, W> {
             })
             .collect();
         state.lr = lrs[0];
-        let micros = self.micros;
+        let micros = self.steps.micros;
         let objective = objective(micros, state.scaler.as_ref().map(|s| s.scale as f32));
         for (phase, &lr) in lrs.iter().enumerate() {
             let t0 = Instant::now();
@@ -67,7 +68,7 @@ impl<W: Workload> Worker<'_, W> {
             });
             if self.draws {
                 let seed = self.settings.seed;
-                draws::begin(seed, self.rank(), state.step, phase, &self.device);
+                draws::begin(seed, self.rank(), state.step, phase, &self.place.device);
             }
             let outs = strategy.micro_steps(&mut batches, micros, &objective);
             draws::end();
@@ -77,10 +78,10 @@ impl<W: Workload> Worker<'_, W> {
             // them: waiting here counts that time as compute, not as the optimizer step that
             // would otherwise wait for it (a CUDA run logged "optim 88 %" without this). The
             // CPU's ops run as they are called, so there it returns at once.
-            self.device.sync().map_err(|e| {
+            self.place.device.sync().map_err(|e| {
                 Error::Device(format!(
                     "{:?} failed in step {}: {e}",
-                    self.device,
+                    self.place.device,
                     step + 1
                 ))
             })?;
@@ -105,9 +106,9 @@ impl<W: Workload> Worker<'_, W> {
         }
         state.step += 1;
         state.step_in_epoch += 1;
-        state.samples += self.sampler.samples_per_step() as u64;
-        log.step_done(state.step, self.sampler.samples_per_step());
-        self.recorder.step_done();
+        state.samples += self.steps.sampler.samples_per_step() as u64;
+        log.step_done(state.step, self.steps.sampler.samples_per_step());
+        self.place.recorder.step_done();
         if t.check_replicas && self.world() > 1 {
             strategy.check_replicas(state.step)?;
         }
@@ -134,7 +135,7 @@ impl<W: Workload> Worker<'_, W> {
             .iter()
             .position(|o| !o.loss.clone().into_scalar::<f32>().is_finite())
             .map_or(-1.0, |m| m as f32);
-        let all = self.comm.all_gather(&[bad])?;
+        let all = self.place.comm.all_gather(&[bad])?;
         let at: Vec<String> = all
             .iter()
             .enumerate()
@@ -146,7 +147,7 @@ impl<W: Workload> Worker<'_, W> {
         } else {
             format!("a non-finite loss ({})", at.join(", "))
         };
-        if let Some(group) = self.groups.get(phase) {
+        if let Some(group) = self.steps.groups.get(phase) {
             what = format!("{what} in parameter group {group:?}");
         }
         // The checkpoint being written lands first: the newest is then the one named.

@@ -34,28 +34,15 @@ pub(super) struct Outcome<M> {
     pub(super) lead: Option<(Summary, M)>,
 }
 
-/// One rank: its device, its view of the group, and what the loop reads.
+/// One rank: what it trains (the workload, the settings, the strategy's setup, the precision
+/// policy), what its loop steps through ([`Steps`]), where it stands ([`Place`]).
 pub(super) struct Worker<'a, W: Workload> {
     pub(super) workload: &'a W,
     pub(super) settings: &'a TrainerSettings,
     pub(super) setup: Setup,
     pub(super) policy: Policy,
-    /// The model's parameter groups (none for a model with one optimizer).
-    pub(super) groups: Vec<String>,
-    pub(super) sampler: DistributedSampler,
-    pub(super) schedules: Vec<Schedule>,
-    /// Micro-batches per optimizer step.
-    pub(super) micros: usize,
-    /// This rank's data-parallel rank, and how many there are.
-    pub(super) data_rank: usize,
-    pub(super) data_world: usize,
-    pub(super) total: usize,
-    pub(super) comm: Box<dyn Collective + 'a>,
-    /// The rank's flight recorder (its collectives are recorded by `comm`; its steps here).
-    pub(super) recorder: Arc<Recorder>,
-    /// This rank's index among the ranks of its process (its device's index).
-    pub(super) local: usize,
-    pub(super) device: Device,
+    pub(super) steps: Steps,
+    pub(super) place: Place<'a>,
     /// The system monitor, on rank 0.
     pub(super) monitor: Option<&'a SystemMonitor>,
     /// The model draws random numbers in its forward: each forward is seeded from (seed, rank,
@@ -63,13 +50,40 @@ pub(super) struct Worker<'a, W: Workload> {
     pub(super) draws: bool,
 }
 
+/// What a rank's loop steps through: the same on every rank.
+pub(super) struct Steps {
+    /// The model's parameter groups (none for a model with one optimizer).
+    pub(super) groups: Vec<String>,
+    /// Which samples each step takes.
+    pub(super) sampler: DistributedSampler,
+    /// Each group's learning-rate schedule.
+    pub(super) schedules: Vec<Schedule>,
+    /// Micro-batches per optimizer step.
+    pub(super) micros: usize,
+    /// The run's last step.
+    pub(super) total: usize,
+}
+
+/// Where a rank stands: its group, its device, its share of the data.
+pub(super) struct Place<'a> {
+    pub(super) comm: Box<dyn Collective + 'a>,
+    /// The rank's flight recorder (its collectives are recorded by `comm`; its steps here).
+    pub(super) recorder: Arc<Recorder>,
+    /// This rank's index among the ranks of its process (its device's index).
+    pub(super) local: usize,
+    pub(super) device: Device,
+    /// This rank's data-parallel rank, and how many there are.
+    pub(super) data_rank: usize,
+    pub(super) data_world: usize,
+}
+
 impl<W: Workload> Worker<'_, W> {
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.place.comm.rank()
     }
 
     pub fn world(&self) -> usize {
-        self.comm.world_size()
+        self.place.comm.world_size()
     }
 
     /// Validates `model` on this rank's shard of the evaluation set.
@@ -78,8 +92,8 @@ impl<W: Workload> Worker<'_, W> {
             self.workload,
             model,
             &self.policy,
-            self.comm.as_ref(),
-            &self.device,
+            self.place.comm.as_ref(),
+            &self.place.device,
             self.settings.train.batch_size,
         )
     }
@@ -114,7 +128,8 @@ impl<W: Workload> Worker<'_, W> {
                 && !is_abort_echo(e)
             {
                 crate::error::note_failure(e);
-                self.comm
+                self.place
+                    .comm
                     .abort(&format!("{ABORTED}rank {rank} failed: {e}"));
             }
             outcome
@@ -136,15 +151,15 @@ impl<W: Workload> Worker<'_, W> {
         let strategy = strategy.as_mut();
         let state = start.state.clone();
         let jobs = Jobs::new(
-            self.sampler.clone(),
+            self.steps.sampler.clone(),
             &state,
-            self.micros,
-            self.groups.len(),
-            self.data_rank,
-            self.data_world,
+            self.steps.micros,
+            self.steps.groups.len(),
+            self.place.data_rank,
+            self.place.data_world,
             self.settings.train.batch_size,
             self.settings.seed,
-            self.total,
+            self.steps.total,
         );
         let loader = self.settings.loader;
         let workers = if strategy.takes_batches() {
@@ -158,7 +173,7 @@ impl<W: Workload> Worker<'_, W> {
             scope,
             self.workload,
             jobs,
-            self.device.clone(),
+            self.place.device.clone(),
             workers,
             loader.prefetch,
             self.rank(),
@@ -203,19 +218,19 @@ impl<W: Workload> Worker<'_, W> {
         named: &[(String, f64)],
     ) -> Result<Option<String>> {
         let step = state.step;
-        for (g, schedule) in self.schedules.iter().enumerate() {
+        for (g, schedule) in self.steps.schedules.iter().enumerate() {
             let Some(w) = schedule.plateau() else {
                 continue;
             };
-            let key = match self.groups.get(g) {
+            let key = match self.steps.groups.get(g) {
                 Some(name) => format!("groups.{name}.schedule.plateau"),
                 None => "schedule.plateau".to_string(),
             };
             let value = plateau::value(w, &key, scores, named)?;
-            if state.plateaus.len() < self.schedules.len() {
+            if state.plateaus.len() < self.steps.schedules.len() {
                 state
                     .plateaus
-                    .resize(self.schedules.len(), Plateau::default());
+                    .resize(self.steps.schedules.len(), Plateau::default());
             }
             let watch = &mut state.plateaus[g];
             if watch.observe(w, value, step) && self.settings.output.progress {
@@ -223,7 +238,8 @@ impl<W: Workload> Worker<'_, W> {
                 say!(
                     "step {step}: {}; the learning rate{} is now {lr:.3e}",
                     watch.reason(w),
-                    self.groups
+                    self.steps
+                        .groups
                         .get(g)
                         .map_or(String::new(), |n| format!(" of group {n}"))
                 );
@@ -244,7 +260,7 @@ impl<W: Workload> Worker<'_, W> {
         // takes rank 0's weights; the throwaway initialisation still draws random numbers,
         // hence the lock.
         let model = kiln_models::with_rng(|| {
-            kiln_models::materialized(self.workload.init_model(&self.device))
+            kiln_models::materialized(self.workload.init_model(&self.place.device))
         });
         let model = self
             .policy
@@ -253,8 +269,8 @@ impl<W: Workload> Worker<'_, W> {
         let groups = s.groups.iter();
         let ctx = Context::new(
             &self.setup,
-            self.comm.as_ref(),
-            self.device.clone(),
+            self.place.comm.as_ref(),
+            self.place.device.clone(),
             s.optim.clone(),
             groups
                 .map(|(name, g)| (name.clone(), g.optim.clone()))
@@ -264,7 +280,7 @@ impl<W: Workload> Worker<'_, W> {
         if let Some(optim) = &start.optim {
             strategy.load_optimizer_states(optim)?;
         }
-        let phases = self.groups.len().max(1);
+        let phases = self.steps.groups.len().max(1);
         Ok(with_injected_fault(
             strategy,
             self.rank(),
@@ -283,12 +299,12 @@ impl<W: Workload> Worker<'_, W> {
             m.set_step(step);
         }
         Logger::new(LoggerParts {
-            comm: self.comm.as_ref(),
-            groups: self.groups.clone(),
+            comm: self.place.comm.as_ref(),
+            groups: self.steps.groups.clone(),
             every: s.train.log_every,
             writer: lead
                 .then(|| MetricsWriter::open(&s.output.run_dir, &monitor.sinks, Some(step))),
-            progress: (lead && s.output.progress).then(|| Progress::new(self.total, step)),
+            progress: (lead && s.output.progress).then(|| Progress::new(self.steps.total, step)),
             throughput: Throughput::new(
                 self.world(),
                 self.workload.tokens_per_sample(),
