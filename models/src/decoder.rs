@@ -6,8 +6,10 @@
 
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::prelude::*;
+use burn::store::KeyRemapper;
 
 use crate::blocks::Activation;
+use crate::family::HfNaming;
 use crate::gqa::{LayerCache, Masking};
 use crate::lm::{KvCache, TokenBatch};
 use crate::rope::Rope;
@@ -162,4 +164,77 @@ pub(crate) fn block<D: Decoder>(
         None => positions(d, 0, x.dims()[1], &x.device()),
     };
     Activation::Rank3(d.layer(&d.layers()[i], x, &rope, &mask, None))
+}
+
+/// The block walk (`BlockStack`: the embedding as the stem, each layer a block, the final
+/// norm and head with the loss) and the training step (`TrainStep`: the packed forward and
+/// the loss) of the rotary decoder `$model`, written once for every family that is one.
+macro_rules! decoder_steps {
+    ($model:ty) => {
+        impl $crate::blocks::BlockStack<$crate::lm::TokenBatch> for $model {
+            fn num_blocks(&self) -> usize {
+                $crate::decoder::Decoder::layers(self).len()
+            }
+
+            fn stem(&self, batch: &$crate::lm::TokenBatch) -> $crate::blocks::Activation {
+                $crate::decoder::stem(self, batch)
+            }
+
+            fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
+                $crate::modules::param_ids(&$crate::decoder::Decoder::layers(self)[i])
+            }
+
+            fn block(&self, i: usize, x: $crate::blocks::Activation) -> $crate::blocks::Activation {
+                $crate::decoder::block(self, i, x, None)
+            }
+
+            fn block_in(
+                &self,
+                i: usize,
+                x: $crate::blocks::Activation,
+                batch: &$crate::lm::TokenBatch,
+            ) -> $crate::blocks::Activation {
+                $crate::decoder::block(self, i, x, Some(batch))
+            }
+
+            fn blocks_read_batch(&self) -> bool {
+                true
+            }
+
+            fn head(
+                &self,
+                x: $crate::blocks::Activation,
+                batch: &$crate::lm::TokenBatch,
+            ) -> $crate::step::StepOutput {
+                $crate::lm::lm_output($crate::decoder::head(self, x.into_rank()), batch)
+            }
+
+            fn blocks_deterministic(&self) -> bool {
+                true
+            }
+        }
+
+        impl $crate::step::TrainStep<$crate::lm::TokenBatch> for $model {
+            fn step(&self, batch: $crate::lm::TokenBatch) -> $crate::step::StepOutput {
+                let starts = batch.documents.as_ref();
+                let logits = $crate::decoder::forward_within(self, batch.inputs.clone(), starts);
+                $crate::lm::lm_output(logits, &batch)
+            }
+        }
+    };
+}
+pub(crate) use decoder_steps;
+
+/// How the rotary decoders' weight files name their tensors (the Llama's layout, Phi-3's
+/// too): the files may lack the `model.` prefix of the embedding, the layers and the final
+/// norm; old rotary frequency buffers and, with a `tied` head, the head's copy are left out.
+pub(crate) fn hf_naming(tied: bool) -> HfNaming {
+    HfNaming {
+        remap: KeyRemapper::new()
+            .add_pattern(r"^(embed_tokens|layers|norm)\.", "model.$1.")
+            .expect("a valid pattern"),
+        ignored: Box::new(move |name: &str| {
+            name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
+        }),
+    }
 }

@@ -2,7 +2,6 @@
 //! `mistral` or `qwen2`; transformers 4's `rope_theta`/`rope_scaling` and 5's
 //! `rope_parameters`) read and written back, and how its weight files name their tensors.
 
-use burn::store::KeyRemapper;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -33,7 +32,7 @@ impl Family for Llama {
     }
 
     fn hf_naming(config: &LlamaConfig) -> HfNaming {
-        naming(config)
+        crate::decoder::hf_naming(config.tie_word_embeddings)
     }
 }
 
@@ -214,18 +213,4 @@ fn config_json(c: &LlamaConfig) -> Value {
         json["sliding_window"] = w.into();
     }
     json
-}
-
-/// The prefix the weight files may lack, and the tensors left out on purpose (a tied head's
-/// copy, old rotary frequency buffers).
-fn naming(c: &LlamaConfig) -> HfNaming {
-    let tied = c.tie_word_embeddings;
-    HfNaming {
-        remap: KeyRemapper::new()
-            .add_pattern(r"^(embed_tokens|layers|norm)\.", "model.$1.")
-            .expect("a valid pattern"),
-        ignored: Box::new(move |name: &str| {
-            name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
-        }),
-    }
 }

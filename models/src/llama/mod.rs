@@ -13,14 +13,11 @@ use burn::nn::{
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::blocks::{Activation, BlockStack};
 use crate::decoder::{self, Decoder};
 pub use crate::gqa::Attention;
 use crate::gqa::{LayerCache, Masking};
-use crate::lm::TokenBatch;
-use crate::lm::{KvCache, lm_output};
+use crate::lm::KvCache;
 use crate::rope::Rope;
-use crate::step::{StepOutput, TrainStep};
 
 /// How a checkpoint stretches its rotary frequencies beyond the context it was trained on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -428,7 +425,7 @@ impl Llama {
         decoder::forward_within(self, tokens, None)
     }
 
-    /// [`Llama::forward`] of packed rows (see [`TokenBatch::documents`]).
+    /// [`Llama::forward`] of packed rows (see [`crate::lm::TokenBatch::documents`]).
     pub fn forward_within(
         &self,
         tokens: Tensor<2, Int>,
@@ -503,46 +500,7 @@ impl Decoder for Llama {
     }
 }
 
-impl BlockStack<TokenBatch> for Llama {
-    fn num_blocks(&self) -> usize {
-        self.model.layers.len()
-    }
-
-    fn stem(&self, batch: &TokenBatch) -> Activation {
-        decoder::stem(self, batch)
-    }
-
-    fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
-        crate::modules::param_ids(&self.model.layers[i])
-    }
-
-    fn block(&self, i: usize, x: Activation) -> Activation {
-        decoder::block(self, i, x, None)
-    }
-
-    fn block_in(&self, i: usize, x: Activation, batch: &TokenBatch) -> Activation {
-        decoder::block(self, i, x, Some(batch))
-    }
-
-    fn blocks_read_batch(&self) -> bool {
-        true
-    }
-
-    fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
-        lm_output(decoder::head(self, x.into_rank()), batch)
-    }
-
-    fn blocks_deterministic(&self) -> bool {
-        true
-    }
-}
-
-impl TrainStep<TokenBatch> for Llama {
-    fn step(&self, batch: TokenBatch) -> StepOutput {
-        let starts = batch.documents.as_ref();
-        lm_output(self.forward_within(batch.inputs.clone(), starts), &batch)
-    }
-}
+decoder::decoder_steps!(Llama);
 
 impl crate::lm::CausalLm for Llama {
     type Config = LlamaConfig;

@@ -2,7 +2,6 @@
 //! `rope_theta`/`rope_scaling`/`partial_rotary_factor` and 5's `rope_parameters`) read and
 //! written back, and how its weight files name their tensors.
 
-use burn::store::KeyRemapper;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -33,15 +32,7 @@ impl Family for Phi3 {
     }
 
     fn hf_naming(config: &Phi3Config) -> HfNaming {
-        let tied = config.tie_word_embeddings;
-        HfNaming {
-            remap: KeyRemapper::new()
-                .add_pattern(r"^(embed_tokens|layers|norm)\.", "model.$1.")
-                .expect("a valid pattern"),
-            ignored: Box::new(move |name: &str| {
-                name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
-            }),
-        }
+        crate::decoder::hf_naming(config.tie_word_embeddings)
     }
 }
 

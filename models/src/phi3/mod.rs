@@ -13,12 +13,10 @@ use burn::nn::{
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::blocks::{Activation, BlockStack};
 use crate::decoder::{self, Decoder};
 use crate::gqa::{LayerCache, Masking};
-use crate::lm::{KvCache, TokenBatch, lm_output};
+use crate::lm::KvCache;
 use crate::rope::Rope;
-use crate::step::{StepOutput, TrainStep};
 
 /// Architecture of a [`Phi3`]: the fields of a Hugging Face `config.json` of `model_type`
 /// `phi3` (read by [`crate::hf`]), or a `[model.phi3]` section for a model trained from
@@ -394,49 +392,7 @@ impl Decoder for Phi3 {
     }
 }
 
-impl BlockStack<TokenBatch> for Phi3 {
-    fn num_blocks(&self) -> usize {
-        self.model.layers.len()
-    }
-
-    fn stem(&self, batch: &TokenBatch) -> Activation {
-        decoder::stem(self, batch)
-    }
-
-    fn block_params(&self, i: usize) -> Vec<burn::module::ParamId> {
-        crate::modules::param_ids(&self.model.layers[i])
-    }
-
-    fn block(&self, i: usize, x: Activation) -> Activation {
-        decoder::block(self, i, x, None)
-    }
-
-    fn block_in(&self, i: usize, x: Activation, batch: &TokenBatch) -> Activation {
-        decoder::block(self, i, x, Some(batch))
-    }
-
-    fn blocks_read_batch(&self) -> bool {
-        true
-    }
-
-    fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
-        lm_output(decoder::head(self, x.into_rank()), batch)
-    }
-
-    fn blocks_deterministic(&self) -> bool {
-        true
-    }
-}
-
-impl TrainStep<TokenBatch> for Phi3 {
-    fn step(&self, batch: TokenBatch) -> StepOutput {
-        let starts = batch.documents.as_ref();
-        lm_output(
-            decoder::forward_within(self, batch.inputs.clone(), starts),
-            &batch,
-        )
-    }
-}
+decoder::decoder_steps!(Phi3);
 
 impl crate::lm::CausalLm for Phi3 {
     type Config = Phi3Config;
