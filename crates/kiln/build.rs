@@ -1,30 +1,8 @@
 //! The commit `--version` names (`KILN_COMMIT`, from git where the source is a checkout; "no
-//! commit" in a package); with the `mpi` feature, `src/comm/in_place.c` compiled against the
-//! installed MPI's headers.
+//! commit" in a package).
 
 fn main() {
     commit();
-    #[cfg(feature = "mpi")]
-    {
-        println!("cargo:rerun-if-changed=src/comm/in_place.c");
-        let lib = build_probe_mpi::probe().unwrap_or_else(|errors| {
-            panic!(
-                "the `mpi` feature needs an MPI installation (libopenmpi-dev or MPICH): {}",
-                errors
-                    .iter()
-                    .map(|e| e.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            )
-        });
-        let mut build = cc::Build::new();
-        for path in &lib.include_paths {
-            build.include(path);
-        }
-        build
-            .file("src/comm/in_place.c")
-            .compile("kiln_mpi_in_place");
-    }
 }
 
 /// `KILN_COMMIT`: the checkout's commit, `+` when tracked files differ from it; asked again
@@ -39,8 +17,12 @@ fn commit() {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     let commit = git(&["rev-parse", "--short=12", "HEAD"]);
-    // An edit to kiln's sources not yet staged changes no git file: the `+` follows it too.
+    // An edit to kiln's sources not yet staged changes no git file: the `+` follows it too
+    // (the engine's as well, in a checkout).
     println!("cargo:rerun-if-changed=src");
+    if std::path::Path::new("../engine/src").is_dir() {
+        println!("cargo:rerun-if-changed=../engine/src");
+    }
     if let Some(dir) = git(&["rev-parse", "--absolute-git-dir"]) {
         println!("cargo:rerun-if-changed={dir}/HEAD");
         println!("cargo:rerun-if-changed={dir}/index");

@@ -12,6 +12,7 @@ pub mod chat;
 mod digits;
 mod download;
 mod error;
+#[cfg(feature = "images")]
 pub mod folder;
 mod idx;
 mod images;

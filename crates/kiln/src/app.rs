@@ -25,11 +25,11 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::cli::{EvalArgs, Flags, FlightArgs, PlanArgs, PlotArgs};
-use crate::config::{LoaderConfig, Origin, RootConfig, one_line, read_source, refusal};
-use crate::error::{Error, Result};
-use crate::run::{RunInfo, RunOptions, RunResult, train_workload};
-use crate::strategy::Setup;
-use crate::trainer::Workload;
+use kiln_engine::config::{LoaderConfig, Origin, RootConfig, one_line, read_source, section};
+use kiln_engine::error::{Error, Result};
+use kiln_engine::run::{RunInfo, RunOptions, RunResult, train_workload};
+use kiln_engine::strategy::Setup;
+use kiln_engine::trainer::Workload;
 
 /// A program's whole config: its own `[model]` and `[data]`, and kiln's sections.
 #[derive(Debug, Clone, PartialEq)]
@@ -142,36 +142,6 @@ where
 /// A section as a TOML value (a type TOML cannot hold reads as an empty section).
 fn to_value<T: Serialize>(v: &T) -> toml::Value {
     toml::Value::try_from(v).unwrap_or_else(|_| toml::Value::Table(toml::Table::new()))
-}
-
-/// Section `name` of `origin` as a `T`, with kiln's one-line errors: the dotted key, and what
-/// was expected. Keys `T` does not know are errors even where `T` does not deny them.
-pub fn section<T: DeserializeOwned>(value: toml::Value, name: &str, origin: &Origin) -> Result<T> {
-    // Read as the one entry of a table, so that paths and messages name the section as they
-    // do for kiln's own.
-    let mut wrapped = toml::Table::new();
-    wrapped.insert(name.to_string(), value);
-    let wrapped = toml::Value::Table(wrapped);
-    let mut unknown = Vec::new();
-    let parsed: std::result::Result<std::collections::BTreeMap<String, T>, _> =
-        serde_path_to_error::deserialize(serde_ignored::Deserializer::new(
-            wrapped.clone(),
-            &mut |path: serde_ignored::Path<'_>| unknown.push(path.to_string()),
-        ));
-    let mut parsed = parsed.map_err(|e| {
-        let path = e.path().to_string();
-        let inner =
-            refusal::<std::collections::BTreeMap<String, T>>(&wrapped, &path, &one_line(e.inner()));
-        Error::config(format!("{}: key `{path}`: {inner}", origin.of(&path)))
-    })?;
-    if let Some(path) = unknown.first() {
-        let field = path.rsplit('.').next().unwrap_or(path);
-        return Err(Error::config(format!(
-            "{}: key `{path}`: unknown field `{field}`",
-            origin.of(path)
-        )));
-    }
-    Ok(parsed.remove(name).expect("the section was read"))
 }
 
 /// A subcommand of a program's own (`train sample`).
@@ -412,7 +382,7 @@ impl<'a> App<'a> {
         let config = UserConfig::from_source(table, &origin)?;
         check(&config).map_err(|e| origin.name(e))?;
         // The launcher's processes, each running the configured devices, are the world.
-        let processes = crate::comm::Processes::from_env().count;
+        let processes = kiln_engine::comm::Processes::from_env().count;
         let world = config.kiln.hardware.devices.indices().len() * processes;
         Setup::new(&config.kiln, world)
             .check()
@@ -429,7 +399,7 @@ impl<'a> App<'a> {
         W: Workload,
         W::Model: burn::store::ModuleSnapshot,
     {
-        crate::panics::quiet_worker_panics();
+        kiln_engine::panics::quiet_worker_panics();
         std::process::exit(self.run(std::env::args_os(), build))
     }
 
@@ -471,7 +441,7 @@ impl<'a> App<'a> {
         M: Serialize + DeserializeOwned,
         D: Serialize + DeserializeOwned,
     {
-        crate::panics::quiet_worker_panics();
+        kiln_engine::panics::quiet_worker_panics();
         std::process::exit(self.run_with(std::env::args_os(), check, train))
     }
 

@@ -5,9 +5,9 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use crate::config::{Accelerator, PrecisionMode, StrategyKind, apply_override};
-use crate::error::{Error, Result};
-use crate::run::{RunOptions, RunResult, resolve_resume};
+use kiln_engine::config::{Accelerator, PrecisionMode, StrategyKind, apply_override};
+use kiln_engine::error::{Error, Result};
+use kiln_engine::run::{RunOptions, RunResult, resolve_resume};
 
 /// The flags of a training command line, kiln's `train` and a program's own alike.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -113,7 +113,7 @@ impl EvalArgs {
             return Ok(flags);
         };
         let config = run.join("config.toml");
-        let (table, _) = crate::config::read_table(Some(&config), &[])?;
+        let (table, _) = kiln_engine::config::read_table(Some(&config), &[])?;
         let format = table
             .get("export")
             .and_then(|e| e.get("format"))
@@ -137,7 +137,7 @@ impl EvalArgs {
         // kept what it resolved (`model.toml`), which describes the exported weights.
         let kind = table.get("model").and_then(|m| m.get("kind"));
         if flags.config.is_none() && kind.and_then(|k| k.as_str()) == Some("hf") {
-            let (spec, _) = crate::config::read_table(Some(&run.join("model.toml")), &[])?;
+            let (spec, _) = kiln_engine::config::read_table(Some(&run.join("model.toml")), &[])?;
             let model = spec.get("model").and_then(|m| m.as_table());
             let resolved = model.and_then(|m| m.get("kind")).and_then(|k| k.as_str());
             if let (Some(model), Some(resolved)) = (model, resolved) {
@@ -196,7 +196,7 @@ impl Flags {
         &self,
         recipe: &str,
         recipe_name: &str,
-    ) -> Result<(toml::Table, crate::config::Origin, RunOptions)> {
+    ) -> Result<(toml::Table, kiln_engine::config::Origin, RunOptions)> {
         let mut options = RunOptions {
             verbose: true,
             explicit_dir: self.run_dir.is_some(),
@@ -213,15 +213,15 @@ impl Flags {
             options.resume_from = Some(checkpoint);
         }
         let (mut table, mut origin) = match &config_path {
-            Some(p) => crate::config::read_source(Some(p), &[])?,
+            Some(p) => kiln_engine::config::read_source(Some(p), &[])?,
             None => {
                 let table = toml::from_str(recipe).map_err(|e| {
                     Error::config(format!(
                         "{recipe_name}: invalid TOML: {}",
-                        crate::config::one_line(&e)
+                        kiln_engine::config::one_line(&e)
                     ))
                 })?;
-                (table, crate::config::Origin::file(recipe_name))
+                (table, kiln_engine::config::Origin::file(recipe_name))
             }
         };
         self.apply(&mut table, &mut origin, run_dir.as_deref())?;
@@ -234,7 +234,7 @@ impl Flags {
     fn apply(
         &self,
         table: &mut toml::Table,
-        origin: &mut crate::config::Origin,
+        origin: &mut kiln_engine::config::Origin,
         run_dir: Option<&std::path::Path>,
     ) -> Result<()> {
         let flag_of: [(&str, &str); 13] = [
@@ -378,7 +378,7 @@ fn parse_devices(raw: &str) -> Result<toml::Value> {
 /// `devices`: prints the hardware report; returns the exit code.
 pub(crate) fn print_devices() -> i32 {
     // A runtime that fails to start is reported in the list, its panic kept off the terminal.
-    let report = crate::run::devices_report();
+    let report = kiln_engine::run::devices_report();
     for line in report {
         println!("{line}");
     }
@@ -396,14 +396,14 @@ pub(crate) fn print_plot(args: &PlotArgs) -> i32 {
         }
         Err(e) => {
             eprintln!("error: {e}");
-            crate::error::exit::REFUSED
+            kiln_engine::error::exit::REFUSED
         }
     }
 }
 
 /// `flight`: prints where each rank was and which is behind; returns the exit code.
 pub(crate) fn print_flight(args: &FlightArgs) -> i32 {
-    match crate::flight::report(&args.run) {
+    match kiln_engine::flight::report(&args.run) {
         Ok(lines) => {
             for line in lines {
                 println!("{line}");
@@ -412,7 +412,7 @@ pub(crate) fn print_flight(args: &FlightArgs) -> i32 {
         }
         Err(e) => {
             eprintln!("error: {e}");
-            crate::error::exit::REFUSED
+            kiln_engine::error::exit::REFUSED
         }
     }
 }
@@ -421,39 +421,39 @@ pub(crate) fn print_flight(args: &FlightArgs) -> i32 {
 /// verify; returns the exit code (0 when one verifies, the one a resume would start from; 2
 /// when none does or there are none).
 pub(crate) fn print_checkpoints(run: &std::path::Path) -> i32 {
-    match crate::checkpoint::report(run) {
+    match kiln_engine::checkpoint::report(run) {
         Ok((lines, whole)) => {
             for line in lines {
                 println!("{line}");
             }
             if whole.is_some() {
-                crate::error::exit::DONE
+                kiln_engine::error::exit::DONE
             } else {
                 eprintln!("error: {}: no checkpoint is whole", run.display());
-                crate::error::exit::REFUSED
+                kiln_engine::error::exit::REFUSED
             }
         }
         Err(e) => {
             eprintln!("error: {e}");
-            crate::error::exit::REFUSED
+            kiln_engine::error::exit::REFUSED
         }
     }
 }
 
 /// Starts the processes (MPI under a launcher) and the signal handlers, runs `train` (which
 /// returns `None` when it only printed the config) and reports how the run ended; returns the
-/// exit code ([`crate::error::exit`]): 0 done, 2 refused, 3 stopped by a signal with a
+/// exit code ([`kiln_engine::error::exit`]): 0 done, 2 refused, 3 stopped by a signal with a
 /// checkpoint, 4 failed while running, 5 diverged.
 pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) -> i32 {
     // Under a launcher with several processes, MPI starts here (or the run is refused).
-    let _processes = match crate::comm::start(crate::comm::Processes::from_env()) {
+    let _processes = match kiln_engine::comm::start(kiln_engine::comm::Processes::from_env()) {
         Ok(guard) => guard,
         Err(e) => {
             eprintln!("error: {e}");
-            return crate::error::exit::REFUSED;
+            return kiln_engine::error::exit::REFUSED;
         }
     };
-    crate::signal::install();
+    kiln_engine::signal::install();
     let mut stopped = false;
     let launched = _processes.is_some();
     let outcome = train().map(|result| {
@@ -466,7 +466,7 @@ pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) ->
             // keep the process from leaving (they are dropped if the pipe is full).
             unblock_output();
         }
-        if crate::comm::processes().index != 0 {
+        if kiln_engine::comm::processes().index != 0 {
             return;
         }
         let s = &result.summary;
@@ -516,10 +516,10 @@ pub(crate) fn run_training(train: impl FnOnce() -> Result<Option<RunResult>>) ->
             let _ = std::io::stdout().flush();
             let _ = std::io::stderr().flush();
             // SAFETY: `_exit` ends the process at once, after the flushes above.
-            unsafe { libc::_exit(crate::signal::STOPPED_EXIT_CODE) }
+            unsafe { libc::_exit(kiln_engine::signal::STOPPED_EXIT_CODE) }
         }
-        Ok(()) if stopped => crate::signal::STOPPED_EXIT_CODE,
-        Ok(()) => crate::error::exit::DONE,
+        Ok(()) if stopped => kiln_engine::signal::STOPPED_EXIT_CODE,
+        Ok(()) => kiln_engine::error::exit::DONE,
         Err(e) => {
             eprintln!("error: {e}");
             e.exit_code()

@@ -1,10 +1,13 @@
-//! kiln: multi-device training for Burn models.
+//! kiln: multi-device training for Burn models, and the `train` program.
 //!
 //! A model written once against Burn's tensors trains on one device or many — CPU, WGPU or
 //! CUDA — on one machine or several: data parallelism, ZeRO-1/2/3, pipelines, DiLoCo, mixed
 //! precision, activation checkpointing, checkpoints that resume under any strategy, a planner
-//! and a launcher that restarts. kiln's own `train` program is built on this crate's public
-//! API, and so is a program of one's own:
+//! and a launcher that restarts. The engine is the `kiln-engine` crate, re-exported here whole;
+//! this crate adds the command line: [`App`] (`train`'s flags, subcommands and config files for
+//! a workload of one's own), kiln's own `train` program and its built-in recipes
+//! ([`builtin`]), the [`launcher`] that restarts a run, and the [`plot`]s. A program of one's
+//! own with `train`'s whole command line:
 //!
 //! ```no_run
 //! use std::ops::Range;
@@ -111,19 +114,10 @@
 //! }
 //! ```
 //!
-//! The layers, bottom up: [`params`] (a module's floats as flat buffers, the leaf everyone
-//! imports), [`comm`] (how ranks talk), [`exec`] (one micro-batch's forward and backward,
-//! whole or block by block), [`optim`] (the flat, shardable optimizer and the schedule),
-//! [`strategy`] (what a step does across ranks: `single`, `ddp`, `zero1`–`zero3`, pipelines,
-//! DiLoCo), [`trainer`] (the one loop every strategy shares, and its launcher), [`precision`]
-//! (the policy applied around any model), [`checkpoint`] and [`metrics`] (what rank 0
-//! writes), [`config`] and [`run`] (from a config and a workload to a finished run), [`plan`]
-//! (what fits and what is fastest), [`app`] (a program's command line). [`builtin`] is kiln's
-//! own `train` program on top of them: its image and text workloads. Models and datasets live
-//! in their own crates and know nothing of these.
-//!
-//! Without the command line: implement [`TrainStep`], [`BlockStack`] and a [`Workload`] as
-//! above and call [`train_workload`] with a [`RootConfig`].
+//! [`app`] is a program's command line on the engine, [`cli`] the flags and subcommands it
+//! parses, [`builtin`] kiln's own `train` program (its image and text workloads), [`launcher`]
+//! the restarts, [`plot`] the charts. A program that trains without a command line depends on
+//! `kiln-engine` alone (its `train_workload` with a `RootConfig`).
 #![deny(missing_docs)]
 
 /// `println!` that never panics: a reader that went away (`train | head`) costs the line, not
@@ -137,49 +131,15 @@ macro_rules! say {
 
 pub mod app;
 pub mod builtin;
-pub mod burn_data;
-pub mod checkpoint;
 pub mod cli;
-pub mod comm;
-pub mod config;
-pub mod cores;
-pub mod data;
-pub mod error;
-pub mod exec;
-pub mod files;
-pub mod flight;
-pub mod heap;
 pub mod launcher;
-pub mod metrics;
-pub mod monitor;
-pub mod optim;
-pub mod panics;
-pub mod params;
-pub mod plan;
 pub mod plot;
-pub mod precision;
-pub mod run;
-pub mod runlock;
-pub mod signal;
-pub mod sinks;
-pub mod state;
-pub mod strategy;
-pub mod trainer;
-pub mod weights;
+
+/// The engine: the trainer, strategies, collectives, checkpoints, planner and config.
+pub use kiln_engine::*;
 
 pub use app::{App, UserConfig};
 
 /// kiln's version and the commit it was built from: `0.1.0 (commit 1a2b3c4d5e6f)` (`+` after
 /// the commit when the checkout's files differed from it; `no commit` outside a checkout).
 pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("KILN_COMMIT"), ")");
-pub use burn_data::{BurnData, BurnWorkload};
-pub use config::RootConfig;
-pub use data::sample_rng;
-pub use error::{Error, Result};
-pub use heap::Allocator;
-// What a model of one's own implements, and how it is trained.
-pub use kiln_models::{
-    Activation, BlockStack, Combine, ParamGroup, SetMetric, StepOutput, TrainStep, param_ids,
-};
-pub use run::{RunInfo, RunOptions, RunResult, train_workload};
-pub use trainer::{Event, EventKind, Workload};

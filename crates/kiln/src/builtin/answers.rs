@@ -10,7 +10,7 @@ use kiln_datasets::chat::ChatTemplate;
 use super::instruct::{end_of_sequence, fields, read};
 use super::talk::{Picking, Talker};
 use super::vocab::Vocab;
-use crate::error::{Error, Result};
+use kiln_engine::error::{Error, Result};
 
 /// `train answer`: a run's greedy answers to a file's records, scored by exact match.
 #[derive(Debug, clap::Args)]
@@ -156,7 +156,7 @@ pub fn answer(args: AnswerArgs) -> Result<()> {
             let line = serde_json::to_string(a).expect("an answer serialises");
             writeln!(text, "{line}").expect("writes to memory");
         }
-        crate::files::write_atomic(out, &text)?;
+        kiln_engine::files::write_atomic(out, &text)?;
     }
     let share = |k: usize| format!("{k} of {n} ({:.1} %)", 100.0 * k as f64 / n.max(1) as f64);
     say!(

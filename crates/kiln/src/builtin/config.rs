@@ -7,8 +7,8 @@ use kiln_models::{ModelKind, ModelSection};
 use serde::{Deserialize, Serialize};
 
 use crate::app::UserConfig;
-use crate::config::name_of;
-use crate::error::{Error, Result};
+use kiln_engine::config::name_of;
+use kiln_engine::error::{Error, Result};
 
 /// The recipe `train` runs without `--config` (`recipes/digits-convnet.toml`, which
 /// `configs/digits-convnet.toml` links to), built in so that `train` trains with no files and
@@ -304,7 +304,8 @@ pub fn check(config: &Config) -> Result<()> {
             name_of(&config.model.kind)
         )));
     }
-    if config.kiln.export.format == crate::config::ExportFormat::Hf && !config.model.has_hf_layout()
+    if config.kiln.export.format == kiln_engine::config::ExportFormat::Hf
+        && !config.model.has_hf_layout()
     {
         return Err(Error::config(format!(
             "key `export.format`: \"hf\" writes a family with a Hugging Face layout; \
@@ -325,7 +326,7 @@ pub fn check(config: &Config) -> Result<()> {
 /// Reads a config file of the built-in workloads (none: every default), applies `--set`
 /// overrides and checks the result as `train` does.
 pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
-    let (table, origin) = crate::config::read_source(path, overrides)?;
+    let (table, origin) = kiln_engine::config::read_source(path, overrides)?;
     let config = Config::from_source(table, &origin)?;
     check(&config).map_err(|e| origin.name(e))?;
     Ok(config)

@@ -13,10 +13,10 @@ use kiln_models::{Classifier, ImageBatch, InputSpec, ModelSpec};
 
 use super::config::{Config, DataConfig};
 use super::launch::launch;
-use crate::data::sample_rng;
-use crate::error::{Error, Result};
-use crate::run::{RunOptions, RunResult};
-use crate::trainer::Workload;
+use kiln_engine::data::sample_rng;
+use kiln_engine::error::{Error, Result};
+use kiln_engine::run::{RunOptions, RunResult};
+use kiln_engine::trainer::Workload;
 
 /// An image classifier trained on an [`ImageFolder`].
 pub struct FolderWorkload {

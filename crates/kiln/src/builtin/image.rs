@@ -8,10 +8,10 @@ use kiln_models::{Classifier, ImageBatch, ModelSpec};
 
 use super::config::{Config, DataConfig, DatasetKind};
 use super::launch::launch;
-use crate::data::{ImageBatcher, input_spec};
-use crate::error::{Error, Result};
-use crate::run::{RunOptions, RunResult};
-use crate::trainer::Workload;
+use kiln_engine::data::{ImageBatcher, input_spec};
+use kiln_engine::error::{Error, Result};
+use kiln_engine::run::{RunOptions, RunResult};
+use kiln_engine::trainer::Workload;
 
 /// Image classification: a [`Classifier`] trained on an [`ImageSplits`].
 pub struct ImageWorkload {
@@ -88,7 +88,7 @@ pub fn load_data(config: &DataConfig) -> Result<ImageSplits> {
         | DatasetKind::Chat => {
             return Err(Error::config(format!(
                 "key `data.dataset`: {:?} is not a dataset held in memory",
-                crate::config::name_of(&config.dataset)
+                kiln_engine::config::name_of(&config.dataset)
             )));
         }
         DatasetKind::Mnist => IdxKind::Mnist,
@@ -96,12 +96,12 @@ pub fn load_data(config: &DataConfig) -> Result<ImageSplits> {
     };
     let dir = config.resolved_dir();
     // One process per machine downloads; the others wait for it.
-    if config.download && crate::comm::processes().local_index == 0 && !dir.is_dir() {
+    if config.download && kiln_engine::comm::processes().local_index == 0 && !dir.is_dir() {
         say!("downloading {} into {}", kind.name(), dir.display());
         kiln_datasets::download_mnist(&dir, kind)?;
     }
     if config.download {
-        crate::comm::process_barrier();
+        kiln_engine::comm::process_barrier();
     }
     Ok(kind.load(&dir)?)
 }

@@ -14,8 +14,8 @@ use super::launch::launch;
 use super::sequences::{InstructWorkload, Sequence, pack};
 use super::text::{WithFamily, hf_config, with_family, write_hf_config};
 use super::vocab::TOKENIZER_FILE;
-use crate::error::{Error, Result};
-use crate::run::{RunOptions, RunResult};
+use kiln_engine::error::{Error, Result};
+use kiln_engine::run::{RunOptions, RunResult};
 
 /// Seed of the order examples are packed in (`data.pack`).
 const PACK_SEED: u64 = 0x9ac6_5eed;
@@ -30,7 +30,7 @@ pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
     let path = d.path.clone().ok_or_else(|| {
         Error::config(format!(
             "key `data.path`: the {:?} dataset reads a JSONL file of records; set data.path",
-            crate::config::name_of(&d.dataset)
+            kiln_engine::config::name_of(&d.dataset)
         ))
     })?;
     let source = tokenizer_dir(config)?;
@@ -341,7 +341,7 @@ impl WithFamily for Examples<'_> {
                     train.len(),
                     val.len(),
                     aside.said.len(),
-                    crate::config::name_of(&self.config.data.train_on),
+                    kiln_engine::config::name_of(&self.config.data.train_on),
                     self.template.origin,
                     self.tokenizer.vocab_size(),
                 ),
@@ -407,7 +407,7 @@ fn save_tokenizer(
         let from = source.join(name);
         if from.is_file() {
             let bytes = std::fs::read(&from).map_err(|e| Error::io(&from, e))?;
-            crate::files::write_atomic(&dir.join(name), &bytes)?;
+            kiln_engine::files::write_atomic(&dir.join(name), &bytes)?;
             copied |= name == kiln_datasets::chat::template::TOKENIZER_CONFIG;
         }
     }
@@ -420,7 +420,7 @@ fn save_tokenizer(
         }
         let path = dir.join(kiln_datasets::chat::template::TOKENIZER_CONFIG);
         let text = serde_json::to_string_pretty(&settings).expect("settings serialise");
-        crate::files::write_atomic(&path, text.as_bytes())?;
+        kiln_engine::files::write_atomic(&path, text.as_bytes())?;
     }
     Ok(())
 }

@@ -6,11 +6,11 @@ use kiln_models::ModelSpec;
 use kiln_models::load::SPEC_FILE;
 
 use super::config::Config;
-use crate::config::name_of;
-use crate::error::Result;
-use crate::files::write_atomic;
-use crate::run::{RunInfo, RunOptions, RunResult, train_workload};
-use crate::trainer::Workload;
+use kiln_engine::config::name_of;
+use kiln_engine::error::Result;
+use kiln_engine::files::write_atomic;
+use kiln_engine::run::{RunInfo, RunOptions, RunResult, train_workload};
+use kiln_engine::trainer::Workload;
 
 /// A built-in workload's run: its model spec (`model.toml`) beside the workload's own files.
 pub(super) fn launch<W>(

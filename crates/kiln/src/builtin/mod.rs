@@ -2,7 +2,7 @@
 //! language model on a text ([`text`]: kiln's GPT, Llama, GPT-2, a Hugging Face checkpoint) —
 //! with their `[model]` and `[data]` sections, built on
 //! [`App`](crate::App) exactly as a program of one's own is. The engine below knows none of
-//! this: it trains whatever [`Workload`](crate::trainer::Workload) it is handed.
+//! this: it trains whatever [`Workload`](kiln_engine::trainer::Workload) it is handed.
 //!
 //! `[model]` is `kiln_models::ModelSection` (`kind` = `convnet`, `mlp`, `gpt`, `llama`, `gpt2`
 //! or `hf`); `[data]` is
@@ -35,8 +35,8 @@ pub use config::{
 
 use kiln_models::ModelKind;
 
-use crate::error::Result;
-use crate::run::{RunOptions, RunResult};
+use kiln_engine::error::Result;
+use kiln_engine::run::{RunOptions, RunResult};
 
 /// Trains the workload `config` describes: an image classifier or a GPT on text.
 pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {

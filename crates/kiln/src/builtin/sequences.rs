@@ -10,7 +10,7 @@ use burn::prelude::*;
 use kiln_datasets::chat::Encoded;
 use kiln_models::{CausalLm, IGNORE, TokenBatch};
 
-use crate::trainer::Workload;
+use kiln_engine::trainer::Workload;
 
 /// One row of training: token ids, the next-token targets ([`IGNORE`] where nothing trains),
 /// and, for a row of packed examples, where each position's example begins.

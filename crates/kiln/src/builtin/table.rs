@@ -13,9 +13,9 @@ use kiln_models::{Classifier, ImageBatch, InputSpec, ModelKind, ModelSpec};
 
 use super::config::{Config, DataConfig};
 use super::launch::launch;
-use crate::error::{Error, Result};
-use crate::run::{RunOptions, RunResult};
-use crate::trainer::Workload;
+use kiln_engine::error::{Error, Result};
+use kiln_engine::run::{RunOptions, RunResult};
+use kiln_engine::trainer::Workload;
 
 /// The seed of the train/evaluation split of one table: fixed, so that every run of a table
 /// (any `run.seed`) scores the same rows.

@@ -10,7 +10,7 @@ use kiln_datasets::chat::{ChatTemplate, Message};
 use kiln_models::{LanguageModel, Sampling};
 
 use super::vocab::{TOKENIZER_FILE, Vocab};
-use crate::error::{Error, Result};
+use kiln_engine::error::{Error, Result};
 
 /// How the next token is picked: what `train sample` and `train chat` share.
 #[derive(Debug, Clone, clap::Args)]

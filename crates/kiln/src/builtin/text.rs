@@ -15,19 +15,19 @@ use super::config::Config;
 use super::launch::launch;
 pub use super::vocab::{TOKENIZER_FILE, Tokens, Vocab, token_file};
 use super::vocab::{TextParts, read_text};
-use crate::error::{Error, Result};
-use crate::run::{RunOptions, RunResult};
-use crate::trainer::Workload;
+use kiln_engine::error::{Error, Result};
+use kiln_engine::run::{RunOptions, RunResult};
+use kiln_engine::trainer::Workload;
 
 /// Trains the language model `config` describes on its text.
 pub fn train(config: &Config, options: &RunOptions) -> Result<RunResult> {
     let path = config.data.resolved_path();
-    if config.data.download && crate::comm::processes().local_index == 0 && !path.exists() {
+    if config.data.download && kiln_engine::comm::processes().local_index == 0 && !path.exists() {
         say!("downloading Tiny Shakespeare into {}", path.display());
         kiln_datasets::text::download_text(kiln_datasets::text::TINY_SHAKESPEARE_URL, &path)?;
     }
     if config.data.download {
-        crate::comm::process_barrier();
+        kiln_engine::comm::process_barrier();
     }
     if !path.is_file() {
         return Err(Error::data(format!(
@@ -79,7 +79,7 @@ pub(super) fn with_family(
         return config.model.visit(resolve).unwrap_or_else(|| {
             Err(Error::config(format!(
                 "key `model.kind`: {:?} does not train on text",
-                crate::config::name_of(&config.model.kind)
+                kiln_engine::config::name_of(&config.model.kind)
             )))
         });
     }
@@ -275,10 +275,10 @@ where
 /// The run's Hugging Face directory made, with its `config.json` (`json`) now — the tokenizer
 /// follows, the weights at the end. Returns the directory.
 pub(super) fn write_hf_config(run_dir: &Path, json: &serde_json::Value) -> Result<PathBuf> {
-    let hf_dir = run_dir.join(crate::weights::HF_DIR);
+    let hf_dir = run_dir.join(kiln_engine::weights::HF_DIR);
     std::fs::create_dir_all(&hf_dir).map_err(|e| Error::io(&hf_dir, e))?;
     let text = serde_json::to_string_pretty(json).expect("a config serialises");
-    crate::files::write_atomic(&hf_dir.join("config.json"), text.as_bytes())?;
+    kiln_engine::files::write_atomic(&hf_dir.join("config.json"), text.as_bytes())?;
     Ok(hf_dir)
 }
 
@@ -289,7 +289,7 @@ pub(super) fn hf_config<M: Registered>(
     config: &Config,
     model_config: &M::Config,
 ) -> Result<Option<serde_json::Value>> {
-    if config.kiln.export.format != crate::config::ExportFormat::Hf {
+    if config.kiln.export.format != kiln_engine::config::ExportFormat::Hf {
         return Ok(None);
     }
     let written = M::hf_json(model_config).ok_or_else(|| {

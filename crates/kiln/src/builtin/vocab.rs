@@ -10,7 +10,7 @@ use kiln_datasets::text::{CharTokenizer, TextData};
 use kiln_datasets::tokens::TokenFile;
 
 use super::config::Config;
-use crate::error::{Error, Result};
+use kiln_engine::error::{Error, Result};
 
 /// File of the tokenizer inside a text run's directory.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -152,7 +152,7 @@ pub(super) fn read_text(config: &Config, path: &Path) -> Result<TextParts> {
         let trained = CharTokenizer::load(&file).map_err(|e| {
             Error::config(format!(
                 "key `data.tokenizer`: {}",
-                crate::config::one_line(&e)
+                kiln_engine::config::one_line(&e)
             ))
         })?;
         let (data, left_out) = TextData::from_file_with(path, d.train_fraction, trained)?;
@@ -166,12 +166,12 @@ pub(super) fn read_text(config: &Config, path: &Path) -> Result<TextParts> {
     } else if d.on_disk {
         let cache = token_file(path);
         // One process per machine writes the token file; the others wait for it.
-        let file = if crate::comm::processes().local_index == 0 {
+        let file = if kiln_engine::comm::processes().local_index == 0 {
             let file = TokenFile::prepare(path, &cache);
-            crate::comm::process_barrier();
+            kiln_engine::comm::process_barrier();
             file?
         } else {
-            crate::comm::process_barrier();
+            kiln_engine::comm::process_barrier();
             TokenFile::prepare(path, &cache)?
         };
         let tokenizer = file.tokenizer().clone();

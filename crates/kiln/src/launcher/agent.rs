@@ -13,10 +13,10 @@ use super::hosts::{answering, configured};
 use super::readmit::{Readmission, leave_out_flapping, missing, with_back};
 use super::record::{count_restarts, record, set_aside};
 use super::split::{Split, keep_samples};
-use crate::checkpoint;
-use crate::error::{Error, Result, exit};
-use crate::runlock::{HELD_VAR, RunLock};
-use crate::trainer::{ATTEMPT_VAR, FAULT_ATTEMPTS_VAR, FAULT_VAR};
+use kiln_engine::checkpoint;
+use kiln_engine::error::{Error, Result, exit};
+use kiln_engine::runlock::{HELD_VAR, RunLock};
+use kiln_engine::trainer::{ATTEMPT_VAR, FAULT_ATTEMPTS_VAR, FAULT_VAR};
 
 /// The agent used to check hosts when none is given (and `mpirun`'s own default).
 const SSH: &str = "ssh -o BatchMode=yes -o ConnectTimeout=5";
@@ -110,7 +110,7 @@ impl<'a> Agent<'a> {
     }
 
     fn run(self) -> i32 {
-        crate::signal::install();
+        kiln_engine::signal::install();
         let _lock = match self.hold() {
             Ok(lock) => lock,
             Err(e) => {
@@ -330,13 +330,13 @@ impl<'a> Agent<'a> {
     }
 
     /// The run's kiln settings, from its `config.toml`.
-    fn run_config(&self) -> Result<crate::config::RootConfig> {
+    fn run_config(&self) -> Result<kiln_engine::config::RootConfig> {
         let path = self.run_dir().join("config.toml");
-        crate::config::RootConfig::load(Some(&path), &[]).or_else(|_| {
+        kiln_engine::config::RootConfig::load(Some(&path), &[]).or_else(|_| {
             // A program's own sections are not kiln's: read kiln's from the table alone.
-            let (mut table, origin) = crate::config::read_table(Some(&path), &[])?;
+            let (mut table, origin) = kiln_engine::config::read_table(Some(&path), &[])?;
             table.retain(|k, _| k != "model" && k != "data");
-            crate::config::RootConfig::from_table(table, &origin)
+            kiln_engine::config::RootConfig::from_table(table, &origin)
         })
     }
 
@@ -355,7 +355,7 @@ impl<'a> Agent<'a> {
     /// The run's devices per process and its batch and accumulation, from its `config.toml`.
     fn run_settings(&self) -> Result<(usize, Split)> {
         let config = self.run_config()?;
-        if let Some(why) = crate::strategy::rules(config.strategy.name).fixed_devices() {
+        if let Some(why) = kiln_engine::strategy::rules(config.strategy.name).fixed_devices() {
             return Err(Error::config(why.to_string()));
         }
         Ok((
@@ -445,7 +445,7 @@ impl<'a> Agent<'a> {
             if let Some(status) = child.try_wait().map_err(|e| Error::Worker(e.to_string()))? {
                 break status;
             }
-            if !signalled && crate::signal::requested().is_some() {
+            if !signalled && kiln_engine::signal::requested().is_some() {
                 // Stop the run as a scheduler would: it checkpoints and exits 3.
                 send(&child, libc::SIGTERM);
                 signalled = true;
@@ -518,7 +518,7 @@ impl<'a> Agent<'a> {
     /// there), so that the next failure's are its own.
     fn diagnosis(&self, ended: &Ended, attempt: usize) -> String {
         let error = ended.error.clone().unwrap_or_else(|| match ended.code {
-            c if c > 128 => format!("ended by {}", crate::signal::name(c - 128)),
+            c if c > 128 => format!("ended by {}", kiln_engine::signal::name(c - 128)),
             c => format!("exit code {c} without an error line"),
         });
         let flight = self.run_dir().join("flight");
@@ -536,7 +536,7 @@ impl<'a> Agent<'a> {
         } else {
             self.run_dir().to_path_buf()
         };
-        match crate::flight::report(&at) {
+        match kiln_engine::flight::report(&at) {
             Ok(lines) => {
                 // A host that stopped answering is the cause; the records say who was behind.
                 let reason = match &ended.error {
@@ -559,12 +559,12 @@ impl<'a> Agent<'a> {
     fn sleep_unless_signalled(&self, seconds: f64) -> bool {
         let until = Instant::now() + Duration::from_secs_f64(seconds.max(0.0));
         while Instant::now() < until {
-            if crate::signal::requested().is_some() {
+            if kiln_engine::signal::requested().is_some() {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        crate::signal::requested().is_some()
+        kiln_engine::signal::requested().is_some()
     }
 }
 

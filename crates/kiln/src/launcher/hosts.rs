@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use kiln_engine::error::{Error, Result};
 
 /// How long a host has to answer `AGENT HOST true`.
 const ANSWER_WITHIN: Duration = Duration::from_secs(5);

@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 
 use super::args::RESTARTS_FILE;
-use crate::error::{Error, Result};
-use crate::files::write_atomic;
-use crate::runlock::LOCK_FILE;
+use kiln_engine::error::{Error, Result};
+use kiln_engine::files::write_atomic;
+use kiln_engine::runlock::LOCK_FILE;
 
 /// Moves what failed attempt `attempt` (0 the first) wrote into the run directory — its
 /// config, logs, metrics, unfinished checkpoints — to `restarts/attempt-N/run/`, so that

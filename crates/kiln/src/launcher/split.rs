@@ -1,7 +1,7 @@
 //! The same samples per step on the devices left: the per-device batch and the accumulation
 //! of a restart.
 
-use crate::error::{Error, Result};
+use kiln_engine::error::{Error, Result};
 
 /// How a step's samples are split: per device, and in micro-batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
-use crate::metrics::SYSTEM_SPLIT;
+use kiln_engine::metrics::SYSTEM_SPLIT;
 
 /// What `plot_run` did for one chart.
 #[derive(Debug, Clone, PartialEq)]

@@ -6,7 +6,7 @@ use std::sync::Once;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::error::{Error, Result};
+use kiln_engine::error::{Error, Result};
 
 use super::charts::Chart;
 use crate::plot::charts::Series;

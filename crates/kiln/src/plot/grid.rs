@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use crate::error::{Error, Result};
+use kiln_engine::error::{Error, Result};
 
 /// Writes greyscale images as one PNG grid, atomically: `pixels` holds `count` images of
 /// `height × width` values in `[0, 1]` (clamped), one after another, drawn `columns` to a row
@@ -57,5 +57,5 @@ pub fn save_image_grid(
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     }
-    crate::files::write_atomic(path, &bytes)
+    kiln_engine::files::write_atomic(path, &bytes)
 }

@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use crate::error::{Error, Result};
-use crate::metrics::read_metrics;
+use kiln_engine::error::{Error, Result};
+use kiln_engine::metrics::read_metrics;
 
 use super::charts::{
     Outcome, loss_chart, memory_chart, metrics_chart, throughput_chart, utilization_chart,

@@ -6,7 +6,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde_json::Value;
 
-use crate::error::{Error, Result};
+use kiln_engine::error::{Error, Result};
 
 use super::draw::COLORS;
 use crate::plot::draw::FONT;

@@ -1,0 +1,509 @@
+//! `RankKit`, what every strategy's rank holds: its collective, device, layout and
+//! optimizer, the reductions of flat gradients (all-reduce in buckets, the reduce-scatter of
+//! one unit), the step that follows them (unscale, overflow check, clipping, update), and the
+//! canonical optimizer state in and out of the rank's shard. (Its name is not `cores.rs`'s:
+//! those are a CPU's.)
+
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+
+use super::context::Context;
+use super::host::{reduce_host, scatter_host};
+use super::memory::Memory;
+use crate::comm::{Collective, ReduceOp};
+use crate::config::ReduceDtype;
+use crate::error::{Error, Result};
+use crate::exec::{Pass, Recompute};
+use crate::optim::{FlatOptimizer, OptimState};
+use crate::params::{FlatLayout, collect_floats, has_buffers, replace_floats, sync_running_state};
+use crate::precision::{LossScaler, Policy};
+
+/// The group a rank's kit reduces in: the one its strategy was built with, or one the
+/// strategy split off and owns (a DiLoCo island).
+#[derive(Clone)]
+pub(crate) enum Group<'a> {
+    Borrowed(&'a dyn Collective),
+    Owned(std::sync::Arc<dyn Collective>),
+}
+
+impl<'a> std::ops::Deref for Group<'a> {
+    type Target = dyn Collective + 'a;
+
+    fn deref(&self) -> &Self::Target {
+        match self {
+            Group::Borrowed(c) => *c,
+            Group::Owned(c) => &**c,
+        }
+    }
+}
+
+/// A rank's shared equipment; see the module documentation.
+pub(crate) struct RankKit<'a> {
+    pub comm: Group<'a>,
+    /// The rank's device with autodiff.
+    pub device: Device,
+    /// The same device without autodiff, where flat buffers and optimizer state live.
+    pub inner: Device,
+    pub layout: FlatLayout,
+    pub optimizer: FlatOptimizer,
+    /// The precision policy: the master and compute dtypes, the compute copy.
+    pub policy: Policy,
+    /// The dtype of the parameters the optimizer steps (the policy's master dtype).
+    pub master: FloatDType,
+    pub recompute: Recompute,
+    pub sync_batchnorm: bool,
+    pub bucket_elements: usize,
+    /// Reduce gradients beside the backward where the strategy can (`dist.overlap`).
+    pub overlap: bool,
+    pub memory: Memory,
+    /// Whether the last optimizer step was refused for a non-finite gradient (no scaler).
+    pub nonfinite: bool,
+    sync_seconds: f64,
+}
+
+impl<'a> RankKit<'a> {
+    /// The equipment for a rank of `ctx.comm` that steps its shard of `layout` (a layout of
+    /// one shard: the whole of it).
+    pub fn new(ctx: Context<'a>, layout: FlatLayout) -> Self {
+        let comm = Group::Borrowed(ctx.comm);
+        Self::in_group(ctx, comm, layout)
+    }
+
+    /// [`RankKit::new`] for a rank of `comm` rather than of `ctx.comm`.
+    pub fn in_group(ctx: Context<'a>, comm: Group<'a>, layout: FlatLayout) -> Self {
+        let shards = layout.shards;
+        let master = ctx.policy.master;
+        let rank = if shards > 1 { comm.rank() } else { 0 };
+        let inner = ctx.device.clone().without_autodiff();
+        let optimizer =
+            FlatOptimizer::new(&ctx.optim, &layout.shard_decay_mask(rank), master, &inner);
+        Self {
+            comm,
+            device: ctx.device,
+            inner,
+            layout,
+            optimizer,
+            master,
+            policy: ctx.policy,
+            recompute: ctx.recompute,
+            sync_batchnorm: ctx.sync_batchnorm,
+            bucket_elements: ctx.bucket_elements.max(1),
+            overlap: ctx.overlap,
+            memory: Memory::default(),
+            nonfinite: false,
+            sync_seconds: 0.0,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// How a micro-batch runs, with `recompute` as the strategy decides.
+    pub fn pass(&self, recompute: Recompute) -> Pass<'_> {
+        Pass {
+            recompute,
+            sync_bn: (self.sync_batchnorm && self.world() > 1).then_some(&*self.comm),
+            device: &self.device,
+            group: None,
+        }
+    }
+
+    /// Runs `f` (a collective) and counts its time as synchronisation.
+    pub fn timed<T>(&mut self, f: impl FnOnce(&dyn Collective) -> Result<T>) -> Result<T> {
+        let started = Instant::now();
+        let comm = self.comm.clone();
+        let out = f(&*comm);
+        self.sync_seconds += started.elapsed().as_secs_f64();
+        out
+    }
+
+    /// Counts `seconds` of waiting for a collective that ran elsewhere (a communication
+    /// thread) as synchronisation.
+    pub fn add_sync_seconds(&mut self, seconds: f64) {
+        self.sync_seconds += seconds;
+    }
+
+    pub fn take_sync_seconds(&mut self) -> f64 {
+        std::mem::take(&mut self.sync_seconds)
+    }
+
+    /// Records the device pool's bytes in use, where the backend has a pool.
+    pub fn sample_pool(&mut self) {
+        if let Some(p) = self.device.memory_pool_usage() {
+            let used = p.bytes_in_use;
+            self.memory.pool_peak = Some(self.memory.pool_peak.map_or(used, |m| m.max(used)));
+        }
+        self.memory.note();
+    }
+
+    /// The host values of a flat tensor as they travel in a reduction: f32, or rounded to
+    /// bf16 (read back at half the bytes) and widened again.
+    pub fn travelling(&self, flat: Tensor<1>) -> Result<Vec<f32>> {
+        let readback = |e| Error::Worker(format!("gradient readback: {e:?}"));
+        Ok(match self.policy.reduce_dtype() {
+            ReduceDtype::F32 => flat
+                .cast(FloatDType::F32)
+                .into_data()
+                .try_into_vec::<f32>()
+                .map_err(readback)?,
+            ReduceDtype::Bf16 => flat
+                .cast(FloatDType::BF16)
+                .into_data()
+                .try_into_vec::<burn::tensor::bf16>()
+                .map_err(readback)?
+                .into_iter()
+                .map(|x| x.to_f32())
+                .collect(),
+        })
+    }
+
+    /// The mean over ranks of the flat gradients `units` (each a unit's padded flat space),
+    /// one bucket at a time; returns them concatenated on the host.
+    pub fn all_reduce_units(&mut self, units: Vec<Tensor<1>>) -> Result<Vec<f32>> {
+        let comm = self.comm.clone();
+        self.reduce_in(&*comm, units, ReduceOp::Mean)
+    }
+
+    /// [`Self::all_reduce_units`] over `group`, with `op`.
+    pub fn reduce_in(
+        &mut self,
+        group: &dyn Collective,
+        units: Vec<Tensor<1>>,
+        op: ReduceOp,
+    ) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        let (dtype, bucket) = (self.policy.reduce_dtype(), self.bucket_elements);
+        for t in units {
+            let host = self.travelling(t)?;
+            out.extend(self.timed(|_| reduce_host(group, host, op, dtype, bucket))?);
+        }
+        Ok(out)
+    }
+
+    /// Unit `u`'s gradients in `grads`, reduce-scattered (mean over ranks): this rank's piece
+    /// is added into `shard` at the unit's place. The unit's whole gradient exists only here.
+    pub fn scatter_unit<M: Module>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+        u: usize,
+        shard: &mut [f32],
+    ) -> Result<()> {
+        let host = self.unit_travelling(model, grads, u)?;
+        let dtype = self.policy.reduce_dtype();
+        let piece = self.timed(|c| scatter_host(c, &host, dtype))?;
+        drop(host);
+        self.add_piece(u, piece, shard);
+        Ok(())
+    }
+
+    /// Unit `u`'s whole gradients in `grads` on the host, as they travel to a reduce-scatter,
+    /// counted as held until [`Self::add_piece`] lands the rank's piece.
+    pub fn unit_travelling<M: Module>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+        u: usize,
+    ) -> Result<Vec<f32>> {
+        self.memory.grads.add(self.unit_grad_bytes(u));
+        self.memory.note();
+        let flat = self
+            .layout
+            .unit_grads(model, grads, u, FloatDType::F32, &self.device);
+        self.travelling(flat)
+    }
+
+    /// Adds `piece`, this rank's piece of unit `u`'s averaged gradients, into `shard` at the
+    /// unit's place; the unit's whole gradients are no longer held.
+    pub fn add_piece(&mut self, u: usize, piece: Vec<f32>, shard: &mut [f32]) {
+        let unit = &self.layout.units[u];
+        for (d, v) in shard[unit.shard_offset..unit.shard_offset + unit.piece]
+            .iter_mut()
+            .zip(piece)
+        {
+            *d += v;
+        }
+        self.memory.grads.sub(self.unit_grad_bytes(u));
+    }
+
+    /// The bytes of unit `u`'s whole (padded) f32 gradients.
+    fn unit_grad_bytes(&self, u: usize) -> usize {
+        self.layout.units[u].padded(self.layout.shards) * 4
+    }
+
+    /// The rank's piece of unit `u` of `model`'s parameters, in the master dtype.
+    pub fn unit_piece<M: Module>(&self, model: &M, u: usize) -> Tensor<1> {
+        let rank = if self.layout.shards > 1 {
+            self.rank()
+        } else {
+            0
+        };
+        self.layout
+            .unit_values(model, u, self.master, &self.inner)
+            .slice(self.layout.piece_range(u, rank))
+    }
+
+    /// This rank's shard of `model`'s parameters, in the master dtype.
+    pub fn shard_of<M: Module>(&self, model: &M) -> Tensor<1> {
+        let pieces: Vec<Tensor<1>> = (0..self.layout.units.len())
+            .map(|u| self.unit_piece(model, u))
+            .collect();
+        cat_or_empty(pieces, self.master, &self.inner)
+    }
+
+    /// After the gradients are reduced: unscales them and checks them for overflow (with a
+    /// scaler, on every rank alike), clips them to the global norm `clip` (taken as `norm`
+    /// says) and steps the optimizer. `grads` is the shard's f32 gradient, `params` its
+    /// parameters. Returns the new parameters, or `None` when the step is skipped.
+    pub fn finish(
+        &mut self,
+        grads: Tensor<1>,
+        params: Tensor<1>,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+        clip: Option<f64>,
+        norm: Norm<'_>,
+    ) -> Result<Option<Tensor<1>>> {
+        let mut grads = grads;
+        let unscale = scaler.as_ref().map(|sc| (1.0 / sc.scale) as f32);
+        if let Some(u) = unscale {
+            grads = grads.mul_scalar(u);
+        }
+        // Every rank holds a shard of the same averaged gradient (or all of it): one flag,
+        // summed over ranks, decides for every rank alike. A loss scaler takes an overflow as
+        // the sign to lower its scale; without one, a non-finite gradient is the run's problem
+        // (the loop stops, or skips as `train.skip_nonfinite` allows).
+        let total: f32 = grads.clone().abs().sum().into_scalar();
+        let mut flag = vec![f32::from(u8::from(!total.is_finite()))];
+        self.timed(|c| c.all_reduce(&mut flag, ReduceOp::Sum))?;
+        let finite = flag[0] == 0.0;
+        self.nonfinite = !finite && scaler.is_none();
+        if let Some(sc) = scaler {
+            if !sc.update(finite) {
+                return Ok(None);
+            }
+        } else if !finite {
+            return Ok(None);
+        }
+        if let Some(max) = clip {
+            // On the device: the factor is a tensor, never read back.
+            let factor = |whole: Tensor<1>| {
+                let total = whole.square().sum();
+                (total.sqrt().add_scalar(1e-6).recip() * max).clamp_max(1.0)
+            };
+            grads = match norm {
+                Norm::Local => {
+                    let f = factor(grads.clone());
+                    grads * f
+                }
+                Norm::Whole(whole) => {
+                    let whole = *whole;
+                    let whole = match unscale {
+                        Some(u) => whole.mul_scalar(u),
+                        None => whole,
+                    };
+                    grads * factor(whole)
+                }
+                Norm::Shards => {
+                    let mut squares = vec![grads.clone().square().sum().into_scalar::<f32>()];
+                    self.timed(|c| c.all_reduce(&mut squares, ReduceOp::Sum))?;
+                    let factor = (max as f32 / (squares[0].sqrt() + 1e-6)).min(1.0);
+                    grads.mul_scalar(factor)
+                }
+                Norm::Squares(total) => {
+                    let started = Instant::now();
+                    let squares = total(&grads)?;
+                    self.sync_seconds += started.elapsed().as_secs_f64();
+                    let factor = (max as f32 / (squares.sqrt() + 1e-6)).min(1.0);
+                    grads.mul_scalar(factor)
+                }
+            };
+        }
+        let out = self.optimizer.step(lr, params, grads);
+        self.memory.optim.set(self.optimizer.state_bytes());
+        self.memory.note();
+        Ok(Some(out))
+    }
+
+    /// The canonical vector of a quantity of which every rank holds its shard (`mine`).
+    pub fn gather_canonical(&mut self, mine: &[f32]) -> Result<Vec<f32>> {
+        if self.layout.shards == 1 {
+            return Ok(self.layout.assemble(&[mine.to_vec()]));
+        }
+        let all = self.timed(|c| c.all_gather(mine))?;
+        let n = self.layout.shard_len;
+        let shards: Vec<Vec<f32>> = all.chunks(n).map(<[f32]>::to_vec).collect();
+        Ok(self.layout.assemble(&shards))
+    }
+
+    /// `values` as a flat tensor on the rank's inner device (where the optimizer steps).
+    pub fn on_inner(&self, values: Vec<f32>) -> Tensor<1> {
+        let n = values.len();
+        Tensor::<1>::from_data(TensorData::new(values, [n]), &self.inner)
+    }
+
+    /// `model` with every unit's parameters from the canonical vector `values` (on the host).
+    pub fn load_canonical<M: Module>(&self, model: M, values: Vec<f32>) -> M {
+        let flat = self.on_inner(values);
+        self.load_flat(model, flat)
+    }
+
+    /// `model` with every unit's parameters from `flat`, a canonical vector on the device.
+    pub fn load_flat<M: Module>(&self, mut model: M, flat: Tensor<1>) -> M {
+        let mut base = 0;
+        for (u, unit) in self.layout.units.iter().enumerate() {
+            let part = flat.clone().slice(base..base + unit.len);
+            model = self
+                .layout
+                .load_unit(model, u, part, self.master, &self.device);
+            base += unit.len;
+        }
+        model
+    }
+
+    /// The canonical optimizer state (on rank 0); every rank takes part in the gathers.
+    pub fn optimizer_state(&mut self) -> Result<Option<OptimState>> {
+        let (tensors, scalars) = self.optimizer.export();
+        let mut leaves = Vec::with_capacity(tensors.len());
+        for (name, shard) in tensors {
+            leaves.push((name, self.gather_canonical(&shard)?));
+        }
+        Ok((self.rank() == 0)
+            .then(|| OptimState::from_leaves(self.optimizer.kind(), &self.layout, leaves, scalars)))
+    }
+
+    /// Takes this rank's part of a canonical optimizer state.
+    pub fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
+        if state.kind != self.optimizer.kind() {
+            return Err(Error::checkpoint(format!(
+                "the checkpoint's optimizer state is {}'s, but optim.name = {:?}",
+                crate::config::name_of(&state.kind),
+                crate::config::name_of(&self.optimizer.kind())
+            )));
+        }
+        let rank = if self.layout.shards > 1 {
+            self.rank()
+        } else {
+            0
+        };
+        let leaves = state.leaves(&self.layout)?;
+        let parts = leaves
+            .into_iter()
+            .map(|(name, v)| (name, self.layout.cut(&v, rank)))
+            .collect();
+        self.optimizer.import(parts, state.scalars.clone())?;
+        self.memory.optim.set(self.optimizer.state_bytes());
+        Ok(())
+    }
+
+    /// Brings `model`'s buffers (running statistics) up to date and, with several ranks, to
+    /// their mean, so that every rank evaluates and saves one model. Running statistics are
+    /// exponential moving averages, which are linear: averaging them only before they are used
+    /// gives the same values as averaging after every step.
+    pub fn settle_buffers<M: Module>(&mut self, model: M) -> Result<M> {
+        sync_running_state(&model);
+        if self.world() == 1 || !has_buffers(&model) {
+            return Ok(model);
+        }
+        let mut values = collect_floats(&model, false);
+        self.timed(|c| c.all_reduce(&mut values, ReduceOp::Mean))?;
+        Ok(replace_floats(model, false, values, &self.device))
+    }
+
+    /// Fails if any rank of `group` holds `values` that differ from its rank 0's by even one
+    /// bit.
+    pub fn check_replicas(
+        &mut self,
+        group: &dyn Collective,
+        values: Vec<f32>,
+        step: usize,
+    ) -> Result<()> {
+        if group.world_size() == 1 || values.is_empty() {
+            return Ok(());
+        }
+        let all = self.timed(|_| group.all_gather(&values))?;
+        let n = values.len();
+        for r in 1..group.world_size() {
+            let other = &all[r * n..(r + 1) * n];
+            if let Some(i) = (0..n).find(|&i| all[i].to_bits() != other[i].to_bits()) {
+                return Err(Error::Worker(format!(
+                    "replicas diverged after step {step}: rank {r} differs from rank 0 at \
+                     parameter element {i} ({} vs {})",
+                    other[i], all[i]
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of `n` parameter elements in the master dtype.
+    pub fn master_bytes(&self, n: usize) -> usize {
+        self.policy.master_bytes(n)
+    }
+}
+
+/// A function of the gradient giving the global sum of squares.
+pub(crate) type SquaresFn<'n> = Box<dyn FnOnce(&Tensor<1>) -> Result<f32> + 'n>;
+
+/// Where the global gradient norm of clipping comes from.
+pub(crate) enum Norm<'n> {
+    /// The rank's gradient is the whole gradient.
+    Local,
+    /// This tensor (on the device) is the whole averaged gradient, of which the rank steps a
+    /// shard: the norm is taken over it exactly as `ddp` takes it, so that `zero1` clips by
+    /// the same factor to the bit.
+    Whole(Box<Tensor<1>>),
+    /// Every rank holds a shard: the squares are summed per shard and all-reduced.
+    Shards,
+    /// This function of the (unscaled) gradient gives the global sum of squares (a pipeline
+    /// stage adds its part to the other stages').
+    Squares(SquaresFn<'n>),
+}
+
+/// `parts` concatenated, or an empty tensor.
+pub(crate) fn cat_or_empty(parts: Vec<Tensor<1>>, dtype: FloatDType, device: &Device) -> Tensor<1> {
+    if parts.is_empty() {
+        Tensor::<1>::zeros([0], device).cast(dtype)
+    } else {
+        Tensor::cat(parts, 0)
+    }
+}
+
+/// The [`Strategy`] methods every strategy answers from its `kit` alone: the optimizer
+/// state in and out of the canonical layout, the memory counts and the time in collectives.
+macro_rules! answered_by_kit {
+    () => {
+        fn optimizer_state(&mut self) -> $crate::error::Result<Option<$crate::optim::OptimState>> {
+            self.kit.optimizer_state()
+        }
+
+        fn load_optimizer_state(
+            &mut self,
+            state: &$crate::optim::OptimState,
+        ) -> $crate::error::Result<()> {
+            self.kit.load_optimizer_state(state)
+        }
+
+        fn memory(&self) -> $crate::strategy::memory::Memory {
+            self.kit.memory
+        }
+
+        fn take_sync_seconds(&mut self) -> f64 {
+            self.kit.take_sync_seconds()
+        }
+
+        fn nonfinite(&self) -> bool {
+            self.kit.nonfinite
+        }
+    };
+}
+pub(crate) use answered_by_kit;

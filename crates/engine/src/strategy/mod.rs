@@ -1,0 +1,55 @@
+//! Strategies: what one optimizer step does across ranks, and what each one allows.
+//!
+//! Each strategy lives in its own file and owns two things:
+//! - its **rules** ([`Rules`]): the settings and models it refuses (one line naming the key),
+//!   its start-up line, the bytes per rank it expects, and how many ranks and micro-batches
+//!   one replica takes. The launcher, the start-up table and the loop ask [`Setup`], which asks
+//!   the registry ([`rules`]); nothing outside this folder names a concrete strategy;
+//! - its **step** ([`Strategy`]): the loop hands it each micro-batch, asks it for an optimizer
+//!   step, and for the whole model when it evaluates or checkpoints. It owns its rank's share of
+//!   the model (replica or shard), where gradients go, where optimizer state lives, and how
+//!   its state leaves and re-enters a checkpoint:
+//!
+//! | strategy | parameters per rank | gradients per rank | optimizer state per rank |
+//! |---|---|---|---|
+//! | [`single`] | all | all | all |
+//! | [`ddp`] | all | all, all-reduced on the last micro-step | all |
+//! | [`zero1`] | all | all, all-reduced on the last micro-step | its shard |
+//! | [`zero2`] | all | its shard: each block's reduce-scattered as its backward ends | its shard |
+//! | [`zero3`] | its shard + the gathered units | as zero2 | its shard |
+//! | [`pipeline`] | its stage's | its stage's, averaged with the same stage's | its stage's |
+//!
+//! The replicated strategies (`single`, `ddp`, `zero1`, `zero2`) share one step
+//! (`replica::Replicated`) and differ only in their `replica::Reduction`. Every strategy
+//! steps a [`FlatOptimizer`](crate::optim::FlatOptimizer) over its shard of one
+//! [`FlatLayout`](crate::params::FlatLayout) (the whole space for `single` and `ddp`), so there is one optimizer path and
+//! one checkpoint format ([`OptimState`](crate::optim::OptimState)).
+//!
+//! Adding a strategy: a file here with a type implementing [`Rules`] (and [`Strategy`], or a
+//! `replica::Reduction`), one arm in [`rules`] and one in [`build`], and a variant of
+//! [`StrategyKind`](crate::config::StrategyKind).
+
+mod context;
+mod courier;
+pub mod ddp;
+pub mod diloco;
+mod frozen;
+pub mod groups;
+mod host;
+mod kit;
+mod memory;
+pub mod pipeline;
+mod registry;
+mod replica;
+mod rules;
+pub mod single;
+mod step;
+pub mod zero1;
+pub mod zero2;
+pub mod zero3;
+
+pub use context::Context;
+pub use memory::{Counter, Memory};
+pub use registry::{all_rules, build, rules};
+pub use rules::{Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, block_ids};
+pub use step::{Report, Strategy};

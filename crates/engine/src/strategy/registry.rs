@@ -1,0 +1,163 @@
+//! The registry: a strategy kind's rules and its step, the one place that names every
+//! strategy.
+
+use burn::module::Module;
+use kiln_models::BlockStack;
+
+use super::context::Context;
+use super::kit::RankKit;
+use super::replica::Replicated;
+use super::rules::{Rules, Setup, block_ids};
+use super::step::Strategy;
+use super::{ddp, diloco, groups, pipeline, single, zero1, zero2, zero3};
+use crate::config::{RootConfig, StrategyKind, name_of};
+use crate::error::{Error, Result};
+use crate::params::FlatLayout;
+use crate::precision::Policy;
+
+/// The rules of strategy `kind` (`auto` as `single`: resolve it first by the world).
+pub fn rules(kind: StrategyKind) -> &'static dyn Rules {
+    match kind {
+        StrategyKind::Auto | StrategyKind::Single => &single::Single,
+        StrategyKind::Ddp => &ddp::Ddp,
+        StrategyKind::Zero1 => &zero1::Zero1,
+        StrategyKind::Zero2 => &zero2::Zero2,
+        StrategyKind::Zero3 => &zero3::Zero3,
+        StrategyKind::Pipeline => &pipeline::Pipeline,
+        StrategyKind::Diloco => &diloco::Diloco,
+    }
+}
+
+/// Every strategy's rules, in the order the planner lists its candidates: the simplest first.
+pub fn all_rules() -> [&'static dyn Rules; 7] {
+    [
+        &single::Single,
+        &ddp::Ddp,
+        &zero1::Zero1,
+        &zero2::Zero2,
+        &zero3::Zero3,
+        &diloco::Diloco,
+        &pipeline::Pipeline,
+    ]
+}
+
+/// Builds strategy `kind` (resolved: not `auto`) for this rank around `model`, a full replica
+/// in its master dtype with rank 0's weights.
+pub fn build<'a, B: 'a, M>(
+    kind: StrategyKind,
+    model: M,
+    ctx: Context<'a>,
+) -> Result<Box<dyn Strategy<M, B> + 'a>>
+where
+    M: BlockStack<B> + Module + 'static,
+{
+    let blocks = block_ids(&model);
+    let layout = |shards: usize| FlatLayout::new(&model, &blocks, shards);
+    let world = ctx.comm.world_size();
+    let grouped = !model.param_groups().is_empty();
+    Ok(match kind {
+        // A model with several optimizers steps one group at a time (checked at start: only
+        // these two take one).
+        StrategyKind::Auto | StrategyKind::Single if grouped => {
+            let whole = RankKit::new(ctx.clone(), layout(1));
+            Box::new(groups::Groups::new(model, whole, ctx, false)?)
+        }
+        StrategyKind::Ddp if grouped => {
+            let whole = RankKit::new(ctx.clone(), layout(1));
+            Box::new(groups::Groups::new(model, whole, ctx, true)?)
+        }
+        _ if grouped => {
+            return Err(Error::config(format!(
+                "key `strategy.name`: {:?} cannot step a model with several optimizers",
+                name_of(&kind)
+            )));
+        }
+        StrategyKind::Auto | StrategyKind::Single => {
+            let kit = RankKit::new(ctx, layout(1));
+            Box::new(Replicated::new(model, kit, single::Single))
+        }
+        StrategyKind::Ddp => {
+            let kit = RankKit::new(ctx, layout(1));
+            Box::new(Replicated::new(model, kit, ddp::Ddp))
+        }
+        StrategyKind::Zero1 => {
+            let kit = RankKit::new(ctx, layout(world));
+            Box::new(Replicated::new(model, kit, zero1::Zero1))
+        }
+        StrategyKind::Zero2 => {
+            let kit = RankKit::new(ctx, layout(world));
+            Box::new(Replicated::new(model, kit, zero2::Zero2))
+        }
+        StrategyKind::Zero3 => {
+            let kit = RankKit::new(ctx, layout(world));
+            Box::new(zero3::Sharded::new(model, kit, &blocks)?)
+        }
+        StrategyKind::Pipeline => Box::new(pipeline::Stage::new(model, &blocks, ctx)?),
+        StrategyKind::Diloco => {
+            let whole = layout(1);
+            Box::new(diloco::Islands::new(model, whole, ctx)?)
+        }
+    })
+}
+
+impl Setup {
+    /// The setup `config` describes for `world` ranks (`auto` resolved by the world).
+    pub fn new(config: &RootConfig, world: usize) -> Self {
+        let kind = config.strategy.name.resolve(world);
+        Self {
+            kind,
+            rules: rules(kind),
+            world,
+            policy: Policy::new(&config.precision),
+            recompute: config.recompute.clone(),
+            ddp: config.ddp.clone(),
+            pipeline: config.pipeline.clone(),
+            diloco: config.diloco.clone(),
+            overlap: config.dist.overlap.resolve(crate::comm::processes().count),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup(overrides: &[&str], processes: usize) -> Result<()> {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        let config = RootConfig::load(None, &o)?;
+        let world = config.hardware.devices.indices().len() * processes;
+        Setup::new(&config, world).check()
+    }
+
+    #[test]
+    fn strategies_refuse_what_they_cannot_run() {
+        assert!(setup(&["hardware.devices=2"], 1).is_ok());
+        let e = setup(&["hardware.devices=2", "strategy.name=\"single\""], 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("strategy.name") && e.contains("2 are selected"),
+            "{e}"
+        );
+        // Two processes of one device each are two ranks.
+        assert!(setup(&["strategy.name=\"single\""], 2).is_err());
+        let e = setup(&["strategy.name=\"zero3\"", "ddp.sync_batchnorm=true"], 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ddp.sync_batchnorm") && e.contains("zero3"),
+            "{e}"
+        );
+        let e = setup(
+            &[
+                "hardware.devices=2",
+                "strategy.name=\"pipeline\"",
+                "pipeline.stages=3",
+            ],
+            1,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("pipeline.stages") && e.contains("divide"), "{e}");
+    }
+}

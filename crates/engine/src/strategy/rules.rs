@@ -1,0 +1,421 @@
+//! [`Rules`]: what a strategy allows, says of itself and expects to hold, before any rank
+//! runs; [`Setup`], the settings it is asked with; [`ModelFacts`], what it sees of a model.
+
+use burn::module::Module;
+use kiln_models::BlockStack;
+
+use crate::config::{
+    DdpConfig, DilocoConfig, OptimConfig, OptimizerKind, PipelineConfig, RecomputeConfig,
+    RecomputeMode, StrategyKind, name_of,
+};
+use crate::error::{Error, Result};
+use crate::exec::Recompute;
+use crate::params::{FlatLayout, has_buffers};
+use crate::precision::Policy;
+
+/// What a strategy allows, says of itself and expects to hold, before any rank runs (Lightning
+/// Fabric's strategy classes own the same: their checks, their description). Each strategy
+/// file has one type implementing it; [`rules`](crate::strategy::rules()) finds it.
+pub trait Rules: Sync {
+    /// The strategy a device of this strategy runs its per-core sub-replicas under (a CPU
+    /// device's `hardware.cpu_split`, `cores.rs`); `None`, the default, for a strategy
+    /// that shards or stages over devices and keeps one replica per device.
+    fn core_split(&self) -> Option<StrategyKind> {
+        None
+    }
+    /// Refuses settings the strategy cannot run, whatever the model; one line naming the key.
+    fn check(&self, setup: &Setup) -> Result<()> {
+        let _ = setup;
+        Ok(())
+    }
+    /// Refuses a model the strategy cannot run; one line naming the key.
+    fn check_model(&self, model: &ModelFacts, setup: &Setup) -> Result<()> {
+        let _ = (model, setup);
+        Ok(())
+    }
+    /// Whether the strategy steps one optimizer only (it refuses a model with parameter
+    /// groups).
+    fn one_optimizer(&self) -> bool {
+        true
+    }
+    /// The start-up table's line: the strategy and what it shards.
+    fn describe(&self, setup: &Setup) -> String;
+    /// The planner's words for the strategy with these settings: its name by default.
+    fn words(&self, setup: &Setup) -> String {
+        setup.name()
+    }
+    /// The start-up table's words for activation checkpointing under this strategy.
+    fn recompute_line(&self, setup: &Setup) -> String {
+        let r = &setup.recompute;
+        match r.mode {
+            RecomputeMode::Blocks if r.every > 1 => {
+                format!("recompute every {}th block", r.every)
+            }
+            m => format!("recompute {}", name_of(&m)),
+        }
+    }
+    /// The start-up table's words for how `per_step` samples make one step: `batch` per
+    /// micro-batch, `accumulate` accumulation steps.
+    fn batch_line(
+        &self,
+        setup: &Setup,
+        batch: usize,
+        accumulate: usize,
+        per_step: usize,
+    ) -> String {
+        format!(
+            "{batch} per device × {} devices × {accumulate} accumulation = {per_step} per step",
+            setup.world
+        )
+    }
+    /// The bytes per rank the strategy is expected to hold at its peaks, as DeepSpeed's
+    /// estimator gives them: computed from the layout (any shard count), before training.
+    fn estimate(&self, layout: &FlatLayout, optim: &OptimConfig, setup: &Setup)
+    -> Result<Estimate>;
+    /// Ranks one replica of the model takes.
+    fn stages(&self, setup: &Setup) -> usize {
+        let _ = setup;
+        1
+    }
+    /// Micro-batches one accumulation step runs.
+    fn flush(&self, setup: &Setup) -> usize {
+        let _ = setup;
+        1
+    }
+    /// The name of the state the strategy keeps in checkpoints beside the model's optimizer
+    /// states (`optimizer.<name>.bpk`, read on resume when present and handed to
+    /// [`Strategy::load_optimizer_states`](crate::strategy::Strategy::load_optimizer_states) under that name); `None`, the default, for none.
+    fn own_state(&self) -> Option<&'static str> {
+        None
+    }
+
+    // What the planner (`plan/`) asks of a strategy, so that it composes its predictions
+    // without naming one.
+
+    /// The ways the planner may run this strategy in `room` (none, the default: it is not a
+    /// candidate there).
+    fn variants(&self, room: &Room) -> Vec<Variant> {
+        let _ = room;
+        Vec::new()
+    }
+    /// The probe whose forward, backward and buffers stand for this strategy's: its own name
+    /// by default (a strategy that steps as another, such as `zero1` as `ddp`, names that one).
+    fn probe_as(&self, setup: &Setup) -> String {
+        setup.name()
+    }
+    /// The collectives one optimizer step calls over a model of `floats` trainable floats
+    /// (`local_ranks` of the world in this process), each timed by the planner on the run's
+    /// group; none, the default, for a strategy that calls none.
+    fn traffic(&self, setup: &Setup, floats: usize, local_ranks: usize) -> Vec<Traffic> {
+        let _ = (setup, floats, local_ranks);
+        Vec::new()
+    }
+    /// Micro-batches whose activations a rank holds at once, out of a flush (1 by default; a
+    /// pipeline stage holds those in flight).
+    fn in_flight(&self, setup: &Setup) -> usize {
+        let _ = setup;
+        1
+    }
+    /// Whether a rank's waits for its neighbours belong to its step (a pipeline's bubbles);
+    /// `false` by default.
+    fn waits_are_work(&self) -> bool {
+        false
+    }
+    /// Whether a run under it takes the optimizer step of plain data parallelism (`false`
+    /// for DiLoCo's outer loop), so that `--strategy auto` may choose it.
+    fn same_step(&self) -> bool {
+        true
+    }
+    /// Whether BatchNorm sees micro-batches of the strategy's own (a pipeline's) rather than
+    /// the micro-batch asked; `--strategy auto` keeps such a model off it.
+    fn own_micro_batches(&self) -> bool {
+        false
+    }
+    /// How far it departs from plain data parallelism, for the planner's ties: 0 plain, then
+    /// more shards, then other steps and stages.
+    fn simplicity(&self) -> usize {
+        0
+    }
+    /// Why a launcher may not restart it on other devices; `None`, the default, where it may.
+    fn fixed_devices(&self) -> Option<&'static str> {
+        None
+    }
+}
+
+/// Where the planner would run a strategy: the ranks, the processes, the devices of each
+/// process and the model's blocks.
+#[derive(Debug, Clone, Copy)]
+pub struct Room {
+    /// Ranks in all.
+    pub world: usize,
+    /// Processes.
+    pub processes: usize,
+    /// Devices of each process.
+    pub devices: usize,
+    /// Blocks the model describes.
+    pub blocks: usize,
+}
+
+/// One way to run a strategy, as the planner weighs it.
+#[derive(Debug, Clone)]
+pub struct Variant {
+    /// The strategy.
+    pub kind: StrategyKind,
+    /// Ranks one replica of the model takes.
+    pub stages: usize,
+    /// Micro-batches of one flush.
+    pub microbatches: usize,
+    /// Its `[pipeline]` section (the default for a strategy that has none).
+    pub pipeline: PipelineConfig,
+    /// Its words in the planner's table.
+    pub words: String,
+}
+
+impl Variant {
+    /// The strategy `kind` with no settings of its own.
+    pub fn plain(kind: StrategyKind) -> Self {
+        Self {
+            kind,
+            stages: 1,
+            microbatches: 1,
+            pipeline: PipelineConfig::default(),
+            words: name_of(&kind),
+        }
+    }
+}
+
+/// A collective of a step's traffic (see [`Rules::traffic`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// All-reduce of the floats.
+    AllReduce,
+    /// Reduce-scatter of the floats (each rank keeps its part).
+    ReduceScatter,
+    /// All-gather into the floats (each rank gives its part).
+    AllGather,
+}
+
+/// One collective a step calls: `times` calls of `op` over `floats` floats every `every`
+/// steps, on every micro-batch or once per step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Traffic {
+    /// The collective.
+    pub op: Op,
+    /// Floats per call.
+    pub floats: usize,
+    /// Calls.
+    pub times: usize,
+    /// Every how many steps (1: every step).
+    pub every: usize,
+    /// Whether the calls repeat on every micro-batch of the step.
+    pub per_micro_batch: bool,
+}
+
+impl Traffic {
+    /// `op` over `floats`, once a step.
+    pub fn once(op: Op, floats: usize) -> Self {
+        Self {
+            op,
+            floats,
+            times: 1,
+            every: 1,
+            per_micro_batch: false,
+        }
+    }
+
+    /// `times` calls of `op` over `floats` on every micro-batch.
+    pub fn per_micro_batch(op: Op, floats: usize, times: usize) -> Self {
+        Self {
+            op,
+            floats,
+            times,
+            every: 1,
+            per_micro_batch: true,
+        }
+    }
+}
+
+impl std::fmt::Debug for dyn Rules {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A strategy's rules are known by its kind, which `Setup` prints beside them.
+        f.write_str("Rules")
+    }
+}
+
+/// The settings strategies are checked, described, estimated and built with, resolved once
+/// from the config and the world: what the loop's settings hold for them, and nothing else.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// The strategy (resolved: never `auto`).
+    pub kind: StrategyKind,
+    /// Its rules, from the registry ([`rules`](crate::strategy::rules)).
+    pub rules: &'static dyn Rules,
+    /// Number of ranks.
+    pub world: usize,
+    /// The precision policy.
+    pub policy: Policy,
+    /// Activation checkpointing.
+    pub recompute: RecomputeConfig,
+    /// Gradient buckets and synchronised BatchNorm.
+    pub ddp: DdpConfig,
+    /// The pipeline's stages, micro-batches and schedule.
+    pub pipeline: PipelineConfig,
+    /// DiLoCo's outer loop.
+    pub diloco: DilocoConfig,
+    /// Reduce gradients beside the backward (`dist.overlap`).
+    pub overlap: bool,
+}
+
+impl Setup {
+    /// The strategy's rules.
+    pub fn rules(&self) -> &'static dyn Rules {
+        self.rules
+    }
+
+    /// The strategy's name as the config spells it.
+    pub fn name(&self) -> String {
+        name_of(&self.kind)
+    }
+
+    /// Refuses what the strategy cannot run with these settings, whatever the model.
+    pub fn check(&self) -> Result<()> {
+        self.rules().check(self)
+    }
+
+    /// Refuses a model the strategy cannot run (several optimizers where it steps one, a
+    /// model without the blocks it needs).
+    pub fn check_model(&self, model: &ModelFacts) -> Result<()> {
+        let rules = self.rules();
+        if !model.groups.is_empty() && rules.one_optimizer() {
+            return Err(Error::config(format!(
+                "key `strategy.name`: {:?} shards or splits one optimizer's step, but this model \
+                 steps {} optimizers ({}); use \"ddp\" or \"single\"",
+                self.name(),
+                model.groups.len(),
+                model.groups.join(", ")
+            )));
+        }
+        rules.check_model(model, self)
+    }
+
+    /// Ranks that one replica of the model takes (a pipeline's stages; 1 otherwise).
+    pub fn stages(&self) -> usize {
+        self.rules().stages(self)
+    }
+
+    /// Micro-batches one accumulation step runs (a pipeline's flush; 1 otherwise).
+    pub fn flush(&self) -> usize {
+        self.rules().flush(self)
+    }
+
+    /// The planner's words for the strategy (a pipeline's stages, micro-batches and schedule).
+    pub fn words(&self) -> String {
+        self.rules().words(self)
+    }
+
+    /// The start-up table's line for the strategy.
+    pub fn describe(&self) -> String {
+        self.rules().describe(self)
+    }
+
+    /// The start-up table's words for activation checkpointing under this strategy.
+    pub fn recompute_line(&self) -> String {
+        self.rules().recompute_line(self)
+    }
+
+    /// The start-up table's words for how `per_step` samples make one step: `batch` per
+    /// micro-batch, `accumulate` accumulation steps.
+    pub fn batch_line(&self, batch: usize, accumulate: usize, per_step: usize) -> String {
+        self.rules().batch_line(self, batch, accumulate, per_step)
+    }
+
+    /// The expected peak bytes per rank for a model laid out as `layout` (any shard count),
+    /// with `optim`'s state.
+    pub fn estimate(&self, layout: &FlatLayout, optim: &OptimConfig) -> Result<Estimate> {
+        self.rules().estimate(layout, optim, self)
+    }
+
+    /// Which blocks the block walk recomputes, as `[recompute]` says (Burn's `balanced` is the
+    /// device's business and walks nothing).
+    pub fn walk_recompute(&self) -> Recompute {
+        match self.recompute.mode {
+            RecomputeMode::Blocks => Recompute::Blocks {
+                every: self.recompute.every,
+            },
+            RecomputeMode::None | RecomputeMode::Balanced => Recompute::Keep,
+        }
+    }
+}
+
+/// What a strategy's rules see of a model: its blocks, its parameter groups and its layout.
+#[derive(Debug, Clone)]
+pub struct ModelFacts {
+    /// Blocks its [`BlockStack`] describes.
+    pub blocks: usize,
+    /// Whether a block run twice gives the same result (no dropout).
+    pub deterministic: bool,
+    /// Whether it has buffers (BatchNorm running statistics).
+    pub buffers: bool,
+    /// Its parameter groups' names (none for a model with one optimizer).
+    pub groups: Vec<String>,
+    /// Its trainable parameters in one shard: the parameters outside every block, then each
+    /// block.
+    pub layout: FlatLayout,
+}
+
+impl ModelFacts {
+    /// The facts of `model`.
+    pub fn of<B, M: BlockStack<B> + Module>(model: &M) -> Self {
+        Self {
+            blocks: model.num_blocks(),
+            deterministic: model.blocks_deterministic(),
+            buffers: has_buffers(model),
+            groups: model.param_groups().into_iter().map(|g| g.name).collect(),
+            layout: FlatLayout::new(model, &block_ids(model), 1),
+        }
+    }
+}
+
+/// The ids of every block's parameters.
+pub fn block_ids<B, M: BlockStack<B>>(model: &M) -> Vec<Vec<burn::module::ParamId>> {
+    (0..model.num_blocks())
+        .map(|i| model.block_params(i))
+        .collect()
+}
+
+/// The bytes per rank a strategy is expected to hold at its peaks (see [`Rules::estimate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Estimate {
+    /// Parameter bytes.
+    pub params: usize,
+    /// Gradient bytes.
+    pub grads: usize,
+    /// Optimizer-state bytes.
+    pub optim: usize,
+}
+
+/// Optimizer-state tensors per parameter element.
+pub(crate) fn state_tensors(optim: &OptimConfig) -> usize {
+    match optim.name {
+        OptimizerKind::Adamw => 2,
+        OptimizerKind::Sgd => usize::from(optim.momentum > 0.0),
+    }
+}
+
+/// The estimate of a strategy that holds every parameter (and a compute copy), `grads`
+/// gradient elements and the optimizer state of `state` elements.
+pub(crate) fn replicated_estimate(
+    layout: &FlatLayout,
+    optim: &OptimConfig,
+    setup: &Setup,
+    grads: usize,
+    state: usize,
+) -> Estimate {
+    let full = layout.total();
+    let p = &setup.policy;
+    Estimate {
+        params: p.master_bytes(full) + p.compute_copy_bytes(full),
+        grads: grads * 4,
+        optim: state_tensors(optim) * p.master_bytes(state),
+    }
+}
