@@ -93,10 +93,13 @@ commands:
                                         configs/gpt-text.toml)
   setup-cuda                            LLVM 23.1 for Burn's CUDA backend from PyPI (pip), made
                                         Burn's bundle directory; idempotent, says what it found
-  tidy [--layers]                       the shape of crates/kiln/src: import circles between its
-                                        files, files over 500 lines, the longest functions; fails
-                                        on a circle, a file over 600 lines or a function over 120;
-                                        --layers: each top-level module and the modules it imports
+  tidy [--layers]                       the house rules over every crate: import circles,
+                                        strategies and model families named out of place, a
+                                        command line's crates in kiln-engine's tree, modules
+                                        ARCHITECTURE.md does not name; files over 500 lines and
+                                        the longest functions listed (fails past 800 and 150);
+                                        --layers: each top-level module of the engine and the
+                                        modules it imports
   plot RUN_DIR [ARGS]                   `train plot`: PNG charts of a run (ARGS: --out DIR,
                                         --width W, --height H)
   help, --help, -h                      show this message

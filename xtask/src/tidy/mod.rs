@@ -509,6 +509,8 @@ mod tests {
 mod child;
 #[cfg(test)]
 mod tests_file;
+#[cfg(test)]
+pub(crate) mod shared_tests;
 use crate::{comm::{Collective, ReduceOp}, params::x as y};
 use super::sibling::Thing;
 // use crate::commented::Out;
@@ -539,9 +541,12 @@ mod tests {
                 "super::sibling::Thing"
             ]
         );
-        assert_eq!(f.test_mods, BTreeSet::from(["tests_file".to_string()]));
-        assert_eq!(f.functions, vec![("long".to_string(), 10, 5)]);
-        assert_eq!(f.lines, text.lines().count() - 2 - 5);
+        assert_eq!(
+            f.test_mods,
+            BTreeSet::from(["shared_tests".to_string(), "tests_file".to_string()])
+        );
+        assert_eq!(f.functions, vec![("long".to_string(), 12, 5)]);
+        assert_eq!(f.lines, text.lines().count() - 4 - 5);
     }
 
     #[test]

@@ -44,9 +44,9 @@ impl FileText {
         while i < toks.len() {
             if let Some(attr_end) = cfg_test_attr(&toks, i) {
                 let end = item_end(&toks, attr_end);
-                // `#[cfg(test)] mod x;`: the file x is all tests.
+                // `#[cfg(test)] mod x;` (or `pub(crate) mod x;`): the file x is all tests.
                 let item: Vec<&Tok> = toks[attr_end..end].iter().map(|t| &t.0).collect();
-                if let [Tok::Ident(m), Tok::Ident(name), Tok::Punct(';')] = item.as_slice()
+                if let [.., Tok::Ident(m), Tok::Ident(name), Tok::Punct(';')] = item.as_slice()
                     && m == "mod"
                 {
                     out.test_mods.insert(name.clone());
