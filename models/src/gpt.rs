@@ -67,11 +67,13 @@ impl CausalSelfAttention {
 
     /// [`CausalSelfAttention::forward`] within documents: position t attends to
     /// `starts[t]..=t` (see [`TokenBatch::documents`]).
+    /// Under tensor parallelism (`crate::tp`) the projection `qkv` is column-parallel by
+    /// heads and `proj` row-parallel: a rank attends with its `n_head / size` heads.
     pub fn forward_within(&self, x: Tensor<3>, starts: Option<&Tensor<2, Int>>) -> Tensor<3> {
-        let qkv = crate::modules::linear_rows(&self.qkv, x);
-        let y = crate::fused::packed_within(qkv, self.n_head, starts, Some(&self.dropout));
-        self.dropout
-            .forward(crate::modules::linear_rows(&self.proj, y))
+        let qkv = crate::tp::column_rows(&self.qkv, x);
+        let heads = self.n_head / crate::tp::place().1;
+        let y = crate::fused::packed_within(qkv, heads, starts, Some(&self.dropout));
+        self.dropout.forward(crate::tp::row_rows(&self.proj, y))
     }
 }
 
@@ -84,12 +86,12 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// Applies the MLP to every position.
+    /// Applies the MLP to every position (under tensor parallelism, `fc` column-parallel and
+    /// `proj` row-parallel).
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         // The exact GELU, fused on the CPU.
-        let x = crate::fused::gelu(crate::modules::linear_rows(&self.fc, x));
-        self.dropout
-            .forward(crate::modules::linear_rows(&self.proj, x))
+        let x = crate::fused::gelu(crate::tp::column_rows(&self.fc, x));
+        self.dropout.forward(crate::tp::row_rows(&self.proj, x))
     }
 }
 
@@ -332,6 +334,50 @@ pub fn sample(logits: &[f32], temperature: f64, top_k: Option<usize>, u: f64) ->
         ..crate::lm::Sampling::at(temperature)
     };
     how.pick(logits, u)
+}
+
+/// Megatron's split: each block's attention by heads (`qkv`'s q, k and v columns, `proj`'s
+/// rows) and its MLP (`fc`'s columns, `proj`'s rows); the embeddings, the LayerNorms and the
+/// row-parallel Linears' biases whole on every rank.
+impl crate::tp::TensorParallel for Gpt {
+    fn tp_ready(&self) -> bool {
+        true
+    }
+
+    fn tp_check(&self, size: usize) -> Result<(), String> {
+        let heads = self.blocks.first().map_or(0, |b| b.attn.n_head);
+        if size > 1 && !heads.is_multiple_of(size) {
+            return Err(format!(
+                "model.gpt.n_head ({heads}) must be a multiple of the tensor-parallel size ({size})"
+            ));
+        }
+        let dropout = self.drop.prob;
+        if size > 1 && dropout > 0.0 {
+            return Err(format!(
+                "model.gpt.dropout = {dropout} under tensor parallelism: the attention's dropout \
+                 masks of a rank's heads are not yet drawn as one device draws them; set 0"
+            ));
+        }
+        Ok(())
+    }
+
+    fn tp_split(&self, path: &str) -> crate::tp::Split {
+        use crate::tp::Split;
+        let within = |suffix: &str| path.starts_with("blocks.") && path.ends_with(suffix);
+        if within(".attn.qkv.weight") {
+            Split::columns(3)
+        } else if within(".attn.qkv.bias") {
+            Split::first(3)
+        } else if within(".mlp.fc.weight") {
+            Split::columns(1)
+        } else if within(".mlp.fc.bias") {
+            Split::first(1)
+        } else if within(".attn.proj.weight") || within(".mlp.proj.weight") {
+            Split::ROWS
+        } else {
+            Split::Whole
+        }
+    }
 }
 
 impl BlockStack<TokenBatch> for Gpt {

@@ -27,6 +27,7 @@ pub mod phi3;
 pub mod registry;
 pub mod rope;
 pub mod step;
+pub mod tp;
 
 pub use blocks::{Activation, BlockStack};
 pub use convnet::{ConvNet, ConvNetConfig};

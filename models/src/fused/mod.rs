@@ -539,6 +539,6 @@ fn causal_attention_composed(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 #[cfg(test)]
 mod vision_tests;

@@ -6,7 +6,7 @@ use burn::nn::{DropoutConfig, LayerNormConfig, RmsNormConfig};
 use burn::tensor::{Gradients, TensorData};
 
 /// Numbers in [-2, 2) from a fixed sequence (the tests repeat exactly).
-pub(super) fn numbers(n: usize, seed: u64) -> Vec<f32> {
+pub(crate) fn numbers(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);
@@ -20,12 +20,12 @@ pub(super) fn numbers(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-pub(super) fn leaf<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
+pub(crate) fn leaf<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
     spread(shape, seed, 1.0, 0.0, device)
 }
 
 /// A leaf of `numbers·scale + shift`.
-pub(super) fn spread<const D: usize>(
+pub(crate) fn spread<const D: usize>(
     shape: [usize; D],
     seed: u64,
     scale: f32,
@@ -40,12 +40,12 @@ pub(super) fn spread<const D: usize>(
     Tensor::<D>::from_data(TensorData::new(v, shape), device).require_grad()
 }
 
-pub(super) fn values<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
+pub(crate) fn values<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
     t.to_data().try_to_vec::<f32>().unwrap()
 }
 
 /// `max|a - b| ≤ tol·max|b|`: the difference against the tensor's own scale.
-pub(super) fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+pub(crate) fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
     let diff = a

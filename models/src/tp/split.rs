@@ -1,0 +1,157 @@
+//! How a parameter is cut over a tensor-parallel group ([`Split`]), the part a rank holds of
+//! a whole tensor and the whole put back from the parts, and the Linears of a tensor-parallel
+//! pair as functions of a plain `Linear` holding the rank's part: [`column()`] (the output's
+//! columns split) and [`row()`] (the input's rows split, the parts summed). A model keeps its
+//! modules and their names; its weights are the rank's parts, so that a parameter's path is
+//! the same on one device and on every rank, and a checkpoint holds the whole.
+
+use std::ops::Range;
+
+use burn::nn::Linear;
+use burn::prelude::*;
+
+use super::ops::{copy_to_group, reduce_from_group};
+
+/// How a parameter is held over a tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Whole on every rank (a norm's scale, a row-parallel Linear's bias).
+    Whole,
+    /// Cut along `dim` into `size` equal parts, rank `r` holding part `r`; with `groups` > 1
+    /// the dimension is `groups` equal blocks side by side (a fused q/k/v projection's three),
+    /// each cut so, and a rank holds its part of every block, in block order.
+    Parts {
+        /// The dimension cut.
+        dim: usize,
+        /// The blocks side by side along it.
+        groups: usize,
+    },
+}
+
+impl Split {
+    /// A column-parallel Linear's weight (`[d_in, d_out]`: its outputs) in `groups` blocks.
+    pub const fn columns(groups: usize) -> Self {
+        Split::Parts { dim: 1, groups }
+    }
+    /// A column-parallel Linear's bias, or anything cut along its first dimension in `groups`
+    /// blocks (an embedding's rows: its vocabulary).
+    pub const fn first(groups: usize) -> Self {
+        Split::Parts { dim: 0, groups }
+    }
+    /// A row-parallel Linear's weight (`[d_in, d_out]`: its inputs).
+    pub const ROWS: Self = Split::Parts { dim: 0, groups: 1 };
+}
+
+/// Part `rank` of `n` cut into `size` equal parts, or why it cannot be.
+pub fn split_range(n: usize, rank: usize, size: usize) -> Result<Range<usize>, String> {
+    if size == 0 || rank >= size {
+        return Err(format!("rank {rank} of a group of {size}"));
+    }
+    if !n.is_multiple_of(size) {
+        return Err(format!(
+            "{n} cannot be split into {size} equal parts ({n} is not a multiple of {size})"
+        ));
+    }
+    let part = n / size;
+    Ok(rank * part..(rank + 1) * part)
+}
+
+/// The ranges of dimension `n` that rank `rank` of `size` holds under `groups` blocks.
+fn ranges(n: usize, groups: usize, rank: usize, size: usize) -> Result<Vec<Range<usize>>, String> {
+    if groups == 0 || !n.is_multiple_of(groups) {
+        return Err(format!("{n} is not {groups} equal blocks"));
+    }
+    let block = n / groups;
+    let part = split_range(block, rank, size)?;
+    Ok((0..groups)
+        .map(|g| g * block + part.start..g * block + part.end)
+        .collect())
+}
+
+/// Rank `rank`'s part of `whole` under `split` in a group of `size`.
+pub fn part_of<const D: usize>(
+    whole: Tensor<D>,
+    split: Split,
+    rank: usize,
+    size: usize,
+) -> Result<Tensor<D>, String> {
+    let Split::Parts { dim, groups } = split else {
+        return Ok(whole);
+    };
+    let dims = whole.dims();
+    if dim >= D {
+        return Err(format!("dimension {dim} of a tensor of {D}"));
+    }
+    let pieces: Vec<Tensor<D>> = ranges(dims[dim], groups, rank, size)?
+        .into_iter()
+        .map(|r| whole.clone().narrow(dim, r.start, r.len()))
+        .collect();
+    Ok(Tensor::cat(pieces, dim))
+}
+
+/// The whole tensor from every rank's part (`parts[r]` rank `r`'s), under `split`.
+pub fn whole_of<const D: usize>(parts: Vec<Tensor<D>>, split: Split) -> Result<Tensor<D>, String> {
+    let size = parts.len();
+    let Split::Parts { dim, groups } = split else {
+        return parts
+            .into_iter()
+            .next()
+            .ok_or_else(|| "no part".to_string());
+    };
+    let Some(first) = parts.first() else {
+        return Err("no part".into());
+    };
+    let n = first.dims()[dim];
+    if groups == 0 || !n.is_multiple_of(groups) {
+        return Err(format!("a part of {n} is not {groups} equal blocks"));
+    }
+    let piece = n / groups;
+    // Block g of the whole is every rank's piece g, in rank order.
+    let mut blocks = Vec::with_capacity(groups * size);
+    for g in 0..groups {
+        for part in &parts {
+            blocks.push(part.clone().narrow(dim, g * piece, piece));
+        }
+    }
+    Ok(Tensor::cat(blocks, dim))
+}
+
+/// A column-parallel Linear: `linear` holds this rank's output columns (`Split::columns` of
+/// the weight, `Split::first` of the bias); the input passes [`copy_to_group`], so its
+/// gradient is the group's sum. The output is this rank's part.
+pub fn column<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
+    linear.forward(copy_to_group(x))
+}
+
+/// A row-parallel Linear: `linear` holds this rank's input rows (`Split::ROWS` of the weight)
+/// and the whole bias; `x` is this rank's part of the input (a column-parallel output). The
+/// products are summed over the group ([`reduce_from_group`]) and the bias added once.
+pub fn row<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
+    let y = reduce_from_group(burn::tensor::module::linear(x, linear.weight.val(), None));
+    match &linear.bias {
+        Some(b) => y + b.val().unsqueeze(),
+        None => y,
+    }
+}
+
+/// [`column()`] on `[B, T, C]` as one product over its rows (`crate::modules::linear_rows`): on
+/// one device, the same bits as `linear_rows`.
+pub fn column_rows(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
+    crate::modules::linear_rows(linear, copy_to_group(x))
+}
+
+/// [`row()`] on `[B, T, C]` as one product over its rows; on one device `linear_rows` itself (the
+/// bias inside the product, as before).
+pub fn row_rows(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
+    if super::group::current().is_none() {
+        return crate::modules::linear_rows(linear, x);
+    }
+    let y = crate::modules::on_rows(x, |rows| {
+        crate::fused::linear(rows, linear.weight.val(), None)
+    });
+    let y = reduce_from_group(y);
+    match &linear.bias {
+        Some(b) => y + b.val().unsqueeze(),
+        None => y,
+    }
+}
