@@ -46,8 +46,10 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
 /// Builds `train` (and, with `example`, the `allreduce` example) with the `mpi` feature and
 /// returns the binary's path.
 pub fn built_mpi_train(root: &Path, example: bool) -> Result<std::path::PathBuf> {
-    let mut args = vec!["-p", "kiln", "--features", "mpi", "--bin", "train"];
+    let mut args = vec!["-p", "kiln", "--features", "kiln/mpi", "--bin", "train"];
     if example {
+        // The example is the engine's, beside its collectives.
+        args.extend(["-p", "kiln-engine", "--features", "kiln-engine/mpi"]);
         args.extend(["--example", "allreduce"]);
     }
     let release = build_release(root, &args, "kiln with the mpi feature")

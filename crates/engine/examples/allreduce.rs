@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use kiln::comm::{self, Processes, ReduceOp};
+use kiln_engine::comm::{self, Processes, ReduceOp};
 use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
