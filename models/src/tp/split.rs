@@ -127,7 +127,15 @@ pub fn column<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
 /// and the whole bias; `x` is this rank's part of the input (a column-parallel output). The
 /// products are summed over the group ([`reduce_from_group`]) and the bias added once.
 pub fn row<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
-    let y = reduce_from_group(burn::tensor::module::linear(x, linear.weight.val(), None));
+    summed_with_bias(
+        linear,
+        burn::tensor::module::linear(x, linear.weight.val(), None),
+    )
+}
+
+/// A row-parallel Linear's products `y` summed over the group, then its whole bias added once.
+fn summed_with_bias<const D: usize>(linear: &Linear, y: Tensor<D>) -> Tensor<D> {
+    let y = reduce_from_group(y);
     match &linear.bias {
         Some(b) => y + b.val().unsqueeze(),
         None => y,
@@ -149,9 +157,5 @@ pub fn row_rows(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
     let y = crate::modules::on_rows(x, |rows| {
         crate::fused::linear(rows, linear.weight.val(), None)
     });
-    let y = reduce_from_group(y);
-    match &linear.bias {
-        Some(b) => y + b.val().unsqueeze(),
-        None => y,
-    }
+    summed_with_bias(linear, y)
 }

@@ -116,7 +116,13 @@ fn one_device() -> Seen {
     );
     let x = input(&device);
     let y = second.forward(burn::tensor::activation::gelu(first.forward(x.clone())));
-    let grads = loss(y.clone(), &device).backward();
+    seen(&first, &second, &x, y, &device)
+}
+
+/// What the pair `first`, `second` gave: the output `y`, and after the loss's backward the
+/// gradients of the input `x` and of the Linears' weights and biases.
+fn seen(first: &Linear, second: &Linear, x: &Tensor<3>, y: Tensor<3>, device: &Device) -> Seen {
+    let grads = loss(y.clone(), device).backward();
     let grad = |p: &Param<Tensor<2>>| values(&p.grad(&grads).expect("a gradient"));
     let grad1 = |p: &Param<Tensor<1>>| values(&p.grad(&grads).expect("a gradient"));
     Seen {
@@ -162,19 +168,7 @@ fn tensor_parallel(size: usize) -> Vec<Seen> {
                     assert_eq!(place(), (rank, size));
                     let h = burn::tensor::activation::gelu(column(&first, x.clone()));
                     let y = row(&second, h);
-                    let grads = loss(y.clone(), &device).backward();
-                    let grad = |p: &Param<Tensor<2>>| values(&p.grad(&grads).expect("a gradient"));
-                    let grad1 = |p: &Param<Tensor<1>>| values(&p.grad(&grads).expect("a gradient"));
-                    Seen {
-                        y: values(&y),
-                        dx: values(&x.grad(&grads).expect("a gradient")),
-                        params: [
-                            grad(&first.weight),
-                            grad1(first.bias.as_ref().unwrap()),
-                            grad(&second.weight),
-                            grad1(second.bias.as_ref().unwrap()),
-                        ],
-                    }
+                    seen(&first, &second, &x, y, &device)
                 })
             })
         })
