@@ -382,4 +382,19 @@ fn version_completions_and_manual_page() {
     assert!(out.status.success());
     let man = String::from_utf8_lossy(&out.stdout);
     assert!(man.contains(".TH train") && man.contains("launch"), "{man}");
+    // A reader that closes its end at once (`| grep -q`, `| head -1`) ends the output quietly.
+    for args in [["completions", "bash"], ["man", ""]] {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+            .args(args.iter().filter(|a| !a.is_empty()))
+            .current_dir(&dir)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
 }

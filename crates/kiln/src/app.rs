@@ -332,6 +332,22 @@ impl<'a> App<'a> {
         }
     }
 
+    /// Writes the completion script for `shell` to standard output.
+    fn print_completions(&self, shell: clap_complete::Shell) -> i32 {
+        // Made in memory first: clap_complete panics on a failed write.
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut self.command_line(), self.name, &mut script);
+        match std::io::Write::write_all(&mut std::io::stdout(), &script) {
+            Ok(()) => 0,
+            // A reader that went away (`train completions bash | grep -q …`) ends it.
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => 0,
+            Err(e) => {
+                eprintln!("error: cannot write the completion script: {e}");
+                2
+            }
+        }
+    }
+
     /// Parses `args` (the program's name first).
     pub fn parse<I, T>(&self, args: I) -> std::result::Result<AppArgs, clap::Error>
     where
@@ -481,10 +497,7 @@ impl<'a> App<'a> {
             Some(AppCommand::Checkpoints(run)) => return crate::cli::print_checkpoints(&run.run),
             Some(AppCommand::Launch(launch)) => return crate::launcher::run(launch),
             Some(AppCommand::Completions { shell }) => {
-                let mut command = self.command_line();
-                let mut out = std::io::stdout();
-                clap_complete::generate(*shell, &mut command, self.name, &mut out);
-                return 0;
+                return self.print_completions(*shell);
             }
             Some(AppCommand::Man) => return self.print_man(),
             Some(AppCommand::Eval(eval)) => {
