@@ -146,6 +146,12 @@ impl Activation {
 /// synchronised BatchNorm, ZeRO-3, pipeline stages) refuse such a model at start, so the other
 /// methods' defaults are never called.
 pub trait BlockStack<B>: TrainStep<B> {
+    /// How the model is cut over a tensor-parallel group (`parallel.tp`), if it says: `None`,
+    /// the default, refuses `tp > 1` in one line. A model that implements
+    /// [`crate::tp::TensorParallel`] returns `Some(self)`.
+    fn tensor_parallel(&self) -> Option<&dyn crate::tp::TensorParallel> {
+        None
+    }
     /// Number of blocks. Default 0: the model describes no stack.
     fn num_blocks(&self) -> usize {
         0

@@ -381,6 +381,10 @@ impl crate::tp::TensorParallel for Gpt {
 }
 
 impl BlockStack<TokenBatch> for Gpt {
+    fn tensor_parallel(&self) -> Option<&dyn crate::tp::TensorParallel> {
+        Some(self)
+    }
+
     fn num_blocks(&self) -> usize {
         self.blocks.len()
     }

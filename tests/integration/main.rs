@@ -27,6 +27,7 @@ mod plan;
 mod policies;
 mod robust;
 mod runlock;
+mod tp;
 mod training;
 mod wgpu;
 mod zero;

@@ -63,6 +63,9 @@ impl CoreSplit {
         if processes > 1 {
             return Self::off("several processes share the machine's cores".into());
         }
+        if config.parallel.tp > 1 {
+            return Self::off("tensor parallelism splits the model over devices".into());
+        }
         let asked = config.strategy.name.resolve(devices);
         let Some(strategy) = crate::strategy::rules(asked).core_split() else {
             return Self::off(format!(

@@ -180,8 +180,10 @@ pub struct Summary {
     pub params_trainable: usize,
     /// Parameters of the model (elements; frozen weights and adapters included).
     pub params_total: usize,
-    /// Parallel strategy.
+    /// Parallel strategy (of the data dimension, under tensor parallelism).
     pub strategy: String,
+    /// Ranks of one tensor-parallel group (`parallel.tp`; 1: none).
+    pub tp: usize,
     /// Numeric precision.
     pub precision: String,
     /// Accelerator the replicas ran on.

@@ -21,6 +21,11 @@ pub struct Flags {
     /// Parallel strategy.
     #[arg(long, value_enum)]
     pub strategy: Option<StrategyKind>,
+    /// The device mesh: `tp=2` (tensor-parallel ranks per group), `dp=2,tp=2` (dp checked
+    /// against the devices), `shard=3` (the data dimension's ZeRO stage), `pp=2` (pipeline
+    /// stages); the `[parallel]` keys.
+    #[arg(long, value_name = "DIM=N,...")]
+    pub mesh: Option<String>,
     /// Kind of device.
     #[arg(long, value_enum)]
     pub accelerator: Option<Accelerator>,
@@ -237,9 +242,13 @@ impl Flags {
         origin: &mut kiln_engine::config::Origin,
         run_dir: Option<&std::path::Path>,
     ) -> Result<()> {
-        let flag_of: [(&str, &str); 13] = [
+        let flag_of: [(&str, &str); 17] = [
             ("hardware.devices", "--devices"),
             ("strategy.name", "--strategy"),
+            ("parallel.dp", "--mesh"),
+            ("parallel.tp", "--mesh"),
+            ("parallel.pp", "--mesh"),
+            ("parallel.shard", "--mesh"),
             ("hardware.accelerator", "--accelerator"),
             ("precision.mode", "--precision"),
             ("recompute.mode", "--recompute"),
@@ -274,6 +283,11 @@ impl Flags {
         }
         if let Some(s) = self.strategy {
             set("strategy.name", enum_value(&s));
+        }
+        if let Some(m) = &self.mesh {
+            for (dim, n) in parse_mesh(m)? {
+                set(&format!("parallel.{dim}"), toml::Value::Integer(n));
+            }
         }
         if let Some(a) = self.accelerator {
             set("hardware.accelerator", enum_value(&a));
@@ -321,6 +335,37 @@ impl Flags {
 
 fn enum_value<T: serde::Serialize>(v: &T) -> toml::Value {
     toml::Value::try_from(v).expect("enums serialise to strings")
+}
+
+/// `--mesh dp=2,tp=2`: each dimension named once, with its size.
+fn parse_mesh(raw: &str) -> Result<Vec<(&'static str, i64)>> {
+    let mut dims: Vec<(&'static str, i64)> = Vec::new();
+    for part in raw.split(',').map(str::trim) {
+        let bad = |why: &str| {
+            Error::config(format!(
+                "--mesh {raw:?}: {why}; expected DIM=N pairs separated by commas, DIM one of \
+                 dp, tp, pp, shard (e.g. dp=2,tp=2)"
+            ))
+        };
+        let (dim, n) = part
+            .split_once('=')
+            .ok_or_else(|| bad(&format!("{part:?} has no `=`")))?;
+        let dim = ["dp", "tp", "pp", "shard"]
+            .into_iter()
+            .find(|d| *d == dim.trim())
+            .ok_or_else(|| bad(&format!("{:?} is not a dimension", dim.trim())))?;
+        let n: i64 = n
+            .trim()
+            .parse()
+            .ok()
+            .filter(|n| *n >= 0)
+            .ok_or_else(|| bad(&format!("{dim}={:?} is not a count", n.trim())))?;
+        if dims.iter().any(|(d, _)| *d == dim) {
+            return Err(bad(&format!("{dim} is given twice")));
+        }
+        dims.push((dim, n));
+    }
+    Ok(dims)
 }
 
 /// `--recompute none|balanced|blocks|blocks:every=K`: the mode and K when given.

@@ -4,7 +4,7 @@
 use burn::module::{Module, ModuleMapper, Param};
 use burn::prelude::*;
 
-use super::split::{Split, part_of};
+use super::split::Split;
 
 /// What a model says to run tensor-parallel: how each parameter is cut over the group
 /// ([`Split`], by the parameter's path), and what it cannot be cut into. Its forward calls
@@ -38,70 +38,117 @@ pub trait TensorParallel {
     }
 }
 
+/// Each float parameter's path and split under `tp`, in module order.
+pub fn splits_of<M: Module>(model: &M, tp: &dyn TensorParallel) -> Vec<(String, Split)> {
+    crate::modules::param_paths(model)
+        .into_iter()
+        .map(|path| {
+            let split = tp.tp_split(&path);
+            (path, split)
+        })
+        .collect()
+}
+
 /// `model` made into rank `rank`'s part in a group of `size`: every parameter cut as
 /// [`TensorParallel::tp_split`] says, keeping its id (so a parameter is the same one on every
 /// rank, as on one device). Refused as `tp_check` refuses, or naming the parameter whose shape
 /// does not divide.
 pub fn cut<M: Module + TensorParallel>(model: M, rank: usize, size: usize) -> Result<M, String> {
     model.tp_check(size)?;
+    let splits = splits_of(&model, &model);
+    cut_by(model, &splits, rank, size)
+}
+
+/// [`cut`] with the splits given ([`splits_of`]): a model whose split another value says.
+pub fn cut_by<M: Module>(
+    model: M,
+    splits: &[(String, Split)],
+    rank: usize,
+    size: usize,
+) -> Result<M, String> {
     if size == 1 {
         return Ok(model);
     }
-    let splits: Vec<(String, Split)> = crate::modules::param_paths(&model)
-        .into_iter()
-        .map(|path| {
-            let split = model.tp_split(&path);
-            (path, split)
-        })
-        .collect();
-    let mut cutter = Cutter {
-        splits: splits.into_iter(),
-        rank,
-        size,
+    reshape(model, splits, &mut |_, split, values, shape| {
+        super::split::part_of_values(&values, shape, split, rank, size)
+    })
+}
+
+/// What [`reshape`] does with a cut parameter: its path, split, values (in f32, row-major) and
+/// shape in, its new values and shape out.
+pub type Reshape<'f> =
+    dyn FnMut(&str, Split, Vec<f32>, &[usize]) -> Result<(Vec<f32>, Vec<usize>), String> + 'f;
+
+/// `model` with every parameter whose split is not [`Split::Whole`] replaced by what `f`
+/// makes of it (a rank's part of the whole, the whole from the parts), in the parameter's
+/// dtype and on its device, its id and whether it trains kept; `f` is called in module order,
+/// on every parameter cut. The parts are leaves of their own (no op of autodiff's graph behind
+/// them). An error of `f` names the parameter.
+pub fn reshape<M: Module>(
+    model: M,
+    splits: &[(String, Split)],
+    f: &mut Reshape<'_>,
+) -> Result<M, String> {
+    let mut mapper = Reshaper {
+        splits: splits.iter(),
+        f,
         failed: None,
     };
-    let model = model.map(&mut cutter);
-    match cutter.failed {
+    let model = model.map(&mut mapper);
+    match mapper.failed {
         Some(e) => Err(e),
         None => Ok(model),
     }
 }
 
-/// Cuts each float parameter, in module order, as its path's split says.
-struct Cutter {
-    splits: std::vec::IntoIter<(String, Split)>,
-    rank: usize,
-    size: usize,
+/// Reshapes each float parameter, in module order, as its path's split says.
+struct Reshaper<'s, 'f, 'g> {
+    splits: std::slice::Iter<'s, (String, Split)>,
+    f: &'f mut Reshape<'g>,
     failed: Option<String>,
 }
 
-impl ModuleMapper for Cutter {
+impl ModuleMapper for Reshaper<'_, '_, '_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let Some((path, split)) = self.splits.next() else {
             return param;
         };
-        let (rank, size) = (self.rank, self.size);
+        if *split == Split::Whole || self.failed.is_some() {
+            return param;
+        }
         let mut failed = None;
+        let f = &mut self.f;
         let param = param.map(|t| {
-            // The part is a leaf of its own (its values, not an op on the whole), tracked as
-            // the whole was.
             let tracked = t.is_require_grad();
-            match part_of(t.clone().detach(), split, rank, size) {
-                Ok(part) => leaf(part).set_require_grad(tracked),
+            let device = t.device();
+            let dtype = burn::tensor::FloatDType::from(t.dtype());
+            let shape = t.dims().to_vec();
+            let values = match t.clone().detach().try_into_vec_as::<f32>() {
+                Ok(v) => v,
+                Err(e) => {
+                    failed = Some(format!("parameter `{path}`: its values: {e:?}"));
+                    return t;
+                }
+            };
+            match f(path, *split, values, &shape) {
+                Ok((values, shape)) => {
+                    Tensor::<D>::from_data(TensorData::new(values, shape), &device)
+                        .cast(dtype)
+                        .set_require_grad(tracked)
+                }
                 Err(e) => {
                     failed = Some(format!("parameter `{path}`: {e}"));
                     t
                 }
             }
         });
-        if self.failed.is_none() {
-            self.failed = failed;
-        }
+        self.failed = failed;
         param
     }
 }
 
 /// `t`'s values as a tensor of their own on its device: no op of autodiff's graph behind it.
+#[cfg(test)]
 pub(super) fn leaf<const D: usize>(t: Tensor<D>) -> Tensor<D> {
     let device = t.device();
     Tensor::from_data(t.into_data(), &device)

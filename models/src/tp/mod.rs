@@ -26,7 +26,10 @@ mod split;
 #[cfg(test)]
 mod tests;
 
-pub use cut::{TensorParallel, cut};
+pub use cut::{Reshape, TensorParallel, cut, cut_by, reshape, splits_of};
 pub use group::{GroupHandle, TpGroup, current, place, with_group};
 pub use ops::{TpOps, copy_to_group, reduce_from_group};
-pub use split::{Split, column, column_rows, part_of, row, row_rows, split_range, whole_of};
+pub use split::{
+    Split, column, column_rows, part_of, part_of_values, row, row_rows, split_range, whole_of,
+    whole_of_values,
+};

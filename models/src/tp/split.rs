@@ -116,6 +116,86 @@ pub fn whole_of<const D: usize>(parts: Vec<Tensor<D>>, split: Split) -> Result<T
     Ok(Tensor::cat(blocks, dim))
 }
 
+/// `(outer, n, inner)` of `shape` around dimension `dim`: the elements before it, its length,
+/// and the elements after it, so that element `(o, i, j)` sits at `(o * n + i) * inner + j`.
+fn around(shape: &[usize], dim: usize) -> Result<(usize, usize, usize), String> {
+    if dim >= shape.len() {
+        return Err(format!("dimension {dim} of a tensor of {}", shape.len()));
+    }
+    Ok((
+        shape[..dim].iter().product(),
+        shape[dim],
+        shape[dim + 1..].iter().product(),
+    ))
+}
+
+/// [`part_of`] on a tensor's values in row-major order, `shape` its shape: rank `rank`'s part
+/// and the part's shape.
+pub fn part_of_values(
+    values: &[f32],
+    shape: &[usize],
+    split: Split,
+    rank: usize,
+    size: usize,
+) -> Result<(Vec<f32>, Vec<usize>), String> {
+    let Split::Parts { dim, groups } = split else {
+        return Ok((values.to_vec(), shape.to_vec()));
+    };
+    let (outer, n, inner) = around(shape, dim)?;
+    if values.len() != outer * n * inner {
+        return Err(format!("{} values for a shape {shape:?}", values.len()));
+    }
+    let ranges = ranges(n, groups, rank, size)?;
+    let held: usize = ranges.iter().map(|r| r.len()).sum();
+    let mut out = Vec::with_capacity(outer * held * inner);
+    for o in 0..outer {
+        for r in &ranges {
+            out.extend_from_slice(&values[(o * n + r.start) * inner..(o * n + r.end) * inner]);
+        }
+    }
+    let mut part_shape = shape.to_vec();
+    part_shape[dim] = held;
+    Ok((out, part_shape))
+}
+
+/// [`whole_of`] on values: the whole tensor's values and shape from every rank's part
+/// (`parts[r]` rank `r`'s, each of shape `part_shape`).
+pub fn whole_of_values(
+    parts: &[Vec<f32>],
+    part_shape: &[usize],
+    split: Split,
+) -> Result<(Vec<f32>, Vec<usize>), String> {
+    let Split::Parts { dim, groups } = split else {
+        let first = parts.first().ok_or_else(|| "no part".to_string())?;
+        return Ok((first.clone(), part_shape.to_vec()));
+    };
+    let size = parts.len();
+    let (outer, n, inner) = around(part_shape, dim)?;
+    if groups == 0 || !n.is_multiple_of(groups) {
+        return Err(format!("a part of {n} is not {groups} equal blocks"));
+    }
+    if let Some(p) = parts.iter().find(|p| p.len() != outer * n * inner) {
+        return Err(format!(
+            "a part of {} values for a shape {part_shape:?}",
+            p.len()
+        ));
+    }
+    let piece = n / groups;
+    let mut out = Vec::with_capacity(outer * n * inner * size);
+    for o in 0..outer {
+        // Block g of the whole is every rank's piece g, in rank order.
+        for g in 0..groups {
+            for part in parts {
+                let at = (o * n + g * piece) * inner;
+                out.extend_from_slice(&part[at..at + piece * inner]);
+            }
+        }
+    }
+    let mut shape = part_shape.to_vec();
+    shape[dim] = n * size;
+    Ok((out, shape))
+}
+
 /// A column-parallel Linear: `linear` holds this rank's output columns (`Split::columns` of
 /// the weight, `Split::first` of the bias); the input passes [`copy_to_group`], so its
 /// gradient is the group's sum. The output is this rank's part.

@@ -395,3 +395,44 @@ fn the_gpt_cut_over_two_and_four_ranks_gives_one_devices_logits_and_gradients() 
             .contains("model.gpt.dropout = 0.1")
     );
 }
+
+/// The host forms of a part and of the whole are the tensor forms' values, for a split along
+/// each dimension and in blocks, and the whole comes back from the parts.
+#[test]
+fn parts_of_values_are_the_parts_of_tensors() {
+    let device = Device::flex();
+    let shape = [4usize, 6, 3];
+    let n: usize = shape.iter().product();
+    let all: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let whole = Tensor::<3>::from_data(TensorData::new(all.clone(), shape), &device);
+    for split in [
+        Split::Whole,
+        Split::ROWS,
+        Split::columns(1),
+        Split::columns(3),
+        Split::Parts { dim: 2, groups: 1 },
+    ] {
+        let size = match split {
+            Split::Parts { dim: 2, .. } => 3,
+            _ => 2,
+        };
+        let mut parts = Vec::new();
+        let mut part_shape = Vec::new();
+        for rank in 0..size {
+            let (values, s) = part_of_values(&all, &shape, split, rank, size).unwrap();
+            let tensor = part_of(whole.clone(), split, rank, size).unwrap();
+            assert_eq!(s, tensor.dims().to_vec(), "{split:?} rank {rank}");
+            assert_eq!(
+                values,
+                tensor.try_into_vec_as::<f32>().unwrap(),
+                "{split:?}"
+            );
+            parts.push(values);
+            part_shape = s;
+        }
+        let (back, s) = whole_of_values(&parts, &part_shape, split).unwrap();
+        assert_eq!((back, s), (all.clone(), shape.to_vec()), "{split:?}");
+    }
+    let e = part_of_values(&all, &shape, Split::columns(1), 0, 4).unwrap_err();
+    assert!(e.contains("6") && e.contains("4"), "{e}");
+}

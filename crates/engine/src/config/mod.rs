@@ -26,8 +26,8 @@ pub use optim::{
 };
 pub use overrides::{Origin, apply_override, read_source, read_table, section, with_origin};
 pub use parallel::{
-    DdpConfig, DilocoConfig, DistConfig, Overlap, PipelineConfig, PipelineSchedule, StrategyConfig,
-    StrategyKind,
+    DdpConfig, DilocoConfig, DistConfig, Overlap, ParallelConfig, PipelineConfig, PipelineSchedule,
+    StrategyConfig, StrategyKind,
 };
 pub use precision::{
     PrecisionConfig, PrecisionMode, RecomputeConfig, RecomputeMode, ReduceDtype, ScalerKind,

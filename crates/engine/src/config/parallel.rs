@@ -55,6 +55,99 @@ pub struct StrategyConfig {
     pub name: StrategyKind,
 }
 
+/// `[parallel]`: the device mesh — data × tensor × pipeline ranks. Ranks are laid out with the
+/// tensor-parallel groups innermost: ranks `g·tp .. (g+1)·tp` are one group, the neighbouring
+/// devices of one process (under MPI, one process's devices where `tp` divides them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelConfig {
+    /// Data-parallel replicas. Left out, it is what the devices leave: `devices / (tp × pp)`;
+    /// given, it must be that.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp: Option<usize>,
+    /// Tensor-parallel ranks: each Linear pair of a block split over `tp` neighbouring devices
+    /// (Megatron's column- and row-parallel Linears), for a model that says how it is cut.
+    /// Default 1.
+    pub tp: usize,
+    /// Pipeline stages: the same as `pipeline.stages` with `strategy.name = "pipeline"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pp: Option<usize>,
+    /// How the data dimension shards the model: the ZeRO stage, 0 (`ddp`: nothing sharded)
+    /// to 3 (`zero3`: parameters, gradients and optimizer state); the same as naming the
+    /// strategy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard: Option<u8>,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self {
+            dp: None,
+            tp: 1,
+            pp: None,
+            shard: None,
+        }
+    }
+}
+
+impl ParallelConfig {
+    /// Rejects a dimension of 0 and a stage past 3.
+    pub fn check(&self) -> Result<()> {
+        if self.tp == 0 {
+            return bad("parallel.tp", "must be at least 1, got 0".into());
+        }
+        if self.dp == Some(0) {
+            return bad("parallel.dp", "must be at least 1, got 0".into());
+        }
+        if self.pp == Some(0) {
+            return bad("parallel.pp", "must be at least 1, got 0".into());
+        }
+        if let Some(s) = self.shard
+            && s > 3
+        {
+            return bad(
+                "parallel.shard",
+                format!("is a ZeRO stage, 0 (ddp) to 3 (zero3), got {s}"),
+            );
+        }
+        Ok(())
+    }
+
+    /// The strategy the data and pipeline dimensions name (`parallel.shard`, `parallel.pp`)
+    /// beside `named` (`strategy.name`), or why they disagree.
+    pub fn strategy(&self, named: StrategyKind) -> Result<StrategyKind> {
+        let by_shard = self.shard.map(|s| match s {
+            0 => StrategyKind::Auto,
+            1 => StrategyKind::Zero1,
+            2 => StrategyKind::Zero2,
+            _ => StrategyKind::Zero3,
+        });
+        let by_pp = self.pp.filter(|&s| s > 1).map(|_| StrategyKind::Pipeline);
+        let mut kind = named;
+        for (key, implied) in [("parallel.shard", by_shard), ("parallel.pp", by_pp)] {
+            let Some(implied) = implied else { continue };
+            let agrees = kind == StrategyKind::Auto
+                || kind == implied
+                || (implied == StrategyKind::Auto
+                    && matches!(kind, StrategyKind::Single | StrategyKind::Ddp));
+            if !agrees {
+                bad(
+                    key,
+                    format!(
+                        "names the strategy {:?}, but the strategy is already {:?}; give one",
+                        name_of(&implied),
+                        name_of(&kind)
+                    ),
+                )?;
+            }
+            if kind == StrategyKind::Auto {
+                kind = implied;
+            }
+        }
+        Ok(kind)
+    }
+}
+
 /// The order in which a pipeline stage runs its micro-batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

@@ -13,7 +13,9 @@ use super::optim::{
     GroupConfig, OptimConfig, OptimizerKind, ScheduleConfig, check_optim, is_group_name,
 };
 use super::overrides::{Origin, read_source};
-use super::parallel::{DdpConfig, DilocoConfig, DistConfig, PipelineConfig, StrategyConfig};
+use super::parallel::{
+    DdpConfig, DilocoConfig, DistConfig, ParallelConfig, PipelineConfig, StrategyConfig,
+};
 use super::precision::{PrecisionConfig, PrecisionMode, RecomputeConfig, RecomputeMode};
 use super::train::{LoaderConfig, RunConfig, TrainConfig};
 use crate::error::{Error, Result};
@@ -35,6 +37,8 @@ pub struct RootConfig {
     pub hardware: HardwareConfig,
     /// How one step's work is split across the devices.
     pub strategy: StrategyConfig,
+    /// The device mesh: data × tensor × pipeline ranks.
+    pub parallel: ParallelConfig,
     /// Pipeline parallelism (with `strategy.name = "pipeline"`).
     pub pipeline: PipelineConfig,
     /// DiLoCo's outer loop (with `strategy.name = "diloco"`).
@@ -87,14 +91,35 @@ impl RootConfig {
     pub fn from_source(mut table: toml::Table, origin: &Origin) -> Result<Self> {
         inherit_group_sections(&mut table);
         let de = toml::Value::Table(table);
-        let config: RootConfig = serde_path_to_error::deserialize(de.clone()).map_err(|e| {
+        let mut config: RootConfig = serde_path_to_error::deserialize(de.clone()).map_err(|e| {
             let path = e.path().to_string();
             let inner = refusal::<RootConfig>(&de, &path, &one_line(e.inner()));
             Error::config(format!("{}: key `{path}`: {inner}", origin.of(&path)))
         })?;
+        config.mesh_names().map_err(|e| origin.name(e))?;
         // A value that parses but cannot work names its source too.
         config.validate().map_err(|e| origin.name(e))?;
         Ok(config)
+    }
+
+    /// The strategy and stages that `[parallel]`'s `shard` and `pp` name, written into
+    /// `strategy.name` and `pipeline.stages`, so that everything downstream reads one value.
+    fn mesh_names(&mut self) -> Result<()> {
+        self.parallel.check()?;
+        self.strategy.name = self.parallel.strategy(self.strategy.name)?;
+        if let Some(pp) = self.parallel.pp {
+            if self.pipeline.stages != 1 && self.pipeline.stages != pp {
+                return bad(
+                    "parallel.pp",
+                    format!(
+                        "is {pp}, but pipeline.stages is {}; give one",
+                        self.pipeline.stages
+                    ),
+                );
+            }
+            self.pipeline.stages = pp;
+        }
+        Ok(())
     }
 
     /// Rejects values that parse but cannot work, naming the key: each section's own checks,

@@ -298,11 +298,16 @@ impl FlatLayout {
     /// Per-element weight-decay flags of one shard (`true` where decay applies; padding
     /// never decays).
     pub fn shard_decay_mask(&self, rank: usize) -> Vec<bool> {
+        self.shard_mask(rank, |e| e.decay)
+    }
+
+    /// Which elements of shard `rank` belong to a parameter for which `pick` holds.
+    pub fn shard_mask(&self, rank: usize, pick: impl Fn(&Entry) -> bool) -> Vec<bool> {
         let mut mask = vec![false; self.shard_len];
         for (u, unit) in self.units.iter().enumerate() {
             let piece = self.piece_range(u, rank);
             for e in &self.entries[unit.entries.clone()] {
-                if !e.decay {
+                if !pick(e) {
                     continue;
                 }
                 let lo = e.offset.max(piece.start);

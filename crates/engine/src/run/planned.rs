@@ -18,6 +18,13 @@ pub(super) fn print<W: Workload>(
     json: bool,
 ) -> Result<RunResult> {
     let (devices, accelerator) = (target.devices, target.accelerator);
+    if config.parallel.tp > 1 {
+        return Err(crate::error::Error::config(format!(
+            "key `parallel.tp`: the planner weighs strategies on whole replicas and does not yet \
+             weigh tensor-parallel meshes (parallel.tp = {}); plan with parallel.tp = 1",
+            config.parallel.tp
+        )));
+    }
     let all = plan(workload, config, target, Scope::All)?;
     if crate::comm::processes().index == 0 {
         if json {
@@ -100,6 +107,15 @@ pub(super) fn settle<W: Workload>(
         words: None,
     };
     if evaluate {
+        return Ok(settled);
+    }
+    if config.parallel.tp > 1 {
+        // The planner weighs strategies on whole replicas; a mesh runs as asked.
+        settled.words = Some(format!(
+            "parallel.tp = {}: the mesh runs as asked (the planner does not yet weigh \
+             tensor-parallel meshes)",
+            config.parallel.tp
+        ));
         return Ok(settled);
     }
     match auto(workload, config, target, buffers)? {

@@ -191,6 +191,8 @@ fn prepare<W: Workload>(
     let probe = kiln_models::with_rng(|| {
         kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
     });
+    // Under tensor parallelism a rank holds its part: the memory line counts that.
+    let probe = crate::strategy::rank_part::<W::Batch, _>(probe, config.parallel.tp);
     let facts = ModelFacts::of::<W::Batch, _>(&probe);
     drop(probe);
     // A CPU device runs as per-core sub-replicas where they fit the strategy and the model.

@@ -35,6 +35,30 @@ pub struct Context<'a> {
     /// The optimizer of each parameter group of a model with several (by group name; a group
     /// not here uses `optim`).
     pub group_optims: std::collections::BTreeMap<String, OptimConfig>,
+    /// The rank's tensor-parallel group, where it has one: `comm` is then the data-parallel
+    /// group of the rank's place in it, and the model the rank's part.
+    pub tp: Option<TpPlace<'a>>,
+}
+
+/// A rank's tensor-parallel group as its strategy sees it: the group, and which parameters
+/// are cut over it (by path; the others are whole on every rank of the group).
+#[derive(Clone)]
+pub struct TpPlace<'a> {
+    /// The group: the neighbouring ranks that hold the other parts.
+    pub comm: &'a dyn Collective,
+    /// The same group as the model's forward sees it.
+    pub group: std::sync::Arc<super::tp::TpComm>,
+    /// Each float parameter's path and split, in module order.
+    pub splits: std::sync::Arc<Vec<(String, kiln_models::tp::Split)>>,
+}
+
+impl TpPlace<'_> {
+    /// Whether the parameter at `path` is cut over the group (not whole on every rank).
+    pub fn is_cut(&self, path: &str) -> bool {
+        self.splits
+            .iter()
+            .any(|(p, s)| p == path && *s != kiln_models::tp::Split::Whole)
+    }
 }
 
 impl<'a> Context<'a> {
@@ -59,6 +83,7 @@ impl<'a> Context<'a> {
             overlap: setup.overlap,
             optim,
             group_optims,
+            tp: None,
         }
     }
 }

@@ -63,6 +63,18 @@ pub(crate) struct RankKit<'a> {
     /// Whether the last optimizer step was refused for a non-finite gradient (no scaler).
     pub nonfinite: bool,
     sync_seconds: f64,
+    /// The rank's tensor-parallel group, where it has one.
+    tp: Option<TpNorm<'a>>,
+}
+
+/// What the step asks of a tensor-parallel group: the overflow flag and the gradient's norm
+/// over the whole model, each rank's parts counted once and the parameters every rank holds
+/// whole counted once among them.
+struct TpNorm<'a> {
+    comm: &'a dyn Collective,
+    /// Per element of the rank's shard: 1 for a part of a cut parameter, `1 / tp` for a
+    /// parameter whole on every rank of the group (its gradient is the same on each).
+    weights: Tensor<1>,
 }
 
 impl<'a> RankKit<'a> {
@@ -81,6 +93,19 @@ impl<'a> RankKit<'a> {
         let inner = ctx.device.clone().without_autodiff();
         let optimizer =
             FlatOptimizer::new(&ctx.optim, &layout.shard_decay_mask(rank), master, &inner);
+        let tp = ctx.tp.as_ref().map(|place| {
+            let whole = 1.0 / place.comm.world_size() as f32;
+            let weights: Vec<f32> = layout
+                .shard_mask(rank, |e| place.is_cut(&e.path))
+                .into_iter()
+                .map(|cut| if cut { 1.0 } else { whole })
+                .collect();
+            let n = weights.len();
+            TpNorm {
+                comm: place.comm,
+                weights: Tensor::<1>::from_data(TensorData::new(weights, [n]), &inner),
+            }
+        });
         Self {
             comm,
             device: ctx.device,
@@ -96,6 +121,7 @@ impl<'a> RankKit<'a> {
             memory: Memory::default(),
             nonfinite: false,
             sync_seconds: 0.0,
+            tp,
         }
     }
 
@@ -285,6 +311,11 @@ impl<'a> RankKit<'a> {
         let total: f32 = grads.clone().abs().sum().into_scalar();
         let mut flag = vec![f32::from(u8::from(!total.is_finite()))];
         self.timed(|c| c.all_reduce(&mut flag, ReduceOp::Sum))?;
+        let tp = self.tp.as_ref().map(|t| (t.comm, t.weights.clone()));
+        if let Some((group, _)) = &tp {
+            // The other parts of the model are the other ranks' of the group.
+            self.timed(|_| group.all_reduce(&mut flag, ReduceOp::Sum))?;
+        }
         let finite = flag[0] == 0.0;
         self.nonfinite = !finite && scaler.is_none();
         if let Some(sc) = scaler {
@@ -294,7 +325,22 @@ impl<'a> RankKit<'a> {
         } else if !finite {
             return Ok(None);
         }
-        if let Some(max) = clip {
+        if let (Some(max), Some((group, weights))) = (clip, tp) {
+            // The squares of the rank's shard, then of every shard of its part, then of
+            // every part; what every rank holds whole is weighted to count once.
+            let _ = norm;
+            let mut squares = vec![
+                (grads.clone().square() * weights)
+                    .sum()
+                    .into_scalar::<f32>(),
+            ];
+            if self.layout.shards > 1 {
+                self.timed(|c| c.all_reduce(&mut squares, ReduceOp::Sum))?;
+            }
+            self.timed(|_| group.all_reduce(&mut squares, ReduceOp::Sum))?;
+            let factor = (max as f32 / (squares[0].sqrt() + 1e-6)).min(1.0);
+            grads = grads.mul_scalar(factor);
+        } else if let Some(max) = clip {
             // On the device: the factor is a tensor, never read back.
             let factor = |whole: Tensor<1>| {
                 let total = whole.square().sum();

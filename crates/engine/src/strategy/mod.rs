@@ -44,12 +44,14 @@ mod replica;
 mod rules;
 pub mod single;
 mod step;
+mod tp;
 pub mod zero1;
 pub mod zero2;
 pub mod zero3;
 
-pub use context::Context;
+pub use context::{Context, TpPlace};
 pub use memory::{Counter, Memory};
 pub use registry::{all_rules, build, rules};
 pub use rules::{Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, block_ids};
 pub use step::{Report, Strategy};
+pub use tp::{TpComm, rank_part};

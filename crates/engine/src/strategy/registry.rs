@@ -9,6 +9,7 @@ use super::kit::RankKit;
 use super::replica::Replicated;
 use super::rules::{Rules, Setup, block_ids};
 use super::step::Strategy;
+use super::tp::TpRank;
 use super::{ddp, diloco, groups, pipeline, single, zero1, zero2, zero3};
 use crate::config::{RootConfig, StrategyKind, name_of};
 use crate::error::{Error, Result};
@@ -44,6 +45,32 @@ pub fn all_rules() -> [&'static dyn Rules; 7] {
 /// Builds strategy `kind` (resolved: not `auto`) for this rank around `model`, a full replica
 /// in its master dtype with rank 0's weights.
 pub fn build<'a, B: 'a, M>(
+    kind: StrategyKind,
+    model: M,
+    ctx: Context<'a>,
+) -> Result<Box<dyn Strategy<M, B> + 'a>>
+where
+    M: BlockStack<B> + Module + 'static,
+{
+    // Inside a tensor-parallel group: the strategy steps the rank's part, and the group
+    // gathers what leaves the rank.
+    let Some(place) = ctx.tp.clone() else {
+        return build_data(kind, model, ctx);
+    };
+    let (rank, size) = (place.comm.rank(), place.comm.world_size());
+    let part = kiln_models::tp::cut_by(model, &place.splits, rank, size)
+        .map_err(|e| Error::config(format!("key `parallel.tp`: {e}")))?;
+    let inner = build_data(kind, part, ctx)?;
+    Ok(Box::new(TpRank::new(
+        inner,
+        place.group,
+        place.comm,
+        place.splits,
+    )))
+}
+
+/// [`build`] for the data dimension: strategy `kind` over `ctx.comm` around `model`.
+fn build_data<'a, B: 'a, M>(
     kind: StrategyKind,
     model: M,
     ctx: Context<'a>,
@@ -101,13 +128,19 @@ where
 }
 
 impl Setup {
-    /// The setup `config` describes for `world` ranks (`auto` resolved by the world).
-    pub fn new(config: &RootConfig, world: usize) -> Self {
+    /// The setup `config` describes for `ranks` ranks (`auto` resolved by the ranks the
+    /// strategy spans: `ranks / parallel.tp`).
+    pub fn new(config: &RootConfig, ranks: usize) -> Self {
+        let tp = config.parallel.tp.max(1);
+        let world = (ranks / tp).max(1);
         let kind = config.strategy.name.resolve(world);
         Self {
             kind,
             rules: rules(kind),
             world,
+            tp,
+            ranks,
+            dp: config.parallel.dp,
             policy: Policy::new(&config.precision),
             recompute: config.recompute.clone(),
             ddp: config.ddp.clone(),

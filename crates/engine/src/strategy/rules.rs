@@ -250,8 +250,15 @@ pub struct Setup {
     pub kind: StrategyKind,
     /// Its rules, from the registry ([`rules`](crate::strategy::rules)).
     pub rules: &'static dyn Rules,
-    /// Number of ranks.
+    /// Ranks the strategy spans: every rank of the run over `tp` (one rank per tensor-parallel
+    /// group; all of them without one).
     pub world: usize,
+    /// Ranks of one tensor-parallel group (`parallel.tp`; 1: none).
+    pub tp: usize,
+    /// Every rank of the run.
+    pub ranks: usize,
+    /// The data-parallel replicas asked (`parallel.dp`), checked against what the ranks leave.
+    pub dp: Option<usize>,
     /// The precision policy.
     pub policy: Policy,
     /// Activation checkpointing.
@@ -277,8 +284,36 @@ impl Setup {
         name_of(&self.kind)
     }
 
-    /// Refuses what the strategy cannot run with these settings, whatever the model.
+    /// Refuses what the strategy cannot run with these settings, whatever the model: the mesh
+    /// first, then the strategy's rules.
     pub fn check(&self) -> Result<()> {
+        if !self.ranks.is_multiple_of(self.tp) {
+            return Err(Error::config(format!(
+                "key `parallel.tp`: {} tensor-parallel ranks per group must divide the run's {} \
+                ranks (devices × processes)",
+                self.tp, self.ranks
+            )));
+        }
+        if self.tp > 1 && matches!(self.kind, StrategyKind::Pipeline | StrategyKind::Diloco) {
+            return Err(Error::config(format!(
+                "key `parallel.tp`: tensor parallelism runs inside single, ddp and zero1-3; \
+                it is not composed with {:?} (set parallel.tp = 1, or another strategy)",
+                self.name()
+            )));
+        }
+        let replicas = self.world / self.stages();
+        if let Some(dp) = self.dp
+            && dp != replicas
+        {
+            return Err(Error::config(format!(
+                "key `parallel.dp`: is {dp}, but {} ranks with tp = {} and {} pipeline stages \
+                leave {replicas} data-parallel replicas; leave dp out to take what the \
+                devices leave",
+                self.ranks,
+                self.tp,
+                self.stages()
+            )));
+        }
         self.rules().check(self)
     }
 
@@ -313,9 +348,20 @@ impl Setup {
         self.rules().words(self)
     }
 
-    /// The start-up table's line for the strategy.
+    /// The start-up table's line for the strategy (and the tensor-parallel groups inside it).
     pub fn describe(&self) -> String {
-        self.rules().describe(self)
+        let line = self.rules().describe(self);
+        if self.tp > 1 {
+            format!(
+                "tensor parallelism in groups of {} neighbouring devices (each block's Linear \
+                 pairs split by columns, then rows), {} group{} under {line}",
+                self.tp,
+                self.world,
+                if self.world == 1 { "" } else { "s" }
+            )
+        } else {
+            line
+        }
     }
 
     /// The start-up table's words for activation checkpointing under this strategy.
@@ -326,6 +372,14 @@ impl Setup {
     /// The start-up table's words for how `per_step` samples make one step: `batch` per
     /// micro-batch, `accumulate` accumulation steps.
     pub fn batch_line(&self, batch: usize, accumulate: usize, per_step: usize) -> String {
+        if self.tp > 1 {
+            // Every rank of a tensor-parallel group takes its group's batch.
+            return format!(
+                "{batch} per tensor-parallel group of {} devices × {} groups × {accumulate} \
+                 accumulation = {per_step} per step",
+                self.tp, self.world
+            );
+        }
         self.rules().batch_line(self, batch, accumulate, per_step)
     }
 

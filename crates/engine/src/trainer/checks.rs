@@ -17,6 +17,7 @@ pub(super) fn check_model<B, M: BlockStack<B> + Module>(
     setup: &Setup,
 ) -> Result<()> {
     let facts = ModelFacts::of(model);
+    check_tp(model, &facts, setup)?;
     check_groups(model, &facts, s, setup)?;
     setup.policy.check_model(facts.buffers)?;
     let world = s.world();
@@ -46,6 +47,37 @@ pub(super) fn check_model<B, M: BlockStack<B> + Module>(
     }
     if facts.groups.is_empty() {
         setup.check_model(&facts)?;
+    }
+    Ok(())
+}
+
+/// Refuses a tensor-parallel group (`parallel.tp > 1`) to a model that does not say how it is
+/// cut, or cannot be cut over that many ranks, or steps several optimizers.
+fn check_tp<B, M: BlockStack<B> + Module>(
+    model: &M,
+    facts: &ModelFacts,
+    setup: &Setup,
+) -> Result<()> {
+    if setup.tp <= 1 {
+        return Ok(());
+    }
+    let Some(tp) = model.tensor_parallel() else {
+        return Err(Error::config(format!(
+            "key `parallel.tp`: {} tensor-parallel ranks need a model that says how its \
+             Linears are cut (column or row: kiln_models::tp::TensorParallel, returned by its \
+             BlockStack::tensor_parallel); this model says nothing, so set parallel.tp = 1",
+            setup.tp
+        )));
+    };
+    tp.tp_check(setup.tp)
+        .map_err(|e| Error::config(format!("key `parallel.tp`: {e}")))?;
+    if !facts.groups.is_empty() {
+        return Err(Error::config(format!(
+            "key `parallel.tp`: this model steps {} optimizers ({}), which tensor parallelism \
+             does not run; set parallel.tp = 1",
+            facts.groups.len(),
+            facts.groups.join(", ")
+        )));
     }
     Ok(())
 }

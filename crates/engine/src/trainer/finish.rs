@@ -62,6 +62,7 @@ impl<W: Workload> Worker<'_, W> {
             params_trainable,
             params_total,
             strategy: self.setup.name(),
+            tp: self.setup.tp,
             precision: self.policy.name(),
             accelerator: s.parallel.accelerator.clone(),
             recompute: name_of(&s.recompute.mode),

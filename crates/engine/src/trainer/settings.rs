@@ -29,6 +29,9 @@ pub struct ParallelSettings {
     pub sync_batchnorm: bool,
     /// Limit CPU ranks to their share of the cores (one rayon pool each).
     pub split_cpu_threads: bool,
+    /// The mesh's tensor-parallel ranks per group and the data-parallel replicas asked
+    /// (`[parallel]`).
+    pub mesh: crate::config::ParallelConfig,
     /// Stages and micro-batches (with the `pipeline` strategy).
     pub pipeline: PipelineConfig,
     /// The outer loop (with the `diloco` strategy).
@@ -103,10 +106,11 @@ impl TrainerSettings {
         run_dir: PathBuf,
     ) -> Self {
         let processes = crate::comm::processes();
+        let tp = config.parallel.tp.max(1);
         let strategy = config
             .strategy
             .name
-            .resolve(devices.len() * processes.count);
+            .resolve((devices.len() * processes.count / tp).max(1));
         let cpu = accelerator.starts_with("cpu");
         Self {
             train: config.train.clone(),
@@ -121,6 +125,7 @@ impl TrainerSettings {
                 strategy,
                 bucket_mb: config.ddp.bucket_mb,
                 sync_batchnorm: config.ddp.sync_batchnorm,
+                mesh: config.parallel.clone(),
                 pipeline: config.pipeline.clone(),
                 diloco: config.diloco.clone(),
                 processes,
@@ -166,7 +171,10 @@ impl TrainerSettings {
         Setup {
             kind: p.strategy,
             rules: crate::strategy::rules(p.strategy),
-            world: self.world(),
+            world: (self.world() / self.tp()).max(1),
+            tp: self.tp(),
+            ranks: self.world(),
+            dp: p.mesh.dp,
             policy: Policy::new(&self.precision),
             recompute: self.recompute.clone(),
             ddp: DdpConfig {
@@ -179,19 +187,25 @@ impl TrainerSettings {
         }
     }
 
-    /// Ranks per replica of the model (a pipeline's stages; 1 otherwise).
+    /// Ranks of one tensor-parallel group (1: none).
+    pub fn tp(&self) -> usize {
+        self.parallel.mesh.tp.max(1)
+    }
+
+    /// Ranks per replica of the model: a pipeline's stages times a tensor-parallel group's
+    /// ranks (1 for plain data parallelism).
     pub fn stages(&self) -> usize {
-        self.setup().stages()
+        self.setup().stages() * self.tp()
     }
 
     /// Ranks that draw their own samples: the data-parallel degree (every rank, or one
-    /// pipeline of `stages` ranks).
+    /// replica of `stages` ranks).
     pub fn data_world(&self) -> usize {
         self.world() / self.stages()
     }
 
-    /// The data-parallel rank of `rank` (a pipeline's stages share one; a pipeline's ranks are
-    /// consecutive).
+    /// The data-parallel rank of `rank` (the ranks of one replica — a pipeline's stages, a
+    /// tensor-parallel group — share one, and are consecutive).
     pub fn data_rank(&self, rank: usize) -> usize {
         rank / self.stages()
     }

@@ -1,0 +1,248 @@
+//! Tensor parallelism inside a data-parallel strategy: [`TpRank`], one rank's part of a model
+//! cut over its tensor-parallel group (`parallel.tp`), stepped by the strategy of its data
+//! dimension (`single`, `ddp`, `zero1`–`zero3`) over the ranks that hold the same part.
+//!
+//! The mesh puts a group's ranks side by side: ranks `g·tp .. (g+1)·tp` are group `g`, and the
+//! ranks at the same place of every group are one data-parallel group, which the strategy
+//! inside reduces over. Every rank of a group takes the same batch. The model's forward runs
+//! with the group as its thread's ([`kiln_models::tp::with_group`]), so its column- and
+//! row-parallel Linears exchange what Megatron's `f` and `g` exchange; the strategy inside sees
+//! a model whose cut parameters are the rank's parts and steps them as any parameters. What
+//! leaves a rank is whole: [`Strategy::full_model`] gathers every part over the group, the
+//! optimizer state is gathered to its canonical (one device's) layout and cut again when it
+//! is loaded, so checkpoints know nothing of the mesh.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use kiln_models::StepOutput;
+use kiln_models::tp::{Split, TpGroup, part_of_values, reshape, whole_of_values, with_group};
+
+use super::memory::Memory;
+use super::step::{Report, Strategy};
+use crate::comm::{Collective, ReduceOp};
+use crate::error::{Error, Result};
+use crate::optim::OptimState;
+use crate::precision::LossScaler;
+
+/// A collective as a model's forward sees its tensor-parallel group, timing its all-reduces
+/// (the step's synchronisation).
+pub struct TpComm {
+    comm: Arc<dyn Collective>,
+    nanos: AtomicU64,
+}
+
+impl TpComm {
+    /// The group `comm`.
+    pub fn new(comm: Arc<dyn Collective>) -> Self {
+        Self {
+            comm,
+            nanos: AtomicU64::new(0),
+        }
+    }
+
+    /// Seconds in the group's all-reduces since the last call.
+    fn take_seconds(&self) -> f64 {
+        self.nanos.swap(0, Ordering::Relaxed) as f64 * 1e-9
+    }
+}
+
+impl TpGroup for TpComm {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn all_reduce_sum(&self, data: &mut [f32]) -> std::result::Result<(), String> {
+        let started = Instant::now();
+        let done = self
+            .comm
+            .all_reduce(data, ReduceOp::Sum)
+            .map_err(|e| e.to_string());
+        let nanos = started.elapsed().as_nanos() as u64;
+        self.nanos.fetch_add(nanos, Ordering::Relaxed);
+        done
+    }
+}
+
+/// One rank of a tensor-parallel group around the strategy that steps its part.
+pub(crate) struct TpRank<'a, M, B> {
+    inner: Box<dyn Strategy<M, B> + 'a>,
+    /// The group, as the forward sees it.
+    group: Arc<TpComm>,
+    /// The group, for gathering parts.
+    comm: &'a dyn Collective,
+    /// Each float parameter's path and split, in module order.
+    splits: Arc<Vec<(String, Split)>>,
+}
+
+impl<'a, M, B> TpRank<'a, M, B> {
+    /// `inner`, the strategy stepping this rank's part, in the group `comm` (`group` the
+    /// same group for the forward), with the model cut as `splits` say.
+    pub(crate) fn new(
+        inner: Box<dyn Strategy<M, B> + 'a>,
+        group: Arc<TpComm>,
+        comm: &'a dyn Collective,
+        splits: Arc<Vec<(String, Split)>>,
+    ) -> Self {
+        Self {
+            inner,
+            group,
+            comm,
+            splits,
+        }
+    }
+
+    fn split_of(&self, path: &str) -> Split {
+        self.splits
+            .iter()
+            .find(|(p, _)| p == path)
+            .map_or(Split::Whole, |(_, s)| *s)
+    }
+
+    /// The whole of each part over the group: every rank's part of `values` (shape
+    /// `shape`) gathered, in rank order, and joined as `split` says.
+    fn whole(
+        &self,
+        split: Split,
+        values: Vec<f32>,
+        shape: &[usize],
+    ) -> std::result::Result<(Vec<f32>, Vec<usize>), String> {
+        let n = values.len();
+        let all = self.comm.all_gather(&values).map_err(|e| e.to_string())?;
+        let parts: Vec<Vec<f32>> = all.chunks(n.max(1)).map(<[f32]>::to_vec).collect();
+        whole_of_values(&parts, shape, split)
+    }
+}
+
+impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
+    fn begin_step(&mut self) -> Result<()> {
+        self.inner.begin_step()
+    }
+
+    fn micro_steps(
+        &mut self,
+        batches: &mut dyn Iterator<Item = Result<B>>,
+        count: usize,
+        objective: &dyn Fn(burn::prelude::Tensor<1>) -> burn::prelude::Tensor<1>,
+    ) -> Result<Vec<StepOutput>> {
+        let group: Arc<dyn TpGroup> = self.group.clone();
+        let inner = &mut self.inner;
+        let outs = with_group(Some(group), || inner.micro_steps(batches, count, objective))?;
+        // Every rank of the group scored the same samples: its first reports them.
+        Ok(if self.comm.rank() == 0 {
+            outs
+        } else {
+            Vec::new()
+        })
+    }
+
+    fn takes_batches(&self) -> bool {
+        self.inner.takes_batches()
+    }
+
+    fn optimizer_step(
+        &mut self,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+        clip: Option<f64>,
+    ) -> Result<bool> {
+        self.inner.optimizer_step(lr, scaler, clip)
+    }
+
+    fn full_model(&mut self) -> Result<M> {
+        let part = self.inner.full_model()?;
+        let splits = self.splits.clone();
+        reshape(part, &splits, &mut |_, split, values, shape| {
+            self.whole(split, values, shape)
+        })
+        .map_err(|e| Error::Worker(format!("tensor parallelism: gathering the model: {e}")))
+    }
+
+    fn optimizer_state(&mut self) -> Result<Option<OptimState>> {
+        // The ranks of a group share their place in the data dimension, so they all hold
+        // their part's state, or none do.
+        let Some(mut state) = self.inner.optimizer_state()? else {
+            return Ok(None);
+        };
+        for i in 0..state.tensors.len() {
+            let (path, _, shape, values) = &state.tensors[i];
+            let split = self.split_of(path);
+            if split == Split::Whole {
+                continue;
+            }
+            let (whole, shape) = self
+                .whole(split, values.clone(), shape)
+                .map_err(|e| Error::Worker(format!("tensor parallelism: `{path}`: {e}")))?;
+            state.tensors[i].2 = shape;
+            state.tensors[i].3 = whole;
+        }
+        Ok((self.comm.rank() == 0).then_some(state))
+    }
+
+    fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
+        let (rank, size) = (self.comm.rank(), self.comm.world_size());
+        let mut mine = state.clone();
+        for (path, leaf, shape, values) in &mut mine.tensors {
+            let split = self.split_of(path);
+            let (part, part_shape) =
+                part_of_values(values, shape, split, rank, size).map_err(|e| {
+                    Error::checkpoint(format!(
+                        "the optimizer state's `{path}` ({leaf}) cannot be cut over {size} \
+                         tensor-parallel ranks: {e}"
+                    ))
+                })?;
+            *values = part;
+            *shape = part_shape;
+        }
+        self.inner.load_optimizer_state(&mine)
+    }
+
+    fn select_group(&mut self, group: usize) -> Result<()> {
+        self.inner.select_group(group)
+    }
+
+    fn check_replicas(&mut self, step: usize) -> Result<()> {
+        self.inner.check_replicas(step)
+    }
+
+    fn report(&mut self) -> Result<Report> {
+        self.inner.report()
+    }
+
+    fn memory(&self) -> Memory {
+        self.inner.memory()
+    }
+
+    fn take_sync_seconds(&mut self) -> f64 {
+        self.inner.take_sync_seconds() + self.group.take_seconds()
+    }
+
+    fn nonfinite(&self) -> bool {
+        self.inner.nonfinite()
+    }
+}
+
+/// Rank 0's part of `model` in a tensor-parallel group of `tp` ranks, where the model says
+/// how it is cut and can be (what the start-up table's memory line and the checks read); the
+/// model as it is otherwise, which the start-up checks then refuse.
+pub fn rank_part<B, M: kiln_models::BlockStack<B> + burn::module::Module>(
+    model: M,
+    tp: usize,
+) -> M {
+    if tp <= 1 {
+        return model;
+    }
+    let Some(splits) = model
+        .tensor_parallel()
+        .filter(|t| t.tp_check(tp).is_ok())
+        .map(|t| kiln_models::tp::splits_of(&model, t))
+    else {
+        return model;
+    };
+    kiln_models::tp::cut_by(model.clone(), &splits, 0, tp).unwrap_or(model)
+}

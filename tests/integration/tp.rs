@@ -1,0 +1,239 @@
+//! Tensor parallelism (`parallel.tp`) through the trainer: kiln's GPT on tensor-parallel
+//! groups alone and inside data-parallel strategies against one device, checkpoints that
+//! resume across meshes, and the refusals.
+
+use std::path::{Path, PathBuf};
+
+use burn::prelude::*;
+use kiln::builtin::train;
+use kiln::run::RunOptions;
+use kiln::trainer::parameter_values;
+
+use crate::common::{assert_one_line_error, max_relative_diff, temp_dir, train_bin, train_losses};
+use crate::gpt::{gpt_config, gpt_overrides, text_file};
+
+/// Trains the GPT (4 heads, gradients clipped) for `steps` steps of 8 windows on `devices`
+/// devices with `extra` settings; returns the run directory.
+fn gpt_run(dir: &Path, text: &Path, devices: usize, batch: usize, extra: &[&str]) -> PathBuf {
+    let mut o = vec![
+        "train.max_steps=20".to_string(),
+        "train.log_every=1".into(),
+        "train.grad_clip=0.5".into(),
+        "model.gpt.n_head=4".into(),
+        "hardware.cpu_split=\"off\"".into(),
+        format!("train.batch_size={batch}"),
+        format!("hardware.devices={devices}"),
+    ];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    let o: Vec<&str> = o.iter().map(String::as_str).collect();
+    train(&gpt_config(dir, text, &o), &RunOptions::default())
+        .unwrap()
+        .dir
+}
+
+fn params(run: &Path) -> Vec<Vec<f32>> {
+    let device = Device::flex();
+    parameter_values(
+        &kiln_models::load_family_run::<kiln_models::Gpt>(run, &device)
+            .unwrap()
+            .0,
+    )
+}
+
+/// The same global batch of 8 windows, 20 steps with clipping: one device; tp = 2 (both ranks
+/// of the group take all 8); dp = 2 × tp = 2 with shard 0 (ddp) and 3 (zero3), each data
+/// replica taking 4. Every parameter within 1e-5 (relative, per tensor) of one device's; with
+/// tp = 2 each rank's parameter, gradient and optimizer bytes (the summary's) are half of the
+/// cut parameters' and all of those kept whole.
+#[test]
+fn gpt_tensor_parallel_trains_as_one_device() {
+    let dir = temp_dir("tp-parity");
+    let text = text_file(&dir);
+    let one_run = gpt_run(&dir.join("one"), &text, 1, 8, &[]);
+    let one = params(&one_run);
+    // What each rank holds: the cut parameters' share of one device's, and the whole of what
+    // the split keeps whole (embeddings, LayerNorms, the row-parallel Linears' biases).
+    let model = kiln_models::load_family_run::<kiln_models::Gpt>(&one_run, &Device::flex())
+        .unwrap()
+        .0;
+    let paths = kiln_models::param_paths(&model);
+    let (mut cut, mut whole) = (0, 0);
+    for (path, values) in paths.iter().zip(&one) {
+        match kiln_models::tp::TensorParallel::tp_split(&model, path) {
+            kiln_models::tp::Split::Whole => whole += values.len() * 4,
+            _ => cut += values.len() * 4,
+        }
+    }
+    let bytes = |run: &Path, key: &str| -> Vec<u64> {
+        let s = crate::common::summary(run);
+        s[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        bytes(&one_run, "param_bytes_per_rank"),
+        vec![(cut + whole) as u64]
+    );
+    for (name, devices, batch, extra) in [
+        ("tp2", 2, 8, vec!["parallel.tp=2"]),
+        ("dp2-tp2", 4, 4, vec!["parallel.tp=2", "parallel.shard=0"]),
+        (
+            "dp2-tp2-zero3",
+            4,
+            4,
+            vec!["parallel.tp=2", "parallel.shard=3"],
+        ),
+    ] {
+        let run = gpt_run(&dir.join(name), &text, devices, batch, &extra);
+        let d = max_relative_diff(&params(&run), &one);
+        println!("{name}: max per-tensor relative difference {d:e}");
+        assert!(
+            d <= 1e-5,
+            "{name}: max per-tensor relative difference {d:e}"
+        );
+        if name == "tp2" {
+            // Parameters, gradients and AdamW's two moments: the part's, on each rank.
+            let part = (cut / 2 + whole) as u64;
+            assert_eq!(bytes(&run, "param_bytes_per_rank"), vec![part; 2]);
+            assert_eq!(bytes(&run, "grad_bytes_per_rank"), vec![part; 2]);
+            assert_eq!(bytes(&run, "optim_bytes_per_rank"), vec![2 * part; 2]);
+            println!(
+                "tp2: {part} parameter bytes per rank against {} on one device ({:.3})",
+                cut + whole,
+                part as f64 / (cut + whole) as f64
+            );
+        }
+    }
+}
+
+/// A checkpoint of dp = 2 × tp = 2 holds the whole model (one device's names and shapes): it
+/// resumes on one device, under zero3 on 2, and under tp = 2, each continuing as the run that
+/// was not cut (losses within 1e-5); a one-device checkpoint resumes under tp = 2.
+#[test]
+fn tensor_parallel_checkpoints_resume_on_other_meshes() {
+    let dir = temp_dir("tp-resume");
+    let text = text_file(&dir);
+    let run = |name: &str, devices: usize, batch: usize, extra: &[&str]| {
+        let mut o = vec!["train.max_steps=8", "train.checkpoint_every=4"];
+        o.extend(extra);
+        gpt_run(&dir.join(name), &text, devices, batch, &o)
+    };
+    let losses = |dir: &Path| -> Vec<(u64, f64)> {
+        train_losses(dir)
+            .into_iter()
+            .map(|(s, bits)| (s, f64::from_bits(bits)))
+            .collect()
+    };
+    let mesh = run("mesh", 4, 4, &["parallel.tp=2"]);
+    let one = run("one", 1, 8, &[]);
+    for (from, to, devices, batch, extra) in [
+        (&mesh, "single", 1, 8, vec!["parallel.tp=1"]),
+        (
+            &mesh,
+            "zero3",
+            2,
+            4,
+            vec!["parallel.tp=1", "strategy.name=\"zero3\""],
+        ),
+        (&mesh, "tp2", 2, 8, vec![]),
+        (&one, "from-one-tp2", 2, 8, vec!["parallel.tp=2"]),
+    ] {
+        let cut = dir.join(format!("cut-{to}"));
+        crate::training::cut_copy(from, &cut, 4);
+        let (run_dir, ckpt) = kiln::run::resolve_resume(&cut).unwrap();
+        let mut o = vec![
+            format!("run.dir={:?}", run_dir.display().to_string()),
+            format!("hardware.devices={devices}"),
+            format!("train.batch_size={batch}"),
+        ];
+        o.extend(extra.iter().map(|s| s.to_string()));
+        let config = kiln::builtin::load(Some(&run_dir.join("config.toml")), &o).unwrap();
+        train(
+            &config,
+            &RunOptions {
+                resume_from: Some(ckpt),
+                ..RunOptions::default()
+            },
+        )
+        .unwrap();
+        let (got, expected) = (losses(&cut), losses(from));
+        assert_eq!(got.len(), expected.len(), "{to}");
+        for ((s, a), (_, b)) in got.iter().zip(&expected) {
+            let gap = (a - b).abs() / b.abs();
+            println!("→ {to}: step {s}: {a:.7} vs {b:.7} ({gap:.2e})");
+            assert!(gap <= 1e-5, "→ {to}, step {s}: {a} vs {b}");
+        }
+    }
+}
+
+/// What tensor parallelism cannot run is a one-line error naming the key, before any rank
+/// starts: a model that does not say how it is cut, heads that do not divide, a group that
+/// does not divide the devices, a strategy it is not composed with, a dp that the devices do
+/// not leave, and a `--mesh` that does not parse.
+#[test]
+fn what_tensor_parallelism_cannot_run_is_refused_in_one_line() {
+    let dir = temp_dir("tp-refusals");
+    let text = text_file(&dir);
+    let refused = |extra: &[&str], needles: &[&str]| {
+        let o = gpt_overrides(&dir.join("run"), &text, extra);
+        let e = kiln::builtin::load(None, &o)
+            .and_then(|c| train(&c, &RunOptions::default()))
+            .err()
+            .unwrap_or_else(|| panic!("{extra:?} ran"))
+            .to_string();
+        assert!(!e.contains('\n'), "{e}");
+        for n in needles {
+            assert!(e.contains(n), "{extra:?}: {e:?} lacks {n:?}");
+        }
+    };
+    refused(
+        &["hardware.devices=4", "parallel.tp=4"],
+        &[
+            "parallel.tp",
+            "n_head (2)",
+            "multiple of the tensor-parallel size (4)",
+        ],
+    );
+    refused(
+        &["hardware.devices=3", "parallel.tp=2"],
+        &["parallel.tp", "must divide", "3 ranks"],
+    );
+    refused(
+        &[
+            "hardware.devices=2",
+            "parallel.tp=2",
+            "strategy.name=\"pipeline\"",
+            "pipeline.stages=2",
+        ],
+        &["parallel.tp", "pipeline"],
+    );
+    refused(
+        &["hardware.devices=4", "parallel.tp=2", "parallel.dp=4"],
+        &["parallel.dp", "is 4", "leave 2"],
+    );
+    refused(
+        &["parallel.shard=3", "strategy.name=\"zero1\""],
+        &["parallel.shard", "zero3", "zero1"],
+    );
+    refused(&["parallel.shard=4"], &["parallel.shard", "0 (ddp) to 3"]);
+    // A model that says nothing of a cut: the default recipe's ConvNet.
+    let out = train_bin(
+        &dir,
+        &[
+            "--devices",
+            "2",
+            "--mesh",
+            "tp=2",
+            "--max-steps",
+            "1",
+            "--set",
+            &format!("run.dir={:?}", dir.join("convnet").display().to_string()),
+        ],
+    );
+    assert_one_line_error(&out, &["parallel.tp", "says nothing"]);
+    let out = train_bin(&dir, &["--mesh", "tp=2,xp=3", "--max-steps", "1"]);
+    assert_one_line_error(&out, &["--mesh", "\"xp\" is not a dimension"]);
+}
