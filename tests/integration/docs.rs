@@ -52,6 +52,11 @@ const NOT_RUN: &[(&str, &str, &str)] = &[
         "needs Moby-Dick; the digits block above runs the same strategy",
     ),
     (
+        "tensor.md",
+        "--config configs/gpt-text.toml",
+        "needs Moby-Dick: the tp:: tests run the same meshes on a small text",
+    ),
+    (
         "processes.md",
         "mpirun -np 2 target/release/train",
         "needs the mpi feature and mpirun: the mpi:: tests run such jobs in CI",
