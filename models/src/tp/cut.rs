@@ -38,12 +38,28 @@ pub trait TensorParallel {
     }
 }
 
-/// Each float parameter's path and split under `tp`, in module order.
+/// Each float parameter's path and split under `tp`, in module order. A LoRA adapter's
+/// factors (`….weight.lora.a`, `[d_in, r]`, and `….weight.lora.b`, `[r, d_out]`) follow their
+/// weight: beside a column-parallel weight `b` is cut by the same columns and `a` is whole
+/// with its gradient summed; beside a row-parallel one `a` is cut by the same rows and `b` is
+/// whole with its gradient summed.
 pub fn splits_of<M: Module>(model: &M, tp: &dyn TensorParallel) -> Vec<(String, Split)> {
     crate::modules::param_paths(model)
         .into_iter()
         .map(|path| {
-            let split = tp.tp_split(&path);
+            let split = match (path.strip_suffix(".lora.a"), path.strip_suffix(".lora.b")) {
+                (Some(weight), _) => match tp.tp_split(weight) {
+                    Split::Parts { dim: 0, groups } => Split::Parts { dim: 0, groups },
+                    Split::Parts { .. } => Split::Summed,
+                    whole => whole,
+                },
+                (_, Some(weight)) => match tp.tp_split(weight) {
+                    Split::Parts { dim: 1, groups } => Split::Parts { dim: 1, groups },
+                    Split::Parts { .. } => Split::Summed,
+                    whole => whole,
+                },
+                _ => tp.tp_split(&path),
+            };
             (path, split)
         })
         .collect()
@@ -79,7 +95,7 @@ pub fn cut_by<M: Module>(
 pub type Reshape<'f> =
     dyn FnMut(&str, Split, Vec<f32>, &[usize]) -> Result<(Vec<f32>, Vec<usize>), String> + 'f;
 
-/// `model` with every parameter whose split is not [`Split::Whole`] replaced by what `f`
+/// `model` with every parameter that is cut ([`Split::is_cut`]) replaced by what `f`
 /// makes of it (a rank's part of the whole, the whole from the parts), in the parameter's
 /// dtype and on its device, its id and whether it trains kept; `f` is called in module order,
 /// on every parameter cut. The parts are leaves of their own (no op of autodiff's graph behind
@@ -113,7 +129,7 @@ impl ModuleMapper for Reshaper<'_, '_, '_> {
         let Some((path, split)) = self.splits.next() else {
             return param;
         };
-        if *split == Split::Whole || self.failed.is_some() {
+        if !split.is_cut() || self.failed.is_some() {
             return param;
         }
         let mut failed = None;

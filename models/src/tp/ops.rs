@@ -10,7 +10,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Flex, TensorMetadata, backend_extension};
 use burn::prelude::*;
-use burn::tensor::{DType, TensorData};
+use burn::tensor::TensorData;
 use burn_cubecl::CubeBackend;
 
 use super::group::{GroupHandle, current};
@@ -44,7 +44,10 @@ impl<B: Backend> Backward<B, 1> for CopyBackward {
             let data = burn::tensor::try_read_sync(B::float_into_data(grad))
                 .and_then(Result::ok)
                 .unwrap_or_else(|| panic!("tensor parallelism: a gradient could not be read"));
-            B::float_from_data(summed(data, &group, dtype), &device)
+            B::float_cast(
+                B::float_from_data(summed(data, &group), &device),
+                dtype.into(),
+            )
         });
     }
 }
@@ -66,9 +69,9 @@ impl<B: Backend + TpOps, C: CheckpointStrategy> TpOps for Autodiff<B, C> {
     }
 }
 
-/// `data` summed over `group` in f32, returned in `dtype`. A failed reduction panics with the
-/// group's message: the rank's worker turns it into the run's failure.
-fn summed(data: TensorData, group: &GroupHandle, dtype: DType) -> TensorData {
+/// `data` summed over `group`, in f32. A failed reduction panics with the group's message: the
+/// rank's worker turns it into the run's failure.
+fn summed(data: TensorData, group: &GroupHandle) -> TensorData {
     let shape = data.shape().clone();
     let mut values: Vec<f32> = data
         .try_into_vec_as::<f32>()
@@ -80,7 +83,7 @@ fn summed(data: TensorData, group: &GroupHandle, dtype: DType) -> TensorData {
             group.0.size()
         );
     }
-    TensorData::new(values, shape).convert_dtype(dtype)
+    TensorData::new(values, shape)
 }
 
 /// Megatron's `f`, before a column-parallel Linear: `x` as it is; its gradient summed over the
@@ -102,9 +105,9 @@ pub fn reduce_from_group<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         return x;
     };
     let device = x.device();
-    let dtype = x.dtype();
+    let dtype = burn::tensor::FloatDType::from(x.dtype());
     let data = x.clone().detach().into_data();
-    let sum: Tensor<D> = Tensor::from_data(summed(data, &group, dtype), &device);
+    let sum = Tensor::<D>::from_data(summed(data, &group), &device).cast(dtype);
     // `x - x` is zero to the bit: the value is the sum, the gradient reaches `x` unchanged.
     x.clone() - x.detach() + sum
 }

@@ -15,8 +15,13 @@ use super::ops::{copy_to_group, reduce_from_group};
 /// How a parameter is held over a tensor-parallel group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Split {
-    /// Whole on every rank (a norm's scale, a row-parallel Linear's bias).
+    /// Whole on every rank (a norm's scale, a row-parallel Linear's bias), its gradient the
+    /// same on every rank.
     Whole,
+    /// Whole on every rank, each rank's gradient a part of the whole's: the parts are summed
+    /// over the group before the step (a LoRA factor beside a cut weight: `a` of a
+    /// column-parallel Linear, `b` of a row-parallel one).
+    Summed,
     /// Cut along `dim` into `size` equal parts, rank `r` holding part `r`; with `groups` > 1
     /// the dimension is `groups` equal blocks side by side (a fused q/k/v projection's three),
     /// each cut so, and a rank holds its part of every block, in block order.
@@ -29,6 +34,11 @@ pub enum Split {
 }
 
 impl Split {
+    /// Whether the parameter is cut into parts (not whole on every rank).
+    pub fn is_cut(self) -> bool {
+        matches!(self, Split::Parts { .. })
+    }
+
     /// A column-parallel Linear's weight (`[d_in, d_out]`: its outputs) in `groups` blocks.
     pub const fn columns(groups: usize) -> Self {
         Split::Parts { dim: 1, groups }

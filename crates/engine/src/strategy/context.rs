@@ -55,9 +55,15 @@ pub struct TpPlace<'a> {
 impl TpPlace<'_> {
     /// Whether the parameter at `path` is cut over the group (not whole on every rank).
     pub fn is_cut(&self, path: &str) -> bool {
+        self.splits.iter().any(|(p, s)| p == path && s.is_cut())
+    }
+
+    /// Whether the parameter at `path` is whole on every rank with a part of its gradient on
+    /// each, summed over the group before the step.
+    pub fn is_summed(&self, path: &str) -> bool {
         self.splits
             .iter()
-            .any(|(p, s)| p == path && *s != kiln_models::tp::Split::Whole)
+            .any(|(p, s)| p == path && *s == kiln_models::tp::Split::Summed)
     }
 }
 

@@ -75,6 +75,22 @@ struct TpNorm<'a> {
     /// Per element of the rank's shard: 1 for a part of a cut parameter, `1 / tp` for a
     /// parameter whole on every rank of the group (its gradient is the same on each).
     weights: Tensor<1>,
+    /// The runs of the shard whose gradients are parts of a whole parameter's
+    /// (`Split::Summed`): summed over the group before anything reads them.
+    summed: Vec<std::ops::Range<usize>>,
+}
+
+/// The runs of `true` in `mask`.
+fn runs(mask: &[bool]) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, &m) in mask.iter().enumerate() {
+        match out.last_mut() {
+            Some(r) if m && r.end == i => r.end = i + 1,
+            _ if m => out.push(i..i + 1),
+            _ => {}
+        }
+    }
+    out
 }
 
 impl<'a> RankKit<'a> {
@@ -104,6 +120,7 @@ impl<'a> RankKit<'a> {
             TpNorm {
                 comm: place.comm,
                 weights: Tensor::<1>::from_data(TensorData::new(weights, [n]), &inner),
+                summed: runs(&layout.shard_mask(rank, |e| place.is_summed(&e.path))),
             }
         });
         Self {
@@ -300,6 +317,11 @@ impl<'a> RankKit<'a> {
         norm: Norm<'_>,
     ) -> Result<Option<Tensor<1>>> {
         let mut grads = grads;
+        if let Some(tp) = &self.tp
+            && !tp.summed.is_empty()
+        {
+            grads = self.sum_parts(grads)?;
+        }
         let unscale = scaler.as_ref().map(|sc| (1.0 / sc.scale) as f32);
         if let Some(u) = unscale {
             grads = grads.mul_scalar(u);
@@ -378,6 +400,36 @@ impl<'a> RankKit<'a> {
         self.memory.optim.set(self.optimizer.state_bytes());
         self.memory.note();
         Ok(Some(out))
+    }
+
+    /// `grads` with the runs the tensor-parallel group sums ([`TpNorm::summed`]) summed over
+    /// it: every rank of the group holds the same shard of the same layout.
+    fn sum_parts(&mut self, grads: Tensor<1>) -> Result<Tensor<1>> {
+        let Some(tp) = &self.tp else {
+            return Ok(grads);
+        };
+        let (group, summed) = (tp.comm, tp.summed.clone());
+        let parts: Vec<Tensor<1>> = summed
+            .iter()
+            .map(|r| grads.clone().slice(r.clone()))
+            .collect();
+        let mut values: Vec<f32> = Tensor::cat(parts, 0)
+            .try_into_vec_as::<f32>()
+            .map_err(|e| Error::Worker(format!("a gradient's parts could not be read: {e:?}")))?;
+        self.timed(|_| group.all_reduce(&mut values, ReduceOp::Sum))?;
+        let mut grads = grads;
+        let mut at = 0;
+        for r in summed {
+            let n = r.len();
+            let part = Tensor::<1>::from_data(
+                TensorData::new(values[at..at + n].to_vec(), [n]),
+                &self.inner,
+            )
+            .cast(grads.dtype());
+            grads = grads.slice_assign(r, part);
+            at += n;
+        }
+        Ok(grads)
     }
 
     /// The canonical vector of a quantity of which every rank holds its shard (`mine`).

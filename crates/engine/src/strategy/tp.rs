@@ -172,7 +172,7 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
         for i in 0..state.tensors.len() {
             let (path, _, shape, values) = &state.tensors[i];
             let split = self.split_of(path);
-            if split == Split::Whole {
+            if !split.is_cut() {
                 continue;
             }
             let (whole, shape) = self
