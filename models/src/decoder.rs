@@ -34,6 +34,11 @@ pub(crate) trait Decoder {
     fn window(&self) -> Option<usize>;
     /// Query and key/value heads.
     fn heads(&self) -> (usize, usize);
+    /// How the family is cut over a tensor-parallel group, if it says (see
+    /// [`crate::blocks::BlockStack::tensor_parallel`]); `None` by default.
+    fn tensor_parallel(&self) -> Option<&dyn crate::tp::TensorParallel> {
+        None
+    }
     /// The longest context.
     fn max_positions(&self) -> usize;
     /// `layer` on `x` `[b, t, c]` at the positions of `rope`, its keys as `mask` says, with
@@ -172,6 +177,10 @@ pub(crate) fn block<D: Decoder>(
 macro_rules! decoder_steps {
     ($model:ty) => {
         impl $crate::blocks::BlockStack<$crate::lm::TokenBatch> for $model {
+            fn tensor_parallel(&self) -> Option<&dyn $crate::tp::TensorParallel> {
+                $crate::decoder::Decoder::tensor_parallel(self)
+            }
+
             fn num_blocks(&self) -> usize {
                 $crate::decoder::Decoder::layers(self).len()
             }

@@ -361,7 +361,7 @@ impl crate::tp::TensorParallel for Gpt {
         Ok(())
     }
 
-    fn tp_split(&self, path: &str) -> crate::tp::Split {
+    fn tp_split(&self, path: &str, _size: usize) -> crate::tp::Split {
         use crate::tp::Split;
         let within = |suffix: &str| path.starts_with("blocks.") && path.ends_with(suffix);
         if within(".attn.qkv.weight") {

@@ -33,11 +33,27 @@ impl Attention {
         heads: (usize, usize),
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let q = crate::modules::linear_rows(&self.q_proj, x.clone());
-        let k = crate::modules::linear_rows(&self.k_proj, x.clone());
-        let v = crate::modules::linear_rows(&self.v_proj, x);
-        let y = attend([q, k, v], rope, mask, heads, cache);
-        crate::modules::linear_rows(&self.o_proj, y)
+        use crate::tp::{column_rows, row_rows};
+        let (rank, size) = crate::tp::place();
+        // In a tensor-parallel group a rank holds `h / size` query heads; its key/value heads
+        // are its part when the group divides them, else every head, of which it takes the
+        // one its query heads read (`TensorParallel for Llama`).
+        let (h, kv) = heads;
+        let local = h / size;
+        let q = column_rows(&self.q_proj, x.clone());
+        let k = column_rows(&self.k_proj, x.clone());
+        let v = column_rows(&self.v_proj, x);
+        let width = |p: &Linear| p.weight.dims()[1];
+        let (k, v, kv) = if size > 1 && width(&self.k_proj) == width(&self.q_proj) / local * kv {
+            let d = width(&self.q_proj) / local;
+            let head = rank * local / (h / kv);
+            let pick = |y: Tensor<3>| y.narrow(2, head * d, d);
+            (pick(k), pick(v), 1)
+        } else {
+            (k, v, kv / size)
+        };
+        let y = attend([q, k, v], rope, mask, (local, kv), cache);
+        row_rows(&self.o_proj, y)
     }
 }
 

@@ -193,6 +193,26 @@ pub struct Conv1D {
 }
 
 impl Conv1D {
+    /// A column-parallel projection in a tensor-parallel group (the weight's and bias's
+    /// columns a rank's part, the input's gradient summed over the group); on one device,
+    /// [`Conv1D::forward`].
+    fn column(&self, x: Tensor<3>) -> Tensor<3> {
+        self.forward(crate::tp::copy_to_group(x))
+    }
+
+    /// A row-parallel projection in a tensor-parallel group (the weight's rows a rank's part,
+    /// the products summed over the group, the whole bias added once); on one device,
+    /// [`Conv1D::forward`].
+    fn row(&self, x: Tensor<3>) -> Tensor<3> {
+        if crate::tp::current().is_none() {
+            return self.forward(x);
+        }
+        let y = crate::modules::on_rows(x, |rows| {
+            crate::fused::linear(rows, self.weight.val(), None)
+        });
+        crate::tp::reduce_from_group(y) + self.bias.val().unsqueeze()
+    }
+
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         // One matrix product over the B·T rows (see `crate::modules::linear_rows`).
         crate::modules::on_rows(x, |rows| {
@@ -218,9 +238,13 @@ impl Gpt2Attention {
         (mask, starts): (Option<Tensor<2, Bool>>, Option<&Tensor<2, Int>>),
         cache: Option<&mut (Option<Tensor<4>>, Option<Tensor<4>>)>,
     ) -> Tensor<3> {
-        let [b, t, c] = x.dims();
+        // In a tensor-parallel group a rank holds `heads / size` heads: its columns of q, of
+        // k and of v.
+        let heads = heads / crate::tp::place().1;
+        let [b, t, _] = x.dims();
+        let qkv = self.c_attn.column(x);
+        let c = qkv.dims()[2] / 3;
         let d = c / heads;
-        let qkv = self.c_attn.forward(x);
         let split = |i: usize| {
             qkv.clone()
                 .slice([0..b, 0..t, i * c..(i + 1) * c])
@@ -231,7 +255,7 @@ impl Gpt2Attention {
         let Some((ck, cv)) = cache else {
             // No cache: the mask is the plain causal one, which the fused kernel applies.
             let y = crate::fused::attention_within(q, k, v, starts, None);
-            return self.c_proj.forward(y.swap_dims(1, 2).reshape([b, t, c]));
+            return self.c_proj.row(y.swap_dims(1, 2).reshape([b, t, c]));
         };
         {
             if let Some(old) = ck.take() {
@@ -254,7 +278,7 @@ impl Gpt2Attention {
         };
         let weights = burn::tensor::activation::softmax(scores, 3);
         let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, c]);
-        self.c_proj.forward(y)
+        self.c_proj.row(y)
     }
 }
 
@@ -288,13 +312,13 @@ impl Gpt2Block {
             .attn
             .forward(ln(&self.ln_1, x.clone()), config.n_head, attend, cache);
         let x = x + a;
-        let h = self.mlp.c_fc.forward(ln(&self.ln_2, x.clone()));
+        let h = self.mlp.c_fc.column(ln(&self.ln_2, x.clone()));
         let h = match config.activation_function {
             Gpt2Activation::GeluTanh => burn::tensor::activation::gelu_approximate(h),
             Gpt2Activation::Gelu => crate::fused::gelu(h),
             Gpt2Activation::Relu => burn::tensor::activation::relu(h),
         };
-        x + self.mlp.c_proj.forward(h)
+        x + self.mlp.c_proj.row(h)
     }
 }
 
@@ -420,7 +444,56 @@ impl Gpt2 {
     }
 }
 
+/// Megatron's split of a GPT-2 block: the fused `c_attn` by heads (each rank its columns of
+/// q, of k and of v), the attention's `c_proj` by rows, the MLP's `c_fc` by columns and its
+/// `c_proj` by rows; the embeddings, the LayerNorms and the row-parallel biases whole.
+impl crate::tp::TensorParallel for Gpt2 {
+    fn tp_ready(&self) -> bool {
+        true
+    }
+
+    fn tp_check(&self, size: usize) -> Result<(), String> {
+        let c = &self.config;
+        if size > 1 && !c.n_head.is_multiple_of(size) {
+            return Err(format!(
+                "model.gpt2.n_head ({}) must be a multiple of the tensor-parallel size ({size})",
+                c.n_head
+            ));
+        }
+        if size > 1 && !c.inner().is_multiple_of(size) {
+            return Err(format!(
+                "model.gpt2's MLP width ({}) must be a multiple of the tensor-parallel size \
+                 ({size})",
+                c.inner()
+            ));
+        }
+        Ok(())
+    }
+
+    fn tp_split(&self, path: &str, _size: usize) -> crate::tp::Split {
+        use crate::tp::Split;
+        let within = |suffix: &str| path.starts_with("transformer.h.") && path.ends_with(suffix);
+        if within(".attn.c_attn.weight") {
+            Split::columns(3)
+        } else if within(".attn.c_attn.bias") {
+            Split::first(3)
+        } else if within(".mlp.c_fc.weight") {
+            Split::columns(1)
+        } else if within(".mlp.c_fc.bias") {
+            Split::first(1)
+        } else if within(".attn.c_proj.weight") || within(".mlp.c_proj.weight") {
+            Split::ROWS
+        } else {
+            Split::Whole
+        }
+    }
+}
+
 impl BlockStack<TokenBatch> for Gpt2 {
+    fn tensor_parallel(&self) -> Option<&dyn crate::tp::TensorParallel> {
+        Some(self)
+    }
+
     fn num_blocks(&self) -> usize {
         self.transformer.h.len()
     }

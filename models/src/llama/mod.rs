@@ -350,9 +350,10 @@ pub struct SwiGlu {
 
 impl SwiGlu {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let gate = crate::modules::linear_rows(&self.gate_proj, x.clone());
-        let up = crate::modules::linear_rows(&self.up_proj, x);
-        crate::modules::linear_rows(&self.down_proj, crate::fused::swiglu(gate, up))
+        // In a tensor-parallel group: gate and up by columns, down by rows.
+        let gate = crate::tp::column_rows(&self.gate_proj, x.clone());
+        let up = crate::tp::column_rows(&self.up_proj, x);
+        crate::tp::row_rows(&self.down_proj, crate::fused::swiglu(gate, up))
     }
 }
 
@@ -484,6 +485,10 @@ impl Decoder for Llama {
         (self.config.num_attention_heads, self.config.kv_heads())
     }
 
+    fn tensor_parallel(&self) -> Option<&dyn crate::tp::TensorParallel> {
+        Some(self)
+    }
+
     fn max_positions(&self) -> usize {
         self.config.max_position_embeddings
     }
@@ -501,6 +506,65 @@ impl Decoder for Llama {
 }
 
 decoder::decoder_steps!(Llama);
+
+/// Megatron's split of a Llama layer: the query heads by columns (q), the key/value heads by
+/// columns where the group divides them and whole where it does not (each rank then reads the
+/// head its query heads share, and the heads' gradients are summed over the group), the output
+/// projection by rows; the MLP's gate and up by columns, its down projection by rows. The
+/// embedding, the norms and the head are whole on every rank.
+impl crate::tp::TensorParallel for Llama {
+    fn tp_ready(&self) -> bool {
+        true
+    }
+
+    fn tp_check(&self, size: usize) -> Result<(), String> {
+        let c = &self.config;
+        let (h, kv) = (c.num_attention_heads, c.kv_heads());
+        if size == 1 {
+            return Ok(());
+        }
+        if !h.is_multiple_of(size) {
+            return Err(format!(
+                "model.llama.num_attention_heads ({h}) must be a multiple of the \
+                 tensor-parallel size ({size})"
+            ));
+        }
+        if !kv.is_multiple_of(size) && !size.is_multiple_of(kv) {
+            return Err(format!(
+                "model.llama.num_key_value_heads ({kv}) and the tensor-parallel size ({size}) \
+                 must divide one another (the key/value heads split, or each rank reads one)"
+            ));
+        }
+        if !c.intermediate_size.is_multiple_of(size) {
+            return Err(format!(
+                "model.llama.intermediate_size ({}) must be a multiple of the tensor-parallel \
+                 size ({size})",
+                c.intermediate_size
+            ));
+        }
+        Ok(())
+    }
+
+    fn tp_split(&self, path: &str, size: usize) -> crate::tp::Split {
+        use crate::tp::Split;
+        let kv_cut = self.config.kv_heads().is_multiple_of(size);
+        let within = |suffix: &str| path.starts_with("model.layers.") && path.ends_with(suffix);
+        let kv = |cut: Split| if kv_cut { cut } else { Split::Summed };
+        if within(".q_proj.weight") || within(".gate_proj.weight") || within(".up_proj.weight") {
+            Split::columns(1)
+        } else if within(".q_proj.bias") || within(".gate_proj.bias") || within(".up_proj.bias") {
+            Split::first(1)
+        } else if within(".k_proj.weight") || within(".v_proj.weight") {
+            kv(Split::columns(1))
+        } else if within(".k_proj.bias") || within(".v_proj.bias") {
+            kv(Split::first(1))
+        } else if within(".o_proj.weight") || within(".down_proj.weight") {
+            Split::ROWS
+        } else {
+            Split::Whole
+        }
+    }
+}
 
 impl crate::lm::CausalLm for Llama {
     type Config = LlamaConfig;

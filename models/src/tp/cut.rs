@@ -31,34 +31,39 @@ pub trait TensorParallel {
         }
     }
 
-    /// How the parameter at `path` (`blocks.0.attn.qkv.weight`) is cut; whole by default.
-    fn tp_split(&self, path: &str) -> Split {
-        let _ = path;
+    /// How the parameter at `path` (`blocks.0.attn.qkv.weight`) is cut over a group of
+    /// `size` ranks; whole by default.
+    fn tp_split(&self, path: &str, size: usize) -> Split {
+        let _ = (path, size);
         Split::Whole
     }
 }
 
-/// Each float parameter's path and split under `tp`, in module order. A LoRA adapter's
+/// Each float parameter's path and split under `tp` in a group of `size`, in module order. A LoRA adapter's
 /// factors (`….weight.lora.a`, `[d_in, r]`, and `….weight.lora.b`, `[r, d_out]`) follow their
 /// weight: beside a column-parallel weight `b` is cut by the same columns and `a` is whole
 /// with its gradient summed; beside a row-parallel one `a` is cut by the same rows and `b` is
 /// whole with its gradient summed.
-pub fn splits_of<M: Module>(model: &M, tp: &dyn TensorParallel) -> Vec<(String, Split)> {
+pub fn splits_of<M: Module>(
+    model: &M,
+    tp: &dyn TensorParallel,
+    size: usize,
+) -> Vec<(String, Split)> {
     crate::modules::param_paths(model)
         .into_iter()
         .map(|path| {
             let split = match (path.strip_suffix(".lora.a"), path.strip_suffix(".lora.b")) {
-                (Some(weight), _) => match tp.tp_split(weight) {
+                (Some(weight), _) => match tp.tp_split(weight, size) {
                     Split::Parts { dim: 0, groups } => Split::Parts { dim: 0, groups },
                     Split::Parts { .. } => Split::Summed,
                     whole => whole,
                 },
-                (_, Some(weight)) => match tp.tp_split(weight) {
+                (_, Some(weight)) => match tp.tp_split(weight, size) {
                     Split::Parts { dim: 1, groups } => Split::Parts { dim: 1, groups },
                     Split::Parts { .. } => Split::Summed,
                     whole => whole,
                 },
-                _ => tp.tp_split(&path),
+                _ => tp.tp_split(&path, size),
             };
             (path, split)
         })
@@ -71,7 +76,7 @@ pub fn splits_of<M: Module>(model: &M, tp: &dyn TensorParallel) -> Vec<(String, 
 /// does not divide.
 pub fn cut<M: Module + TensorParallel>(model: M, rank: usize, size: usize) -> Result<M, String> {
     model.tp_check(size)?;
-    let splits = splits_of(&model, &model);
+    let splits = splits_of(&model, &model, size);
     cut_by(model, &splits, rank, size)
 }
 

@@ -289,7 +289,9 @@ impl<M: TensorParallel> burn::module::ModuleVisitor for GradsByPath<'_, M> {
             .grad(self.grads)
             .unwrap_or_else(|| panic!("no gradient for `{path}`"));
         let grad = match self.cut {
-            Some((rank, size)) => part_of(grad, self.model.tp_split(&path), rank, size).unwrap(),
+            Some((rank, size)) => {
+                part_of(grad, self.model.tp_split(&path, size), rank, size).unwrap()
+            }
             None => grad,
         };
         self.out.push((path, values(&grad)));

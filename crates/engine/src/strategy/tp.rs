@@ -240,7 +240,7 @@ pub fn rank_part<B, M: kiln_models::BlockStack<B> + burn::module::Module>(
     let Some(splits) = model
         .tensor_parallel()
         .filter(|t| t.tp_check(tp).is_ok())
-        .map(|t| kiln_models::tp::splits_of(&model, t))
+        .map(|t| kiln_models::tp::splits_of(&model, t, tp))
     else {
         return model;
     };

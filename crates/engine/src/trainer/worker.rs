@@ -317,7 +317,7 @@ impl<W: Workload> Worker<'_, W> {
             ctx.tp = Some(TpPlace {
                 comm: mesh.group.as_ref(),
                 group: Arc::new(TpComm::new(mesh.group.clone())),
-                splits: Arc::new(kiln_models::tp::splits_of(&model, tp)),
+                splits: Arc::new(kiln_models::tp::splits_of(&model, tp, self.setup.tp)),
             });
         }
         let mut strategy = strategy::build(self.setup.kind, model, ctx)?;
