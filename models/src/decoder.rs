@@ -34,6 +34,9 @@ pub(crate) trait Decoder {
     fn window(&self) -> Option<usize>;
     /// Query and key/value heads.
     fn heads(&self) -> (usize, usize);
+    /// The vocabulary's size (the embedding holds a part of it where a tensor-parallel group
+    /// cuts it).
+    fn vocab(&self) -> usize;
     /// How the family is cut over a tensor-parallel group, if it says (see
     /// [`crate::blocks::BlockStack::tensor_parallel`]); `None` by default.
     fn tensor_parallel(&self) -> Option<&dyn crate::tp::TensorParallel> {
@@ -73,14 +76,41 @@ pub(crate) fn positions_within<D: Decoder>(d: &D, starts: &Tensor<2, Int>) -> (R
     (rope, Masking::within(starts, d.window()))
 }
 
-/// The token embedding of `tokens`.
-pub(crate) fn embed<D: Decoder>(d: &D, tokens: Tensor<2, Int>) -> Tensor<3> {
-    crate::cube::embedding(d.embed_tokens(), tokens)
+/// The first id of the vocabulary part this rank holds, in a tensor-parallel group that cuts
+/// it; `None` otherwise.
+fn vocab_start<D: Decoder>(d: &D) -> Option<usize> {
+    crate::tp::vocab::vocab_start(d.embed_tokens().weight.dims()[0], d.vocab())
 }
 
-/// The final norm and the head: `[b, t, c]` → logits `[b, t, vocab]`.
+/// The token embedding of `tokens` (the group's sum of its parts where it is cut).
+pub(crate) fn embed<D: Decoder>(d: &D, tokens: Tensor<2, Int>) -> Tensor<3> {
+    match vocab_start(d) {
+        Some(start) => crate::tp::vocab::embedding(d.embed_tokens(), tokens, start),
+        None => crate::cube::embedding(d.embed_tokens(), tokens),
+    }
+}
+
+/// The step's output from the logits (this rank's columns where the vocabulary is cut: the
+/// parallel cross-entropy).
+pub(crate) fn output<D: Decoder>(
+    d: &D,
+    logits: Tensor<3>,
+    batch: &TokenBatch,
+) -> crate::step::StepOutput {
+    match vocab_start(d) {
+        Some(start) => crate::lm::lm_output_parts(logits, batch, start),
+        None => crate::lm::lm_output(logits, batch),
+    }
+}
+
+/// The final norm and the head: `[b, t, c]` → logits `[b, t, vocab]` (this rank's columns
+/// where a tensor-parallel group cuts the vocabulary).
 pub(crate) fn head<D: Decoder>(d: &D, x: Tensor<3>) -> Tensor<3> {
     let x = crate::fused::rms_norm(d.norm(), x);
+    let x = match vocab_start(d) {
+        Some(_) => crate::tp::copy_to_group(x),
+        None => x,
+    };
     match d.lm_head() {
         Some(head) => crate::modules::linear_rows(head, x),
         None => {
@@ -215,7 +245,7 @@ macro_rules! decoder_steps {
                 x: $crate::blocks::Activation,
                 batch: &$crate::lm::TokenBatch,
             ) -> $crate::step::StepOutput {
-                $crate::lm::lm_output($crate::decoder::head(self, x.into_rank()), batch)
+                $crate::decoder::output(self, $crate::decoder::head(self, x.into_rank()), batch)
             }
 
             fn blocks_deterministic(&self) -> bool {
@@ -227,7 +257,7 @@ macro_rules! decoder_steps {
             fn step(&self, batch: $crate::lm::TokenBatch) -> $crate::step::StepOutput {
                 let starts = batch.documents.as_ref();
                 let logits = $crate::decoder::forward_within(self, batch.inputs.clone(), starts);
-                $crate::lm::lm_output(logits, &batch)
+                $crate::decoder::output(self, logits, &batch)
             }
         }
     };

@@ -130,6 +130,9 @@ pub struct Gpt {
     pub blocks: Vec<Block>,
     /// Final LayerNorm.
     pub ln_f: LayerNorm,
+    /// The vocabulary's size (the embedding holds a part of it in a tensor-parallel group).
+    #[module(skip)]
+    vocab: usize,
 }
 
 impl GptConfig {
@@ -213,6 +216,7 @@ impl GptConfig {
             drop: dropout(),
             blocks,
             ln_f: ln(),
+            vocab: self.vocab_size,
         }
     }
 
@@ -254,7 +258,10 @@ impl Gpt {
         starts: Option<&Tensor<2, Int>>,
     ) -> Tensor<3> {
         let t = tokens.dims()[1];
-        let tokens = crate::cube::embedding(&self.wte, tokens);
+        let tokens = match self.vocab_start() {
+            Some(start) => crate::tp::vocab::embedding(&self.wte, tokens, start),
+            None => crate::cube::embedding(&self.wte, tokens),
+        };
         let x = match starts {
             None => tokens + crate::modules::position_rows(&self.wpe, 0, t),
             Some(s) => tokens + crate::cube::embedding(&self.wpe, crate::lm::positions_within(s)),
@@ -262,10 +269,30 @@ impl Gpt {
         self.drop.forward(x)
     }
 
-    /// Final LayerNorm and the tied head: `[batch, time, n_embd]` → logits `[batch, time, vocab]`.
+    /// The first id of the vocabulary part this rank's embedding holds, in a tensor-parallel
+    /// group that cuts it; `None` otherwise.
+    fn vocab_start(&self) -> Option<usize> {
+        crate::tp::vocab::vocab_start(self.wte.weight.dims()[0], self.vocab)
+    }
+
+    /// The step's output from the last block's `x`: the head and the loss, with the
+    /// vocabulary's parts and the parallel cross-entropy where a group cuts it.
+    fn output(&self, x: Tensor<3>, batch: &TokenBatch) -> StepOutput {
+        match self.vocab_start() {
+            Some(start) => crate::lm::lm_output_parts(self.head(x), batch, start),
+            None => crate::lm::lm_output(self.head(x), batch),
+        }
+    }
+
+    /// Final LayerNorm and the tied head: `[batch, time, n_embd]` → logits `[batch, time, vocab]`
+    /// (in a tensor-parallel group that cuts the vocabulary, the columns of this rank's part).
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let [b, t, c] = x.dims();
         let x = crate::fused::layer_norm(&self.ln_f, LN_EPSILON, x).reshape([b * t, c]);
+        let x = match self.vocab_start() {
+            Some(_) => crate::tp::copy_to_group(x),
+            None => x,
+        };
         let weight = self.wte.weight.val();
         let vocab = weight.dims()[0];
         x.matmul(weight.transpose()).reshape([b, t, vocab])
@@ -361,10 +388,13 @@ impl crate::tp::TensorParallel for Gpt {
         Ok(())
     }
 
-    fn tp_split(&self, path: &str, _size: usize) -> crate::tp::Split {
+    fn tp_split(&self, path: &str, size: usize) -> crate::tp::Split {
         use crate::tp::Split;
         let within = |suffix: &str| path.starts_with("blocks.") && path.ends_with(suffix);
-        if within(".attn.qkv.weight") {
+        if path == "wte.weight" && self.vocab.is_multiple_of(size) {
+            // The vocabulary by rows: the embedding's and the tied head's.
+            Split::first(1)
+        } else if within(".attn.qkv.weight") {
             Split::columns(3)
         } else if within(".attn.qkv.bias") {
             Split::first(3)
@@ -411,7 +441,7 @@ impl BlockStack<TokenBatch> for Gpt {
     }
 
     fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
-        crate::lm::lm_output(self.head(x.into_rank()), batch)
+        self.output(x.into_rank(), batch)
     }
 
     fn blocks_deterministic(&self) -> bool {
@@ -421,8 +451,12 @@ impl BlockStack<TokenBatch> for Gpt {
 
 impl TrainStep<TokenBatch> for Gpt {
     fn step(&self, batch: TokenBatch) -> StepOutput {
-        let logits = self.forward_within(batch.inputs.clone(), batch.documents.as_ref());
-        crate::lm::lm_output(logits, &batch)
+        let starts = batch.documents.as_ref();
+        let mut x = self.embed_within(batch.inputs.clone(), starts);
+        for block in &self.blocks {
+            x = block.forward_within(x, starts);
+        }
+        self.output(x, &batch)
     }
 }
 

@@ -81,6 +81,23 @@ pub fn lm_output(logits: Tensor<3>, batch: &TokenBatch) -> crate::step::StepOutp
     crate::step::StepOutput::new(loss, samples).with_tokens(batch.trained_tokens())
 }
 
+/// [`lm_output`] from this rank's columns of the logits in a tensor-parallel group that cuts
+/// the vocabulary (ids `start..`): the parallel cross-entropy, which gathers no logits.
+pub fn lm_output_parts(
+    logits: Tensor<3>,
+    batch: &TokenBatch,
+    start: usize,
+) -> crate::step::StepOutput {
+    let [b, t, v] = logits.dims();
+    let samples = batch.inputs.dims()[0];
+    let targets = batch.targets.clone().reshape([b * t]);
+    let mut loss = crate::tp::vocab::cross_entropy(logits.reshape([b * t, v]), targets, start);
+    if let Some(w) = batch.loss_weight {
+        loss = loss.mul_scalar(w);
+    }
+    crate::step::StepOutput::new(loss, samples).with_tokens(batch.trained_tokens())
+}
+
 /// The positions `t` queries (at `start..start + t`) may not see among the `start + t` keys:
 /// `true` for a key after the query, and, with a `window`, for a key `window` or more positions
 /// before it. `[t, start + t]`.

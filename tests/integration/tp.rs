@@ -42,13 +42,20 @@ fn params(run: &Path) -> Vec<Vec<f32>> {
 
 /// The same global batch of 8 windows, 20 steps with clipping: one device; tp = 2 (both ranks
 /// of the group take all 8); dp = 2 × tp = 2 with shard 0 (ddp) and 3 (zero3), each data
-/// replica taking 4. Every parameter within 1e-5 (relative, per tensor) of one device's; with
-/// tp = 2 each rank's parameter, gradient and optimizer bytes (the summary's) are half of the
-/// cut parameters' and all of those kept whole.
+/// replica taking 4; with recompute; zero1 with overlap. The vocabulary is cut too (the
+/// embedding, the tied head, the parallel cross-entropy). Every parameter within 1e-5
+/// (relative, per tensor) of one device's; with tp = 2 each rank's parameter, gradient and
+/// optimizer bytes (the summary's) are half of the cut parameters' and all of those kept
+/// whole.
 #[test]
 fn gpt_tensor_parallel_trains_as_one_device() {
     let dir = temp_dir("tp-parity");
     let text = text_file(&dir);
+    // One character more than the text's 27: a vocabulary of 28 that tp = 2 cuts in halves
+    // (the embedding's rows, the tied head's columns, the parallel cross-entropy).
+    let mut body = std::fs::read_to_string(&text).unwrap();
+    body.push('!');
+    std::fs::write(&text, body).unwrap();
     let one_run = gpt_run(&dir.join("one"), &text, 1, 8, &[]);
     let one = params(&one_run);
     // What each rank holds: the cut parameters' share of one device's, and the whole of what
@@ -57,6 +64,8 @@ fn gpt_tensor_parallel_trains_as_one_device() {
         .unwrap()
         .0;
     let paths = kiln_models::param_paths(&model);
+    let vocab = kiln_models::tp::TensorParallel::tp_split(&model, "wte.weight", 2);
+    assert!(vocab.is_cut(), "the vocabulary of 28 is cut over 2 ranks");
     let (mut cut, mut whole) = (0, 0);
     for (path, values) in paths.iter().zip(&one) {
         match kiln_models::tp::TensorParallel::tp_split(&model, path, 2) {
@@ -362,7 +371,8 @@ fn family_run<M: kiln_models::Registered>(
 
 /// The Llama with grouped-query attention (4 query heads, 2 key/value heads) under tp = 2
 /// (the key/value heads split) and tp = 4 (each rank reads the one its query head shares, the
-/// heads' gradients summed over the group): every parameter within 1e-5 (relative, per
+/// heads' gradients summed over the group), its vocabulary cut too (embedding rows, head
+/// columns, the parallel cross-entropy): every parameter within 1e-5 (relative, per
 /// tensor) of one device's after 20 steps. GPT-2 under tp = 2 (the fused `c_attn` by heads):
 /// within 2e-5, its k bias left out (see below).
 #[test]
@@ -376,6 +386,8 @@ fn llama_and_gpt2_tensor_parallel_train_as_one_device() {
         "model.llama.num_attention_heads=4",
         "model.llama.num_key_value_heads=2",
         "model.llama.max_position_embeddings=16",
+        // A vocabulary that 2 and 4 cut (the tokenizer's ids and room after them).
+        "model.llama.vocab_size=512",
     ];
     let one = family_run::<kiln_models::Llama>(&dir.join("llama"), llama, 1, &[]);
     for tp in [2, 4] {
@@ -391,6 +403,7 @@ fn llama_and_gpt2_tensor_parallel_train_as_one_device() {
         "model.gpt2.n_layer=2",
         "model.gpt2.n_head=2",
         "model.gpt2.n_positions=16",
+        "model.gpt2.vocab_size=512",
     ];
     let one = family_run::<kiln_models::Gpt2>(&dir.join("gpt2"), gpt2, 1, &[]);
     let part = family_run::<kiln_models::Gpt2>(&dir.join("gpt2"), gpt2, 2, &["parallel.tp=2"]);

@@ -352,11 +352,34 @@ impl Gpt2 {
         &self.config
     }
 
+    /// The first id of the vocabulary part this rank holds, in a tensor-parallel group that
+    /// cuts it; `None` otherwise.
+    fn vocab_start(&self) -> Option<usize> {
+        let held = self.transformer.wte.weight.dims()[0];
+        crate::tp::vocab::vocab_start(held, self.config.vocab_size)
+    }
+
+    /// The token embedding of `tokens` (the group's sum of its parts where it is cut).
+    fn tokens(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        match self.vocab_start() {
+            Some(start) => crate::tp::vocab::embedding(&self.transformer.wte, tokens, start),
+            None => crate::cube::embedding(&self.transformer.wte, tokens),
+        }
+    }
+
+    /// The step's output from the logits (this rank's columns where the vocabulary is cut:
+    /// the parallel cross-entropy).
+    fn output(&self, logits: Tensor<3>, batch: &TokenBatch) -> StepOutput {
+        match self.vocab_start() {
+            Some(start) => crate::lm::lm_output_parts(logits, batch, start),
+            None => lm_output(logits, batch),
+        }
+    }
+
     /// Token and position embeddings of `tokens` at positions `start..`.
     fn embed(&self, tokens: Tensor<2, Int>, start: usize) -> Tensor<3> {
         let t = tokens.dims()[1];
-        crate::cube::embedding(&self.transformer.wte, tokens)
-            + crate::modules::position_rows(&self.transformer.wpe, start, t)
+        self.tokens(tokens) + crate::modules::position_rows(&self.transformer.wpe, start, t)
     }
 
     /// The embeddings of a batch: positions from 0, or restarting at each example of packed
@@ -366,8 +389,7 @@ impl Gpt2 {
             None => self.embed(tokens, 0),
             Some(s) => {
                 let positions = crate::lm::positions_within(s);
-                crate::cube::embedding(&self.transformer.wte, tokens)
-                    + crate::cube::embedding(&self.transformer.wpe, positions)
+                self.tokens(tokens) + crate::cube::embedding(&self.transformer.wpe, positions)
             }
         }
     }
@@ -376,6 +398,11 @@ impl Gpt2 {
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let eps = self.config.layer_norm_epsilon;
         let x = crate::fused::layer_norm(&self.transformer.ln_f, eps, x);
+        // Where the vocabulary is cut, each rank scores its ids from the whole input.
+        let x = match self.vocab_start() {
+            Some(_) => crate::tp::copy_to_group(x),
+            None => x,
+        };
         match &self.lm_head {
             Some(head) => crate::modules::linear_rows(head, x),
             None => {
@@ -470,10 +497,16 @@ impl crate::tp::TensorParallel for Gpt2 {
         Ok(())
     }
 
-    fn tp_split(&self, path: &str, _size: usize) -> crate::tp::Split {
+    fn tp_split(&self, path: &str, size: usize) -> crate::tp::Split {
         use crate::tp::Split;
         let within = |suffix: &str| path.starts_with("transformer.h.") && path.ends_with(suffix);
-        if within(".attn.c_attn.weight") {
+        let vocab = self.config.vocab_size.is_multiple_of(size);
+        if path == "transformer.wte.weight" && vocab {
+            // The vocabulary: the embedding's rows (and the tied head's).
+            Split::first(1)
+        } else if path == "lm_head.weight" && vocab {
+            Split::columns(1)
+        } else if within(".attn.c_attn.weight") {
             Split::columns(3)
         } else if within(".attn.c_attn.bias") {
             Split::first(3)
@@ -521,7 +554,7 @@ impl BlockStack<TokenBatch> for Gpt2 {
     }
 
     fn head(&self, x: Activation, batch: &TokenBatch) -> StepOutput {
-        lm_output(Gpt2::head(self, x.into_rank()), batch)
+        self.output(Gpt2::head(self, x.into_rank()), batch)
     }
 
     fn blocks_deterministic(&self) -> bool {
@@ -532,7 +565,7 @@ impl BlockStack<TokenBatch> for Gpt2 {
 impl TrainStep<TokenBatch> for Gpt2 {
     fn step(&self, batch: TokenBatch) -> StepOutput {
         let starts = batch.documents.as_ref();
-        lm_output(self.forward_within(batch.inputs.clone(), starts), &batch)
+        self.output(self.forward_within(batch.inputs.clone(), starts), &batch)
     }
 }
 

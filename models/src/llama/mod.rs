@@ -489,6 +489,10 @@ impl Decoder for Llama {
         Some(self)
     }
 
+    fn vocab(&self) -> usize {
+        self.config.vocab_size
+    }
+
     fn max_positions(&self) -> usize {
         self.config.max_position_embeddings
     }
@@ -550,7 +554,15 @@ impl crate::tp::TensorParallel for Llama {
         let kv_cut = self.config.kv_heads().is_multiple_of(size);
         let within = |suffix: &str| path.starts_with("model.layers.") && path.ends_with(suffix);
         let kv = |cut: Split| if kv_cut { cut } else { Split::Summed };
-        if within(".q_proj.weight") || within(".gate_proj.weight") || within(".up_proj.weight") {
+        let vocab = self.config.vocab_size.is_multiple_of(size);
+        if path == "model.embed_tokens.weight" && vocab {
+            // The vocabulary: the embedding's rows, the head's columns.
+            Split::first(1)
+        } else if (path == "lm_head.weight" && vocab)
+            || within(".q_proj.weight")
+            || within(".gate_proj.weight")
+            || within(".up_proj.weight")
+        {
             Split::columns(1)
         } else if within(".q_proj.bias") || within(".gate_proj.bias") || within(".up_proj.bias") {
             Split::first(1)

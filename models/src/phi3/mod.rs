@@ -375,6 +375,10 @@ impl Decoder for Phi3 {
         self.config.max_position_embeddings
     }
 
+    fn vocab(&self) -> usize {
+        self.config.vocab_size
+    }
+
     fn layer(
         &self,
         layer: &Phi3DecoderLayer,

@@ -25,6 +25,7 @@ mod ops;
 mod split;
 #[cfg(test)]
 mod tests;
+pub mod vocab;
 
 pub use cut::{Reshape, TensorParallel, cut, cut_by, reshape, splits_of};
 pub use group::{GroupHandle, TpGroup, current, place, with_group};
