@@ -349,6 +349,47 @@ fn diloco_islands_are_processes_with_one_process_s_bits_and_resume_in_one_proces
     assert!(d <= 1e-6, "{d:e}");
 }
 
+/// `mpirun -np 2 train --devices 2` with `parallel.tp = 2`: a tensor-parallel group inside
+/// each process, the data-parallel replicas across them; and `--devices 1`, a group across
+/// the two processes. Each against one process of as many devices with the same mesh, and
+/// against one device (the same global batch): within 1e-5.
+#[test]
+fn tensor_parallel_groups_run_inside_and_across_processes() {
+    let dir = temp_dir("mpi-tp");
+    let text = text_file(&dir);
+    let shape = ["model.gpt.n_head=2", "model.gpt.n_embd=8", "train.max_steps=5"];
+    let run = |name: &str, processes: usize, devices: usize, batch: usize, tp: usize| {
+        let run = dir.join(name);
+        let mut extra: Vec<String> = shape.iter().map(|s| s.to_string()).collect();
+        extra.push(format!("parallel.tp={tp}"));
+        extra.push(format!("train.batch_size={batch}"));
+        extra.push("hardware.cpu_split=\"off\"".into());
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let a = with(
+            args(Model::Gpt, &text, &run, &extra),
+            &["--devices", &devices.to_string()],
+        );
+        if processes > 1 {
+            mpirun(processes, &dir, &a);
+        } else {
+            one_process(&dir, &a);
+        }
+        params(Model::Gpt, &run)
+    };
+    // args() sets batch 4 per data rank; the global batch is 8 in every run.
+    let one = run("one-device", 1, 1, 8, 1);
+    for (name, processes, devices, batch) in [("inside", 2, 2, 4), ("across", 2, 1, 8)] {
+        let mpi = run(&format!("{name}-mpi"), processes, devices, batch, 2);
+        let local = run(&format!("{name}-one"), 1, processes * devices, batch, 2);
+        let d = max_relative_diff(&mpi, &local);
+        println!("tp = 2 {name}: {processes} processes against one: {d:.3e}");
+        assert!(d <= 1e-5, "{name}: {d:e}");
+        let d = max_relative_diff(&mpi, &one);
+        println!("tp = 2 {name}: against one device: {d:.3e}");
+        assert!(d <= 1e-5, "{name} against one device: {d:e}");
+    }
+}
+
 #[test]
 fn a_pipeline_spans_processes() {
     let dir = temp_dir("mpi-pipeline");
