@@ -388,6 +388,29 @@ impl crate::tp::TensorParallel for Gpt {
         Ok(())
     }
 
+    fn tp_floats(&self, samples: usize, size: usize) -> Option<crate::tp::TpFloats> {
+        let [t, c] = self.wpe.weight.dims();
+        let activation = samples * t * c;
+        let cut = size > 1;
+        // Per block: `g` after the attention's and the MLP's row-parallel Linears going
+        // forward, `f` before their column-parallel ones going back.
+        let block = if cut { 2 * activation } else { 0 };
+        // A cut vocabulary: the embedding's sum going forward, the head's `f` going back, and
+        // the cross-entropy's three sums (the maxima gathered as `size` slots).
+        let vocab = cut && self.vocab.is_multiple_of(size);
+        let stem = if vocab { activation } else { 0 };
+        let head = if vocab {
+            activation + (size + 2) * samples * t
+        } else {
+            0
+        };
+        Some(crate::tp::TpFloats {
+            total: 2 * block * self.blocks.len() + stem + head,
+            stem,
+            block,
+        })
+    }
+
     fn tp_split(&self, path: &str, size: usize) -> crate::tp::Split {
         use crate::tp::Split;
         let within = |suffix: &str| path.starts_with("blocks.") && path.ends_with(suffix);

@@ -357,7 +357,11 @@ fn diloco_islands_are_processes_with_one_process_s_bits_and_resume_in_one_proces
 fn tensor_parallel_groups_run_inside_and_across_processes() {
     let dir = temp_dir("mpi-tp");
     let text = text_file(&dir);
-    let shape = ["model.gpt.n_head=2", "model.gpt.n_embd=8", "train.max_steps=5"];
+    let shape = [
+        "model.gpt.n_head=2",
+        "model.gpt.n_embd=8",
+        "train.max_steps=5",
+    ];
     let run = |name: &str, processes: usize, devices: usize, batch: usize, tp: usize| {
         let run = dir.join(name);
         let mut extra: Vec<String> = shape.iter().map(|s| s.to_string()).collect();

@@ -44,9 +44,10 @@ fn params(run: &Path) -> Vec<Vec<f32>> {
 /// of the group take all 8); dp = 2 × tp = 2 with shard 0 (ddp) and 3 (zero3), each data
 /// replica taking 4; with recompute; zero1 with overlap. The vocabulary is cut too (the
 /// embedding, the tied head, the parallel cross-entropy). Every parameter within 1e-5
-/// (relative, per tensor) of one device's; with tp = 2 each rank's parameter, gradient and
-/// optimizer bytes (the summary's) are half of the cut parameters' and all of those kept
-/// whole.
+/// (relative, per tensor) of one device's; the floats each group all-reduced per step (the
+/// log's) are the ones predicted (the summary's: the model's count, with what recomputation —
+/// asked, or zero3's — runs again); with tp = 2 each rank's parameter, gradient and optimizer
+/// bytes (the summary's) are half of the cut parameters' and all of those kept whole.
 #[test]
 fn gpt_tensor_parallel_trains_as_one_device() {
     let dir = temp_dir("tp-parity");
@@ -115,6 +116,12 @@ fn gpt_tensor_parallel_trains_as_one_device() {
             d <= 1e-5,
             "{name}: max per-tensor relative difference {d:e}"
         );
+        // The floats the group all-reduced per step (the log's) are what the model predicts.
+        let predicted = crate::common::summary(&run)["tp_floats_predicted"].as_f64();
+        let logged = crate::common::metrics(&run, "train");
+        let measured = logged.last().unwrap()["tp_floats_per_step"].as_f64();
+        assert!(predicted.is_some(), "{name}: no prediction");
+        assert_eq!(measured, predicted, "{name}: tp floats per step");
         if name == "tp2" {
             // Parameters, gradients and AdamW's two moments: the part's, on each rank.
             let part = (cut / 2 + whole) as u64;

@@ -184,6 +184,10 @@ pub struct Summary {
     pub strategy: String,
     /// Ranks of one tensor-parallel group (`parallel.tp`; 1: none).
     pub tp: usize,
+    /// The floats each tensor-parallel group all-reduces per step, as the model predicts them
+    /// (the log's `tp_floats_per_step` is what was measured).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_floats_predicted: Option<usize>,
     /// Numeric precision.
     pub precision: String,
     /// Accelerator the replicas ran on.

@@ -31,6 +31,15 @@ pub trait TensorParallel {
         }
     }
 
+    /// The floats a rank's group all-reduces for one micro-batch of `samples` samples
+    /// (windows of the model's context) over `size` ranks: what the engine predicts a step's
+    /// traffic from and `cargo xtask bench tp` holds the measured traffic against. `None`
+    /// (the default): the model does not say.
+    fn tp_floats(&self, samples: usize, size: usize) -> Option<TpFloats> {
+        let _ = (samples, size);
+        None
+    }
+
     /// How the parameter at `path` (`blocks.0.attn.qkv.weight`) is cut over a group of
     /// `size` ranks; whole by default.
     fn tp_split(&self, path: &str, size: usize) -> Split {
@@ -68,6 +77,18 @@ pub fn splits_of<M: Module>(
             (path, split)
         })
         .collect()
+}
+
+/// The floats a tensor-parallel group all-reduces for one micro-batch
+/// ([`TensorParallel::tp_floats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TpFloats {
+    /// The forward and backward, nothing recomputed.
+    pub total: usize,
+    /// The stem's forward (its `BlockStack::stem`), which a walk that recomputes runs again.
+    pub stem: usize,
+    /// One block's forward, which recomputing the block runs again.
+    pub block: usize,
 }
 
 /// `model` made into rank `rank`'s part in a group of `size`: every parameter cut as

@@ -102,6 +102,16 @@ where
     if options.evaluate {
         return super::eval::evaluate(workload, settings, checked, options.verbose && first);
     }
+    if let Some(floats) = facts.tp_floats {
+        info.rows.push((
+            "tp traffic".to_string(),
+            format!(
+                "{floats} floats all-reduced per step in each tensor-parallel group ({:.1} MiB), \
+                 predicted",
+                floats as f64 * 4.0 / (1024.0 * 1024.0)
+            ),
+        ));
+    }
     let (run_dir, lock) = hold_run_dir(config, options, &mut info, save_extra)?;
     settings.output.run_dir = run_dir.clone();
     settings.output.progress = options.verbose && first;
@@ -118,6 +128,7 @@ where
 
     let (mut summary, model) = fit_checked(workload, &settings, checked)?;
     summary.plan = plan;
+    summary.tp_floats_predicted = facts.tp_floats;
     if let (true, Some(plan)) = (first, summary.plan.as_mut()) {
         plan.kept_check =
             crate::plan::check_kept(plan, summary.peak_rss_mib, crate::plan::HEADROOM);
@@ -191,9 +202,26 @@ fn prepare<W: Workload>(
     let probe = kiln_models::with_rng(|| {
         kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
     });
-    // Under tensor parallelism a rank holds its part: the memory line counts that.
-    let probe = crate::strategy::rank_part::<W::Batch, _>(probe, config.parallel.tp);
-    let facts = ModelFacts::of::<W::Batch, _>(&probe);
+    // Under tensor parallelism a rank holds its part: the memory line counts that; the
+    // group's traffic is the whole model's to predict.
+    let tp = config.parallel.tp;
+    let tp_floats = (tp > 1)
+        .then(|| kiln_models::BlockStack::<W::Batch>::tensor_parallel(&probe))
+        .flatten()
+        .and_then(|t| t.tp_floats(config.train.batch_size, tp))
+        .map(|f| {
+            // What the walk recomputes runs its forward's sums again: the stem's with any
+            // block's.
+            let setup = Setup::new(config, devices.len() * processes.count);
+            let walk = setup.rules().recomputes(&setup);
+            let n = kiln_models::BlockStack::<W::Batch>::num_blocks(&probe);
+            let again = (0..n).filter(|&i| walk.recomputes(i, n)).count();
+            let stem = if again > 0 { f.stem } else { 0 };
+            (f.total + stem + again * f.block) * config.train.accumulate
+        });
+    let probe = crate::strategy::rank_part::<W::Batch, _>(probe, tp);
+    let mut facts = ModelFacts::of::<W::Batch, _>(&probe);
+    facts.tp_floats = tp_floats;
     drop(probe);
     // A CPU device runs as per-core sub-replicas where they fit the strategy and the model.
     let split = CoreSplit::plan(config, devices.len(), cpu, processes.count, &facts);

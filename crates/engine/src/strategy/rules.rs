@@ -72,6 +72,11 @@ pub trait Rules: Sync {
     /// estimator gives them: computed from the layout (any shard count), before training.
     fn estimate(&self, layout: &FlatLayout, optim: &OptimConfig, setup: &Setup)
     -> Result<Estimate>;
+    /// Which blocks the strategy's walk recomputes in the backward: what `[recompute]` asks,
+    /// by default.
+    fn recomputes(&self, setup: &Setup) -> Recompute {
+        setup.walk_recompute()
+    }
     /// Ranks one replica of the model takes.
     fn stages(&self, setup: &Setup) -> usize {
         let _ = setup;
@@ -415,6 +420,9 @@ pub struct ModelFacts {
     /// Its trainable parameters in one shard: the parameters outside every block, then each
     /// block.
     pub layout: FlatLayout,
+    /// The floats a tensor-parallel group all-reduces per step, as the model predicts them
+    /// (`TensorParallel::tp_floats` × micro-batches); `None` without a group or a prediction.
+    pub tp_floats: Option<usize>,
 }
 
 impl ModelFacts {
@@ -426,6 +434,7 @@ impl ModelFacts {
             buffers: has_buffers(model),
             groups: model.param_groups().into_iter().map(|g| g.name).collect(),
             layout: FlatLayout::new(model, &block_ids(model), 1),
+            tp_floats: None,
         }
     }
 }

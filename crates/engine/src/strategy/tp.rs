@@ -31,6 +31,8 @@ use crate::precision::LossScaler;
 pub struct TpComm {
     comm: Arc<dyn Collective>,
     nanos: AtomicU64,
+    /// Floats all-reduced since the last report.
+    floats: AtomicU64,
 }
 
 impl TpComm {
@@ -39,6 +41,7 @@ impl TpComm {
         Self {
             comm,
             nanos: AtomicU64::new(0),
+            floats: AtomicU64::new(0),
         }
     }
 
@@ -65,6 +68,7 @@ impl TpGroup for TpComm {
             .map_err(|e| e.to_string());
         let nanos = started.elapsed().as_nanos() as u64;
         self.nanos.fetch_add(nanos, Ordering::Relaxed);
+        self.floats.fetch_add(data.len() as u64, Ordering::Relaxed);
         done
     }
 }
@@ -78,6 +82,10 @@ pub(crate) struct TpRank<'a, M, B> {
     comm: &'a dyn Collective,
     /// Each float parameter's path and split, in module order.
     splits: Arc<Vec<(String, Split)>>,
+    /// Steps begun since the last report, and the forwards' and backwards' seconds in the
+    /// group's all-reduces over them.
+    steps: usize,
+    seconds: f64,
 }
 
 impl<'a, M, B> TpRank<'a, M, B> {
@@ -94,6 +102,8 @@ impl<'a, M, B> TpRank<'a, M, B> {
             group,
             comm,
             splits,
+            steps: 0,
+            seconds: 0.0,
         }
     }
 
@@ -121,6 +131,7 @@ impl<'a, M, B> TpRank<'a, M, B> {
 
 impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
     fn begin_step(&mut self) -> Result<()> {
+        self.steps += 1;
         self.inner.begin_step()
     }
 
@@ -211,7 +222,20 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
     }
 
     fn report(&mut self) -> Result<Report> {
-        self.inner.report()
+        // What the group's forwards and backwards exchanged, per step since the last line.
+        let mut report = self.inner.report()?;
+        let steps = std::mem::take(&mut self.steps).max(1) as f64;
+        let floats = self.group.floats.swap(0, Ordering::Relaxed) as f64;
+        let seconds = std::mem::take(&mut self.seconds);
+        report.fields.push((
+            "tp_floats_per_step".into(),
+            serde_json::json!(floats / steps),
+        ));
+        report.fields.push((
+            "tp_seconds_per_step".into(),
+            serde_json::json!(seconds / steps),
+        ));
+        Ok(report)
     }
 
     fn memory(&self) -> Memory {
@@ -219,7 +243,9 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
     }
 
     fn take_sync_seconds(&mut self) -> f64 {
-        self.inner.take_sync_seconds() + self.group.take_seconds()
+        let group = self.group.take_seconds();
+        self.seconds += group;
+        self.inner.take_sync_seconds() + group
     }
 
     fn nonfinite(&self) -> bool {

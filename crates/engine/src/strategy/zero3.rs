@@ -91,6 +91,10 @@ impl Rules for Zero3 {
         )
     }
 
+    fn recomputes(&self, setup: &Setup) -> Recompute {
+        recompute_for(setup)
+    }
+
     fn recompute_line(&self, setup: &Setup) -> String {
         let r = &setup.recompute;
         match r.mode {

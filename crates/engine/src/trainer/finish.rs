@@ -63,6 +63,7 @@ impl<W: Workload> Worker<'_, W> {
             params_total,
             strategy: self.setup.name(),
             tp: self.setup.tp,
+            tp_floats_predicted: None,
             precision: self.policy.name(),
             accelerator: s.parallel.accelerator.clone(),
             recompute: name_of(&s.recompute.mode),
