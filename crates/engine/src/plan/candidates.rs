@@ -173,6 +173,7 @@ mod tests {
                 let linear = burn::nn::LinearConfig::new(2, 3).init(&burn::prelude::Device::flex());
                 FlatLayout::new(&linear, &[], 1)
             },
+            tp_floats: None,
         }
     }
 
