@@ -18,6 +18,7 @@ mod bench_mpi;
 mod bench_pipeline;
 mod bench_plan;
 mod bench_policies;
+mod bench_tp;
 mod bench_zero;
 mod common;
 mod fetch;
@@ -55,6 +56,11 @@ commands:
   bench zero [--steps N] [--rounds N] [--devices 2,4] [--config FILE] [--set KEY=VALUE ...]
                                         step time and bytes per rank of ddp, zero1, zero2 and
                                         zero3 (default: configs/gpt-text.toml, 20 steps, N = 2 and 4)
+  bench tp [--steps N] [--rounds N] [--devices N] [--tp T] [--config FILE] [--set KEY=VALUE ...]
+                                        tensor parallelism (--mesh tp=T) against ddp at the same
+                                        global batch: step time, bytes per rank, the group's
+                                        all-reduced floats per step measured and predicted
+                                        (default: configs/gpt-text.toml, 30 steps, N = 2, T = 2)
   bench checkpoint [--steps N] [--every N] [--rounds N] [--config FILE] [--set KEY=VALUE ...]
                                         each checkpoint's stall on the step's path, written
                                         synchronously and in the background, on a ~50 M GPT
@@ -119,6 +125,7 @@ enum Task {
     },
     BenchPolicies(bench_policies::Options),
     BenchZero(bench_zero::Options),
+    BenchTp(bench_tp::Options),
     BenchCheckpoint(bench_checkpoint::Options),
     BenchData(bench_data::Options),
     BenchCpu(bench_cpu::Options),
@@ -165,6 +172,7 @@ fn main() -> ExitCode {
         Task::Bench { args } => workspace_root().and_then(|root| bench(&root, &args)),
         Task::BenchPolicies(o) => workspace_root().and_then(|root| bench_policies::run(&root, &o)),
         Task::BenchZero(o) => workspace_root().and_then(|root| bench_zero::run(&root, &o)),
+        Task::BenchTp(o) => workspace_root().and_then(|root| bench_tp::run(&root, &o)),
         Task::BenchCheckpoint(o) => {
             workspace_root().and_then(|root| bench_checkpoint::run(&root, &o))
         }
@@ -205,6 +213,7 @@ fn parse_args(args: &[String]) -> Result<Task> {
         }),
         ["bench", "policies", rest @ ..] => bench_policies::parse(rest).map(Task::BenchPolicies),
         ["bench", "zero", rest @ ..] => bench_zero::parse(rest).map(Task::BenchZero),
+        ["bench", "tp", rest @ ..] => bench_tp::parse(rest).map(Task::BenchTp),
         ["bench", "checkpoint", rest @ ..] => {
             bench_checkpoint::parse(rest).map(Task::BenchCheckpoint)
         }
