@@ -203,8 +203,7 @@ fn read_figures(dir: &Path) -> Result<Figures> {
             .map_err(|e| format!("{}: cannot read: {e}", log.display()))?;
         let last = lines
             .lines()
-            .filter(|l| l.contains("\"tp_floats_per_step\""))
-            .last()
+            .rfind(|l| l.contains("\"tp_floats_per_step\""))
             .ok_or_else(|| format!("{}: no tp_floats_per_step", log.display()))?;
         f.floats = json_number(last, "tp_floats_per_step").unwrap_or(0.0);
         f.tp_seconds = json_number(last, "tp_seconds_per_step").unwrap_or(0.0);
