@@ -87,6 +87,46 @@ fn gpt_tensor_parallel_trains_as_one_device() {
         bytes(&one_run, "param_bytes_per_rank"),
         vec![(cut + whole) as u64]
     );
+    // The planner weighs the mesh: every plan of `train plan --mesh tp=2` runs the strategies
+    // of the data dimension inside groups of 2, and counts a rank's part.
+    let mut args: Vec<String> = ["plan", "--json", "--devices", "2", "--mesh", "tp=2"]
+        .map(String::from)
+        .to_vec();
+    let sets = [
+        "model.gpt.n_head=4",
+        "hardware.cpu_split=\"off\"",
+        "train.batch_size=8",
+        "hardware.plan_cache=false",
+    ];
+    for o in gpt_overrides(&dir.join("plan"), &text, &sets) {
+        args.extend(["--set".to_string(), o]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = train_bin(&dir, &args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let fitting = plan["fitting"].as_array().unwrap();
+    assert!(!fitting.is_empty());
+    let mut seen = false;
+    for p in fitting {
+        assert!(
+            p["strategy"].as_str().unwrap().starts_with("tp 2 × "),
+            "{p}"
+        );
+        if p["precision"] == "32" && p["strategy"] == "tp 2 × single" {
+            assert_eq!(
+                p["params_bytes"].as_f64(),
+                Some((cut / 2 + whole) as f64),
+                "{p}"
+            );
+            seen = true;
+        }
+    }
+    assert!(seen, "no f32 plan of single inside the groups");
     for (name, devices, batch, extra) in [
         ("tp2", 2, 8, vec!["parallel.tp=2"]),
         ("dp2-tp2", 4, 4, vec!["parallel.tp=2", "parallel.shard=0"]),

@@ -102,6 +102,13 @@ impl RootConfig {
         Ok(config)
     }
 
+    /// The strategy `auto` resolves to on `ranks` ranks: by the ranks the data dimension spans
+    /// (`ranks / parallel.tp`).
+    pub fn strategy_on(&self, ranks: usize) -> super::parallel::StrategyKind {
+        let data = (ranks / self.parallel.tp.max(1)).max(1);
+        self.strategy.name.resolve(data)
+    }
+
     /// The strategy and stages that `[parallel]`'s `shard` and `pp` name, written into
     /// `strategy.name` and `pipeline.stages`, so that everything downstream reads one value.
     fn mesh_names(&mut self) -> Result<()> {

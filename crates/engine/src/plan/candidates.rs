@@ -83,6 +83,10 @@ pub(crate) fn candidates(
     facts: &ModelFacts,
     precisions: &[PrecisionMode],
 ) -> Vec<Candidate> {
+    // Under tensor parallelism the strategies run over the data dimension: one rank of each
+    // group of `tp`.
+    let tp = base.parallel.tp.max(1);
+    let (world, processes) = ((world / tp).max(1), processes.min((world / tp).max(1)));
     // Each strategy says where it runs and in which variants; the planner names none.
     let room = Room {
         world,
@@ -125,10 +129,12 @@ pub(crate) fn candidates(
                     c.train.accumulate = accumulate;
                     c.precision.mode = precision;
                     c.recompute.mode = recompute;
-                    out.push(Candidate {
-                        config: c,
-                        words: v.words.clone(),
-                    });
+                    let words = if tp > 1 {
+                        format!("tp {tp} × {}", v.words)
+                    } else {
+                        v.words.clone()
+                    };
+                    out.push(Candidate { config: c, words });
                 }
             }
         }

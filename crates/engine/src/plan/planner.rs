@@ -123,7 +123,10 @@ pub fn plan<W: Workload>(
     let model = kiln_models::with_rng(|| {
         kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
     });
-    let facts = ModelFacts::of::<W::Batch, _>(&model);
+    // Under tensor parallelism a rank holds its part: the layout the estimates read.
+    let part = crate::strategy::rank_part::<W::Batch, _>(model.clone(), config.parallel.tp);
+    let facts = ModelFacts::of::<W::Batch, _>(&part);
+    drop(part);
     let world = devices.len() * crate::comm::processes().count;
     let own = settings_for(config, devices, accelerator, &facts);
     let samples = sampler(workload.train_len(), &own)?.samples_per_step();
@@ -373,7 +376,7 @@ fn listed(
 ) -> Vec<Candidate> {
     let processes = crate::comm::processes().count;
     let mut resolved = config.clone();
-    resolved.strategy.name = config.strategy.name.resolve(world);
+    resolved.strategy.name = config.strategy_on(world);
     let own = config.precision.mode;
     match scope {
         Scope::All => {

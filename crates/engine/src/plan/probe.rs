@@ -15,7 +15,7 @@ use kiln_models::TrainStep;
 use crate::comm::Collective;
 use crate::error::{Error, Result};
 use crate::precision::Policy;
-use crate::strategy::{Context, Strategy, build};
+use crate::strategy::{Context, Mesh, Strategy, build};
 use crate::trainer::{TrainerSettings, Workload};
 
 /// What the probe runs: a candidate's trainer settings (its ranks, the core split applied)
@@ -110,7 +110,15 @@ pub(crate) fn probe<W: Workload>(
                         });
                         let body = || {
                             let lead = i == 0;
-                            let strategy = one_rank(workload, p, device, comm.as_ref());
+                            // A mesh's groups, as a rank's worker splits them.
+                            let tp = p.settings.setup().tp;
+                            let mesh = Mesh::split(comm.as_ref(), tp);
+                            let strategy = match &mesh {
+                                Ok(mesh) => {
+                                    one_rank(workload, p, device, comm.as_ref(), mesh.as_ref())
+                                }
+                                Err(e) => Err(Error::Worker(e.to_string())),
+                            };
                             // What building freed goes back, as a rank's does before its
                             // steps: the pages the steps keep are counted from here.
                             crate::heap::release_free();
@@ -227,12 +235,14 @@ struct Times {
     pool: Option<(f64, f64)>,
 }
 
-/// The candidate's strategy on one rank (`comm`) on `device`.
+/// The candidate's strategy on one rank (`comm`) on `device`; in a `mesh`, around the rank's
+/// part of the model, over its data-parallel group.
 fn one_rank<'a, W: Workload>(
     workload: &W,
     p: &ProbeSetup,
     device: &Device,
     comm: &'a dyn Collective,
+    mesh: Option<&'a Mesh>,
 ) -> Result<Built<'a, W>>
 where
     W::Batch: 'a,
@@ -243,9 +253,9 @@ where
     let setup = s.setup();
     let model = setup.policy.master_model(model);
     let groups = TrainStep::<W::Batch>::param_groups(&model).len().max(1);
-    let ctx = Context::new(
+    let mut ctx = Context::new(
         &setup,
-        comm,
+        mesh.map_or(comm, Mesh::data),
         device,
         s.optim.clone(),
         s.groups
@@ -253,6 +263,9 @@ where
             .map(|(name, g)| (name.clone(), g.optim.clone()))
             .collect(),
     );
+    if let Some(mesh) = mesh {
+        ctx.tp = Some(mesh.place::<W::Batch, _>(&model)?);
+    }
     let strategy = build::<W::Batch, _>(setup.kind, model, ctx)?;
     Ok((strategy, groups))
 }

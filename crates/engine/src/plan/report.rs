@@ -157,7 +157,7 @@ impl Plan {
     /// than `TIES`, for `--strategy` to take). Where it does not fit, the fastest plan that
     /// does ([`Self::pick`]).
     pub fn choose(&self, config: &RootConfig, buffers: bool) -> Result<Choice> {
-        let plain = config.strategy.name.resolve(self.world);
+        let plain = config.strategy_on(self.world);
         let asked = |o: &&Prediction| {
             o.config.strategy.name == plain
                 && o.config.precision.mode == config.precision.mode

@@ -18,13 +18,6 @@ pub(super) fn print<W: Workload>(
     json: bool,
 ) -> Result<RunResult> {
     let (devices, accelerator) = (target.devices, target.accelerator);
-    if config.parallel.tp > 1 {
-        return Err(crate::error::Error::config(format!(
-            "key `parallel.tp`: the planner weighs strategies on whole replicas and does not yet \
-             weigh tensor-parallel meshes (parallel.tp = {}); plan with parallel.tp = 1",
-            config.parallel.tp
-        )));
-    }
     let all = plan(workload, config, target, Scope::All)?;
     if crate::comm::processes().index == 0 {
         if json {
@@ -109,20 +102,11 @@ pub(super) fn settle<W: Workload>(
     if evaluate {
         return Ok(settled);
     }
-    if config.parallel.tp > 1 {
-        // The planner weighs strategies on whole replicas; a mesh runs as asked.
-        settled.words = Some(format!(
-            "parallel.tp = {}: the mesh runs as asked (the planner does not yet weigh \
-             tensor-parallel meshes)",
-            config.parallel.tp
-        ));
-        return Ok(settled);
-    }
     match auto(workload, config, target, buffers)? {
         Some(choice) => {
             let mut resolved = config.clone();
             let world = target.devices.len() * crate::comm::processes().count;
-            resolved.strategy.name = resolved.strategy.name.resolve(world);
+            resolved.strategy.name = resolved.strategy_on(world);
             settled.remade = choice.config != resolved;
             settled.config = Some(choice.config);
             settled.record = Some(choice.record);

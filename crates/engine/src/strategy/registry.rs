@@ -133,7 +133,7 @@ impl Setup {
     pub fn new(config: &RootConfig, ranks: usize) -> Self {
         let tp = config.parallel.tp.max(1);
         let world = (ranks / tp).max(1);
-        let kind = config.strategy.name.resolve(world);
+        let kind = config.strategy_on(ranks);
         Self {
             kind,
             rules: rules(kind),

@@ -272,3 +272,51 @@ pub fn rank_part<B, M: kiln_models::BlockStack<B> + burn::module::Module>(
     };
     kiln_models::tp::cut_by(model.clone(), &splits, 0, tp).unwrap_or(model)
 }
+
+/// A rank's groups in a mesh with tensor parallelism: its tensor-parallel group (the `tp`
+/// neighbouring ranks `g·tp .. (g+1)·tp`) and its data-parallel group (the ranks at its place
+/// in every tensor-parallel group).
+pub struct Mesh {
+    group: Arc<dyn Collective>,
+    data: Box<dyn Collective>,
+}
+
+impl Mesh {
+    /// This rank's groups in `comm` with tensor-parallel groups of `tp` ranks; `None` for
+    /// `tp = 1`. Every rank of `comm` splits alike.
+    pub fn split(comm: &dyn Collective, tp: usize) -> Result<Option<Mesh>> {
+        if tp <= 1 {
+            return Ok(None);
+        }
+        let rank = comm.rank();
+        let group: Arc<dyn Collective> = Arc::from(comm.split(rank / tp, rank % tp)?);
+        let data = comm.split(rank % tp, rank / tp)?;
+        Ok(Some(Mesh { group, data }))
+    }
+
+    /// The data-parallel group: what the strategy of the data dimension reduces over.
+    pub fn data(&self) -> &dyn Collective {
+        self.data.as_ref()
+    }
+
+    /// The rank's place in its tensor-parallel group for `model` (whole: its split is read
+    /// from it), or a one-line refusal for a model that does not say how it is cut.
+    pub fn place<B, M>(&self, model: &M) -> Result<super::TpPlace<'_>>
+    where
+        M: kiln_models::BlockStack<B> + burn::module::Module,
+    {
+        let Some(tp) = model.tensor_parallel() else {
+            return Err(Error::config(
+                "key `parallel.tp`: the model does not say how it is cut over \
+                 tensor-parallel ranks (its BlockStack::tensor_parallel is None)"
+                    .to_string(),
+            ));
+        };
+        let size = self.group.world_size();
+        Ok(super::TpPlace {
+            comm: self.group.as_ref(),
+            group: Arc::new(TpComm::new(self.group.clone())),
+            splits: Arc::new(kiln_models::tp::splits_of(model, tp, size)),
+        })
+    }
+}

@@ -106,11 +106,7 @@ impl TrainerSettings {
         run_dir: PathBuf,
     ) -> Self {
         let processes = crate::comm::processes();
-        let tp = config.parallel.tp.max(1);
-        let strategy = config
-            .strategy
-            .name
-            .resolve((devices.len() * processes.count / tp).max(1));
+        let strategy = config.strategy_on(devices.len() * processes.count);
         let cpu = accelerator.starts_with("cpu");
         Self {
             train: config.train.clone(),

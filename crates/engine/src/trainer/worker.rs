@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::prelude::*;
-use kiln_models::BlockStack;
 
 use super::faults::{ABORTED, is_abort_echo, with_injected_fault};
 use super::loader::{Feed, Jobs};
@@ -28,15 +27,7 @@ use crate::optim::Schedule;
 use crate::precision::Policy;
 use crate::state::LoopState;
 use crate::state::Plateau;
-use crate::strategy::{self, Context, Setup, Strategy, TpComm, TpPlace};
-
-/// A rank's groups in a mesh with tensor parallelism (see [`Worker::mesh`]).
-struct Mesh {
-    /// Its tensor-parallel group.
-    group: Arc<dyn Collective>,
-    /// Its data-parallel group.
-    data: Box<dyn Collective>,
-}
+use crate::strategy::{self, Context, Mesh, Setup, Strategy};
 
 /// What a rank hands back: on the first rank of each process, the summary and the final model.
 pub(super) struct Outcome<M> {
@@ -153,7 +144,7 @@ impl<W: Workload> Worker<'_, W> {
         start: &Start,
         scope: &'scope std::thread::Scope<'scope, '_>,
     ) -> Result<Outcome<W::Model>> {
-        let mesh = self.mesh()?;
+        let mesh = Mesh::split(self.place.comm.as_ref(), self.setup.tp)?;
         let mut strategy = self.strategy(start, mesh.as_ref())?;
         // What building the strategy freed goes back to the system before the steps: the
         // resident memory the steps grow from is what the planner counted from.
@@ -263,20 +254,6 @@ impl<W: Workload> Worker<'_, W> {
         Ok(early.observe(w, value, step).then(|| early.reason(w)))
     }
 
-    /// This rank's groups in a mesh with tensor parallelism (none without): its
-    /// tensor-parallel group (the `tp` neighbouring ranks) and its data-parallel group (the
-    /// ranks at its place in every tensor-parallel group). Every rank splits alike.
-    fn mesh(&self) -> Result<Option<Mesh>> {
-        let tp = self.setup.tp;
-        if tp <= 1 {
-            return Ok(None);
-        }
-        let (rank, comm) = (self.rank(), &self.place.comm);
-        let group: Arc<dyn Collective> = Arc::from(comm.split(rank / tp, rank % tp)?);
-        let data = comm.split(rank % tp, rank / tp)?;
-        Ok(Some(Mesh { group, data }))
-    }
-
     /// This rank's strategy around its own module with rank 0's weights (in the master
     /// dtype), holding the optimizer state to continue; in a mesh, around its part of the
     /// module, over its data-parallel group.
@@ -296,7 +273,7 @@ impl<W: Workload> Worker<'_, W> {
             .master_model(model.load_record(start.weights.clone()));
         let s = self.settings;
         let groups = s.groups.iter();
-        let comm = mesh.map_or(self.place.comm.as_ref(), |m| m.data.as_ref());
+        let comm = mesh.map_or(self.place.comm.as_ref(), Mesh::data);
         let mut ctx = Context::new(
             &self.setup,
             comm,
@@ -307,18 +284,7 @@ impl<W: Workload> Worker<'_, W> {
                 .collect(),
         );
         if let Some(mesh) = mesh {
-            let Some(tp) = BlockStack::<W::Batch>::tensor_parallel(&model) else {
-                return Err(Error::config(
-                    "key `parallel.tp`: the model does not say how it is cut over \
-                    tensor-parallel ranks (its BlockStack::tensor_parallel is None)"
-                        .to_string(),
-                ));
-            };
-            ctx.tp = Some(TpPlace {
-                comm: mesh.group.as_ref(),
-                group: Arc::new(TpComm::new(mesh.group.clone())),
-                splits: Arc::new(kiln_models::tp::splits_of(&model, tp, self.setup.tp)),
-            });
+            ctx.tp = Some(mesh.place::<W::Batch, _>(&model)?);
         }
         let mut strategy = strategy::build(self.setup.kind, model, ctx)?;
         if let Some(optim) = &start.optim {
