@@ -209,9 +209,10 @@ fn prepare<W: Workload>(
         .then(|| kiln_models::BlockStack::<W::Batch>::tensor_parallel(&probe))
         .flatten()
         .and_then(|t| t.tp_floats(config.train.batch_size, tp))
+        .filter(|_| config.pipeline.stages == 1)
         .map(|f| {
             // What the walk recomputes runs its forward's sums again: the stem's with any
-            // block's.
+            // block's. (A pipeline's stages each hold some of the blocks: not predicted.)
             let setup = Setup::new(config, devices.len() * processes.count);
             let walk = setup.rules().recomputes(&setup);
             let n = kiln_models::BlockStack::<W::Batch>::num_blocks(&probe);

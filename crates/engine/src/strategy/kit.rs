@@ -348,17 +348,26 @@ impl<'a> RankKit<'a> {
             return Ok(None);
         }
         if let (Some(max), Some((group, weights))) = (clip, tp) {
-            // The squares of the rank's shard, then of every shard of its part, then of
-            // every part; what every rank holds whole is weighted to count once.
-            let _ = norm;
-            let mut squares = vec![
-                (grads.clone().square() * weights)
-                    .sum()
-                    .into_scalar::<f32>(),
-            ];
-            if self.layout.shards > 1 {
-                self.timed(|c| c.all_reduce(&mut squares, ReduceOp::Sum))?;
-            }
+            // The squares of the rank's shard, then of every shard of its part (or of every
+            // stage of its pipeline), then of every part; what every rank of the group holds
+            // whole is weighted to count once.
+            let mut squares = match norm {
+                Norm::Squares(total) => {
+                    let started = Instant::now();
+                    let weighted = grads.clone() * weights.sqrt();
+                    let s = total(&weighted)?;
+                    self.sync_seconds += started.elapsed().as_secs_f64();
+                    vec![s]
+                }
+                _ => {
+                    let weighted = grads.clone().square() * weights;
+                    let mut s = vec![weighted.sum().into_scalar::<f32>()];
+                    if self.layout.shards > 1 {
+                        self.timed(|c| c.all_reduce(&mut s, ReduceOp::Sum))?;
+                    }
+                    s
+                }
+            };
             self.timed(|_| group.all_reduce(&mut squares, ReduceOp::Sum))?;
             let factor = (max as f32 / (squares[0].sqrt() + 1e-6)).min(1.0);
             grads = grads.mul_scalar(factor);

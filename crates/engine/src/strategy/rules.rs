@@ -299,9 +299,10 @@ impl Setup {
                 self.tp, self.ranks
             )));
         }
-        if self.tp > 1 && matches!(self.kind, StrategyKind::Pipeline | StrategyKind::Diloco) {
+        if self.tp > 1 && self.kind == StrategyKind::Diloco {
             return Err(Error::config(format!(
-                "key `parallel.tp`: tensor parallelism runs inside single, ddp and zero1-3; \
+                "key `parallel.tp`: tensor parallelism runs inside single, ddp, zero1-3 and \
+                 pipeline stages; \
                 it is not composed with {:?} (set parallel.tp = 1, or another strategy)",
                 self.name()
             )));
@@ -378,11 +379,20 @@ impl Setup {
     /// micro-batch, `accumulate` accumulation steps.
     pub fn batch_line(&self, batch: usize, accumulate: usize, per_step: usize) -> String {
         if self.tp > 1 {
-            // Every rank of a tensor-parallel group takes its group's batch.
+            // Every rank of a tensor-parallel group (and every stage of a pipeline of them)
+            // takes its replica's batch.
+            let stages = self.stages();
+            let replicas = self.world / stages;
+            let pp = if stages > 1 {
+                format!(" × {stages} stages")
+            } else {
+                String::new()
+            };
             return format!(
-                "{batch} per tensor-parallel group of {} devices × {} groups × {accumulate} \
+                "{batch} per replica (tp {}{pp}) × {replicas} replica{} × {accumulate} \
                  accumulation = {per_step} per step",
-                self.tp, self.world
+                self.tp,
+                if replicas == 1 { "" } else { "s" }
             );
         }
         self.rules().batch_line(self, batch, accumulate, per_step)
