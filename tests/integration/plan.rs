@@ -86,6 +86,8 @@ fn train_plan_weighs_every_strategy_and_prints_the_fastest_that_fits_first() {
         "zero3",
         "pipeline 2×2 1f1b",
         "pipeline 2×4 gpipe",
+        // The GPT says how it is cut: a tensor-parallel group of the 2 devices.
+        "tp 2 × single",
     ] {
         assert!(strategies.contains(&s), "{s} missing from {strategies:?}");
     }
@@ -96,8 +98,17 @@ fn train_plan_weighs_every_strategy_and_prints_the_fastest_that_fits_first() {
     assert_eq!(plan["samples_per_step"], 64);
     for p in fitting {
         let (b, a) = (f(p, "batch_size"), f(p, "accumulate"));
-        // "pipeline 2×4 1f1b": 2 stages, 4 micro-batches per flush.
-        let words: Vec<&str> = p["strategy"].as_str().unwrap().split_whitespace().collect();
+        // "pipeline 2×4 1f1b": 2 stages, 4 micro-batches per flush; "tp 2 × single": the
+        // strategy inside groups of 2.
+        let named = p["strategy"].as_str().unwrap();
+        let (tp, named) = match named.strip_prefix("tp ") {
+            Some(rest) => {
+                let (t, rest) = rest.split_once(" × ").unwrap();
+                (t.parse::<f64>().unwrap(), rest)
+            }
+            None => (1.0, named),
+        };
+        let words: Vec<&str> = named.split_whitespace().collect();
         let (stages, micro) = match words.get(1) {
             Some(shape) => {
                 let (s, m) = shape.split_once('×').unwrap();
@@ -105,7 +116,7 @@ fn train_plan_weighs_every_strategy_and_prints_the_fastest_that_fits_first() {
             }
             None => (1.0, 1.0),
         };
-        assert_eq!(b * a * micro * 2.0 / stages, 64.0, "{p}");
+        assert_eq!(b * a * micro * 2.0 / (stages * tp), 64.0, "{p}");
         assert!(f(p, "process_bytes") > f(p, "device_bytes"), "{p}");
         assert!(
             f(p, "activation_bytes") > 0.0 && f(p, "step_seconds") > 0.0,

@@ -87,8 +87,9 @@ fn gpt_tensor_parallel_trains_as_one_device() {
         bytes(&one_run, "param_bytes_per_rank"),
         vec![(cut + whole) as u64]
     );
-    // The planner weighs the mesh: every plan of `train plan --mesh tp=2` runs the strategies
-    // of the data dimension inside groups of 2, and counts a rank's part.
+    // The planner weighs the mesh: `train plan --mesh tp=2` runs the strategies of the data
+    // dimension inside groups of 2 and counts a rank's part, and puts plans without groups
+    // beside them (`--mesh tp=1`), counting the whole.
     let mut args: Vec<String> = ["plan", "--json", "--devices", "2", "--mesh", "tp=2"]
         .map(String::from)
         .to_vec();
@@ -111,22 +112,32 @@ fn gpt_tensor_parallel_trains_as_one_device() {
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let fitting = plan["fitting"].as_array().unwrap();
     assert!(!fitting.is_empty());
-    let mut seen = false;
+    let (mut inside, mut without) = (false, false);
     for p in fitting {
-        assert!(
-            p["strategy"].as_str().unwrap().starts_with("tp 2 × "),
-            "{p}"
-        );
+        let grouped = p["strategy"].as_str().unwrap().starts_with("tp 2 × ");
+        let flags = p["flags"].to_string();
+        assert_eq!(grouped, !flags.contains("--mesh tp=1"), "{p}");
         if p["precision"] == "32" && p["strategy"] == "tp 2 × single" {
             assert_eq!(
                 p["params_bytes"].as_f64(),
                 Some((cut / 2 + whole) as f64),
                 "{p}"
             );
-            seen = true;
+            inside = true;
+        }
+        if p["precision"] == "32" && p["strategy"] == "ddp" {
+            assert_eq!(
+                p["params_bytes"].as_f64(),
+                Some((cut + whole) as f64),
+                "{p}"
+            );
+            without = true;
         }
     }
-    assert!(seen, "no f32 plan of single inside the groups");
+    assert!(
+        inside && without,
+        "plans inside groups of 2 and without them"
+    );
     for (name, devices, batch, extra) in [
         ("tp2", 2, 8, vec!["parallel.tp=2"]),
         ("dp2-tp2", 4, 4, vec!["parallel.tp=2", "parallel.shard=0"]),

@@ -22,6 +22,9 @@ impl Candidate {
         if c.strategy.name != b.strategy.name {
             out.push(format!("--strategy {}", name_of(&c.strategy.name)));
         }
+        if c.parallel.tp != b.parallel.tp {
+            out.push(format!("--mesh tp={}", c.parallel.tp));
+        }
         let mut set = |key: &str, new: String, old: String| {
             if new != old {
                 out.push(format!("--set {key}={new}"));

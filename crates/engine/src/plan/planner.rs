@@ -123,11 +123,11 @@ pub fn plan<W: Workload>(
     let model = kiln_models::with_rng(|| {
         kiln_models::materialized(workload.init_model(&devices[0].clone().autodiff()))
     });
-    // Under tensor parallelism a rank holds its part: the layout the estimates read.
-    let part = crate::strategy::rank_part::<W::Batch, _>(model.clone(), config.parallel.tp);
-    let facts = ModelFacts::of::<W::Batch, _>(&part);
-    drop(part);
     let world = devices.len() * crate::comm::processes().count;
+    // Under tensor parallelism a rank holds its part: the layout the estimates read, for the
+    // config's group size and each other one the model can be cut into inside a process.
+    let parts = Parts::of::<W::Batch, _>(&model, config.parallel.tp, world, devices.len());
+    let facts = parts.of_tp(config.parallel.tp).clone();
     let own = settings_for(config, devices, accelerator, &facts);
     let samples = sampler(workload.train_len(), &own)?.samples_per_step();
     // Every candidate the settings' checks allow (the probe's micro-batches come from them),
@@ -138,13 +138,13 @@ pub fn plan<W: Workload>(
         config,
         target,
         samples,
-        &facts,
+        &parts,
         Scope::All,
     );
     let (allowed, refused) = if scope == Scope::All {
         every.clone()
     } else {
-        allowed_of(workload, &model, config, target, samples, &facts, scope)
+        allowed_of(workload, &model, config, target, samples, &parts, scope)
     };
     let rungs = rungs(every.0.iter().chain(&allowed));
     drop(model);
@@ -162,7 +162,7 @@ pub fn plan<W: Workload>(
     let mut unfit = Vec::new();
     let mut held = Vec::with_capacity(allowed.len());
     for (c, s) in allowed {
-        let p = unprobed(&c, config, &s, &facts, floor)?;
+        let p = unprobed(&c, config, &s, parts.of_tp(c.config.parallel.tp), floor)?;
         if limit_bytes.is_some_and(|l| p.need(cpu) * (1.0 + HEADROOM) > l) {
             unfit.push(p);
         } else {
@@ -203,7 +203,13 @@ pub fn plan<W: Workload>(
         seconds: 0.0,
     };
     for (p, s) in held {
-        let p = predict(p, &s, &facts, &plan.measured, samples)?;
+        let p = predict(
+            p,
+            &s,
+            parts.of_tp(s.parallel.mesh.tp),
+            &plan.measured,
+            samples,
+        )?;
         if limit_bytes.is_some_and(|l| plan.need(&p) * (1.0 + HEADROOM) > l) {
             plan.over.push(p);
         } else {
@@ -294,13 +300,14 @@ fn allowed_of<W: Workload>(
     config: &RootConfig,
     target: &Target,
     samples: usize,
-    facts: &ModelFacts,
+    parts: &Parts,
     scope: Scope,
 ) -> Allowed {
     let world = target.devices.len() * crate::comm::processes().count;
     let mut allowed = Vec::new();
     let mut refused = Vec::new();
-    for c in listed(config, world, samples, facts, scope) {
+    for c in listed(config, world, samples, parts, scope) {
+        let facts = parts.of_tp(c.config.parallel.tp);
         let s = settings_for(&c.config, target.devices, target.accelerator, facts);
         match refusal(workload, model, &s) {
             Ok(()) => allowed.push((c, s)),
@@ -366,12 +373,80 @@ fn signature(config: &RootConfig, target: &Target, facts: &ModelFacts, train_len
     )
 }
 
+/// What the planner knows of the model for each tensor-parallel group size it weighs: the
+/// facts of a rank's part (the whole model's for 1).
+pub(crate) struct Parts {
+    /// `(tp, facts)`, the config's size first.
+    sizes: Vec<(usize, ModelFacts)>,
+}
+
+impl Parts {
+    /// The facts of `model` for the config's `tp` and, where the model says how it is cut, for
+    /// every other group size of 1 or more that divides both the `world` and the `local`
+    /// devices of a process (a group stays inside one) and that the model accepts.
+    fn of<B, M: kiln_models::BlockStack<B> + burn::module::Module>(
+        model: &M,
+        tp: usize,
+        world: usize,
+        local: usize,
+    ) -> Self {
+        let facts = |t: usize| {
+            let part = crate::strategy::rank_part::<B, _>(model.clone(), t);
+            ModelFacts::of::<B, _>(&part)
+        };
+        let mut sizes = vec![(tp, facts(tp))];
+        let cut = model.tensor_parallel();
+        for t in 1..=local {
+            let fits = world.is_multiple_of(t) && local.is_multiple_of(t);
+            let said = t == 1 || cut.is_some_and(|c| c.tp_check(t).is_ok());
+            if t != tp && fits && said {
+                sizes.push((t, facts(t)));
+            }
+        }
+        Self { sizes }
+    }
+
+    /// The group sizes weighed, the config's first.
+    pub(crate) fn sizes(&self) -> Vec<usize> {
+        self.sizes.iter().map(|(t, _)| *t).collect()
+    }
+
+    /// The facts for group size `tp` (the config's where it is not weighed).
+    pub(crate) fn of_tp(&self, tp: usize) -> &ModelFacts {
+        self.sizes
+            .iter()
+            .find(|(t, _)| *t == tp)
+            .map_or(&self.sizes[0].1, |(_, f)| f)
+    }
+}
+
+/// `list`'s candidates for `base` at each tensor-parallel group size `parts` weighs (the data
+/// dimension's replicas then what the devices leave).
+fn each_tp(
+    base: &RootConfig,
+    parts: &Parts,
+    list: impl Fn(&RootConfig, &ModelFacts) -> Vec<Candidate>,
+) -> Vec<Candidate> {
+    parts
+        .sizes()
+        .into_iter()
+        .flat_map(|tp| {
+            let mut c = base.clone();
+            if tp != base.parallel.tp {
+                c.parallel.tp = tp;
+                c.parallel.dp = None;
+            }
+            list(&c, parts.of_tp(tp))
+        })
+        .collect()
+}
+
 /// The candidates `scope` weighs for `config` on `world` ranks with `samples` per step.
 fn listed(
     config: &RootConfig,
     world: usize,
     samples: usize,
-    facts: &ModelFacts,
+    parts: &Parts,
     scope: Scope,
 ) -> Vec<Candidate> {
     let processes = crate::comm::processes().count;
@@ -386,9 +461,13 @@ fn listed(
                     precisions.push(m);
                 }
             }
-            candidates(&resolved, world, processes, samples, facts, &precisions)
+            each_tp(&resolved, parts, |base, facts| {
+                candidates(base, world, processes, samples, facts, &precisions)
+            })
         }
-        Scope::SamePrecision => candidates(&resolved, world, processes, samples, facts, &[own]),
+        Scope::SamePrecision => each_tp(&resolved, parts, |base, facts| {
+            candidates(base, world, processes, samples, facts, &[own])
+        }),
         Scope::Own => {
             let words = Setup::new(&resolved, world).words();
             vec![Candidate {

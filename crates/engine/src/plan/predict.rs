@@ -96,8 +96,14 @@ pub(crate) fn fit_key(s: &TrainerSettings) -> String {
     // names that one's probe.
     let setup = s.setup();
     let kind = setup.rules().probe_as(&setup);
+    // Inside tensor-parallel groups a rank runs its part: a probe of its own.
+    let mesh = if setup.tp > 1 {
+        format!("tp{}/", setup.tp)
+    } else {
+        String::new()
+    };
     format!(
-        "{kind}/{}/{}",
+        "{mesh}{kind}/{}/{}",
         name_of(&s.precision.mode),
         name_of(&s.recompute.mode)
     )
