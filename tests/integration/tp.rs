@@ -304,6 +304,17 @@ fn what_tensor_parallelism_cannot_run_is_refused_in_one_line() {
         &["parallel.shard", "zero3", "zero1"],
     );
     refused(&["parallel.shard=4"], &["parallel.shard", "0 (ddp) to 3"]);
+    // QLoRA's quantized bases are packed in blocks of their own.
+    refused(
+        &[
+            "hardware.devices=2",
+            "parallel.tp=2",
+            "finetune.lora.rank=4",
+            "finetune.lora.targets=[\"blocks.*.attn\", \"blocks.*.mlp\"]",
+            "finetune.lora.quantize=\"q8\"",
+        ],
+        &["parallel.tp", "is quantized", "finetune.lora.quantize"],
+    );
     // A model that says nothing of a cut: the default recipe's ConvNet.
     let out = train_bin(
         &dir,

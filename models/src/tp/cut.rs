@@ -161,6 +161,15 @@ impl ModuleMapper for Reshaper<'_, '_, '_> {
         let mut failed = None;
         let f = &mut self.f;
         let param = param.map(|t| {
+            if !t.dtype().is_float() {
+                // A quantized base (QLoRA) is packed in blocks of its own.
+                failed = Some(format!(
+                    "parameter `{path}` is quantized ({:?}), and a quantized weight is not cut \
+                     over tensor-parallel ranks",
+                    t.dtype()
+                ));
+                return t;
+            }
             let tracked = t.is_require_grad();
             let device = t.device();
             let dtype = burn::tensor::FloatDType::from(t.dtype());

@@ -268,6 +268,19 @@ pub fn trainable_ids<M: Module>(module: &M) -> Vec<ParamId> {
     ids.0
 }
 
+/// The dtype of every float parameter of `module` (a quantized base's too), in module order.
+pub fn float_dtypes<M: Module>(module: &M) -> Vec<DType> {
+    struct Dtypes(Vec<DType>);
+    impl ModuleVisitor for Dtypes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.val().dtype());
+        }
+    }
+    let mut dtypes = Dtypes(Vec::new());
+    module.visit(&mut dtypes);
+    dtypes.0
+}
+
 /// A tensor's values on the host as f32 (exact for bf16 and f16).
 pub fn host_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     t.into_data().convert::<f32>().iter::<f32>().collect()

@@ -390,17 +390,17 @@ impl Parts {
         world: usize,
         local: usize,
     ) -> Self {
-        let facts = |t: usize| {
-            let part = crate::strategy::rank_part::<B, _>(model.clone(), t);
-            ModelFacts::of::<B, _>(&part)
-        };
-        let mut sizes = vec![(tp, facts(tp))];
-        let cut = model.tensor_parallel();
+        let part = |t: usize| crate::strategy::part_if_cut::<B, M>(model, t);
+        let own = part(tp).unwrap_or_else(|| model.clone());
+        let mut sizes = vec![(tp, ModelFacts::of::<B, _>(&own))];
         for t in 1..=local {
-            let fits = world.is_multiple_of(t) && local.is_multiple_of(t);
-            let said = t == 1 || cut.is_some_and(|c| c.tp_check(t).is_ok());
-            if t != tp && fits && said {
-                sizes.push((t, facts(t)));
+            if t == tp || !world.is_multiple_of(t) || !local.is_multiple_of(t) {
+                continue;
+            }
+            // Only a size the model is cut into: it says how, accepts that many ranks and
+            // holds no weight that cannot be cut (a quantized base).
+            if let Some(p) = part(t) {
+                sizes.push((t, ModelFacts::of::<B, _>(&p)));
             }
         }
         Self { sizes }

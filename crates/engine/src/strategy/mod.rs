@@ -54,4 +54,4 @@ pub use memory::{Counter, Memory};
 pub use registry::{all_rules, build, rules};
 pub use rules::{Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, block_ids};
 pub use step::{Report, Strategy};
-pub use tp::{Mesh, TpComm, rank_part};
+pub use tp::{Mesh, TpComm, part_if_cut, rank_part};

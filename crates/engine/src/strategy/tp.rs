@@ -260,17 +260,27 @@ pub fn rank_part<B, M: kiln_models::BlockStack<B> + burn::module::Module>(
     model: M,
     tp: usize,
 ) -> M {
-    if tp <= 1 {
-        return model;
+    match part_if_cut::<B, M>(&model, tp) {
+        Some(part) => part,
+        None => model,
     }
-    let Some(splits) = model
+}
+
+/// Rank 0's part of `model` in a group of `tp` ranks (`tp` = 1: the model itself), or `None`
+/// where the model does not say how it is cut, refuses that many ranks, or holds a weight
+/// that cannot be cut (a quantized base).
+pub fn part_if_cut<B, M: kiln_models::BlockStack<B> + burn::module::Module>(
+    model: &M,
+    tp: usize,
+) -> Option<M> {
+    if tp <= 1 {
+        return Some(model.clone());
+    }
+    let splits = model
         .tensor_parallel()
         .filter(|t| t.tp_check(tp).is_ok())
-        .map(|t| kiln_models::tp::splits_of(&model, t, tp))
-    else {
-        return model;
-    };
-    kiln_models::tp::cut_by(model.clone(), &splits, 0, tp).unwrap_or(model)
+        .map(|t| kiln_models::tp::splits_of(model, t, tp))?;
+    kiln_models::tp::cut_by(model.clone(), &splits, 0, tp).ok()
 }
 
 /// A rank's groups in a mesh with tensor parallelism: its tensor-parallel group (the `tp`

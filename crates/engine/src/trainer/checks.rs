@@ -79,6 +79,20 @@ fn check_tp<B, M: BlockStack<B> + Module>(
             facts.groups.join(", ")
         )));
     }
+    // A quantized base (QLoRA) is packed in blocks of its own: it is not cut.
+    let splits = kiln_models::tp::splits_of(model, tp, setup.tp);
+    let dtypes = crate::params::float_dtypes(model);
+    if let Some(((path, _), dtype)) = splits
+        .iter()
+        .zip(&dtypes)
+        .find(|((_, split), dtype)| split.is_cut() && !dtype.is_float())
+    {
+        return Err(Error::config(format!(
+            "key `parallel.tp`: parameter `{path}` is quantized ({dtype:?}), and a quantized \
+             weight is not cut over tensor-parallel ranks; set parallel.tp = 1 or leave \
+             finetune.lora.quantize out"
+        )));
+    }
     Ok(())
 }
 
