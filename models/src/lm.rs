@@ -91,7 +91,8 @@ pub fn lm_output_parts(
     let [b, t, v] = logits.dims();
     let samples = batch.inputs.dims()[0];
     let targets = batch.targets.clone().reshape([b * t]);
-    let mut loss = crate::tp::vocab::cross_entropy(logits.reshape([b * t, v]), targets, start);
+    let logits = logits.reshape([b * t, v]);
+    let mut loss = crate::tp::vocab::cross_entropy(logits, targets, start, IGNORE);
     if let Some(w) = batch.loss_weight {
         loss = loss.mul_scalar(w);
     }

@@ -444,14 +444,15 @@ fn family_run<M: kiln_models::Registered>(
     )
 }
 
-/// The Llama with grouped-query attention (4 query heads, 2 key/value heads) under tp = 2
+/// Phi-3 (4 query heads, 2 key/value heads in its fused projection) under tp = 2, and the
+/// Llama with grouped-query attention (4 query heads, 2 key/value heads) under tp = 2
 /// (the key/value heads split) and tp = 4 (each rank reads the one its query head shares, the
 /// heads' gradients summed over the group), its vocabulary cut too (embedding rows, head
 /// columns, the parallel cross-entropy): every parameter within 1e-5 (relative, per
 /// tensor) of one device's after 20 steps. GPT-2 under tp = 2 (the fused `c_attn` by heads):
 /// within 2e-5, its k bias left out (see below).
 #[test]
-fn llama_and_gpt2_tensor_parallel_train_as_one_device() {
+fn llama_phi3_and_gpt2_tensor_parallel_train_as_one_device() {
     let dir = temp_dir("tp-families");
     let llama: &[&str] = &[
         "model.kind=\"llama\"",
@@ -472,6 +473,24 @@ fn llama_and_gpt2_tensor_parallel_train_as_one_device() {
         println!("llama tp = {tp}: max per-tensor relative difference {d:e}");
         assert!(d <= 1e-5, "llama tp = {tp}: {d:e}");
     }
+    // Phi-3's fused projections: `qkv_proj` by heads of unequal blocks (4 query, 2 key/value),
+    // `gate_up_proj` by columns in its two blocks.
+    let phi3: &[&str] = &[
+        "model.kind=\"phi3\"",
+        "model.phi3.hidden_size=32",
+        "model.phi3.intermediate_size=64",
+        "model.phi3.num_hidden_layers=2",
+        "model.phi3.num_attention_heads=4",
+        "model.phi3.num_key_value_heads=2",
+        "model.phi3.max_position_embeddings=16",
+        "model.phi3.partial_rotary_factor=0.5",
+        "model.phi3.vocab_size=512",
+    ];
+    let one = family_run::<kiln_models::Phi3>(&dir.join("phi3"), phi3, 1, &[]);
+    let part = family_run::<kiln_models::Phi3>(&dir.join("phi3"), phi3, 2, &["parallel.tp=2"]);
+    let d = max_relative_diff(&part, &one);
+    println!("phi3 tp = 2: max per-tensor relative difference {d:e}");
+    assert!(d <= 1e-5, "phi3 tp = 2: {d:e}");
     let gpt2: &[&str] = &[
         "model.kind=\"gpt2\"",
         "model.gpt2.n_embd=32",

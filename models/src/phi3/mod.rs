@@ -251,12 +251,16 @@ impl Phi3Attention {
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
         let [b, t, _] = x.dims();
-        let qkv = crate::modules::linear_rows(&self.qkv_proj, x);
+        // In a tensor-parallel group a rank holds its share of the query and of the key/value
+        // heads (`Split::Heads` of `qkv_proj`).
+        let size = crate::tp::place().1;
+        let (h, kv) = (h / size, kv / size);
+        let qkv = crate::tp::column_rows(&self.qkv_proj, x);
         let d = qkv.dims()[2] / (h + 2 * kv);
         let cut = |from: usize, to: usize| qkv.clone().slice([0..b, 0..t, from * d..to * d]);
         let parts = [cut(0, h), cut(h, h + kv), cut(h + kv, h + 2 * kv)];
         let y = crate::gqa::attend(parts, rope, mask, (h, kv), cache);
-        crate::modules::linear_rows(&self.o_proj, y)
+        crate::tp::row_rows(&self.o_proj, y)
     }
 }
 
@@ -271,11 +275,13 @@ pub struct Phi3Mlp {
 impl Phi3Mlp {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let [b, t, _] = x.dims();
-        let both = crate::modules::linear_rows(&self.gate_up_proj, x);
+        // In a tensor-parallel group: the gate's and the up projection's columns, then down
+        // by rows.
+        let both = crate::tp::column_rows(&self.gate_up_proj, x);
         let f = both.dims()[2] / 2;
         let gate = both.clone().slice([0..b, 0..t, 0..f]);
         let up = both.slice([0..b, 0..t, f..2 * f]);
-        crate::modules::linear_rows(&self.down_proj, crate::fused::swiglu(gate, up))
+        crate::tp::row_rows(&self.down_proj, crate::fused::swiglu(gate, up))
     }
 }
 
@@ -371,6 +377,10 @@ impl Decoder for Phi3 {
         (self.config.num_attention_heads, self.config.kv_heads())
     }
 
+    fn tensor_parallel(&self) -> Option<&dyn crate::tp::TensorParallel> {
+        Some(self)
+    }
+
     fn max_positions(&self) -> usize {
         self.config.max_position_embeddings
     }
@@ -397,6 +407,63 @@ impl Decoder for Phi3 {
 }
 
 decoder::decoder_steps!(Phi3);
+
+/// Megatron's split of a Phi-3 layer: the fused `qkv_proj` by heads (a rank's share of the
+/// query heads and of the key/value heads: `Split::Heads`), the output projection by rows; the
+/// fused `gate_up_proj` by columns in its two blocks, the down projection by rows; the
+/// vocabulary where the group divides it. The key/value heads must divide over the group (a
+/// fused projection keeps no whole copy of them).
+impl crate::tp::TensorParallel for Phi3 {
+    fn tp_ready(&self) -> bool {
+        true
+    }
+
+    fn tp_check(&self, size: usize) -> Result<(), String> {
+        let c = &self.config;
+        let (h, kv) = (c.num_attention_heads, c.kv_heads());
+        if size == 1 {
+            return Ok(());
+        }
+        for (key, n) in [
+            ("num_attention_heads", h),
+            ("num_key_value_heads", kv),
+            ("intermediate_size", c.intermediate_size),
+        ] {
+            if !n.is_multiple_of(size) {
+                return Err(format!(
+                    "model.phi3.{key} ({n}) must be a multiple of the tensor-parallel size \
+                     ({size})"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn tp_split(&self, path: &str, size: usize) -> crate::tp::Split {
+        use crate::tp::Split;
+        let c = &self.config;
+        let (q, kv) = (c.num_attention_heads, c.kv_heads());
+        let within = |suffix: &str| path.starts_with("model.layers.") && path.ends_with(suffix);
+        let vocab = c.vocab_size.is_multiple_of(size);
+        if path == "model.embed_tokens.weight" && vocab {
+            Split::first(1)
+        } else if path == "lm_head.weight" && vocab {
+            Split::columns(1)
+        } else if within(".qkv_proj.weight") {
+            Split::Heads { dim: 1, q, kv }
+        } else if within(".qkv_proj.bias") {
+            Split::Heads { dim: 0, q, kv }
+        } else if within(".gate_up_proj.weight") {
+            Split::columns(2)
+        } else if within(".gate_up_proj.bias") {
+            Split::first(2)
+        } else if within(".o_proj.weight") || within(".down_proj.weight") {
+            Split::ROWS
+        } else {
+            Split::Whole
+        }
+    }
+}
 
 impl crate::lm::CausalLm for Phi3 {
     type Config = Phi3Config;

@@ -63,13 +63,13 @@ pub fn splits_of<M: Module>(
         .map(|path| {
             let split = match (path.strip_suffix(".lora.a"), path.strip_suffix(".lora.b")) {
                 (Some(weight), _) => match tp.tp_split(weight, size) {
-                    Split::Parts { dim: 0, groups } => Split::Parts { dim: 0, groups },
-                    Split::Parts { .. } => Split::Summed,
+                    rows if rows.cut_dim() == Some(0) => rows,
+                    cut if cut.is_cut() => Split::Summed,
                     whole => whole,
                 },
                 (_, Some(weight)) => match tp.tp_split(weight, size) {
-                    Split::Parts { dim: 1, groups } => Split::Parts { dim: 1, groups },
-                    Split::Parts { .. } => Split::Summed,
+                    columns if columns.cut_dim() == Some(1) => columns,
+                    cut if cut.is_cut() => Split::Summed,
                     whole => whole,
                 },
                 _ => tp.tp_split(&path, size),

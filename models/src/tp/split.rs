@@ -31,12 +31,42 @@ pub enum Split {
         /// The blocks side by side along it.
         groups: usize,
     },
+    /// Cut along `dim` by heads of a fused q/k/v projection whose key/value heads are fewer
+    /// than its query heads (grouped-query attention): the dimension is `q + 2 kv` heads of
+    /// one width, the queries' block then the keys' then the values', and a rank holds its
+    /// share of each block's heads, in block order.
+    Heads {
+        /// The dimension cut.
+        dim: usize,
+        /// Query heads.
+        q: usize,
+        /// Key (and value) heads.
+        kv: usize,
+    },
 }
 
 impl Split {
     /// Whether the parameter is cut into parts (not whole on every rank).
     pub fn is_cut(self) -> bool {
-        matches!(self, Split::Parts { .. })
+        self.cut_dim().is_some()
+    }
+
+    /// The dimension a cut parameter is cut along.
+    pub fn cut_dim(self) -> Option<usize> {
+        match self {
+            Split::Parts { dim, .. } | Split::Heads { dim, .. } => Some(dim),
+            Split::Whole | Split::Summed => None,
+        }
+    }
+
+    /// The cut dimension and its blocks' shares of it (equal blocks, or a fused projection's
+    /// heads); `None` for a parameter that is not cut.
+    fn blocks(self) -> Option<(usize, Vec<usize>)> {
+        match self {
+            Split::Parts { dim, groups } => Some((dim, vec![1; groups])),
+            Split::Heads { dim, q, kv } => Some((dim, vec![q, kv, kv])),
+            Split::Whole | Split::Summed => None,
+        }
     }
 
     /// A column-parallel Linear's weight (`[d_in, d_out]`: its outputs) in `groups` blocks.
@@ -66,16 +96,33 @@ pub fn split_range(n: usize, rank: usize, size: usize) -> Result<Range<usize>, S
     Ok(rank * part..(rank + 1) * part)
 }
 
-/// The ranges of dimension `n` that rank `rank` of `size` holds under `groups` blocks.
-fn ranges(n: usize, groups: usize, rank: usize, size: usize) -> Result<Vec<Range<usize>>, String> {
-    if groups == 0 || !n.is_multiple_of(groups) {
-        return Err(format!("{n} is not {groups} equal blocks"));
+/// The widths of the blocks of a dimension of `n` with these `shares` of it (a part's blocks
+/// keep the whole's proportions).
+fn widths(n: usize, shares: &[usize]) -> Result<Vec<usize>, String> {
+    let total: usize = shares.iter().sum();
+    if total == 0 || shares.iter().any(|s| !(n * s).is_multiple_of(total)) {
+        return Err(format!(
+            "{n} cannot be blocks in the proportions {shares:?}"
+        ));
     }
-    let block = n / groups;
-    let part = split_range(block, rank, size)?;
-    Ok((0..groups)
-        .map(|g| g * block + part.start..g * block + part.end)
-        .collect())
+    Ok(shares.iter().map(|s| n * s / total).collect())
+}
+
+/// The ranges of dimension `n` that rank `rank` of `size` holds of blocks with these `shares`.
+fn ranges(
+    n: usize,
+    shares: &[usize],
+    rank: usize,
+    size: usize,
+) -> Result<Vec<Range<usize>>, String> {
+    let mut at = 0;
+    let mut out = Vec::with_capacity(shares.len());
+    for w in widths(n, shares)? {
+        let part = split_range(w, rank, size)?;
+        out.push(at + part.start..at + part.end);
+        at += w;
+    }
+    Ok(out)
 }
 
 /// Rank `rank`'s part of `whole` under `split` in a group of `size`.
@@ -85,14 +132,14 @@ pub fn part_of<const D: usize>(
     rank: usize,
     size: usize,
 ) -> Result<Tensor<D>, String> {
-    let Split::Parts { dim, groups } = split else {
+    let Some((dim, shares)) = split.blocks() else {
         return Ok(whole);
     };
     let dims = whole.dims();
     if dim >= D {
         return Err(format!("dimension {dim} of a tensor of {D}"));
     }
-    let pieces: Vec<Tensor<D>> = ranges(dims[dim], groups, rank, size)?
+    let pieces: Vec<Tensor<D>> = ranges(dims[dim], &shares, rank, size)?
         .into_iter()
         .map(|r| whole.clone().narrow(dim, r.start, r.len()))
         .collect();
@@ -102,7 +149,7 @@ pub fn part_of<const D: usize>(
 /// The whole tensor from every rank's part (`parts[r]` rank `r`'s), under `split`.
 pub fn whole_of<const D: usize>(parts: Vec<Tensor<D>>, split: Split) -> Result<Tensor<D>, String> {
     let size = parts.len();
-    let Split::Parts { dim, groups } = split else {
+    let Some((dim, shares)) = split.blocks() else {
         return parts
             .into_iter()
             .next()
@@ -111,17 +158,15 @@ pub fn whole_of<const D: usize>(parts: Vec<Tensor<D>>, split: Split) -> Result<T
     let Some(first) = parts.first() else {
         return Err("no part".into());
     };
-    let n = first.dims()[dim];
-    if groups == 0 || !n.is_multiple_of(groups) {
-        return Err(format!("a part of {n} is not {groups} equal blocks"));
-    }
-    let piece = n / groups;
-    // Block g of the whole is every rank's piece g, in rank order.
-    let mut blocks = Vec::with_capacity(groups * size);
-    for g in 0..groups {
+    // A part's blocks have the whole's shares: block g of the whole is every rank's piece g,
+    // in rank order.
+    let mut blocks = Vec::with_capacity(shares.len() * size);
+    let mut at = 0;
+    for w in widths(first.dims()[dim], &shares)? {
         for part in &parts {
-            blocks.push(part.clone().narrow(dim, g * piece, piece));
+            blocks.push(part.clone().narrow(dim, at, w));
         }
+        at += w;
     }
     Ok(Tensor::cat(blocks, dim))
 }
@@ -148,14 +193,14 @@ pub fn part_of_values(
     rank: usize,
     size: usize,
 ) -> Result<(Vec<f32>, Vec<usize>), String> {
-    let Split::Parts { dim, groups } = split else {
+    let Some((dim, shares)) = split.blocks() else {
         return Ok((values.to_vec(), shape.to_vec()));
     };
     let (outer, n, inner) = around(shape, dim)?;
     if values.len() != outer * n * inner {
         return Err(format!("{} values for a shape {shape:?}", values.len()));
     }
-    let ranges = ranges(n, groups, rank, size)?;
+    let ranges = ranges(n, &shares, rank, size)?;
     let held: usize = ranges.iter().map(|r| r.len()).sum();
     let mut out = Vec::with_capacity(outer * held * inner);
     for o in 0..outer {
@@ -175,30 +220,29 @@ pub fn whole_of_values(
     part_shape: &[usize],
     split: Split,
 ) -> Result<(Vec<f32>, Vec<usize>), String> {
-    let Split::Parts { dim, groups } = split else {
+    let Some((dim, shares)) = split.blocks() else {
         let first = parts.first().ok_or_else(|| "no part".to_string())?;
         return Ok((first.clone(), part_shape.to_vec()));
     };
     let size = parts.len();
     let (outer, n, inner) = around(part_shape, dim)?;
-    if groups == 0 || !n.is_multiple_of(groups) {
-        return Err(format!("a part of {n} is not {groups} equal blocks"));
-    }
+    let widths = widths(n, &shares)?;
     if let Some(p) = parts.iter().find(|p| p.len() != outer * n * inner) {
         return Err(format!(
             "a part of {} values for a shape {part_shape:?}",
             p.len()
         ));
     }
-    let piece = n / groups;
     let mut out = Vec::with_capacity(outer * n * inner * size);
     for o in 0..outer {
         // Block g of the whole is every rank's piece g, in rank order.
-        for g in 0..groups {
+        let mut at = 0;
+        for &w in &widths {
             for part in parts {
-                let at = (o * n + g * piece) * inner;
-                out.extend_from_slice(&part[at..at + piece * inner]);
+                let from = (o * n + at) * inner;
+                out.extend_from_slice(&part[from..from + w * inner]);
             }
+            at += w;
         }
     }
     let mut shape = part_shape.to_vec();

@@ -403,7 +403,7 @@ fn the_gpt_cut_over_two_and_four_ranks_gives_one_devices_logits_and_gradients() 
 #[test]
 fn parts_of_values_are_the_parts_of_tensors() {
     let device = Device::flex();
-    let shape = [4usize, 6, 3];
+    let shape = [4usize, 24, 3];
     let n: usize = shape.iter().product();
     let all: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let whole = Tensor::<3>::from_data(TensorData::new(all.clone(), shape), &device);
@@ -413,6 +413,12 @@ fn parts_of_values_are_the_parts_of_tensors() {
         Split::columns(1),
         Split::columns(3),
         Split::Parts { dim: 2, groups: 1 },
+        // A fused projection of 4 query heads and 2 key/value heads, each 3 wide.
+        Split::Heads {
+            dim: 1,
+            q: 4,
+            kv: 2,
+        },
     ] {
         let size = match split {
             Split::Parts { dim: 2, .. } => 3,
@@ -435,6 +441,6 @@ fn parts_of_values_are_the_parts_of_tensors() {
         let (back, s) = whole_of_values(&parts, &part_shape, split).unwrap();
         assert_eq!((back, s), (all.clone(), shape.to_vec()), "{split:?}");
     }
-    let e = part_of_values(&all, &shape, Split::columns(1), 0, 4).unwrap_err();
-    assert!(e.contains("6") && e.contains("4"), "{e}");
+    let e = part_of_values(&all, &shape, Split::columns(1), 0, 5).unwrap_err();
+    assert!(e.contains("24") && e.contains("5"), "{e}");
 }

@@ -73,17 +73,22 @@ fn group_max(x: Tensor<2>) -> Tensor<2> {
     Tensor::<2>::from_data(TensorData::new(max, [n, 1]), &device)
 }
 
-/// The mean cross-entropy over the targets that train (`crate::lm::IGNORE` elsewhere) of
-/// logits of which this rank holds the columns of ids `start..start + V/size` (`logits`:
+/// The mean cross-entropy over the targets that train (`ignore` where none does) of logits
+/// of which this rank holds the columns of ids `start..start + V/size` (`logits`:
 /// `[n, V/size]`, `targets`: `[n]`), in f32: the same loss as one device's over whole
 /// logits, computed from three sums over the group.
-pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>, start: usize) -> Tensor<1> {
+pub fn cross_entropy(
+    logits: Tensor<2>,
+    targets: Tensor<1, Int>,
+    start: usize,
+    ignore: i64,
+) -> Tensor<1> {
     let logits = logits.cast(FloatDType::F32);
     let [n, held] = logits.dims();
     let max = group_max(logits.clone().max_dim(1));
     let shifted = logits - max;
     let sum = reduce_from_group(shifted.clone().exp().sum_dim(1));
-    let trains = targets.clone().not_equal_elem(crate::lm::IGNORE);
+    let trains = targets.clone().not_equal_elem(ignore);
     let local = targets.sub_scalar(start as i64);
     let mine = local
         .clone()

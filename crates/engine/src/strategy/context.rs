@@ -8,6 +8,8 @@ use crate::config::{DilocoConfig, OptimConfig, PipelineConfig};
 use crate::exec::Recompute;
 use crate::precision::Policy;
 
+use super::tp::TpPlace;
+
 /// What one rank's strategy is built from besides the model: resolved values, no config
 /// sections beyond the strategy's own.
 #[derive(Clone)]
@@ -38,33 +40,6 @@ pub struct Context<'a> {
     /// The rank's tensor-parallel group, where it has one: `comm` is then the data-parallel
     /// group of the rank's place in it, and the model the rank's part.
     pub tp: Option<TpPlace<'a>>,
-}
-
-/// A rank's tensor-parallel group as its strategy sees it: the group, and which parameters
-/// are cut over it (by path; the others are whole on every rank of the group).
-#[derive(Clone)]
-pub struct TpPlace<'a> {
-    /// The group: the neighbouring ranks that hold the other parts.
-    pub comm: &'a dyn Collective,
-    /// The same group as the model's forward sees it.
-    pub group: std::sync::Arc<super::tp::TpComm>,
-    /// Each float parameter's path and split, in module order.
-    pub splits: std::sync::Arc<Vec<(String, kiln_models::tp::Split)>>,
-}
-
-impl TpPlace<'_> {
-    /// Whether the parameter at `path` is cut over the group (not whole on every rank).
-    pub fn is_cut(&self, path: &str) -> bool {
-        self.splits.iter().any(|(p, s)| p == path && s.is_cut())
-    }
-
-    /// Whether the parameter at `path` is whole on every rank with a part of its gradient on
-    /// each, summed over the group before the step.
-    pub fn is_summed(&self, path: &str) -> bool {
-        self.splits
-            .iter()
-            .any(|(p, s)| p == path && *s == kiln_models::tp::Split::Summed)
-    }
 }
 
 impl<'a> Context<'a> {

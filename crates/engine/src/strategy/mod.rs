@@ -49,9 +49,9 @@ pub mod zero1;
 pub mod zero2;
 pub mod zero3;
 
-pub use context::{Context, TpPlace};
+pub use context::Context;
 pub use memory::{Counter, Memory};
 pub use registry::{all_rules, build, rules};
 pub use rules::{Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, block_ids};
 pub use step::{Report, Strategy};
-pub use tp::{Mesh, TpComm, part_if_cut, rank_part};
+pub use tp::{Mesh, TpComm, TpPlace, part_if_cut, rank_part};

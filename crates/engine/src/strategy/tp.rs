@@ -73,6 +73,33 @@ impl TpGroup for TpComm {
     }
 }
 
+/// A rank's tensor-parallel group as its strategy sees it: the group, and which parameters
+/// are cut over it (by path; the others are whole on every rank of the group).
+#[derive(Clone)]
+pub struct TpPlace<'a> {
+    /// The group: the neighbouring ranks that hold the other parts.
+    pub comm: &'a dyn Collective,
+    /// The same group as the model's forward sees it.
+    pub group: Arc<TpComm>,
+    /// Each float parameter's path and split, in module order.
+    pub splits: std::sync::Arc<Vec<(String, kiln_models::tp::Split)>>,
+}
+
+impl TpPlace<'_> {
+    /// Whether the parameter at `path` is cut over the group (not whole on every rank).
+    pub fn is_cut(&self, path: &str) -> bool {
+        self.splits.iter().any(|(p, s)| p == path && s.is_cut())
+    }
+
+    /// Whether the parameter at `path` is whole on every rank with a part of its gradient on
+    /// each, summed over the group before the step.
+    pub fn is_summed(&self, path: &str) -> bool {
+        self.splits
+            .iter()
+            .any(|(p, s)| p == path && *s == kiln_models::tp::Split::Summed)
+    }
+}
+
 /// One rank of a tensor-parallel group around the strategy that steps its part.
 pub(crate) struct TpRank<'a, M, B> {
     inner: Box<dyn Strategy<M, B> + 'a>,
@@ -311,7 +338,7 @@ impl Mesh {
 
     /// The rank's place in its tensor-parallel group for `model` (whole: its split is read
     /// from it), or a one-line refusal for a model that does not say how it is cut.
-    pub fn place<B, M>(&self, model: &M) -> Result<super::TpPlace<'_>>
+    pub fn place<B, M>(&self, model: &M) -> Result<TpPlace<'_>>
     where
         M: kiln_models::BlockStack<B> + burn::module::Module,
     {
@@ -323,7 +350,7 @@ impl Mesh {
             ));
         };
         let size = self.group.world_size();
-        Ok(super::TpPlace {
+        Ok(TpPlace {
             comm: self.group.as_ref(),
             group: Arc::new(TpComm::new(self.group.clone())),
             splits: Arc::new(kiln_models::tp::splits_of(model, tp, size)),
