@@ -445,12 +445,13 @@ fn family_run<M: kiln_models::Registered>(
 }
 
 /// Phi-3 (4 query heads, 2 key/value heads in its fused projection) under tp = 2, and the
-/// Llama with grouped-query attention (4 query heads, 2 key/value heads) under tp = 2
-/// (the key/value heads split) and tp = 4 (each rank reads the one its query head shares, the
+/// Llama with grouped-query attention (4 query heads, 2 key/value heads) under tp = 2 (the
+/// key/value heads split) and tp = 4 (each rank reads the one its query head shares, the
 /// heads' gradients summed over the group), its vocabulary cut too (embedding rows, head
-/// columns, the parallel cross-entropy): every parameter within 1e-5 (relative, per
-/// tensor) of one device's after 20 steps. GPT-2 under tp = 2 (the fused `c_attn` by heads):
-/// within 2e-5, its k bias left out (see below).
+/// columns, the parallel cross-entropy): every parameter within 1e-5 (relative, per tensor)
+/// of one device's after 20 steps, and each Llama rank's parameter bytes (the summary's) 1/tp
+/// of what is cut and all of what is whole. GPT-2 under tp = 2 (the fused `c_attn` by
+/// heads): within 2e-5, its k bias left out (see below).
 #[test]
 fn llama_phi3_and_gpt2_tensor_parallel_train_as_one_device() {
     let dir = temp_dir("tp-families");
@@ -466,12 +467,36 @@ fn llama_phi3_and_gpt2_tensor_parallel_train_as_one_device() {
         "model.llama.vocab_size=512",
     ];
     let one = family_run::<kiln_models::Llama>(&dir.join("llama"), llama, 1, &[]);
+    let model = kiln_models::load_family_run::<kiln_models::Llama>(
+        &dir.join("llama").join("1-"),
+        &Device::flex(),
+    )
+    .unwrap()
+    .0;
+    let paths = kiln_models::param_paths(&model);
     for tp in [2, 4] {
         let mesh = format!("parallel.tp={tp}");
         let part = family_run::<kiln_models::Llama>(&dir.join("llama"), llama, tp, &[&mesh]);
         let d = max_relative_diff(&part, &one);
         println!("llama tp = {tp}: max per-tensor relative difference {d:e}");
         assert!(d <= 1e-5, "llama tp = {tp}: {d:e}");
+        // Each rank holds 1/tp of what is cut (at tp = 4 the key/value heads are whole).
+        let mut held = 0;
+        for (path, values) in paths.iter().zip(&one) {
+            let split = kiln_models::tp::TensorParallel::tp_split(&model, path, tp);
+            held += 4 * values.len() / if split.is_cut() { tp } else { 1 };
+        }
+        let run = dir.join("llama").join(format!("{tp}-{mesh}"));
+        let summary = crate::common::summary(&run);
+        let bytes: Vec<u64> = summary["param_bytes_per_rank"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        let whole: usize = one.iter().map(|v| 4 * v.len()).sum();
+        println!("llama tp = {tp}: {held} parameter bytes per rank against {whole}");
+        assert_eq!(bytes, vec![held as u64; tp], "llama tp = {tp}");
     }
     // Phi-3's fused projections: `qkv_proj` by heads of unequal blocks (4 query, 2 key/value),
     // `gate_up_proj` by columns in its two blocks.
