@@ -82,12 +82,21 @@ fn vocab_start<D: Decoder>(d: &D) -> Option<usize> {
     crate::tp::vocab::vocab_start(d.embed_tokens().weight.dims()[0], d.vocab())
 }
 
+/// How a rotary decoder's token embedding and head are held over a tensor-parallel group of
+/// `size`: their rows and columns cut where `size` divides the `vocab`; `None` for any other
+/// parameter (the family's split says).
+pub(crate) fn vocab_split(path: &str, vocab: usize, size: usize) -> Option<crate::tp::Split> {
+    let cut = vocab.is_multiple_of(size);
+    match path {
+        "model.embed_tokens.weight" if cut => Some(crate::tp::Split::first(1)),
+        "lm_head.weight" if cut => Some(crate::tp::Split::columns(1)),
+        _ => None,
+    }
+}
+
 /// The token embedding of `tokens` (the group's sum of its parts where it is cut).
 pub(crate) fn embed<D: Decoder>(d: &D, tokens: Tensor<2, Int>) -> Tensor<3> {
-    match vocab_start(d) {
-        Some(start) => crate::tp::vocab::embedding(d.embed_tokens(), tokens, start),
-        None => crate::cube::embedding(d.embed_tokens(), tokens),
-    }
+    crate::tp::vocab::embedding(d.embed_tokens(), tokens, vocab_start(d))
 }
 
 /// The step's output from the logits (this rank's columns where the vocabulary is cut: the
@@ -97,20 +106,14 @@ pub(crate) fn output<D: Decoder>(
     logits: Tensor<3>,
     batch: &TokenBatch,
 ) -> crate::step::StepOutput {
-    match vocab_start(d) {
-        Some(start) => crate::lm::lm_output_parts(logits, batch, start),
-        None => crate::lm::lm_output(logits, batch),
-    }
+    crate::lm::lm_output_cut(logits, batch, vocab_start(d))
 }
 
 /// The final norm and the head: `[b, t, c]` → logits `[b, t, vocab]` (this rank's columns
 /// where a tensor-parallel group cuts the vocabulary).
 pub(crate) fn head<D: Decoder>(d: &D, x: Tensor<3>) -> Tensor<3> {
     let x = crate::fused::rms_norm(d.norm(), x);
-    let x = match vocab_start(d) {
-        Some(_) => crate::tp::copy_to_group(x),
-        None => x,
-    };
+    let x = crate::tp::vocab::to_head(x, vocab_start(d));
     match d.lm_head() {
         Some(head) => crate::modules::linear_rows(head, x),
         None => {

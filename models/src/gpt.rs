@@ -258,10 +258,7 @@ impl Gpt {
         starts: Option<&Tensor<2, Int>>,
     ) -> Tensor<3> {
         let t = tokens.dims()[1];
-        let tokens = match self.vocab_start() {
-            Some(start) => crate::tp::vocab::embedding(&self.wte, tokens, start),
-            None => crate::cube::embedding(&self.wte, tokens),
-        };
+        let tokens = crate::tp::vocab::embedding(&self.wte, tokens, self.vocab_start());
         let x = match starts {
             None => tokens + crate::modules::position_rows(&self.wpe, 0, t),
             Some(s) => tokens + crate::cube::embedding(&self.wpe, crate::lm::positions_within(s)),
@@ -278,10 +275,7 @@ impl Gpt {
     /// The step's output from the last block's `x`: the head and the loss, with the
     /// vocabulary's parts and the parallel cross-entropy where a group cuts it.
     fn output(&self, x: Tensor<3>, batch: &TokenBatch) -> StepOutput {
-        match self.vocab_start() {
-            Some(start) => crate::lm::lm_output_parts(self.head(x), batch, start),
-            None => crate::lm::lm_output(self.head(x), batch),
-        }
+        crate::lm::lm_output_cut(self.head(x), batch, self.vocab_start())
     }
 
     /// Final LayerNorm and the tied head: `[batch, time, n_embd]` → logits `[batch, time, vocab]`
@@ -289,10 +283,7 @@ impl Gpt {
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let [b, t, c] = x.dims();
         let x = crate::fused::layer_norm(&self.ln_f, LN_EPSILON, x).reshape([b * t, c]);
-        let x = match self.vocab_start() {
-            Some(_) => crate::tp::copy_to_group(x),
-            None => x,
-        };
+        let x = crate::tp::vocab::to_head(x, self.vocab_start());
         let weight = self.wte.weight.val();
         let vocab = weight.dims()[0];
         x.matmul(weight.transpose()).reshape([b, t, vocab])
@@ -373,11 +364,7 @@ impl crate::tp::TensorParallel for Gpt {
 
     fn tp_check(&self, size: usize) -> Result<(), String> {
         let heads = self.blocks.first().map_or(0, |b| b.attn.n_head);
-        if size > 1 && !heads.is_multiple_of(size) {
-            return Err(format!(
-                "model.gpt.n_head ({heads}) must be a multiple of the tensor-parallel size ({size})"
-            ));
-        }
+        crate::tp::must_divide("model.gpt.n_head", heads, size)?;
         let dropout = self.drop.prob;
         if size > 1 && dropout > 0.0 {
             return Err(format!(

@@ -73,26 +73,27 @@ pub fn lm_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
 /// the targets that train (times the batch's `loss_weight`), their count (the log's tokens
 /// per second), the batch's samples.
 pub fn lm_output(logits: Tensor<3>, batch: &TokenBatch) -> crate::step::StepOutput {
-    let samples = batch.inputs.dims()[0];
-    let mut loss = lm_loss(logits, batch.targets.clone());
-    if let Some(w) = batch.loss_weight {
-        loss = loss.mul_scalar(w);
-    }
-    crate::step::StepOutput::new(loss, samples).with_tokens(batch.trained_tokens())
+    lm_output_cut(logits, batch, None)
 }
 
-/// [`lm_output`] from this rank's columns of the logits in a tensor-parallel group that cuts
-/// the vocabulary (ids `start..`): the parallel cross-entropy, which gathers no logits.
-pub fn lm_output_parts(
+/// [`lm_output`] where a tensor-parallel group may cut the vocabulary: with `vocab_start`
+/// (the first id this rank holds, [`crate::tp::vocab::vocab_start`]) `logits` are this rank's
+/// columns and the loss is the parallel cross-entropy, which gathers no logits.
+pub fn lm_output_cut(
     logits: Tensor<3>,
     batch: &TokenBatch,
-    start: usize,
+    vocab_start: Option<usize>,
 ) -> crate::step::StepOutput {
-    let [b, t, v] = logits.dims();
     let samples = batch.inputs.dims()[0];
-    let targets = batch.targets.clone().reshape([b * t]);
-    let logits = logits.reshape([b * t, v]);
-    let mut loss = crate::tp::vocab::cross_entropy(logits, targets, start, IGNORE);
+    let mut loss = match vocab_start {
+        None => lm_loss(logits, batch.targets.clone()),
+        Some(start) => {
+            let [b, t, v] = logits.dims();
+            let targets = batch.targets.clone().reshape([b * t]);
+            let logits = logits.reshape([b * t, v]);
+            crate::tp::vocab::cross_entropy(logits, targets, start, IGNORE)
+        }
+    };
     if let Some(w) = batch.loss_weight {
         loss = loss.mul_scalar(w);
     }

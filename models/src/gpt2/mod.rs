@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::blocks::{Activation, BlockStack};
 use crate::lm::TokenBatch;
-use crate::lm::{KvCache, causal_mask, lm_output};
+use crate::lm::{KvCache, causal_mask};
 use crate::step::{StepOutput, TrainStep};
 
 /// GPT-2's MLP activation (`activation_function`).
@@ -361,19 +361,13 @@ impl Gpt2 {
 
     /// The token embedding of `tokens` (the group's sum of its parts where it is cut).
     fn tokens(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        match self.vocab_start() {
-            Some(start) => crate::tp::vocab::embedding(&self.transformer.wte, tokens, start),
-            None => crate::cube::embedding(&self.transformer.wte, tokens),
-        }
+        crate::tp::vocab::embedding(&self.transformer.wte, tokens, self.vocab_start())
     }
 
     /// The step's output from the logits (this rank's columns where the vocabulary is cut:
     /// the parallel cross-entropy).
     fn output(&self, logits: Tensor<3>, batch: &TokenBatch) -> StepOutput {
-        match self.vocab_start() {
-            Some(start) => crate::lm::lm_output_parts(logits, batch, start),
-            None => lm_output(logits, batch),
-        }
+        crate::lm::lm_output_cut(logits, batch, self.vocab_start())
     }
 
     /// Token and position embeddings of `tokens` at positions `start..`.
@@ -398,11 +392,7 @@ impl Gpt2 {
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let eps = self.config.layer_norm_epsilon;
         let x = crate::fused::layer_norm(&self.transformer.ln_f, eps, x);
-        // Where the vocabulary is cut, each rank scores its ids from the whole input.
-        let x = match self.vocab_start() {
-            Some(_) => crate::tp::copy_to_group(x),
-            None => x,
-        };
+        let x = crate::tp::vocab::to_head(x, self.vocab_start());
         match &self.lm_head {
             Some(head) => crate::modules::linear_rows(head, x),
             None => {
@@ -481,19 +471,8 @@ impl crate::tp::TensorParallel for Gpt2 {
 
     fn tp_check(&self, size: usize) -> Result<(), String> {
         let c = &self.config;
-        if size > 1 && !c.n_head.is_multiple_of(size) {
-            return Err(format!(
-                "model.gpt2.n_head ({}) must be a multiple of the tensor-parallel size ({size})",
-                c.n_head
-            ));
-        }
-        if size > 1 && !c.inner().is_multiple_of(size) {
-            return Err(format!(
-                "model.gpt2's MLP width ({}) must be a multiple of the tensor-parallel size \
-                 ({size})",
-                c.inner()
-            ));
-        }
+        crate::tp::must_divide("model.gpt2.n_head", c.n_head, size)?;
+        crate::tp::must_divide("model.gpt2's MLP width", c.inner(), size)?;
         Ok(())
     }
 

@@ -527,26 +527,14 @@ impl crate::tp::TensorParallel for Llama {
         if size == 1 {
             return Ok(());
         }
-        if !h.is_multiple_of(size) {
-            return Err(format!(
-                "model.llama.num_attention_heads ({h}) must be a multiple of the \
-                 tensor-parallel size ({size})"
-            ));
-        }
+        crate::tp::must_divide("model.llama.num_attention_heads", h, size)?;
         if !kv.is_multiple_of(size) && !size.is_multiple_of(kv) {
             return Err(format!(
                 "model.llama.num_key_value_heads ({kv}) and the tensor-parallel size ({size}) \
                  must divide one another (the key/value heads split, or each rank reads one)"
             ));
         }
-        if !c.intermediate_size.is_multiple_of(size) {
-            return Err(format!(
-                "model.llama.intermediate_size ({}) must be a multiple of the tensor-parallel \
-                 size ({size})",
-                c.intermediate_size
-            ));
-        }
-        Ok(())
+        crate::tp::must_divide("model.llama.intermediate_size", c.intermediate_size, size)
     }
 
     fn tp_split(&self, path: &str, size: usize) -> crate::tp::Split {
@@ -554,12 +542,9 @@ impl crate::tp::TensorParallel for Llama {
         let kv_cut = self.config.kv_heads().is_multiple_of(size);
         let within = |suffix: &str| path.starts_with("model.layers.") && path.ends_with(suffix);
         let kv = |cut: Split| if kv_cut { cut } else { Split::Summed };
-        let vocab = self.config.vocab_size.is_multiple_of(size);
-        if path == "model.embed_tokens.weight" && vocab {
-            // The vocabulary: the embedding's rows, the head's columns.
-            Split::first(1)
-        } else if (path == "lm_head.weight" && vocab)
-            || within(".q_proj.weight")
+        if let Some(vocab) = decoder::vocab_split(path, self.config.vocab_size, size) {
+            vocab
+        } else if within(".q_proj.weight")
             || within(".gate_proj.weight")
             || within(".up_proj.weight")
         {

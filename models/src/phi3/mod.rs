@@ -424,19 +424,9 @@ impl crate::tp::TensorParallel for Phi3 {
         if size == 1 {
             return Ok(());
         }
-        for (key, n) in [
-            ("num_attention_heads", h),
-            ("num_key_value_heads", kv),
-            ("intermediate_size", c.intermediate_size),
-        ] {
-            if !n.is_multiple_of(size) {
-                return Err(format!(
-                    "model.phi3.{key} ({n}) must be a multiple of the tensor-parallel size \
-                     ({size})"
-                ));
-            }
-        }
-        Ok(())
+        crate::tp::must_divide("model.phi3.num_attention_heads", h, size)?;
+        crate::tp::must_divide("model.phi3.num_key_value_heads", kv, size)?;
+        crate::tp::must_divide("model.phi3.intermediate_size", c.intermediate_size, size)
     }
 
     fn tp_split(&self, path: &str, size: usize) -> crate::tp::Split {
@@ -444,11 +434,8 @@ impl crate::tp::TensorParallel for Phi3 {
         let c = &self.config;
         let (q, kv) = (c.num_attention_heads, c.kv_heads());
         let within = |suffix: &str| path.starts_with("model.layers.") && path.ends_with(suffix);
-        let vocab = c.vocab_size.is_multiple_of(size);
-        if path == "model.embed_tokens.weight" && vocab {
-            Split::first(1)
-        } else if path == "lm_head.weight" && vocab {
-            Split::columns(1)
+        if let Some(vocab) = decoder::vocab_split(path, c.vocab_size, size) {
+            vocab
         } else if within(".qkv_proj.weight") {
             Split::Heads { dim: 1, q, kv }
         } else if within(".qkv_proj.bias") {

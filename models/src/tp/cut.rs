@@ -79,6 +79,19 @@ pub fn splits_of<M: Module>(
         .collect()
 }
 
+/// `Ok` where a group of `size` ranks divides `n`; else why not: `what` (`model.gpt.n_head`)
+/// must be a multiple of the group's size. What a model's [`TensorParallel::tp_check`] says of
+/// each width it cuts.
+pub fn must_divide(what: &str, n: usize, size: usize) -> Result<(), String> {
+    if n.is_multiple_of(size) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} ({n}) must be a multiple of the tensor-parallel size ({size})"
+        ))
+    }
+}
+
 /// The floats a tensor-parallel group all-reduces for one micro-batch
 /// ([`TensorParallel::tp_floats`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

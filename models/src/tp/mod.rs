@@ -27,7 +27,7 @@ mod split;
 mod tests;
 pub mod vocab;
 
-pub use cut::{Reshape, TensorParallel, TpFloats, cut, cut_by, reshape, splits_of};
+pub use cut::{Reshape, TensorParallel, TpFloats, cut, cut_by, must_divide, reshape, splits_of};
 pub use group::{GroupHandle, TpGroup, current, place, with_group};
 pub use ops::{TpOps, copy_to_group, reduce_from_group};
 pub use split::{

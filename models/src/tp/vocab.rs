@@ -24,10 +24,13 @@ pub fn vocab_start(held: usize, vocab: usize) -> Option<usize> {
     (size > 1 && held * size == vocab).then_some(rank * held)
 }
 
-/// The token embedding of `tokens` from `table`, which holds the ids from `start` on (a
-/// vocabulary-parallel part): each rank looks up the tokens it holds, the others give zeros,
-/// and the group sums the lookups.
-pub fn embedding(table: &Embedding, tokens: Tensor<2, Int>, start: usize) -> Tensor<3> {
+/// The token embedding of `tokens` from `table`: where it holds the ids from `start` on (a
+/// vocabulary-parallel part, [`vocab_start`]), each rank looks up the tokens it holds, the
+/// others give zeros, and the group sums the lookups; a whole table (`None`) looks them up.
+pub fn embedding(table: &Embedding, tokens: Tensor<2, Int>, start: Option<usize>) -> Tensor<3> {
+    let Some(start) = start else {
+        return crate::cube::embedding(table, tokens);
+    };
     let held = table.weight.dims()[0] as i64;
     let local = tokens.sub_scalar(start as i64);
     let mine = local
@@ -42,6 +45,16 @@ pub fn embedding(table: &Embedding, tokens: Tensor<2, Int>, start: usize) -> Ten
         .cast(FloatDType::from(dtype))
         .unsqueeze_dim::<3>(2);
     reduce_from_group(rows * keep)
+}
+
+/// The head's input `x`: where the vocabulary is cut (`start`, [`vocab_start`]) every rank
+/// scores its ids from the whole input, whose gradient the group sums going back
+/// ([`super::copy_to_group`]); as it is otherwise.
+pub fn to_head<const D: usize>(x: Tensor<D>, start: Option<usize>) -> Tensor<D> {
+    match start {
+        Some(_) => super::copy_to_group(x),
+        None => x,
+    }
 }
 
 /// Each row's largest value over the group (`x`: `[n, 1]`, every rank its own), with no

@@ -191,7 +191,8 @@ fn prepare<W: Workload>(
     resume_from: Option<PathBuf>,
 ) -> Result<(TrainerSettings, ModelFacts, crate::trainer::Checked)> {
     let processes = crate::comm::processes();
-    Setup::new(config, devices.len() * processes.count).check()?;
+    let setup = Setup::new(config, devices.len() * processes.count);
+    setup.check()?;
     let cpu = accelerator.starts_with("cpu");
     let mut settings = TrainerSettings::from_config(
         config,
@@ -209,11 +210,10 @@ fn prepare<W: Workload>(
         .then(|| kiln_models::BlockStack::<W::Batch>::tensor_parallel(&probe))
         .flatten()
         .and_then(|t| t.tp_floats(config.train.batch_size, tp))
-        .filter(|_| config.pipeline.stages == 1)
+        .filter(|_| setup.stages() == 1)
         .map(|f| {
             // What the walk recomputes runs its forward's sums again: the stem's with any
             // block's. (A pipeline's stages each hold some of the blocks: not predicted.)
-            let setup = Setup::new(config, devices.len() * processes.count);
             let walk = setup.rules().recomputes(&setup);
             let n = kiln_models::BlockStack::<W::Batch>::num_blocks(&probe);
             let again = (0..n).filter(|&i| walk.recomputes(i, n)).count();

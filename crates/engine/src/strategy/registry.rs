@@ -61,12 +61,7 @@ where
     let part = kiln_models::tp::cut_by(model, &place.splits, rank, size)
         .map_err(|e| Error::config(format!("key `parallel.tp`: {e}")))?;
     let inner = build_data(kind, part, ctx)?;
-    Ok(Box::new(TpRank::new(
-        inner,
-        place.group,
-        place.comm,
-        place.splits,
-    )))
+    Ok(Box::new(TpRank::new(inner, place)))
 }
 
 /// [`build`] for the data dimension: strategy `kind` over `ctx.comm` around `model`.

@@ -82,33 +82,36 @@ pub struct TpPlace<'a> {
     /// The same group as the model's forward sees it.
     pub group: Arc<TpComm>,
     /// Each float parameter's path and split, in module order.
-    pub splits: std::sync::Arc<Vec<(String, kiln_models::tp::Split)>>,
+    pub splits: Arc<Vec<(String, Split)>>,
 }
 
 impl TpPlace<'_> {
+    /// How the parameter at `path` is held over the group (whole where the model says
+    /// nothing of it).
+    pub fn split_of(&self, path: &str) -> Split {
+        self.splits
+            .iter()
+            .find(|(p, _)| p == path)
+            .map_or(Split::Whole, |(_, s)| *s)
+    }
+
     /// Whether the parameter at `path` is cut over the group (not whole on every rank).
     pub fn is_cut(&self, path: &str) -> bool {
-        self.splits.iter().any(|(p, s)| p == path && s.is_cut())
+        self.split_of(path).is_cut()
     }
 
     /// Whether the parameter at `path` is whole on every rank with a part of its gradient on
     /// each, summed over the group before the step.
     pub fn is_summed(&self, path: &str) -> bool {
-        self.splits
-            .iter()
-            .any(|(p, s)| p == path && *s == kiln_models::tp::Split::Summed)
+        self.split_of(path) == Split::Summed
     }
 }
 
 /// One rank of a tensor-parallel group around the strategy that steps its part.
 pub(crate) struct TpRank<'a, M, B> {
     inner: Box<dyn Strategy<M, B> + 'a>,
-    /// The group, as the forward sees it.
-    group: Arc<TpComm>,
-    /// The group, for gathering parts.
-    comm: &'a dyn Collective,
-    /// Each float parameter's path and split, in module order.
-    splits: Arc<Vec<(String, Split)>>,
+    /// The group (for gathering parts, and as the forward sees it) and the model's split.
+    place: TpPlace<'a>,
     /// Steps begun since the last report, and the forwards' and backwards' seconds in the
     /// group's all-reduces over them.
     steps: usize,
@@ -116,29 +119,14 @@ pub(crate) struct TpRank<'a, M, B> {
 }
 
 impl<'a, M, B> TpRank<'a, M, B> {
-    /// `inner`, the strategy stepping this rank's part, in the group `comm` (`group` the
-    /// same group for the forward), with the model cut as `splits` say.
-    pub(crate) fn new(
-        inner: Box<dyn Strategy<M, B> + 'a>,
-        group: Arc<TpComm>,
-        comm: &'a dyn Collective,
-        splits: Arc<Vec<(String, Split)>>,
-    ) -> Self {
+    /// `inner`, the strategy stepping this rank's part, at `place` in its group.
+    pub(crate) fn new(inner: Box<dyn Strategy<M, B> + 'a>, place: TpPlace<'a>) -> Self {
         Self {
             inner,
-            group,
-            comm,
-            splits,
+            place,
             steps: 0,
             seconds: 0.0,
         }
-    }
-
-    fn split_of(&self, path: &str) -> Split {
-        self.splits
-            .iter()
-            .find(|(p, _)| p == path)
-            .map_or(Split::Whole, |(_, s)| *s)
     }
 
     /// The whole of each part over the group: every rank's part of `values` (shape
@@ -150,7 +138,11 @@ impl<'a, M, B> TpRank<'a, M, B> {
         shape: &[usize],
     ) -> std::result::Result<(Vec<f32>, Vec<usize>), String> {
         let n = values.len();
-        let all = self.comm.all_gather(&values).map_err(|e| e.to_string())?;
+        let all = self
+            .place
+            .comm
+            .all_gather(&values)
+            .map_err(|e| e.to_string())?;
         let parts: Vec<Vec<f32>> = all.chunks(n.max(1)).map(<[f32]>::to_vec).collect();
         whole_of_values(&parts, shape, split)
     }
@@ -168,11 +160,11 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
         count: usize,
         objective: &dyn Fn(burn::prelude::Tensor<1>) -> burn::prelude::Tensor<1>,
     ) -> Result<Vec<StepOutput>> {
-        let group: Arc<dyn TpGroup> = self.group.clone();
+        let group: Arc<dyn TpGroup> = self.place.group.clone();
         let inner = &mut self.inner;
         let outs = with_group(Some(group), || inner.micro_steps(batches, count, objective))?;
         // Every rank of the group scored the same samples: its first reports them.
-        Ok(if self.comm.rank() == 0 {
+        Ok(if self.place.comm.rank() == 0 {
             outs
         } else {
             Vec::new()
@@ -194,7 +186,7 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
 
     fn full_model(&mut self) -> Result<M> {
         let part = self.inner.full_model()?;
-        let splits = self.splits.clone();
+        let splits = self.place.splits.clone();
         reshape(part, &splits, &mut |_, split, values, shape| {
             self.whole(split, values, shape)
         })
@@ -209,7 +201,7 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
         };
         for i in 0..state.tensors.len() {
             let (path, _, shape, values) = &state.tensors[i];
-            let split = self.split_of(path);
+            let split = self.place.split_of(path);
             if !split.is_cut() {
                 continue;
             }
@@ -219,14 +211,14 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
             state.tensors[i].2 = shape;
             state.tensors[i].3 = whole;
         }
-        Ok((self.comm.rank() == 0).then_some(state))
+        Ok((self.place.comm.rank() == 0).then_some(state))
     }
 
     fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
-        let (rank, size) = (self.comm.rank(), self.comm.world_size());
+        let (rank, size) = (self.place.comm.rank(), self.place.comm.world_size());
         let mut mine = state.clone();
         for (path, leaf, shape, values) in &mut mine.tensors {
-            let split = self.split_of(path);
+            let split = self.place.split_of(path);
             let (part, part_shape) =
                 part_of_values(values, shape, split, rank, size).map_err(|e| {
                     Error::checkpoint(format!(
@@ -252,7 +244,7 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
         // What the group's forwards and backwards exchanged, per step since the last line.
         let mut report = self.inner.report()?;
         let steps = std::mem::take(&mut self.steps).max(1) as f64;
-        let floats = self.group.floats.swap(0, Ordering::Relaxed) as f64;
+        let floats = self.place.group.floats.swap(0, Ordering::Relaxed) as f64;
         let seconds = std::mem::take(&mut self.seconds);
         report.fields.push((
             "tp_floats_per_step".into(),
@@ -270,7 +262,7 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
     }
 
     fn take_sync_seconds(&mut self) -> f64 {
-        let group = self.group.take_seconds();
+        let group = self.place.group.take_seconds();
         self.seconds += group;
         self.inner.take_sync_seconds() + group
     }
