@@ -72,8 +72,13 @@ impl CausalSelfAttention {
     pub fn forward_within(&self, x: Tensor<3>, starts: Option<&Tensor<2, Int>>) -> Tensor<3> {
         let qkv = crate::tp::column_rows(&self.qkv, x);
         let heads = self.n_head / crate::tp::place().1;
-        let y = crate::fused::packed_within(qkv, heads, starts, Some(&self.dropout));
-        self.dropout.forward(crate::tp::row_rows(&self.proj, y))
+        // Dropout on the weights of this rank's heads: their part of the whole's mask.
+        let dropout = crate::draw::DropoutPart {
+            dropout: &self.dropout,
+            part: crate::tp::part(1),
+        };
+        let y = crate::fused::packed_within(qkv, heads, starts, Some(dropout));
+        crate::draw::dropout(&self.dropout, crate::tp::row_rows(&self.proj, y), None)
     }
 }
 
@@ -91,7 +96,7 @@ impl Mlp {
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         // The exact GELU, fused on the CPU.
         let x = crate::fused::gelu(crate::tp::column_rows(&self.fc, x));
-        self.dropout.forward(crate::tp::row_rows(&self.proj, x))
+        crate::draw::dropout(&self.dropout, crate::tp::row_rows(&self.proj, x), None)
     }
 }
 
@@ -263,7 +268,7 @@ impl Gpt {
             None => tokens + crate::modules::position_rows(&self.wpe, 0, t),
             Some(s) => tokens + crate::cube::embedding(&self.wpe, crate::lm::positions_within(s)),
         };
-        self.drop.forward(x)
+        crate::draw::dropout(&self.drop, x, None)
     }
 
     /// The first id of the vocabulary part this rank's embedding holds, in a tensor-parallel
@@ -365,14 +370,11 @@ impl crate::tp::TensorParallel for Gpt {
     fn tp_check(&self, size: usize) -> Result<(), String> {
         let heads = self.blocks.first().map_or(0, |b| b.attn.n_head);
         crate::tp::must_divide("model.gpt.n_head", heads, size)?;
-        let dropout = self.drop.prob;
-        if size > 1 && dropout > 0.0 {
-            return Err(format!(
-                "model.gpt.dropout = {dropout} under tensor parallelism: the attention's dropout \
-                 masks of a rank's heads are not yet drawn as one device draws them; set 0"
-            ));
-        }
         Ok(())
+    }
+
+    fn tp_draws_keyed(&self) -> bool {
+        true
     }
 
     fn tp_floats(&self, samples: usize, size: usize) -> Option<crate::tp::TpFloats> {

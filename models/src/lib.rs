@@ -11,6 +11,7 @@ pub mod blocks;
 pub mod convnet;
 pub mod cube;
 mod decoder;
+pub mod draw;
 pub mod family;
 pub mod fused;
 pub mod gpt;

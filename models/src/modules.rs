@@ -4,18 +4,7 @@
 
 use burn::prelude::*;
 
-/// Runs `f` — typically seeding a device and building a model — while no other caller of
-/// this function draws random numbers.
-///
-/// Burn's CPU random generator is process-wide, so two threads initialising models at once
-/// (two runs in one process, replicas starting, tests in parallel) would interleave their
-/// draws and make seeded initialisation irreproducible. Every model construction in kiln goes
-/// through here.
-pub fn with_rng<R>(f: impl FnOnce() -> R) -> R {
-    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = RNG.lock().unwrap_or_else(|p| p.into_inner());
-    f()
-}
+pub use crate::draw::with_rng;
 
 /// `linear` on `[B, T, C]` as one matrix product over the `B·T` rows. Burn's `linear` keeps
 /// a batched product when T is a multiple of its row tile — one gemm per batch row, each

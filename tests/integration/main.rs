@@ -28,6 +28,7 @@ mod policies;
 mod robust;
 mod runlock;
 mod tp;
+mod tp_own;
 mod training;
 mod wgpu;
 mod zero;

@@ -32,9 +32,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::nn::conv::Conv2d;
 use burn::nn::pool::MaxPool2d;
-use burn::nn::{BatchNorm, Dropout, LayerNorm, PaddingConfig2d, Relu, RmsNorm};
+use burn::nn::{BatchNorm, LayerNorm, PaddingConfig2d, Relu, RmsNorm};
 use burn::prelude::*;
 use burn::tensor::DType;
+
+use crate::draw::DropoutPart;
 
 pub use ext::FusedOps;
 pub use seed::SeedOps;
@@ -367,13 +369,14 @@ fn cross_entropy_composed(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<
 
 /// Causal self-attention of `q`, `k`, `v` (`[batch, heads, time, head_dim]`): position `t`
 /// attends to `0..=t`, scores scaled by `1/√head_dim`, the weights passed through `dropout`
-/// if there is one. The fused kernel runs where the dropout does nothing (probability 0, or no
+/// if there is one ([`crate::draw::dropout`], of the heads' part of the whole: a
+/// tensor-parallel rank's heads take their part of the whole's mask). The fused kernel runs where the dropout does nothing (probability 0, or no
 /// training): it never forms the weights that dropout would act on.
 pub fn causal_attention(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
-    dropout: Option<&Dropout>,
+    dropout: Option<DropoutPart<'_>>,
 ) -> Tensor<4> {
     attention_within(q, k, v, None, dropout)
 }
@@ -386,10 +389,10 @@ pub fn attention_within(
     k: Tensor<4>,
     v: Tensor<4>,
     starts: Option<&Tensor<2, Int>>,
-    dropout: Option<&Dropout>,
+    dropout: Option<DropoutPart<'_>>,
 ) -> Tensor<4> {
     let device = q.device();
-    let dropout_acts = dropout.is_some_and(|d| d.prob > 0.0 && device.is_autodiff());
+    let dropout_acts = dropout.is_some_and(|d| d.dropout.prob > 0.0 && device.is_autodiff());
     let dtypes = [q.dtype(), k.dtype(), v.dtype()];
     if dropout_acts || !dtypes.iter().all(|&d| fused_here(d, &device)) {
         return causal_attention_composed(q, k, v, starts, dropout);
@@ -433,7 +436,7 @@ fn starts_or_none(
 pub fn causal_attention_packed(
     qkv: Tensor<3>,
     heads: usize,
-    dropout: Option<&Dropout>,
+    dropout: Option<DropoutPart<'_>>,
 ) -> Tensor<3> {
     packed_within(qkv, heads, None, dropout)
 }
@@ -443,7 +446,7 @@ pub fn packed_within(
     qkv: Tensor<3>,
     heads: usize,
     starts: Option<&Tensor<2, Int>>,
-    dropout: Option<&Dropout>,
+    dropout: Option<DropoutPart<'_>>,
 ) -> Tensor<3> {
     let c3 = qkv.dims()[2];
     assert!(
@@ -451,7 +454,7 @@ pub fn packed_within(
         "packed attention: {c3} channels are not 3 × {heads} heads of one size"
     );
     let device = qkv.device();
-    let dropout_acts = dropout.is_some_and(|d| d.prob > 0.0 && device.is_autodiff());
+    let dropout_acts = dropout.is_some_and(|d| d.dropout.prob > 0.0 && device.is_autodiff());
     if !dropout_acts && fused_here(qkv.dtype(), &device) {
         let starts = starts_or_none(starts, &device);
         return Tensor::from_dispatch(<Dispatch as FusedOps>::fused_causal_attention_packed(
@@ -469,7 +472,7 @@ fn packed_composed(
     qkv: Tensor<3>,
     heads: usize,
     starts: Option<&Tensor<2, Int>>,
-    dropout: Option<&Dropout>,
+    dropout: Option<DropoutPart<'_>>,
 ) -> Tensor<3> {
     let [b, t, c3] = qkv.dims();
     let (c, d) = (c3 / 3, c3 / 3 / heads);
@@ -512,7 +515,7 @@ fn causal_attention_composed(
     k: Tensor<4>,
     v: Tensor<4>,
     starts: Option<&Tensor<2, Int>>,
-    dropout: Option<&Dropout>,
+    dropout: Option<DropoutPart<'_>>,
 ) -> Tensor<4> {
     let [b, h, t, d] = q.dims();
     let device = q.device();
@@ -532,7 +535,7 @@ fn causal_attention_composed(
     let hidden = hidden.reshape([b, 1, t, t]).expand([b, h, t, t]);
     let weights = burn::tensor::activation::softmax(scores.mask_fill(hidden, f32::NEG_INFINITY), 3);
     match dropout {
-        Some(dropout) => dropout.forward(weights),
+        Some(dropout) => dropout.apply(weights),
         None => weights,
     }
     .matmul(v)

@@ -344,7 +344,7 @@ fn causal_attention_equals_burns_forward_and_backward() {
                     split(&x[0], 1),
                     split(&x[0], 2),
                     None,
-                    Some(&off),
+                    Some(crate::draw::DropoutPart::whole(&off)),
                 )
             },
         );
@@ -364,7 +364,7 @@ fn causal_attention_equals_burns_forward_and_backward() {
                     x[1].clone(),
                     x[2].clone(),
                     None,
-                    Some(&off),
+                    Some(crate::draw::DropoutPart::whole(&off)),
                 )
             },
         );
@@ -587,7 +587,7 @@ fn without_autodiff_the_kernels_give_the_same_outputs() {
             q.clone(),
             q.clone(),
             q.clone(),
-            Some(&off),
+            Some(crate::draw::DropoutPart::whole(&off)),
         )),
         &values(&causal_attention_composed(
             q.clone(),
@@ -635,7 +635,8 @@ fn other_dtypes_and_live_dropout_take_burns_ops() {
     // Dropout that acts in training: the composed path, which draws the mask.
     let live = DropoutConfig::new(0.5).init();
     let q = leaf([1, 1, 4, 8], 2, &device);
-    let a = causal_attention(q.clone(), q.clone(), q.clone(), Some(&live));
+    let live = crate::draw::DropoutPart::whole(&live);
+    let a = causal_attention(q.clone(), q.clone(), q.clone(), Some(live));
     let b = attention_fused(q.clone(), q.clone(), q, None);
     assert_ne!(values(&a), values(&b), "dropout at 0.5 changed nothing");
 }

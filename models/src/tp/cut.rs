@@ -31,6 +31,15 @@ pub trait TensorParallel {
         }
     }
 
+    /// Whether every random number the model's training forward draws (its dropout) is drawn
+    /// through [`crate::draw::dropout`], as a function of the forward's key, so that the ranks
+    /// of a group — which cannot hold the process's random-number lock for a forward that
+    /// waits for them — draw the masks one device draws. `false` (the default): a model that
+    /// draws at all is refused a group.
+    fn tp_draws_keyed(&self) -> bool {
+        false
+    }
+
     /// The floats a rank's group all-reduces for one micro-batch of `samples` samples
     /// (windows of the model's context) over `size` ranks: what the engine predicts a step's
     /// traffic from and `cargo xtask bench tp` holds the measured traffic against. `None`

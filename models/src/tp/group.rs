@@ -52,3 +52,11 @@ pub fn current() -> Option<GroupHandle> {
 pub fn place() -> (usize, usize) {
     current().map_or((0, 1), |g| (g.0.rank(), g.0.size()))
 }
+
+/// This thread's part of a tensor cut along `dim` into equal parts over its tensor-parallel
+/// group, by rank (a rank's heads): what [`crate::draw::dropout`] keeps of the whole's mask;
+/// `None` outside a group.
+pub fn part(dim: usize) -> Option<crate::draw::Part> {
+    let (index, of) = place();
+    (of > 1).then_some(crate::draw::Part { dim, index, of })
+}

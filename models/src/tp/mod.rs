@@ -28,7 +28,7 @@ mod tests;
 pub mod vocab;
 
 pub use cut::{Reshape, TensorParallel, TpFloats, cut, cut_by, must_divide, reshape, splits_of};
-pub use group::{GroupHandle, TpGroup, current, place, with_group};
+pub use group::{GroupHandle, TpGroup, current, part, place, with_group};
 pub use ops::{TpOps, copy_to_group, reduce_from_group};
 pub use split::{
     Split, column, column_rows, part_of, part_of_values, row, row_rows, split_range, whole_of,

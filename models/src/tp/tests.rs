@@ -380,7 +380,8 @@ fn the_gpt_cut_over_two_and_four_ranks_gives_one_devices_logits_and_gradients() 
             }
         }
     }
-    // A split that does not divide the heads, and dropout, are refused in one line each.
+    // A split that does not divide the heads is refused in one line; dropout is cut (its
+    // masks are keyed draws, which a group draws as one device does).
     let e = cut(whole.clone(), 0, 3).unwrap_err();
     assert_eq!(
         e,
@@ -391,11 +392,8 @@ fn the_gpt_cut_over_two_and_four_ranks_gives_one_devices_logits_and_gradients() 
         ..gpt_config()
     }
     .init(&device);
-    assert!(
-        cut(dropped, 0, 2)
-            .unwrap_err()
-            .contains("model.gpt.dropout = 0.1")
-    );
+    assert!(crate::tp::TensorParallel::tp_draws_keyed(&dropped));
+    assert!(cut(dropped, 0, 2).is_ok());
 }
 
 /// The host forms of a part and of the whole are the tensor forms' values, for a split along

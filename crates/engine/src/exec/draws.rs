@@ -13,7 +13,14 @@
 //! A forward that holds the lock cannot wait for another rank of its process, so a layout whose
 //! forward runs collectives (ZeRO-3's gathers, synchronised BatchNorm, the pipeline's sends)
 //! with several devices in one process keeps the backend's shared state: its draws are not
-//! reproducible, which the start-up notice says.
+//! reproducible, which the start-up notice says. A tensor-parallel group's forward waits for
+//! its group at every block; it runs without the lock ([`begin`]'s `locked` false), which only
+//! a model whose draws are all keyed ([`kiln_models::draw`]: each draw seeded from the
+//! forward's key under the lock for that draw alone) may, and the start-up check asks.
+//!
+//! Either way the forward's key is also [`kiln_models::draw`]'s, so a keyed model draws the
+//! same masks with or without the lock: a tensor-parallel rank, whose `rank` here is its data
+//! rank (the group's), draws what one device with that rank draws.
 
 use std::cell::RefCell;
 
@@ -27,6 +34,7 @@ struct Stream {
     key: u64,
     next: u64,
     device: Device,
+    locked: bool,
 }
 
 thread_local! {
@@ -41,13 +49,15 @@ fn mix(parts: &[u64]) -> u64 {
 
 /// From here on, each forward on this thread ([`forward`]) draws on `device` from its own
 /// seed: a function of `seed`, `rank`, optimizer step `step`, parameter group `phase` and the
-/// forward's number since this call.
-pub fn begin(seed: u64, rank: usize, step: usize, phase: usize, device: &Device) {
+/// forward's number since this call. `locked`: each forward holds the process's random-number
+/// lock (any model); otherwise only its keyed draws do (a tensor-parallel group's forwards).
+pub fn begin(seed: u64, rank: usize, step: usize, phase: usize, device: &Device, locked: bool) {
     let key = mix(&[seed, rank as u64, step as u64, phase as u64]);
     STREAM.set(Some(Stream {
         key,
         next: 0,
         device: device.clone(),
+        locked,
     }));
 }
 
@@ -56,22 +66,25 @@ pub fn end() {
     STREAM.set(None);
 }
 
-/// Runs `f`, one forward of a model (or of a part of it): seeded from the thread's stream and
-/// holding the process's random-number lock when a stream is set ([`begin`]), as it is
-/// otherwise. `f` must not wait for another rank.
+/// Runs `f`, one forward of a model (or of a part of it), when a stream is set ([`begin`]):
+/// with its key for keyed draws and, locked, seeded from it holding the process's
+/// random-number lock (`f` must then not wait for another rank); as it is otherwise.
 pub fn forward<R>(f: impl FnOnce() -> R) -> R {
     let seeded = STREAM.with_borrow_mut(|stream| {
         stream.as_mut().map(|s| {
             s.next += 1;
-            (mix(&[s.key, s.next - 1]), s.device.clone())
+            (mix(&[s.key, s.next - 1]), s.device.clone(), s.locked)
         })
     });
-    let Some((seed, device)) = seeded else {
+    let Some((seed, device, locked)) = seeded else {
         return f();
     };
+    if !locked {
+        return kiln_models::draw::keyed(seed, f);
+    }
     kiln_models::with_rng(|| {
         device.seed(seed);
-        f()
+        kiln_models::draw::keyed(seed, f)
     })
 }
 
@@ -111,15 +124,15 @@ mod tests {
                     .unwrap()
             })
         };
-        begin(7, 1, 5, 0, &device);
+        begin(7, 1, 5, 0, &device, true);
         let (first, second) = (draw(), draw());
         assert_ne!(first, second, "two forwards of a step draw differently");
         // Other draws in between (another rank's) change nothing.
         let _ = Tensor::<1>::random([9], Distribution::Default, &device).into_data();
-        begin(7, 1, 5, 0, &device);
+        begin(7, 1, 5, 0, &device, true);
         assert_eq!(draw(), first);
         assert_eq!(draw(), second);
-        begin(7, 0, 5, 0, &device);
+        begin(7, 0, 5, 0, &device, true);
         assert_ne!(draw(), first, "another rank draws differently");
         end();
         assert!(model_draws(&device, &mut || {
@@ -128,5 +141,29 @@ mod tests {
         assert!(!model_draws(&device, &mut || {
             let _ = Tensor::<1>::zeros([2], &device).into_data();
         }));
+    }
+
+    #[test]
+    fn keyed_draws_are_the_same_with_and_without_the_lock() {
+        let device = Device::flex().autodiff();
+        let d = burn::nn::DropoutConfig::new(0.5).init();
+        let x = Tensor::<2>::ones([4, 8], &device);
+        let run = |locked| {
+            begin(3, 0, 2, 0, &device, locked);
+            let masks: Vec<Vec<f32>> = (0..2)
+                .map(|_| {
+                    forward(|| kiln_models::draw::dropout(&d, x.clone(), None))
+                        .into_data()
+                        .convert::<f32>()
+                        .try_into_vec::<f32>()
+                        .unwrap()
+                })
+                .collect();
+            end();
+            masks
+        };
+        let locked = run(true);
+        assert_ne!(locked[0], locked[1], "two forwards draw two masks");
+        assert_eq!(locked, run(false));
     }
 }

@@ -329,7 +329,9 @@ where
             }
             let t1 = Instant::now();
             if p.draws {
-                crate::exec::draws::begin(s.seed, 0, step, g, &device);
+                // A tensor-parallel group's forwards wait for each other: keyed draws only.
+                let locked = s.setup().tp <= 1;
+                crate::exec::draws::begin(s.seed, 0, step, g, &device, locked);
             }
             let outs = strategy.micro_steps(&mut batches.into_iter(), count, &objective);
             crate::exec::draws::end();

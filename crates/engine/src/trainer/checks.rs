@@ -96,6 +96,28 @@ fn check_tp<B, M: BlockStack<B> + Module>(
     Ok(())
 }
 
+/// Refuses a tensor-parallel group to a model that draws random numbers in its forward
+/// (`draws`, the start-up probe's finding) other than through kiln's keyed draws: its ranks,
+/// which cannot hold the random-number lock through a forward that waits for them, would draw
+/// different masks for what they hold alike.
+pub(super) fn check_tp_draws<B, M: BlockStack<B>>(
+    model: &M,
+    setup: &Setup,
+    draws: bool,
+) -> Result<()> {
+    let keyed = model.tensor_parallel().is_some_and(|t| t.tp_draws_keyed());
+    if setup.tp <= 1 || !draws || keyed {
+        return Ok(());
+    }
+    Err(Error::config(format!(
+        "key `parallel.tp`: this model draws random numbers in its forward (dropout) from the \
+         backend's shared state, which the {} ranks of a tensor-parallel group would draw \
+         differently; draw them with kiln_models::draw::dropout and say so \
+         (TensorParallel::tp_draws_keyed), or set its dropout to 0",
+        setup.tp
+    )))
+}
+
 /// Checks a model's parameter groups (if it has any) against the settings: names that the
 /// config knows, every trainable parameter in exactly one group, and only what a step with
 /// several optimizers can run (the strategy says whether it can).

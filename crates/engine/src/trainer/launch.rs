@@ -150,6 +150,7 @@ pub fn check<W: Workload>(workload: &W, settings: &TrainerSettings) -> Result<Ch
     let model = kiln_models::with_rng(|| kiln_models::materialized(workload.init_model(&device)));
     checks::check_model::<W::Batch, _>(&model, settings, &setup)?;
     let draws = start::probe(workload, settings, &setup)?;
+    checks::check_tp_draws::<W::Batch, _>(&model, &setup, draws)?;
     Ok(Checked { sampler, draws })
 }
 
