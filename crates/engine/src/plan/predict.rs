@@ -303,7 +303,7 @@ pub(crate) fn unprobed(
 
 /// The collectives' seconds of one step under `setup` over `total` parameters, `micros`
 /// micro-batches, `local` of the ranks in this process: each collective the strategy says
-/// its step calls ([`crate::strategy::Rules::traffic`]), timed on the run's links.
+/// its step calls ([`crate::strategy::Costs::traffic`]), timed on the run's links.
 fn comm_seconds(setup: &Setup, l: &Links, total: usize, micros: usize, local: usize) -> f64 {
     if l.ranks < 2 {
         return 0.0;

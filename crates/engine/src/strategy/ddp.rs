@@ -8,7 +8,9 @@ use burn::prelude::*;
 
 use super::kit::RankKit;
 use super::replica::{Held, Reduction, Replica, averaged, step_whole};
-use super::rules::{Estimate, Op, Room, Rules, Setup, Traffic, Variant, replicated_estimate};
+use super::rules::{
+    Checks, Costs, Estimate, Op, Room, Setup, Shape, Traffic, Variant, Words, replicated_estimate,
+};
 use crate::config::OptimConfig;
 use crate::error::Result;
 use crate::params::FlatLayout;
@@ -17,20 +19,19 @@ use crate::precision::LossScaler;
 /// Data parallelism with replicated optimizer state.
 pub struct Ddp;
 
-impl Rules for Ddp {
-    /// Per-kit sub-replicas of a CPU device take the `ddp` step among themselves.
-    fn core_split(&self) -> Option<crate::config::StrategyKind> {
-        Some(crate::config::StrategyKind::Ddp)
-    }
-
+impl Checks for Ddp {
     fn one_optimizer(&self) -> bool {
         false
     }
+}
 
+impl Words for Ddp {
     fn describe(&self, setup: &Setup) -> String {
         format!("ddp ({} replicas, gradients all-reduced)", setup.world)
     }
+}
 
+impl Costs for Ddp {
     fn estimate(
         &self,
         layout: &FlatLayout,
@@ -48,6 +49,13 @@ impl Rules for Ddp {
     /// One all-reduce of the gradients, after the step's last micro-batch.
     fn traffic(&self, _setup: &Setup, floats: usize, _local: usize) -> Vec<Traffic> {
         vec![Traffic::once(Op::AllReduce, floats)]
+    }
+}
+
+impl Shape for Ddp {
+    /// Per-kit sub-replicas of a CPU device take the `ddp` step among themselves.
+    fn core_split(&self) -> Option<crate::config::StrategyKind> {
+        Some(crate::config::StrategyKind::Ddp)
     }
 }
 

@@ -37,7 +37,9 @@ use super::host::reduce_host;
 use super::kit::{Group, RankKit};
 use super::memory::Memory;
 use super::replica::Replicated;
-use super::rules::{Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant};
+use super::rules::{
+    Checks, Costs, Estimate, ModelFacts, Op, Room, Setup, Shape, Traffic, Variant, Words,
+};
 use super::step::{Report, Strategy};
 use crate::comm::{Collective, ReduceOp, pack};
 use crate::config::{DilocoConfig, OptimConfig, ReduceDtype};
@@ -52,7 +54,7 @@ pub const STATE: &str = "diloco";
 /// Islands that train as `ddp` inside and meet through an outer optimizer.
 pub struct Diloco;
 
-impl Rules for Diloco {
+impl Checks for Diloco {
     fn check(&self, setup: &Setup) -> Result<()> {
         let islands = setup.diloco.islands;
         if islands > 0 && !setup.world.is_multiple_of(islands) {
@@ -75,7 +77,9 @@ impl Rules for Diloco {
         }
         Ok(())
     }
+}
 
+impl Words for Diloco {
     fn describe(&self, setup: &Setup) -> String {
         let d = &setup.diloco;
         let islands = match d.islands {
@@ -89,7 +93,9 @@ impl Rules for Diloco {
             d.inner_steps, d.outer_lr, d.outer_momentum
         )
     }
+}
 
+impl Costs for Diloco {
     /// An island's rank holds what a `ddp` rank holds, and the outer loop's state beside its
     /// optimizer's: the anchor and (with momentum) the outer momentum, f32 on the host.
     fn estimate(
@@ -101,10 +107,6 @@ impl Rules for Diloco {
         let mut estimate = Ddp.estimate(layout, optim, setup)?;
         estimate.optim += outer_bytes(layout.total(), &setup.diloco);
         Ok(estimate)
-    }
-
-    fn own_state(&self) -> Option<&'static str> {
-        Some(STATE)
     }
 
     /// Weighed across processes only (each an island).
@@ -141,6 +143,12 @@ impl Rules for Diloco {
 
     fn simplicity(&self) -> usize {
         4
+    }
+}
+
+impl Shape for Diloco {
+    fn own_state(&self) -> Option<&'static str> {
+        Some(STATE)
     }
 }
 

@@ -1,10 +1,13 @@
 //! Strategies: what one optimizer step does across ranks, and what each one allows.
 //!
 //! Each strategy lives in its own file and owns two things:
-//! - its **rules** ([`Rules`]): the settings and models it refuses (one line naming the key),
-//!   its start-up line, the bytes per rank it expects, and how many ranks and micro-batches
-//!   one replica takes. The launcher, the start-up table and the loop ask [`Setup`], which asks
-//!   the registry ([`rules`]); nothing outside this folder names a concrete strategy;
+//! - its **rules** ([`Rules`]), in four parts for their four readers: [`Checks`] (the settings
+//!   and models it refuses, one line naming the key), [`Words`] (its start-up lines and the
+//!   planner's words), [`Costs`] (the bytes per rank it expects, its collectives, how the
+//!   planner may run it) and [`Shape`] (how many ranks and micro-batches one replica takes,
+//!   what it recomputes, what it keeps in checkpoints). The launcher, the start-up table and
+//!   the loop ask [`Setup`], which asks the registry ([`rules`]); nothing outside this folder
+//!   names a concrete strategy;
 //! - its **step** ([`Strategy`]): the loop hands it each micro-batch, asks it for an optimizer
 //!   step, and for the whole model when it evaluates or checkpoints. It owns its rank's share of
 //!   the model (replica or shard), where gradients go, where optimizer state lives, and how
@@ -25,9 +28,15 @@
 //! [`FlatLayout`](crate::params::FlatLayout) (the whole space for `single` and `ddp`), so there is one optimizer path and
 //! one checkpoint format ([`OptimState`](crate::optim::OptimState)).
 //!
-//! Adding a strategy: a file here with a type implementing [`Rules`] (and [`Strategy`], or a
-//! `replica::Reduction`), one arm in [`rules`] and one in [`build`], and a variant of
-//! [`StrategyKind`](crate::config::StrategyKind).
+//! Around the data dimension's strategy, the mesh's other dimensions ([`Dimension`]: tensor
+//! parallelism, `tp.rs`) own their checks and start-up words; [`DIMENSIONS`] lists them and
+//! [`build`] puts a rank's strategy inside them.
+//!
+//! Adding a strategy: a file here with a type implementing the four parts of [`Rules`] (and
+//! [`Strategy`], or a `replica::Reduction`), one arm in [`rules`] and one in [`build`], and a
+//! variant of [`StrategyKind`](crate::config::StrategyKind). Adding a dimension: a file here
+//! with a type implementing [`Dimension`] and its rank's [`Strategy`] wrapper, one entry in
+//! [`DIMENSIONS`] and its wrapping in [`build`].
 
 mod context;
 mod courier;
@@ -51,7 +60,10 @@ pub mod zero3;
 
 pub use context::Context;
 pub use memory::{Counter, Memory};
-pub use registry::{all_rules, build, rules};
-pub use rules::{Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, block_ids};
+pub use registry::{DIMENSIONS, all_rules, build, rules};
+pub use rules::{
+    Checks, Costs, Dimension, Estimate, ModelFacts, Op, Room, Rules, Setup, Shape, Traffic,
+    Variant, Words, block_ids,
+};
 pub use step::{Report, Strategy};
 pub use tp::{Mesh, TpComm, TpPlace, part_if_cut, rank_part};

@@ -7,9 +7,9 @@ use kiln_models::BlockStack;
 use super::context::Context;
 use super::kit::RankKit;
 use super::replica::Replicated;
-use super::rules::{Rules, Setup, block_ids};
+use super::rules::{Dimension, Rules, Setup, block_ids};
 use super::step::Strategy;
-use super::tp::TpRank;
+use super::tp::{self, TpRank};
 use super::{ddp, diloco, groups, pipeline, single, zero1, zero2, zero3};
 use crate::config::{RootConfig, StrategyKind, name_of};
 use crate::error::{Error, Result};
@@ -28,6 +28,10 @@ pub fn rules(kind: StrategyKind) -> &'static dyn Rules {
         StrategyKind::Diloco => &diloco::Diloco,
     }
 }
+
+/// The mesh's dimensions around the data dimension's strategy, in the order the start-up table
+/// nests them (the innermost first).
+pub static DIMENSIONS: [&dyn Dimension; 1] = [&tp::Tensor];
 
 /// Every strategy's rules, in the order the planner lists its candidates: the simplest first.
 pub fn all_rules() -> [&'static dyn Rules; 7] {
@@ -132,6 +136,7 @@ impl Setup {
         Self {
             kind,
             rules: rules(kind),
+            dimensions: &DIMENSIONS,
             world,
             tp,
             ranks,

@@ -13,22 +13,27 @@ use crate::exec::Recompute;
 use crate::params::{FlatLayout, has_buffers};
 use crate::precision::Policy;
 
-/// What a strategy allows, says of itself and expects to hold, before any rank runs (Lightning
-/// Fabric's strategy classes own the same: their checks, their description). Each strategy
-/// file has one type implementing it; [`rules`](crate::strategy::rules()) finds it.
-pub trait Rules: Sync {
-    /// The strategy a device of this strategy runs its per-core sub-replicas under (a CPU
-    /// device's `hardware.cpu_split`, `cores.rs`); `None`, the default, for a strategy
-    /// that shards or stages over devices and keeps one replica per device.
-    fn core_split(&self) -> Option<StrategyKind> {
-        None
-    }
-    /// Refuses settings the strategy cannot run, whatever the model; one line naming the key.
+/// A strategy's contract with the rest of kiln, before any rank runs, in four parts that
+/// different readers ask: the start-up checks ([`Checks`]), the start-up table and the
+/// planner's list ([`Words`]), the planner's costs ([`Costs`]) and the shape of its step that
+/// the loop and the builder need ([`Shape`]). What the step does is [`Strategy`]. Each
+/// strategy file has one type implementing the four; the registry
+/// ([`rules`](crate::strategy::rules())) finds it. Lightning Fabric's strategy classes own the
+/// same: their checks, their description.
+///
+/// [`Strategy`]: crate::strategy::Strategy
+pub trait Rules: Checks + Words + Costs + Shape {}
+
+impl<T: Checks + Words + Costs + Shape> Rules for T {}
+
+/// What a strategy refuses, before any rank runs: one line naming the key.
+pub trait Checks: Sync {
+    /// Refuses settings the strategy cannot run, whatever the model.
     fn check(&self, setup: &Setup) -> Result<()> {
         let _ = setup;
         Ok(())
     }
-    /// Refuses a model the strategy cannot run; one line naming the key.
+    /// Refuses a model the strategy cannot run.
     fn check_model(&self, model: &ModelFacts, setup: &Setup) -> Result<()> {
         let _ = (model, setup);
         Ok(())
@@ -38,6 +43,14 @@ pub trait Rules: Sync {
     fn one_optimizer(&self) -> bool {
         true
     }
+    /// Why a launcher may not restart it on other devices; `None`, the default, where it may.
+    fn fixed_devices(&self) -> Option<&'static str> {
+        None
+    }
+}
+
+/// What a strategy says of itself: the start-up table's lines and the planner's words.
+pub trait Words: Sync {
     /// The start-up table's line: the strategy and what it shards.
     fn describe(&self, setup: &Setup) -> String;
     /// The planner's words for the strategy with these settings: its name by default.
@@ -68,35 +81,15 @@ pub trait Rules: Sync {
             setup.world
         )
     }
+}
+
+/// What the planner (`plan/`) asks of a strategy, so that it composes its predictions without
+/// naming one.
+pub trait Costs: Sync {
     /// The bytes per rank the strategy is expected to hold at its peaks, as DeepSpeed's
     /// estimator gives them: computed from the layout (any shard count), before training.
     fn estimate(&self, layout: &FlatLayout, optim: &OptimConfig, setup: &Setup)
     -> Result<Estimate>;
-    /// Which blocks the strategy's walk recomputes in the backward: what `[recompute]` asks,
-    /// by default.
-    fn recomputes(&self, setup: &Setup) -> Recompute {
-        setup.walk_recompute()
-    }
-    /// Ranks one replica of the model takes.
-    fn stages(&self, setup: &Setup) -> usize {
-        let _ = setup;
-        1
-    }
-    /// Micro-batches one accumulation step runs.
-    fn flush(&self, setup: &Setup) -> usize {
-        let _ = setup;
-        1
-    }
-    /// The name of the state the strategy keeps in checkpoints beside the model's optimizer
-    /// states (`optimizer.<name>.bpk`, read on resume when present and handed to
-    /// [`Strategy::load_optimizer_states`](crate::strategy::Strategy::load_optimizer_states) under that name); `None`, the default, for none.
-    fn own_state(&self) -> Option<&'static str> {
-        None
-    }
-
-    // What the planner (`plan/`) asks of a strategy, so that it composes its predictions
-    // without naming one.
-
     /// The ways the planner may run this strategy in `room` (none, the default: it is not a
     /// candidate there).
     fn variants(&self, room: &Room) -> Vec<Variant> {
@@ -141,10 +134,52 @@ pub trait Rules: Sync {
     fn simplicity(&self) -> usize {
         0
     }
-    /// Why a launcher may not restart it on other devices; `None`, the default, where it may.
-    fn fixed_devices(&self) -> Option<&'static str> {
+}
+
+/// The shape of a strategy's step, which the loop, the builder and the checkpoints need.
+pub trait Shape: Sync {
+    /// The strategy a device of this strategy runs its per-core sub-replicas under (a CPU
+    /// device's `hardware.cpu_split`, `cores.rs`); `None`, the default, for a strategy
+    /// that shards or stages over devices and keeps one replica per device.
+    fn core_split(&self) -> Option<StrategyKind> {
         None
     }
+    /// Which blocks the strategy's walk recomputes in the backward: what `[recompute]` asks,
+    /// by default.
+    fn recomputes(&self, setup: &Setup) -> Recompute {
+        setup.walk_recompute()
+    }
+    /// Ranks one replica of the model takes.
+    fn stages(&self, setup: &Setup) -> usize {
+        let _ = setup;
+        1
+    }
+    /// Micro-batches one accumulation step runs.
+    fn flush(&self, setup: &Setup) -> usize {
+        let _ = setup;
+        1
+    }
+    /// The name of the state the strategy keeps in checkpoints beside the model's optimizer
+    /// states (`optimizer.<name>.bpk`, read on resume when present and handed to
+    /// [`Strategy::load_optimizer_states`](crate::strategy::Strategy::load_optimizer_states) under that name); `None`, the default, for none.
+    fn own_state(&self) -> Option<&'static str> {
+        None
+    }
+}
+
+/// A dimension of the mesh around the data dimension's strategy (tensor parallelism): what it
+/// refuses and how the start-up table words the strategy inside it. [`Setup`] asks each one
+/// the registry lists, after the mesh's own checks and before the strategy's.
+pub trait Dimension: Sync {
+    /// Ranks along it in these settings (1: not used; then nothing else is asked).
+    fn size(&self, setup: &Setup) -> usize;
+    /// Refuses settings it cannot run; one line naming the key.
+    fn check(&self, setup: &Setup) -> Result<()>;
+    /// The start-up table's line for the strategy's line `inside` it.
+    fn describe(&self, setup: &Setup, inside: String) -> String;
+    /// The start-up table's words for how `per_step` samples make one step inside it.
+    fn batch_line(&self, setup: &Setup, batch: usize, accumulate: usize, per_step: usize)
+    -> String;
 }
 
 /// Where the planner would run a strategy: the ranks, the processes, the devices of each
@@ -189,7 +224,7 @@ impl Variant {
     }
 }
 
-/// A collective of a step's traffic (see [`Rules::traffic`]).
+/// A collective of a step's traffic (see [`Costs::traffic`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     /// All-reduce of the floats.
@@ -247,6 +282,12 @@ impl std::fmt::Debug for dyn Rules {
     }
 }
 
+impl std::fmt::Debug for dyn Dimension {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Dimension")
+    }
+}
+
 /// The settings strategies are checked, described, estimated and built with, resolved once
 /// from the config and the world: what the loop's settings hold for them, and nothing else.
 #[derive(Debug, Clone)]
@@ -255,6 +296,8 @@ pub struct Setup {
     pub kind: StrategyKind,
     /// Its rules, from the registry ([`rules`](crate::strategy::rules)).
     pub rules: &'static dyn Rules,
+    /// The mesh's other dimensions, from the registry.
+    pub dimensions: &'static [&'static dyn Dimension],
     /// Ranks the strategy spans: every rank of the run over `tp` (one rank per tensor-parallel
     /// group; all of them without one).
     pub world: usize,
@@ -292,20 +335,8 @@ impl Setup {
     /// Refuses what the strategy cannot run with these settings, whatever the model: the mesh
     /// first, then the strategy's rules.
     pub fn check(&self) -> Result<()> {
-        if !self.ranks.is_multiple_of(self.tp) {
-            return Err(Error::config(format!(
-                "key `parallel.tp`: {} tensor-parallel ranks per group must divide the run's {} \
-                ranks (devices × processes)",
-                self.tp, self.ranks
-            )));
-        }
-        if self.tp > 1 && self.kind == StrategyKind::Diloco {
-            return Err(Error::config(format!(
-                "key `parallel.tp`: tensor parallelism runs inside single, ddp, zero1-3 and \
-                 pipeline stages; \
-                it is not composed with {:?} (set parallel.tp = 1, or another strategy)",
-                self.name()
-            )));
+        for d in self.used_dimensions() {
+            d.check(self)?;
         }
         let replicas = self.world / self.stages();
         if let Some(dp) = self.dp
@@ -357,17 +388,13 @@ impl Setup {
     /// The start-up table's line for the strategy (and the tensor-parallel groups inside it).
     pub fn describe(&self) -> String {
         let line = self.rules().describe(self);
-        if self.tp > 1 {
-            format!(
-                "tensor parallelism in groups of {} neighbouring devices (each block's Linear \
-                 pairs split by columns, then rows), {} group{} under {line}",
-                self.tp,
-                self.world,
-                if self.world == 1 { "" } else { "s" }
-            )
-        } else {
-            line
-        }
+        self.used_dimensions()
+            .fold(line, |inside, d| d.describe(self, inside))
+    }
+
+    /// The dimensions of the mesh these settings use (size above 1).
+    fn used_dimensions(&self) -> impl Iterator<Item = &'static dyn Dimension> + '_ {
+        self.dimensions.iter().copied().filter(|d| d.size(self) > 1)
     }
 
     /// The start-up table's words for activation checkpointing under this strategy.
@@ -378,22 +405,8 @@ impl Setup {
     /// The start-up table's words for how `per_step` samples make one step: `batch` per
     /// micro-batch, `accumulate` accumulation steps.
     pub fn batch_line(&self, batch: usize, accumulate: usize, per_step: usize) -> String {
-        if self.tp > 1 {
-            // Every rank of a tensor-parallel group (and every stage of a pipeline of them)
-            // takes its replica's batch.
-            let stages = self.stages();
-            let replicas = self.world / stages;
-            let pp = if stages > 1 {
-                format!(" × {stages} stages")
-            } else {
-                String::new()
-            };
-            return format!(
-                "{batch} per replica (tp {}{pp}) × {replicas} replica{} × {accumulate} \
-                 accumulation = {per_step} per step",
-                self.tp,
-                if replicas == 1 { "" } else { "s" }
-            );
+        if let Some(d) = self.used_dimensions().last() {
+            return d.batch_line(self, batch, accumulate, per_step);
         }
         self.rules().batch_line(self, batch, accumulate, per_step)
     }
@@ -456,7 +469,7 @@ pub fn block_ids<B, M: BlockStack<B>>(model: &M) -> Vec<Vec<burn::module::ParamI
         .collect()
 }
 
-/// The bytes per rank a strategy is expected to hold at its peaks (see [`Rules::estimate`]).
+/// The bytes per rank a strategy is expected to hold at its peaks (see [`Costs::estimate`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Estimate {
     /// Parameter bytes.

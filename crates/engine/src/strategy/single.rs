@@ -6,7 +6,9 @@ use burn::tensor::FloatDType;
 
 use super::kit::{RankKit, cat_or_empty};
 use super::replica::{Held, Reduction, Replica, local, step_whole};
-use super::rules::{Estimate, Room, Rules, Setup, Variant, replicated_estimate};
+use super::rules::{
+    Checks, Costs, Estimate, Room, Setup, Shape, Variant, Words, replicated_estimate,
+};
 use crate::config::OptimConfig;
 use crate::error::{Error, Result};
 use crate::params::FlatLayout;
@@ -15,12 +17,7 @@ use crate::precision::LossScaler;
 /// One replica on one device.
 pub struct Single;
 
-impl Rules for Single {
-    /// Per-kit sub-replicas of a CPU device take the `ddp` step among themselves.
-    fn core_split(&self) -> Option<crate::config::StrategyKind> {
-        Some(crate::config::StrategyKind::Ddp)
-    }
-
+impl Checks for Single {
     fn check(&self, setup: &Setup) -> Result<()> {
         if setup.world > 1 {
             return Err(Error::config(format!(
@@ -34,11 +31,15 @@ impl Rules for Single {
     fn one_optimizer(&self) -> bool {
         false
     }
+}
 
+impl Words for Single {
     fn describe(&self, _setup: &Setup) -> String {
         "single (one device)".to_string()
     }
+}
 
+impl Costs for Single {
     fn estimate(
         &self,
         layout: &FlatLayout,
@@ -55,6 +56,13 @@ impl Rules for Single {
         } else {
             Vec::new()
         }
+    }
+}
+
+impl Shape for Single {
+    /// Per-kit sub-replicas of a CPU device take the `ddp` step among themselves.
+    fn core_split(&self) -> Option<crate::config::StrategyKind> {
+        Some(crate::config::StrategyKind::Ddp)
     }
 }
 

@@ -20,11 +20,75 @@ use kiln_models::StepOutput;
 use kiln_models::tp::{Split, TpGroup, part_of_values, reshape, whole_of_values, with_group};
 
 use super::memory::Memory;
+use super::rules::{Dimension, Setup};
 use super::step::{Report, Strategy};
 use crate::comm::{Collective, ReduceOp};
 use crate::error::{Error, Result};
 use crate::optim::OptimState;
 use crate::precision::LossScaler;
+
+/// The tensor dimension of the mesh (`parallel.tp`): groups of neighbouring ranks that each
+/// hold a part of every cut parameter, around the data dimension's strategy.
+pub struct Tensor;
+
+impl Dimension for Tensor {
+    fn size(&self, setup: &Setup) -> usize {
+        setup.tp
+    }
+
+    fn check(&self, setup: &Setup) -> Result<()> {
+        if !setup.ranks.is_multiple_of(setup.tp) {
+            return Err(Error::config(format!(
+                "key `parallel.tp`: {} tensor-parallel ranks per group must divide the run's {} \
+                ranks (devices × processes)",
+                setup.tp, setup.ranks
+            )));
+        }
+        if !setup.rules().same_step() {
+            return Err(Error::config(format!(
+                "key `parallel.tp`: tensor parallelism runs inside single, ddp, zero1-3 and \
+                 pipeline stages; \
+                it is not composed with {:?} (set parallel.tp = 1, or another strategy)",
+                setup.name()
+            )));
+        }
+        Ok(())
+    }
+
+    fn describe(&self, setup: &Setup, inside: String) -> String {
+        format!(
+            "tensor parallelism in groups of {} neighbouring devices (each block's Linear \
+             pairs split by columns, then rows), {} group{} under {inside}",
+            setup.tp,
+            setup.world,
+            if setup.world == 1 { "" } else { "s" }
+        )
+    }
+
+    fn batch_line(
+        &self,
+        setup: &Setup,
+        batch: usize,
+        accumulate: usize,
+        per_step: usize,
+    ) -> String {
+        // Every rank of a group (and every stage of a pipeline of them) takes its replica's
+        // batch.
+        let stages = setup.stages();
+        let replicas = setup.world / stages;
+        let pp = if stages > 1 {
+            format!(" × {stages} stages")
+        } else {
+            String::new()
+        };
+        format!(
+            "{batch} per replica (tp {}{pp}) × {replicas} replica{} × {accumulate} \
+             accumulation = {per_step} per step",
+            setup.tp,
+            if replicas == 1 { "" } else { "s" }
+        )
+    }
+}
 
 /// A collective as a model's forward sees its tensor-parallel group, timing its all-reduces
 /// (the step's synchronisation).

@@ -8,7 +8,9 @@ use burn::prelude::*;
 use super::ddp::several;
 use super::kit::{Norm, RankKit};
 use super::replica::{Held, Reduction, Replica, averaged, step_shard};
-use super::rules::{Estimate, Op, Room, Rules, Setup, Traffic, Variant, replicated_estimate};
+use super::rules::{
+    Checks, Costs, Estimate, Op, Room, Setup, Shape, Traffic, Variant, Words, replicated_estimate,
+};
 use crate::config::OptimConfig;
 use crate::error::Result;
 use crate::params::FlatLayout;
@@ -17,11 +19,13 @@ use crate::precision::LossScaler;
 /// Sharded optimizer state over replicated parameters and gradients.
 pub struct Zero1;
 
-impl Rules for Zero1 {
+impl Words for Zero1 {
     fn describe(&self, setup: &Setup) -> String {
         format!("zero1 (optimizer state sharded over {})", setup.world)
     }
+}
 
+impl Costs for Zero1 {
     fn estimate(
         &self,
         layout: &FlatLayout,
@@ -59,6 +63,12 @@ impl Rules for Zero1 {
         1
     }
 }
+
+/// Nothing it refuses beyond what every strategy does.
+impl Checks for Zero1 {}
+
+/// One replica per rank, one micro-batch per accumulation step.
+impl Shape for Zero1 {}
 
 /// This rank's pieces of `padded`, the concatenation of every unit's padded flat space.
 fn my_pieces(kit: &RankKit, padded: &[f32]) -> Vec<f32> {

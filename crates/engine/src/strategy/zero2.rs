@@ -17,7 +17,8 @@ use super::ddp::several;
 use super::kit::{Norm, RankKit};
 use super::replica::{Held, Reduction, Replica, SCATTERS_IN_FLIGHT, step_shard};
 use super::rules::{
-    Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, replicated_estimate,
+    Checks, Costs, Estimate, ModelFacts, Op, Room, Setup, Shape, Traffic, Variant, Words,
+    replicated_estimate,
 };
 use crate::config::OptimConfig;
 use crate::error::{Error, Result};
@@ -27,7 +28,7 @@ use crate::precision::LossScaler;
 /// Sharded gradients and optimizer state over replicated parameters.
 pub struct Zero2;
 
-impl Rules for Zero2 {
+impl Checks for Zero2 {
     fn check_model(&self, model: &ModelFacts, _setup: &Setup) -> Result<()> {
         if model.blocks == 0 {
             return Err(Error::config(
@@ -41,7 +42,9 @@ impl Rules for Zero2 {
         }
         Ok(())
     }
+}
 
+impl Words for Zero2 {
     fn describe(&self, setup: &Setup) -> String {
         format!(
             "zero2 (gradients and optimizer state sharded over {}; each block's gradients \
@@ -49,7 +52,9 @@ impl Rules for Zero2 {
             setup.world
         )
     }
+}
 
+impl Costs for Zero2 {
     fn estimate(
         &self,
         layout: &FlatLayout,
@@ -84,6 +89,9 @@ impl Rules for Zero2 {
         2
     }
 }
+
+/// One replica per rank, one micro-batch per accumulation step.
+impl Shape for Zero2 {}
 
 /// How many units' whole gradients a rank holds at once while it reduce-scatters: one on its
 /// own thread; with a communication thread (`dist.overlap`), those waiting for it.

@@ -37,7 +37,10 @@ use super::frozen::FrozenShard;
 use super::kit::answered_by_kit;
 use super::kit::{Norm, RankKit};
 use super::replica::{Beside, Scatter, open_shard, overlaps};
-use super::rules::{Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, state_tensors};
+use super::rules::{
+    Checks, Costs, Estimate, ModelFacts, Op, Room, Setup, Shape, Traffic, Variant, Words,
+    state_tensors,
+};
 use super::step::{Strategy, one_by_one};
 use super::zero2::scattering;
 use crate::config::{OptimConfig, RecomputeMode, name_of};
@@ -50,7 +53,7 @@ use crate::precision::LossScaler;
 /// BatchNorm.
 pub struct Zero3;
 
-impl Rules for Zero3 {
+impl Checks for Zero3 {
     fn check(&self, setup: &Setup) -> Result<()> {
         if setup.ddp.sync_batchnorm {
             return Err(Error::config(
@@ -82,17 +85,15 @@ impl Rules for Zero3 {
         }
         Ok(())
     }
+}
 
+impl Words for Zero3 {
     fn describe(&self, setup: &Setup) -> String {
         format!(
             "zero3 (parameters, gradients and optimizer state sharded over {}; blocks \
              gathered for their forward and backward and recomputed in the backward)",
             setup.world
         )
-    }
-
-    fn recomputes(&self, setup: &Setup) -> Recompute {
-        recompute_for(setup)
     }
 
     fn recompute_line(&self, setup: &Setup) -> String {
@@ -108,7 +109,9 @@ impl Rules for Zero3 {
             ),
         }
     }
+}
 
+impl Costs for Zero3 {
     fn estimate(
         &self,
         layout: &FlatLayout,
@@ -149,6 +152,12 @@ impl Rules for Zero3 {
 
     fn simplicity(&self) -> usize {
         3
+    }
+}
+
+impl Shape for Zero3 {
+    fn recomputes(&self, setup: &Setup) -> Recompute {
+        recompute_for(setup)
     }
 }
 

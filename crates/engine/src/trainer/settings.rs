@@ -167,6 +167,7 @@ impl TrainerSettings {
         Setup {
             kind: p.strategy,
             rules: crate::strategy::rules(p.strategy),
+            dimensions: &crate::strategy::DIMENSIONS,
             world: (self.world() / self.tp()).max(1),
             tp: self.tp(),
             ranks: self.world(),

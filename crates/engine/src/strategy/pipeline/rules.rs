@@ -6,13 +6,14 @@ use crate::error::{Error, Result};
 use crate::params::FlatLayout;
 use crate::strategy::pipeline::partition;
 use crate::strategy::rules::{
-    Estimate, ModelFacts, Op, Room, Rules, Setup, Traffic, Variant, state_tensors,
+    Checks, Costs, Estimate, ModelFacts, Op, Room, Setup, Shape, Traffic, Variant, Words,
+    state_tensors,
 };
 
 /// The pipeline's rules: stages divide the ranks, and no more stages than blocks.
 pub struct Pipeline;
 
-impl Rules for Pipeline {
+impl Checks for Pipeline {
     fn check(&self, setup: &Setup) -> Result<()> {
         let stages = setup.pipeline.stages;
         if !setup.world.is_multiple_of(stages) {
@@ -30,6 +31,15 @@ impl Rules for Pipeline {
         stage_elements(&model.layout, p.stages, p.cuts.as_deref()).map(|_| ())
     }
 
+    fn fixed_devices(&self) -> Option<&'static str> {
+        Some(
+            "a pipeline's stages need their devices: train launch keeps a pipeline on the \
+             devices it started with",
+        )
+    }
+}
+
+impl Words for Pipeline {
     fn describe(&self, setup: &Setup) -> String {
         let p = &setup.pipeline;
         format!(
@@ -57,6 +67,13 @@ impl Rules for Pipeline {
         )
     }
 
+    fn words(&self, setup: &Setup) -> String {
+        let p = &setup.pipeline;
+        words(p.stages, p.microbatches, p.schedule)
+    }
+}
+
+impl Costs for Pipeline {
     /// The heaviest stage's figures.
     fn estimate(
         &self,
@@ -72,14 +89,6 @@ impl Rules for Pipeline {
             grads: stage * 4,
             optim: state_tensors(optim) * policy.master_bytes(stage),
         })
-    }
-
-    fn stages(&self, setup: &Setup) -> usize {
-        setup.pipeline.stages
-    }
-
-    fn flush(&self, setup: &Setup) -> usize {
-        setup.pipeline.microbatches
     }
 
     /// Each stage count that divides a process's devices (a stage per device, no more stages
@@ -110,11 +119,6 @@ impl Rules for Pipeline {
             }
         }
         out
-    }
-
-    fn words(&self, setup: &Setup) -> String {
-        let p = &setup.pipeline;
-        words(p.stages, p.microbatches, p.schedule)
     }
 
     /// Probed per stage count.
@@ -154,12 +158,15 @@ impl Rules for Pipeline {
     fn simplicity(&self) -> usize {
         5
     }
+}
 
-    fn fixed_devices(&self) -> Option<&'static str> {
-        Some(
-            "a pipeline's stages need their devices: train launch keeps a pipeline on the \
-             devices it started with",
-        )
+impl Shape for Pipeline {
+    fn stages(&self, setup: &Setup) -> usize {
+        setup.pipeline.stages
+    }
+
+    fn flush(&self, setup: &Setup) -> usize {
+        setup.pipeline.microbatches
     }
 }
 
