@@ -192,8 +192,10 @@ pub trait BlockStack<B>: TrainStep<B> {
         let _ = i;
         Vec::new()
     }
-    /// Whether running a block twice on the same input gives the same output (false when it
-    /// draws random numbers, e.g. dropout), which recomputation needs.
+    /// Whether running a block twice on the same input, with the random numbers of its first
+    /// run drawn again (the engine seeds a recomputed block's forward as its first: dropout
+    /// masks repeat), gives the same output, which recomputation needs; `false` for a block
+    /// whose output depends on more than its input, its parameters and its draws.
     fn blocks_deterministic(&self) -> bool {
         true
     }

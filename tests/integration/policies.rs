@@ -537,27 +537,6 @@ fn impossible_policies_are_clear_errors() {
     // The built-in ConvNet has BatchNorm, whose running statistics cannot stay f32.
     let out = train_bin(&dir, &["--precision", "bf16-mixed", "--max-steps", "1"]);
     assert_one_line_error(&out, &["precision.mode", "BatchNorm"]);
-    let text = text_file(&dir);
-    let out = train_bin(
-        &dir,
-        &[
-            "--config",
-            "/dev/null",
-            "--set",
-            "data.dataset=\"text\"",
-            "--set",
-            &format!("data.path={:?}", text.display().to_string()),
-            "--set",
-            "model.kind=\"gpt\"",
-            "--set",
-            "model.gpt.dropout=0.1",
-            "--set",
-            "train.max_steps=1",
-            "--recompute",
-            "blocks",
-        ],
-    );
-    assert_one_line_error(&out, &["recompute.mode", "dropout"]);
 
     let out = train_bin(
         &dir,

@@ -10,13 +10,17 @@
 //! side). Whether a model draws at all is measured once at start ([`model_draws`]); a model
 //! that does not pays nothing.
 //!
-//! A forward that holds the lock cannot wait for another rank of its process, so a layout whose
-//! forward runs collectives (ZeRO-3's gathers, synchronised BatchNorm, the pipeline's sends)
-//! with several devices in one process keeps the backend's shared state: its draws are not
-//! reproducible, which the start-up notice says. A tensor-parallel group's forward waits for
-//! its group at every block; it runs without the lock ([`begin`]'s `locked` false), which only
-//! a model whose draws are all keyed ([`kiln_models::draw`]: each draw seeded from the
-//! forward's key under the lock for that draw alone) may, and the start-up check asks.
+//! A forward that holds the lock cannot wait for another rank of its process. The walk's
+//! collectives (ZeRO-3's gathers, the pipeline's sends) run between its forwards — each block's
+//! its own —, outside the lock; a block cut around a synchronised BatchNorm runs unseeded (a
+//! model with one draws nothing). A tensor-parallel group's forward waits for its group at
+//! every block; it runs without the lock ([`begin`]'s `locked` false), which only a model whose
+//! draws are all keyed ([`kiln_models::draw`]: each draw seeded from the forward's key under
+//! the lock for that draw alone) may, and the start-up check asks.
+//!
+//! A forward run again — a block or the stem recomputed in the backward — takes the seed its
+//! first run took ([`Draw`], [`run`]): it draws the same masks, so recomputation gives the
+//! gradients of the forward that ran, dropout or not.
 //!
 //! Either way the forward's key is also [`kiln_models::draw`]'s, so a keyed model draws the
 //! same masks with or without the lock: a tensor-parallel rank, whose `rank` here is its data
@@ -66,17 +70,29 @@ pub fn end() {
     STREAM.set(None);
 }
 
-/// Runs `f`, one forward of a model (or of a part of it), when a stream is set ([`begin`]):
-/// with its key for keyed draws and, locked, seeded from it holding the process's
-/// random-number lock (`f` must then not wait for another rank); as it is otherwise.
-pub fn forward<R>(f: impl FnOnce() -> R) -> R {
-    let seeded = STREAM.with_borrow_mut(|stream| {
+/// One forward's seed, taken when it first runs ([`next`]) and given again to run it with
+/// the same draws ([`run`]): a block recomputed in the backward draws the masks its forward
+/// drew. None without a stream.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Draw(Option<u64>);
+
+/// The next forward's seed from the thread's stream ([`begin`]), counted as one forward.
+pub fn next() -> Draw {
+    Draw(STREAM.with_borrow_mut(|stream| {
         stream.as_mut().map(|s| {
             s.next += 1;
-            (mix(&[s.key, s.next - 1]), s.device.clone(), s.locked)
+            mix(&[s.key, s.next - 1])
         })
-    });
-    let Some((seed, device, locked)) = seeded else {
+    }))
+}
+
+/// Runs `f`, one forward of a model (or of a part of it), with `draw`'s seed when it has one
+/// and a stream is set: as the forward's key for keyed draws and, locked, seeding the backend
+/// while holding the process's random-number lock (`f` must then not wait for another rank).
+/// As it is otherwise.
+pub fn run<R>(draw: Draw, f: impl FnOnce() -> R) -> R {
+    let place = STREAM.with_borrow(|stream| stream.as_ref().map(|s| (s.device.clone(), s.locked)));
+    let (Some(seed), Some((device, locked))) = (draw.0, place) else {
         return f();
     };
     if !locked {
@@ -86,6 +102,11 @@ pub fn forward<R>(f: impl FnOnce() -> R) -> R {
         device.seed(seed);
         kiln_models::draw::keyed(seed, f)
     })
+}
+
+/// Runs `f`, the next forward ([`next`], then [`run`]).
+pub fn forward<R>(f: impl FnOnce() -> R) -> R {
+    run(next(), f)
 }
 
 /// Whether `forwards` draws random numbers on `device`: the backend's state after it differs
@@ -141,6 +162,29 @@ mod tests {
         assert!(!model_draws(&device, &mut || {
             let _ = Tensor::<1>::zeros([2], &device).into_data();
         }));
+    }
+
+    #[test]
+    fn a_forward_run_again_draws_what_it_drew() {
+        let device = Device::flex();
+        let draw = || {
+            Tensor::<1>::random([3], Distribution::Default, &device)
+                .into_data()
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .unwrap()
+        };
+        begin(7, 0, 5, 0, &device, true);
+        let first = next();
+        let drawn = run(first, draw);
+        let after = forward(draw);
+        assert_ne!(drawn, after);
+        assert_eq!(run(first, draw), drawn, "run again with its draw");
+        // Running one again takes no number: the forward after it draws as before.
+        begin(7, 0, 5, 0, &device, true);
+        let _ = forward(draw);
+        assert_eq!(forward(draw), after);
+        end();
     }
 
     #[test]

@@ -26,6 +26,6 @@ mod walk;
 
 pub use segment::segment_backward;
 pub use walk::{
-    Accumulate, Hooks, Part, Pass, Recompute, Stash, backward_blocks, forward_backward,
+    Accumulate, Hooks, Part, Pass, Recompute, Stash, StemKept, backward_blocks, forward_backward,
     forward_blocks, head_backward, run, stem_backward, stem_forward,
 };

@@ -210,8 +210,8 @@ pub(crate) fn detached(out: StepOutput) -> StepOutput {
 
 /// One block's place in the forward pass, as the backward walk needs it.
 enum Saved {
-    /// Recomputed: its input, without a graph.
-    Recomputed(Box<Activation>),
+    /// Recomputed: its input, without a graph, and its forward's draws.
+    Recomputed(Box<Activation>, draws::Draw),
     /// Kept: its input leaf and its output, with the block's graph.
     Kept(Box<(Activation, Activation)>),
     /// Cut around a synchronised BatchNorm: its segments.
@@ -229,7 +229,7 @@ impl Stash {
     pub fn kept_blocks(&self) -> usize {
         self.blocks
             .iter()
-            .filter(|(_, s)| !matches!(s, Saved::Recomputed(_)))
+            .filter(|(_, s)| !matches!(s, Saved::Recomputed(..)))
             .count()
     }
 }
@@ -289,8 +289,9 @@ where
                 // shares the model's tensors and buffers, so nothing is copied.
                 let input = x.detach();
                 let frozen = model.clone().no_grad();
-                x = draws::forward(|| block_on(&frozen, i, input.clone(), batch));
-                Saved::Recomputed(Box::new(input))
+                let draw = draws::next();
+                x = draws::run(draw, || block_on(&frozen, i, input.clone(), batch));
+                Saved::Recomputed(Box::new(input), draw)
             }
             None => {
                 let input = x.detach().require_grad();
@@ -299,7 +300,7 @@ where
                 Saved::Kept(Box::new((input, output)))
             }
         };
-        let kept = !matches!(s, Saved::Recomputed(_));
+        let kept = !matches!(s, Saved::Recomputed(..));
         stash.blocks.push((i, s));
         model = hooks.after_forward(model, i, kept)?;
     }
@@ -323,7 +324,7 @@ where
     H: Hooks<M>,
 {
     for (i, s) in stash.blocks.into_iter().rev() {
-        let kept = !matches!(s, Saved::Recomputed(_));
+        let kept = !matches!(s, Saved::Recomputed(..));
         model = hooks.before_backward(model, i, kept)?;
         let grads = match s {
             Saved::Synced(segments) => {
@@ -332,7 +333,7 @@ where
                 upstream = below;
                 grads
             }
-            Saved::Recomputed(input) => {
+            Saved::Recomputed(input, draw) => {
                 // The block's buffers (running statistics) saw this batch in the forward;
                 // running it again would update them a second time, so they are put back.
                 let buffers = has_buffers(&model).then(|| {
@@ -340,7 +341,8 @@ where
                     collect_floats(&model, false)
                 });
                 let input = input.require_grad();
-                let output = draws::forward(|| block_on(&model, i, input.clone(), batch));
+                // The forward's own draws again (its dropout masks): the same output.
+                let output = draws::run(draw, || block_on(&model, i, input.clone(), batch));
                 if let Some(values) = buffers {
                     sync_running_state(&model);
                     // Running states are shared between clones: restoring them on a clone
@@ -389,18 +391,28 @@ where
     )
 }
 
-/// The stem's output for the walk: with its graph (to differentiate later, `Some`), or, when
-/// `recompute`, without one (the stem then runs again for its backward).
+/// What the stem's backward needs: the stem's graph, or its forward's draws to run it again.
+pub enum StemKept {
+    /// The output with its graph.
+    Graph(Box<Activation>),
+    /// Run again, with the draws of its forward.
+    Again(draws::Draw),
+}
+
+/// The stem's output for the walk: with its graph (to differentiate later), or, when
+/// `recompute`, without one (the stem then runs again for its backward, with the same draws).
 pub fn stem_forward<B, M: BlockStack<B> + Module>(
     model: &M,
     batch: &B,
     recompute: bool,
-) -> (Activation, Option<Activation>) {
+) -> (Activation, StemKept) {
     if recompute {
-        (draws::forward(|| model.clone().no_grad().stem(batch)), None)
+        let draw = draws::next();
+        let x = draws::run(draw, || model.clone().no_grad().stem(batch));
+        (x, StemKept::Again(draw))
     } else {
         let stem = draws::forward(|| model.stem(batch));
-        (stem.clone().detach(), Some(stem))
+        (stem.clone().detach(), StemKept::Graph(Box::new(stem)))
     }
 }
 
@@ -409,10 +421,13 @@ pub fn stem_forward<B, M: BlockStack<B> + Module>(
 pub fn stem_backward<B, M: BlockStack<B> + Module>(
     model: &M,
     batch: &B,
-    graph: Option<Activation>,
+    kept: StemKept,
     upstream: Activation,
 ) -> Option<GradientsParams> {
-    let stem = graph.unwrap_or_else(|| draws::forward(|| model.stem(batch)));
+    let stem = match kept {
+        StemKept::Graph(stem) => *stem,
+        StemKept::Again(draw) => draws::run(draw, || model.stem(batch)),
+    };
     stem.is_tracked()
         .then(|| GradientsParams::from_grads(segment_backward(stem, upstream), model))
 }

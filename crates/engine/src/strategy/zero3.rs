@@ -78,9 +78,8 @@ impl Checks for Zero3 {
         if !model.deterministic && setup.recompute.mode != RecomputeMode::Blocks {
             return Err(Error::config(
                 "key `strategy.name`: \"zero3\" recomputes each block in its backward, which \
-                 runs each block twice and needs both runs to agree, but this model draws \
-                 random numbers in its blocks (dropout > 0); set the model's dropout to 0 or \
-                 use strategy \"zero2\"",
+                 runs each block twice and needs both runs to agree, but this model says its \
+                 blocks do not (BlockStack::blocks_deterministic); use strategy \"zero2\"",
             ));
         }
         Ok(())

@@ -40,8 +40,8 @@ pub(super) fn check_model<B, M: BlockStack<B> + Module>(
     if blocks && !facts.deterministic {
         return Err(Error::config(
             "key `recompute.mode`: \"blocks\" runs each block twice and needs both runs to \
-             agree, but this model draws random numbers in its blocks (dropout > 0); set the \
-             model's dropout to 0 or use recompute \"balanced\""
+             agree, but this model says its blocks do not (BlockStack::blocks_deterministic); \
+             use recompute \"balanced\""
                 .to_string(),
         ));
     }

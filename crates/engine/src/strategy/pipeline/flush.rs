@@ -14,7 +14,8 @@ use super::timeline::{Event, now};
 use crate::comm::{Collective, ReduceOp};
 use crate::error::{Error, Result};
 use crate::exec::{
-    Hooks, Part, Pass, backward_blocks, forward_blocks, head_backward, stem_backward, stem_forward,
+    Hooks, Part, Pass, StemKept, backward_blocks, forward_blocks, head_backward, stem_backward,
+    stem_forward,
 };
 use crate::strategy::pipeline::schedule;
 use crate::strategy::step::scored;
@@ -57,7 +58,7 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
             .clone()
             .any(|i| pass.recompute.recomputes(i - blocks.start, blocks.len()));
         let mut held_batches: BTreeMap<usize, B> = BTreeMap::new();
-        let mut stem_graphs: BTreeMap<usize, Option<Activation>> = BTreeMap::new();
+        let mut stem_graphs: BTreeMap<usize, StemKept> = BTreeMap::new();
         let mut stashes = BTreeMap::new();
         let mut upstreams: BTreeMap<usize, Activation> = BTreeMap::new();
         let mut losses = Vec::new();
@@ -129,7 +130,7 @@ impl<B, M: BlockStack<B> + Module> Stage<'_, M, B> {
                     )?;
                     if first {
                         let batch = kept.expect("kept from the forward");
-                        let graph = stem_graphs.remove(&m).flatten();
+                        let graph = stem_graphs.remove(&m).expect("kept from the forward");
                         if let Some(grads) = stem_backward(&model, &batch, graph, below) {
                             self.acc.grads(&model, Part::Stem, grads)?;
                         }
