@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use burn::prelude::*;
 use kiln::app::App;
 use kiln::comm::world_group;
-use kiln::config::{PipelineConfig, PrecisionConfig, StrategyKind};
+use kiln::config::{PrecisionConfig, StrategyKind};
 use kiln::exec::Recompute;
 use kiln::precision::Policy;
 use kiln::strategy::{Context, Strategy, build};
@@ -110,8 +110,7 @@ fn a_discriminator_step_leaves_the_generator_and_its_adamw_state_bit_identical()
         sync_batchnorm: false,
         optim: config.kiln.optim.clone(),
         bucket_elements: 1 << 20,
-        pipeline: PipelineConfig::default(),
-        diloco: Default::default(),
+        own: kiln::strategy::Own::None,
         overlap: false,
         group_optims: config
             .kiln

@@ -2,9 +2,9 @@
 
 use burn::prelude::*;
 
-use super::rules::Setup;
+use super::rules::{Own, Setup};
 use crate::comm::Collective;
-use crate::config::{DilocoConfig, OptimConfig, PipelineConfig};
+use crate::config::OptimConfig;
 use crate::exec::Recompute;
 use crate::precision::Policy;
 
@@ -26,10 +26,8 @@ pub struct Context<'a> {
     pub sync_batchnorm: bool,
     /// Elements of one gradient bucket of an all-reduce.
     pub bucket_elements: usize,
-    /// Stages, micro-batches and schedule (the `pipeline` strategy's own section).
-    pub pipeline: PipelineConfig,
-    /// The outer loop (the `diloco` strategy's own section).
-    pub diloco: DilocoConfig,
+    /// The strategy's own section, if it has one.
+    pub own: Own,
     /// Reduce gradients beside the backward (`dist.overlap`).
     pub overlap: bool,
     /// The optimizer.
@@ -59,8 +57,7 @@ impl<'a> Context<'a> {
             recompute: setup.walk_recompute(),
             sync_batchnorm: setup.ddp.sync_batchnorm,
             bucket_elements: (setup.ddp.bucket_mb * 1024.0 * 1024.0 / 4.0).max(1.0) as usize,
-            pipeline: setup.pipeline.clone(),
-            diloco: setup.diloco.clone(),
+            own: setup.own.clone(),
             overlap: setup.overlap,
             optim,
             group_optims,

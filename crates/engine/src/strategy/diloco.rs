@@ -38,7 +38,7 @@ use super::kit::{Group, RankKit};
 use super::memory::Memory;
 use super::replica::Replicated;
 use super::rules::{
-    Checks, Costs, Estimate, ModelFacts, Op, Room, Setup, Shape, Traffic, Variant, Words,
+    Checks, Costs, Estimate, ModelFacts, Op, Own, Room, Setup, Shape, Traffic, Variant, Words,
 };
 use super::step::{Report, Strategy};
 use crate::comm::{Collective, ReduceOp, pack};
@@ -54,9 +54,18 @@ pub const STATE: &str = "diloco";
 /// Islands that train as `ddp` inside and meet through an outer optimizer.
 pub struct Diloco;
 
+/// DiLoCo's own section of `setup`, which its rules read (the registry gives them only a
+/// DiLoCo setup).
+fn section(setup: &Setup) -> &DilocoConfig {
+    match &setup.own {
+        Own::Diloco(d) => d,
+        other => unreachable!("DiLoCo's rules asked with {other:?}"),
+    }
+}
+
 impl Checks for Diloco {
     fn check(&self, setup: &Setup) -> Result<()> {
-        let islands = setup.diloco.islands;
+        let islands = section(setup).islands;
         if islands > 0 && !setup.world.is_multiple_of(islands) {
             return Err(Error::config(format!(
                 "key `diloco.islands`: {islands} islands do not divide the {} ranks",
@@ -81,7 +90,7 @@ impl Checks for Diloco {
 
 impl Words for Diloco {
     fn describe(&self, setup: &Setup) -> String {
-        let d = &setup.diloco;
+        let d = section(setup);
         let islands = match d.islands {
             0 => "an island per process".to_string(),
             1 => "1 island".to_string(),
@@ -105,7 +114,7 @@ impl Costs for Diloco {
         setup: &Setup,
     ) -> Result<Estimate> {
         let mut estimate = Ddp.estimate(layout, optim, setup)?;
-        estimate.optim += outer_bytes(layout.total(), &setup.diloco);
+        estimate.optim += outer_bytes(layout.total(), section(setup));
         Ok(estimate)
     }
 
@@ -131,7 +140,7 @@ impl Costs for Diloco {
             out.push(Traffic::once(Op::AllReduce, floats));
         }
         out.push(Traffic {
-            every: setup.diloco.inner_steps.max(1),
+            every: section(setup).inner_steps.max(1),
             ..Traffic::once(Op::AllReduce, floats)
         });
         out
@@ -181,7 +190,11 @@ pub(crate) struct Islands<'a, M: Module> {
 impl<'a, M: Module> Islands<'a, M> {
     pub fn new(model: M, layout: FlatLayout, ctx: Context<'a>) -> Result<Self> {
         let world = ctx.comm.world_size();
-        let islands = match ctx.diloco.islands {
+        let Own::Diloco(config) = &ctx.own else {
+            unreachable!("DiLoCo's islands built with {:?}", ctx.own)
+        };
+        let config = config.clone();
+        let islands = match config.islands {
             0 => crate::comm::processes().count,
             n => n,
         };
@@ -195,7 +208,6 @@ impl<'a, M: Module> Islands<'a, M> {
         let (island, local) = (rank / size, rank % size);
         let group: Arc<dyn Collective> = Arc::from(ctx.comm.split(island, local)?);
         let cross = ctx.comm.split(local, island)?;
-        let config = ctx.diloco.clone();
         let kit = RankKit::in_group(ctx, Group::Owned(group), layout);
         let mut inner = Replicated::new(model, kit, Ddp);
         let (kit, replica) = inner.parts();

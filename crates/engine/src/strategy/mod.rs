@@ -62,7 +62,7 @@ pub use context::Context;
 pub use memory::{Counter, Memory};
 pub use registry::{DIMENSIONS, all_rules, build, rules};
 pub use rules::{
-    Checks, Costs, Dimension, Estimate, ModelFacts, Op, Room, Rules, Setup, Shape, Traffic,
+    Checks, Costs, Dimension, Estimate, ModelFacts, Op, Own, Room, Rules, Setup, Shape, Traffic,
     Variant, Words, block_ids,
 };
 pub use step::{Report, Strategy};

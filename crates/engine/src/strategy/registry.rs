@@ -7,7 +7,7 @@ use kiln_models::BlockStack;
 use super::context::Context;
 use super::kit::RankKit;
 use super::replica::Replicated;
-use super::rules::{Dimension, Rules, Setup, block_ids};
+use super::rules::{Dimension, Own, Rules, Setup, block_ids};
 use super::step::Strategy;
 use super::tp::{self, TpRank};
 use super::{ddp, diloco, groups, pipeline, single, zero1, zero2, zero3};
@@ -144,8 +144,7 @@ impl Setup {
             policy: Policy::new(&config.precision),
             recompute: config.recompute.clone(),
             ddp: config.ddp.clone(),
-            pipeline: config.pipeline.clone(),
-            diloco: config.diloco.clone(),
+            own: Own::of(kind, &config.pipeline, &config.diloco),
             overlap: config.dist.overlap.resolve(crate::comm::processes().count),
         }
     }

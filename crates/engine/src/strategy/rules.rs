@@ -288,6 +288,30 @@ impl std::fmt::Debug for dyn Dimension {
     }
 }
 
+/// A strategy's own section of the config: the settings only it reads, in one value, so that
+/// nothing between the config and the strategy passes another's around.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Own {
+    /// A strategy without a section of its own (`single`, `ddp`, `zero1`–`zero3`: the data
+    /// dimension's `[ddp]` and `dist.overlap` are every data strategy's).
+    None,
+    /// `[pipeline]`: stages, micro-batches, schedule and cuts.
+    Pipeline(PipelineConfig),
+    /// `[diloco]`: the outer loop.
+    Diloco(DilocoConfig),
+}
+
+impl Own {
+    /// Strategy `kind`'s own section out of the sections a config holds.
+    pub fn of(kind: StrategyKind, pipeline: &PipelineConfig, diloco: &DilocoConfig) -> Self {
+        match kind {
+            StrategyKind::Pipeline => Own::Pipeline(pipeline.clone()),
+            StrategyKind::Diloco => Own::Diloco(diloco.clone()),
+            _ => Own::None,
+        }
+    }
+}
+
 /// The settings strategies are checked, described, estimated and built with, resolved once
 /// from the config and the world: what the loop's settings hold for them, and nothing else.
 #[derive(Debug, Clone)]
@@ -313,10 +337,8 @@ pub struct Setup {
     pub recompute: RecomputeConfig,
     /// Gradient buckets and synchronised BatchNorm.
     pub ddp: DdpConfig,
-    /// The pipeline's stages, micro-batches and schedule.
-    pub pipeline: PipelineConfig,
-    /// DiLoCo's outer loop.
-    pub diloco: DilocoConfig,
+    /// The strategy's own section, if it has one: the one value its settings reach it in.
+    pub own: Own,
     /// Reduce gradients beside the backward (`dist.overlap`).
     pub overlap: bool,
 }

@@ -178,8 +178,7 @@ impl TrainerSettings {
                 bucket_mb: p.bucket_mb,
                 sync_batchnorm: p.sync_batchnorm,
             },
-            pipeline: p.pipeline.clone(),
-            diloco: p.diloco.clone(),
+            own: crate::strategy::Own::of(p.strategy, &p.pipeline, &p.diloco),
             overlap: p.dist.overlap.resolve(p.processes.count),
         }
     }

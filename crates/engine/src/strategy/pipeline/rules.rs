@@ -6,16 +6,25 @@ use crate::error::{Error, Result};
 use crate::params::FlatLayout;
 use crate::strategy::pipeline::partition;
 use crate::strategy::rules::{
-    Checks, Costs, Estimate, ModelFacts, Op, Room, Setup, Shape, Traffic, Variant, Words,
+    Checks, Costs, Estimate, ModelFacts, Op, Own, Room, Setup, Shape, Traffic, Variant, Words,
     state_tensors,
 };
 
 /// The pipeline's rules: stages divide the ranks, and no more stages than blocks.
 pub struct Pipeline;
 
+/// The pipeline's own section of `setup`, which its rules read (the registry gives them only a
+/// pipeline's setup).
+fn section(setup: &Setup) -> &PipelineConfig {
+    match &setup.own {
+        Own::Pipeline(p) => p,
+        other => unreachable!("the pipeline's rules asked with {other:?}"),
+    }
+}
+
 impl Checks for Pipeline {
     fn check(&self, setup: &Setup) -> Result<()> {
-        let stages = setup.pipeline.stages;
+        let stages = section(setup).stages;
         if !setup.world.is_multiple_of(stages) {
             return Err(Error::config(format!(
                 "key `pipeline.stages`: {stages} stages must divide the {} devices (devices / \
@@ -27,7 +36,7 @@ impl Checks for Pipeline {
     }
 
     fn check_model(&self, model: &ModelFacts, setup: &Setup) -> Result<()> {
-        let p = &setup.pipeline;
+        let p = section(setup);
         stage_elements(&model.layout, p.stages, p.cuts.as_deref()).map(|_| ())
     }
 
@@ -41,7 +50,7 @@ impl Checks for Pipeline {
 
 impl Words for Pipeline {
     fn describe(&self, setup: &Setup) -> String {
-        let p = &setup.pipeline;
+        let p = section(setup);
         format!(
             "pipeline ({} stages × {} replicas, {} micro-batches per flush, {})",
             p.stages,
@@ -58,7 +67,7 @@ impl Words for Pipeline {
         accumulate: usize,
         per_step: usize,
     ) -> String {
-        let p = &setup.pipeline;
+        let p = section(setup);
         format!(
             "{batch} per micro-batch × {} micro-batches × {} pipelines × {accumulate} \
              accumulation = {per_step} per step",
@@ -68,7 +77,7 @@ impl Words for Pipeline {
     }
 
     fn words(&self, setup: &Setup) -> String {
-        let p = &setup.pipeline;
+        let p = section(setup);
         words(p.stages, p.microbatches, p.schedule)
     }
 }
@@ -81,7 +90,7 @@ impl Costs for Pipeline {
         optim: &OptimConfig,
         setup: &Setup,
     ) -> Result<Estimate> {
-        let p = &setup.pipeline;
+        let p = section(setup);
         let stage = stage_elements(layout, p.stages, p.cuts.as_deref())?;
         let policy = &setup.policy;
         Ok(Estimate {
@@ -123,12 +132,12 @@ impl Costs for Pipeline {
 
     /// Probed per stage count.
     fn probe_as(&self, setup: &Setup) -> String {
-        format!("pipeline-{}", setup.pipeline.stages)
+        format!("pipeline-{}", section(setup).stages)
     }
 
     /// The replicas of each stage average its gradients.
     fn traffic(&self, setup: &Setup, floats: usize, _local: usize) -> Vec<Traffic> {
-        let stages = setup.pipeline.stages;
+        let stages = section(setup).stages;
         if setup.world > stages {
             vec![Traffic::once(Op::AllReduce, floats / stages)]
         } else {
@@ -139,7 +148,7 @@ impl Costs for Pipeline {
     /// A stage holds the activations of every micro-batch in flight: all of a flush under
     /// GPipe, at most its stage count under 1F1B.
     fn in_flight(&self, setup: &Setup) -> usize {
-        let p = &setup.pipeline;
+        let p = section(setup);
         match p.schedule {
             PipelineSchedule::Gpipe => p.microbatches,
             PipelineSchedule::OneFOneB => p.microbatches.min(p.stages),
@@ -162,11 +171,11 @@ impl Costs for Pipeline {
 
 impl Shape for Pipeline {
     fn stages(&self, setup: &Setup) -> usize {
-        setup.pipeline.stages
+        section(setup).stages
     }
 
     fn flush(&self, setup: &Setup) -> usize {
-        setup.pipeline.microbatches
+        section(setup).microbatches
     }
 }
 

@@ -17,6 +17,7 @@ use crate::params::{FlatLayout, frozen_with_ids, set_frozen};
 use crate::strategy::context::Context;
 use crate::strategy::kit::RankKit;
 use crate::strategy::pipeline::partition;
+use crate::strategy::rules::Own;
 
 /// A pipeline stage of one replica; see the module documentation.
 pub struct Stage<'a, M: Module, B> {
@@ -55,7 +56,11 @@ pub struct Stage<'a, M: Module, B> {
 impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
     pub(crate) fn new(model: M, blocks: &[Vec<ParamId>], ctx: Context<'a>) -> Result<Self> {
         let comm = ctx.comm;
-        let stages = ctx.pipeline.stages;
+        let Own::Pipeline(section) = &ctx.own else {
+            unreachable!("a pipeline stage built with {:?}", ctx.own)
+        };
+        let section = section.clone();
+        let stages = section.stages;
         let (rank, world) = (comm.rank(), comm.world_size());
         let (stage, replica) = (rank % stages, rank / stages);
         let replicas = world / stages;
@@ -66,14 +71,14 @@ impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
 
         let full = FlatLayout::new(&model, blocks, 1);
         let weights: Vec<usize> = full.units[1..].iter().map(|u| u.len).collect();
-        let cuts = partition::cuts(&weights, stages, ctx.pipeline.cuts.as_deref())?;
+        let cuts = partition::cuts(&weights, stages, section.cuts.as_deref())?;
         let mut owned: Vec<usize> = Vec::new();
         if first_or_last {
             owned.push(0);
         }
         owned.extend((cuts[stage]..cuts[stage + 1]).map(|b| b + 1));
-        let schedule = ctx.pipeline.schedule;
-        let microbatches = ctx.pipeline.microbatches;
+        let schedule = section.schedule;
+        let microbatches = section.microbatches;
         let mut kit = RankKit::new(ctx, full.select(&owned));
         let mut model = model;
         for u in (0..full.units.len()).filter(|u| !owned.contains(u)) {
