@@ -14,7 +14,7 @@
 //! collectives (ZeRO-3's gathers, the pipeline's sends) run between its forwards — each block's
 //! its own —, outside the lock; a block cut around a synchronised BatchNorm runs unseeded (a
 //! model with one draws nothing). A tensor-parallel group's forward waits for its group at
-//! every block; it runs without the lock ([`begin`]'s `locked` false), which only a model whose
+//! every block; it runs without the lock ([`begin`] with `tp` above 1), which only a model whose
 //! draws are all keyed ([`kiln_models::draw`]: each draw seeded from the forward's key under
 //! the lock for that draw alone) may, and the start-up check asks.
 //!
@@ -52,11 +52,15 @@ fn mix(parts: &[u64]) -> u64 {
 }
 
 /// From here on, each forward on this thread ([`forward`]) draws on `device` from its own
-/// seed: a function of `seed`, `rank`, optimizer step `step`, parameter group `phase` and the
-/// forward's number since this call. `locked`: each forward holds the process's random-number
-/// lock (any model); otherwise only its keyed draws do (a tensor-parallel group's forwards).
-pub fn begin(seed: u64, rank: usize, step: usize, phase: usize, device: &Device, locked: bool) {
-    let key = mix(&[seed, rank as u64, step as u64, phase as u64]);
+/// seed: a function of `seed`, the data rank of `rank` in tensor-parallel groups of `tp`
+/// (`rank / tp`: a group's ranks draw alike), optimizer step `step`, parameter group `phase`
+/// and the forward's number since this call. Without a group (`tp` 1) each forward holds the
+/// process's random-number lock (any model); in one only its keyed draws do, since its
+/// forwards wait for each other.
+pub fn begin(seed: u64, rank: usize, tp: usize, step: usize, phase: usize, device: &Device) {
+    let tp = tp.max(1);
+    let key = mix(&[seed, (rank / tp) as u64, step as u64, phase as u64]);
+    let locked = tp == 1;
     STREAM.set(Some(Stream {
         key,
         next: 0,
@@ -145,15 +149,15 @@ mod tests {
                     .unwrap()
             })
         };
-        begin(7, 1, 5, 0, &device, true);
+        begin(7, 1, 1, 5, 0, &device);
         let (first, second) = (draw(), draw());
         assert_ne!(first, second, "two forwards of a step draw differently");
         // Other draws in between (another rank's) change nothing.
         let _ = Tensor::<1>::random([9], Distribution::Default, &device).into_data();
-        begin(7, 1, 5, 0, &device, true);
+        begin(7, 1, 1, 5, 0, &device);
         assert_eq!(draw(), first);
         assert_eq!(draw(), second);
-        begin(7, 0, 5, 0, &device, true);
+        begin(7, 0, 1, 5, 0, &device);
         assert_ne!(draw(), first, "another rank draws differently");
         end();
         assert!(model_draws(&device, &mut || {
@@ -174,14 +178,14 @@ mod tests {
                 .try_into_vec::<f32>()
                 .unwrap()
         };
-        begin(7, 0, 5, 0, &device, true);
+        begin(7, 0, 1, 5, 0, &device);
         let first = next();
         let drawn = run(first, draw);
         let after = forward(draw);
         assert_ne!(drawn, after);
         assert_eq!(run(first, draw), drawn, "run again with its draw");
         // Running one again takes no number: the forward after it draws as before.
-        begin(7, 0, 5, 0, &device, true);
+        begin(7, 0, 1, 5, 0, &device);
         let _ = forward(draw);
         assert_eq!(forward(draw), after);
         end();
@@ -192,8 +196,8 @@ mod tests {
         let device = Device::flex().autodiff();
         let d = burn::nn::DropoutConfig::new(0.5).init();
         let x = Tensor::<2>::ones([4, 8], &device);
-        let run = |locked| {
-            begin(3, 0, 2, 0, &device, locked);
+        let run = |tp| {
+            begin(3, 0, tp, 2, 0, &device);
             let masks: Vec<Vec<f32>> = (0..2)
                 .map(|_| {
                     forward(|| kiln_models::draw::dropout(&d, x.clone(), None))
@@ -206,8 +210,8 @@ mod tests {
             end();
             masks
         };
-        let locked = run(true);
+        let locked = run(1);
         assert_ne!(locked[0], locked[1], "two forwards draw two masks");
-        assert_eq!(locked, run(false));
+        assert_eq!(locked, run(2), "rank 0 of a group of 2");
     }
 }

@@ -293,7 +293,8 @@ where
     let device = device.clone().autodiff();
     let s = &p.settings;
     let policy = Policy::new(&s.precision);
-    let count = s.setup().flush();
+    let setup = s.setup();
+    let (count, tp) = (setup.flush(), setup.tp);
     let indices: Vec<usize> = (0..batch)
         .map(|i| i % workload.train_len().max(1))
         .collect();
@@ -329,9 +330,7 @@ where
             }
             let t1 = Instant::now();
             if p.draws {
-                // A tensor-parallel group's forwards wait for each other: keyed draws only.
-                let locked = s.setup().tp <= 1;
-                crate::exec::draws::begin(s.seed, 0, step, g, &device, locked);
+                crate::exec::draws::begin(s.seed, 0, tp, step, g, &device);
             }
             let outs = strategy.micro_steps(&mut batches.into_iter(), count, &objective);
             crate::exec::draws::end();

@@ -38,7 +38,7 @@ use super::kit::{Group, RankKit};
 use super::memory::Memory;
 use super::replica::Replicated;
 use super::rules::{
-    Checks, Costs, Estimate, ModelFacts, Op, Own, Room, Setup, Shape, Traffic, Variant, Words,
+    Checks, Costs, Estimate, ModelFacts, Op, Room, Setup, Shape, Traffic, Variant, Words,
 };
 use super::step::{Report, Strategy};
 use crate::comm::{Collective, ReduceOp, pack};
@@ -54,13 +54,9 @@ pub const STATE: &str = "diloco";
 /// Islands that train as `ddp` inside and meet through an outer optimizer.
 pub struct Diloco;
 
-/// DiLoCo's own section of `setup`, which its rules read (the registry gives them only a
-/// DiLoCo setup).
+/// DiLoCo's own section of `setup`, which its rules read.
 fn section(setup: &Setup) -> &DilocoConfig {
-    match &setup.own {
-        Own::Diloco(d) => d,
-        other => unreachable!("DiLoCo's rules asked with {other:?}"),
-    }
+    setup.own.diloco()
 }
 
 impl Checks for Diloco {
@@ -190,10 +186,7 @@ pub(crate) struct Islands<'a, M: Module> {
 impl<'a, M: Module> Islands<'a, M> {
     pub fn new(model: M, layout: FlatLayout, ctx: Context<'a>) -> Result<Self> {
         let world = ctx.comm.world_size();
-        let Own::Diloco(config) = &ctx.own else {
-            unreachable!("DiLoCo's islands built with {:?}", ctx.own)
-        };
-        let config = config.clone();
+        let config = ctx.own.diloco().clone();
         let islands = match config.islands {
             0 => crate::comm::processes().count,
             n => n,

@@ -310,6 +310,24 @@ impl Own {
             _ => Own::None,
         }
     }
+
+    /// `[pipeline]`: asked only by the pipeline's rules and stages, which the registry gives
+    /// a pipeline's setup alone.
+    pub(crate) fn pipeline(&self) -> &PipelineConfig {
+        match self {
+            Own::Pipeline(p) => p,
+            other => unreachable!("the pipeline's section asked of {other:?}"),
+        }
+    }
+
+    /// `[diloco]`: asked only by DiLoCo's rules and islands, which the registry gives a
+    /// DiLoCo setup alone.
+    pub(crate) fn diloco(&self) -> &DilocoConfig {
+        match self {
+            Own::Diloco(d) => d,
+            other => unreachable!("DiLoCo's section asked of {other:?}"),
+        }
+    }
 }
 
 /// The settings strategies are checked, described, estimated and built with, resolved once

@@ -67,12 +67,8 @@ impl<W: Workload> Worker<'_, W> {
                 batch
             });
             if self.draws {
-                // A tensor-parallel group draws as one rank of the data dimension (ranks
-                // `g·tp..(g+1)·tp` are group g), without holding the lock through forwards
-                // that wait for each other.
-                let (seed, tp) = (self.settings.seed, self.setup.tp.max(1));
-                let device = &self.place.device;
-                draws::begin(seed, self.rank() / tp, state.step, phase, device, tp == 1);
+                let (seed, tp) = (self.settings.seed, self.setup.tp);
+                draws::begin(seed, self.rank(), tp, state.step, phase, &self.place.device);
             }
             let outs = strategy.micro_steps(&mut batches, micros, &objective);
             draws::end();

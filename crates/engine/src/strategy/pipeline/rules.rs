@@ -6,20 +6,16 @@ use crate::error::{Error, Result};
 use crate::params::FlatLayout;
 use crate::strategy::pipeline::partition;
 use crate::strategy::rules::{
-    Checks, Costs, Estimate, ModelFacts, Op, Own, Room, Setup, Shape, Traffic, Variant, Words,
+    Checks, Costs, Estimate, ModelFacts, Op, Room, Setup, Shape, Traffic, Variant, Words,
     state_tensors,
 };
 
 /// The pipeline's rules: stages divide the ranks, and no more stages than blocks.
 pub struct Pipeline;
 
-/// The pipeline's own section of `setup`, which its rules read (the registry gives them only a
-/// pipeline's setup).
+/// The pipeline's own section of `setup`, which its rules read.
 fn section(setup: &Setup) -> &PipelineConfig {
-    match &setup.own {
-        Own::Pipeline(p) => p,
-        other => unreachable!("the pipeline's rules asked with {other:?}"),
-    }
+    setup.own.pipeline()
 }
 
 impl Checks for Pipeline {

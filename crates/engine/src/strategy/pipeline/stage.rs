@@ -17,7 +17,6 @@ use crate::params::{FlatLayout, frozen_with_ids, set_frozen};
 use crate::strategy::context::Context;
 use crate::strategy::kit::RankKit;
 use crate::strategy::pipeline::partition;
-use crate::strategy::rules::Own;
 
 /// A pipeline stage of one replica; see the module documentation.
 pub struct Stage<'a, M: Module, B> {
@@ -56,10 +55,7 @@ pub struct Stage<'a, M: Module, B> {
 impl<'a, B, M: BlockStack<B> + Module> Stage<'a, M, B> {
     pub(crate) fn new(model: M, blocks: &[Vec<ParamId>], ctx: Context<'a>) -> Result<Self> {
         let comm = ctx.comm;
-        let Own::Pipeline(section) = &ctx.own else {
-            unreachable!("a pipeline stage built with {:?}", ctx.own)
-        };
-        let section = section.clone();
+        let section = ctx.own.pipeline().clone();
         let stages = section.stages;
         let (rank, world) = (comm.rank(), comm.world_size());
         let (stage, replica) = (rank % stages, rank / stages);
