@@ -27,6 +27,7 @@ mod plan;
 mod policies;
 mod robust;
 mod runlock;
+mod shards;
 mod tp;
 mod tp_own;
 mod training;

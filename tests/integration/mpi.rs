@@ -453,14 +453,32 @@ fn a_checkpoint_moves_between_processes_and_devices() {
             .map(|(_, b)| f64::from_bits(b))
             .collect()
     };
-    // Under MPI, then one process; one process, then under MPI.
-    for (first_mpi, name) in [(true, "mpi-then-one"), (false, "one-then-mpi")] {
+    // Under MPI, then one process; one process, then under MPI; and zero3's sharded
+    // checkpoint, each process writing its ranks' files, resumed in one process.
+    let sharded = [
+        "strategy.name=\"zero3\"",
+        "train.checkpoint_format=\"sharded\"",
+    ];
+    for (first_mpi, name, own) in [
+        (true, "mpi-then-one", &[][..]),
+        (false, "one-then-mpi", &[][..]),
+        (true, "sharded-mpi-then-one", &sharded[..]),
+    ] {
         let full = dir.join(format!("{name}-full"));
+        let extra: Vec<&str> = extra.iter().chain(own).copied().collect();
         let base = args(Model::Gpt, &text, &full, &extra);
         if first_mpi {
             mpirun(2, &dir, &with(base, &["--devices", "2"]));
         } else {
             one_process(&dir, &with(base, &["--devices", "4"]));
+        }
+        if !own.is_empty() {
+            let at_two = kiln::checkpoint::step_dir(&full, 2);
+            assert!(kiln::checkpoint::is_sharded(&at_two), "{name}");
+            for rank in 0..4 {
+                let file = at_two.join(kiln::checkpoint::rank_file(rank));
+                assert!(file.is_file(), "{}", file.display());
+            }
         }
         let cut = dir.join(name);
         crate::training::cut_copy(&full, &cut, 2);

@@ -1,8 +1,12 @@
-//! `cargo xtask bench checkpoint`: how long a checkpoint holds the steps up, written on the
-//! step's path (`train.checkpoint_async = false`) and in the background (`true`), on a GPT
-//! widened to ~50 M parameters, under ddp and zero3 on 2 devices. Every measurement is its own
-//! `train` process; within a round the settings alternate; the stall of a run is the median of
-//! its checkpoints but the last (which every run writes before it ends).
+//! `cargo xtask bench checkpoint`: how long a checkpoint holds the steps up — gathered and
+//! written on the step's path (`train.checkpoint_async = false`), gathered and written in the
+//! background, and sharded (`train.checkpoint_format = "sharded"`: each rank copies its share
+//! and writes it in the background) — on a GPT widened to ~50 M parameters, under ddp and zero3
+//! on 2 devices, against the time of copying a rank's own state in memory (the parameters and
+//! optimizer state it holds: all of them under ddp, its shard under zero3, as the sharded
+//! checkpoint's files measure them), timed in the same run. Every measurement is its own `train`
+//! process; within a round the settings alternate; the stall of a run is the median of its
+//! checkpoints but the last (which every run writes before it ends).
 
 use std::path::Path;
 use std::process::Command;
@@ -66,9 +70,11 @@ pub fn parse(rest: &[&str]) -> Result<Options> {
 }
 
 const STRATEGIES: [&str; 2] = ["ddp", "zero3"];
-const MODES: [(&str, &str); 2] = [
-    ("on the step's path", "false"),
-    ("in the background", "true"),
+/// How a checkpoint is written: its words, `train.checkpoint_async`, `train.checkpoint_format`.
+const MODES: [(&str, &str, &str); 3] = [
+    ("gathered, on the step's path", "false", "gathered"),
+    ("gathered, in the background", "true", "gathered"),
+    ("sharded, in the background", "true", "sharded"),
 ];
 
 /// One run's figures.
@@ -78,6 +84,8 @@ struct Figures {
     stalls: Vec<f64>,
     step_seconds: f64,
     wall_seconds: f64,
+    /// A sharded run's rank 0: the bytes of its own state, and the seconds copying them takes.
+    own: Option<(u64, f64)>,
 }
 
 pub fn run(root: &Path, o: &Options) -> Result<()> {
@@ -99,8 +107,10 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     let mut results = vec![vec![Vec::<Figures>::new(); MODES.len()]; STRATEGIES.len()];
     for round in 0..o.rounds {
         for (s, strategy) in STRATEGIES.iter().enumerate() {
-            for (m, (mode, value)) in MODES.iter().enumerate() {
-                let dir = temp.path().join(format!("{strategy}-{value}-r{round}"));
+            for (m, (mode, value, format)) in MODES.iter().enumerate() {
+                let dir = temp
+                    .path()
+                    .join(format!("{strategy}-{value}-{format}-r{round}"));
                 run_quietly(
                     Command::new(&train)
                         .args(["--config", &o.config])
@@ -110,16 +120,28 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                         .arg(&dir)
                         .args(["--set", &format!("train.checkpoint_every={}", o.every)])
                         .args(["--set", &format!("train.checkpoint_async={value}")])
+                        .args(["--set", &format!("train.checkpoint_format={format:?}")])
                         .args(["--set", "train.log_every=2"])
                         .args(sets.iter().flat_map(|s| ["--set", s]))
                         .current_dir(root),
                     &format!("{strategy}, checkpoints {mode}"),
                 )?;
-                let f = read_figures(&dir.join("summary.json"))?;
+                let mut f = read_figures(&dir.join("summary.json"))?;
+                if *format == "sharded" {
+                    let bytes = own_state_bytes(&dir, strategy)?;
+                    f.own = Some((bytes, copy_seconds(bytes)));
+                }
                 let shown: Vec<String> = f.stalls.iter().map(|s| format!("{s:.3}")).collect();
+                let own = f.own.map_or(String::new(), |(bytes, secs)| {
+                    format!(
+                        "; own state {:.0} MB copied in {:.3} s",
+                        bytes as f64 / 1e6,
+                        secs
+                    )
+                });
                 println!(
-                    "  round {round} {strategy:<5} {mode:<19} stalls [{}] s, {:.1} ms/step, \
-                     {:.1} s in all",
+                    "  round {round} {strategy:<5} {mode:<28} stalls [{}] s, {:.1} ms/step, \
+                     {:.1} s in all{own}",
                     shown.join(", "),
                     f.step_seconds * 1e3,
                     f.wall_seconds
@@ -133,10 +155,10 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     }
     println!();
     println!(
-        "| strategy | checkpoint written | stall per checkpoint (s) | ms/step | run (s) | stall \
-         ÷ on the path |"
+        "| strategy | checkpoint | stall per checkpoint (s) | ms/step | run (s) | stall ÷ \
+         gathered on the path | rank 0's own state (MB) | copying it (s) | stall ÷ copy |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (s, strategy) in STRATEGIES.iter().enumerate() {
         let stall = |m: usize| {
             let all: Vec<f64> = results[s][m]
@@ -146,11 +168,18 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             median(&all)
         };
         let base = stall(0);
-        for (m, (mode, _)) in MODES.iter().enumerate() {
+        for (m, (mode, _, _)) in MODES.iter().enumerate() {
             let med =
                 |f: fn(&Figures) -> f64| median(&results[s][m].iter().map(f).collect::<Vec<_>>());
+            let own = if results[s][m].iter().all(|f| f.own.is_some()) {
+                let bytes = med(|f| f.own.map_or(0.0, |o| o.0 as f64));
+                let copy = med(|f| f.own.map_or(0.0, |o| o.1));
+                format!("{:.0} | {copy:.3} | {:.2}", bytes / 1e6, stall(m) / copy)
+            } else {
+                "– | – | –".to_string()
+            };
             println!(
-                "| {strategy} | {mode} | {:.3} | {:.1} | {:.1} | {:.3} |",
+                "| {strategy} | {mode} | {:.3} | {:.1} | {:.1} | {:.3} | {own} |",
                 stall(m),
                 med(|f| f.step_seconds) * 1e3,
                 med(|f| f.wall_seconds),
@@ -159,6 +188,53 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The bytes of the parameters and optimizer state rank 0 of a sharded run in `dir` holds: all
+/// of them under a strategy whose ranks replicate them (the ranks' files together), its own
+/// shard under zero3 (its file).
+fn own_state_bytes(dir: &Path, strategy: &str) -> Result<u64> {
+    let checkpoints = dir.join("checkpoints");
+    let newest = std::fs::read_dir(&checkpoints)
+        .map_err(|e| format!("{}: {e}", checkpoints.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+        })
+        .max()
+        .ok_or_else(|| format!("{}: no checkpoint", checkpoints.display()))?;
+    let mut bytes = 0;
+    for entry in std::fs::read_dir(&newest)
+        .map_err(|e| format!("{}: {e}", newest.display()))?
+        .flatten()
+    {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let counted = if strategy == "zero3" {
+            name == "rank-00000.bin"
+        } else {
+            name.starts_with("rank-") && name.ends_with(".bin")
+        };
+        if counted {
+            bytes += entry.metadata().map_err(|e| e.to_string())?.len();
+        }
+    }
+    Ok(bytes)
+}
+
+/// Seconds to copy `bytes` bytes of f32 values in memory into a new buffer (the median of 5,
+/// after one to fault the source in).
+fn copy_seconds(bytes: u64) -> f64 {
+    let source: Vec<f32> = (0..bytes / 4).map(|i| i as f32).collect();
+    let mut times = Vec::with_capacity(5);
+    for _ in 0..6 {
+        let t = std::time::Instant::now();
+        let copy = source.clone();
+        times.push(t.elapsed().as_secs_f64());
+        std::hint::black_box(copy);
+    }
+    median(&times[1..])
 }
 
 fn read_figures(path: &Path) -> Result<Figures> {
@@ -173,6 +249,7 @@ fn read_figures(path: &Path) -> Result<Figures> {
         stalls,
         step_seconds: json_number(&text, "step_seconds").ok_or_else(|| missing("step_seconds"))?,
         wall_seconds: json_number(&text, "wall_seconds").ok_or_else(|| missing("wall_seconds"))?,
+        own: None,
     })
 }
 

@@ -48,6 +48,7 @@ pub fn verify(dir: &Path) -> Result<Verified> {
     }
     Ok(Verified {
         verified: !manifest.files.is_empty(),
+        ranks: manifest.sharded.map(|s| s.world),
         state: manifest.state,
     })
 }
@@ -59,6 +60,8 @@ pub struct Verified {
     pub state: LoopState,
     /// Whether its files were checked (a checkpoint of an older kiln records no digests).
     pub verified: bool,
+    /// The ranks that wrote a sharded checkpoint (`None`: a gathered one).
+    pub ranks: Option<usize>,
 }
 
 /// The checkpoint a resume starts from: the newest whole one, and each newer one that did not
@@ -127,7 +130,12 @@ pub fn report(run: &Path) -> Result<(Vec<String>, Option<usize>)> {
         let state = match verify(dir) {
             Ok(v) => {
                 whole = Some(*step);
-                if v.verified {
+                if let Some(n) = v.ranks {
+                    format!(
+                        "whole, sharded by {n} rank{}",
+                        if n == 1 { "" } else { "s" }
+                    )
+                } else if v.verified {
                     "whole".to_string()
                 } else {
                     "unverified (no digests: written by an older kiln)".to_string()

@@ -6,6 +6,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use burn::store::burn_pack::Scalar;
+
 use crate::config::one_line;
 use crate::error::{Error, Result};
 use crate::state::LoopState;
@@ -38,6 +40,9 @@ pub(super) struct Manifest {
     pub(super) state: LoopState,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub(super) files: BTreeMap<String, FileDigest>,
+    /// A sharded checkpoint's ranks and optimizers (absent in a gathered one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) sharded: Option<ShardedInfo>,
 }
 
 /// The size and SHA-256 of the file at `path`, read in one pass.
@@ -64,4 +69,56 @@ pub(super) fn read_manifest(dir: &Path) -> Result<Manifest> {
             one_line(&e)
         ))
     })
+}
+
+/// What `state.json` says of a sharded checkpoint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct ShardedInfo {
+    /// The ranks that wrote it.
+    pub world: usize,
+    /// Every optimizer's kind and scalars.
+    pub optimizers: Vec<StoredOptimizer>,
+}
+
+/// An optimizer's kind and scalars as `state.json` records them.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct StoredOptimizer {
+    /// `""` for the model's one optimizer, else the parameter group's name.
+    pub group: String,
+    /// `adamw` or `sgd`.
+    pub kind: String,
+    /// AdamW's step count, …
+    pub scalars: BTreeMap<String, StoredScalar>,
+}
+
+/// A scalar of an optimizer state.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum StoredScalar {
+    Int(i64),
+    Uint(u64),
+    Float(f64),
+    Bool(bool),
+}
+
+impl From<Scalar> for StoredScalar {
+    fn from(s: Scalar) -> Self {
+        match s {
+            Scalar::Int(v) => Self::Int(v),
+            Scalar::UInt(v) => Self::Uint(v),
+            Scalar::Float(v) => Self::Float(v),
+            Scalar::Bool(v) => Self::Bool(v),
+        }
+    }
+}
+
+impl From<StoredScalar> for Scalar {
+    fn from(s: StoredScalar) -> Self {
+        match s {
+            StoredScalar::Int(v) => Self::Int(v),
+            StoredScalar::Uint(v) => Self::UInt(v),
+            StoredScalar::Float(v) => Self::Float(v),
+            StoredScalar::Bool(v) => Self::Bool(v),
+        }
+    }
 }

@@ -78,7 +78,6 @@ pub fn save_record(
 ) -> Result<PathBuf> {
     let root = run_dir.join("checkpoints");
     std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
-    let final_dir = step_dir(run_dir, state.step);
     let tmp = root.join(format!(".tmp-step-{}-{}", state.step, std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
@@ -106,6 +105,7 @@ pub fn save_record(
         let manifest = Manifest {
             state: state.clone(),
             files,
+            sharded: None,
         };
         let json = serde_json::to_vec_pretty(&manifest).expect("loop state serialises");
         write_synced(&tmp.join(STATE_FILE), &json)
@@ -115,10 +115,24 @@ pub fn save_record(
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
+    land(run_dir, &tmp, state.step, keep, score)
+}
+
+/// Moves the whole checkpoint written in `tmp` into place as step `step`'s, records it as the
+/// best when `score` is better, and prunes the older ones to `keep`.
+pub(super) fn land(
+    run_dir: &Path,
+    tmp: &Path,
+    step: usize,
+    keep: usize,
+    score: Option<Score>,
+) -> Result<PathBuf> {
+    let root = run_dir.join("checkpoints");
+    let final_dir = step_dir(run_dir, step);
     if final_dir.exists() {
         std::fs::remove_dir_all(&final_dir).map_err(|e| Error::io(&final_dir, e))?;
     }
-    std::fs::rename(&tmp, &final_dir).map_err(|e| Error::io(&final_dir, e))?;
+    std::fs::rename(tmp, &final_dir).map_err(|e| Error::io(&final_dir, e))?;
     if let Some(score) = score {
         let better = match read_best(run_dir) {
             Some(best) if best.metric == score.metric => {
@@ -132,7 +146,7 @@ pub fn save_record(
         };
         if better && score.value.is_finite() {
             let best = Best {
-                step: state.step,
+                step,
                 metric: score.metric.to_string(),
                 value: score.value,
             };
@@ -142,6 +156,43 @@ pub fn save_record(
     }
     prune(&root, keep)?;
     Ok(final_dir)
+}
+
+/// The temporary directory every rank writes its share of step `step`'s sharded checkpoint
+/// into, made empty (rank 0, before the others write).
+pub fn begin_sharded(run_dir: &Path, step: usize) -> Result<PathBuf> {
+    let tmp = sharded_tmp(run_dir, step);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    Ok(tmp)
+}
+
+/// The temporary directory of step `step`'s sharded checkpoint (one name for every process).
+pub fn sharded_tmp(run_dir: &Path, step: usize) -> PathBuf {
+    run_dir
+        .join("checkpoints")
+        .join(format!(".tmp-step-{step}-sharded"))
+}
+
+/// Rank 0's end of a sharded checkpoint: once every rank's share is in its temporary
+/// directory, `state.json` is written and the checkpoint lands (a failure removes the
+/// temporary directory; the earlier checkpoints stay).
+pub fn finish_sharded(
+    run_dir: &Path,
+    world: usize,
+    state: &LoopState,
+    keep: usize,
+    score: Option<Score>,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<PathBuf> {
+    let tmp = sharded_tmp(run_dir, state.step);
+    if let Err(e) = super::sharded::seal(&tmp, world, state, cancelled) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    land(run_dir, &tmp, state.step, keep, score)
 }
 
 /// The best checkpoint recorded in a run, if any.
@@ -215,8 +266,11 @@ pub fn read_state(dir: &Path) -> Result<LoopState> {
     read_manifest(dir).map(|m| m.state)
 }
 
-/// Loads a checkpoint's weights into `model`.
+/// Loads a checkpoint's weights into `model` (gathered or sharded).
 pub fn load_model<M: Module>(dir: &Path, model: M) -> Result<M> {
+    if super::sharded::is_sharded(dir) {
+        return super::sharded::Sharded::open(dir)?.load_model(model);
+    }
     let path = dir.join(MODEL_FILE);
     if !path.is_file() {
         return Err(Error::checkpoint(format!(

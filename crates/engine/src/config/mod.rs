@@ -33,4 +33,4 @@ pub use precision::{
     PrecisionConfig, PrecisionMode, RecomputeConfig, RecomputeMode, ReduceDtype, ScalerKind,
 };
 pub use root::RootConfig;
-pub use train::{LoaderConfig, MetricMode, MetricWatch, RunConfig, TrainConfig};
+pub use train::{CheckpointFormat, LoaderConfig, MetricMode, MetricWatch, RunConfig, TrainConfig};

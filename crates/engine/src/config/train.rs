@@ -72,6 +72,12 @@ pub struct TrainConfig {
     /// waits only for a write still going. A crash mid-write leaves the checkpoint before it
     /// the newest whole one. Default true.
     pub checkpoint_async: bool,
+    /// How a checkpoint is written: `"gathered"` — the whole model and optimizer state
+    /// gathered and written by rank 0 (`model.bpk`, `optimizer.bpk`) — or `"sharded"` — each
+    /// rank writes the state it holds (its ZeRO shard, or its equal part of what replicas
+    /// hold) in parallel, the step waiting only for a copy of it (`rank-N.bin`, `rest.bpk`).
+    /// Either resumes under any strategy and world size. Default "gathered".
+    pub checkpoint_format: CheckpointFormat,
     /// Clip gradients to this global L2 norm. Default: unset (no clipping).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grad_clip: Option<f64>,
@@ -108,6 +114,7 @@ impl Default for TrainConfig {
             checkpoint_every: None,
             keep_checkpoints: 3,
             checkpoint_async: true,
+            checkpoint_format: CheckpointFormat::Gathered,
             grad_clip: None,
             skip_nonfinite: 0,
             checkpoint_on_signal: true,
@@ -232,6 +239,16 @@ impl MetricWatch {
         }
         Ok(())
     }
+}
+
+/// `train.checkpoint_format`: how a checkpoint is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CheckpointFormat {
+    /// The whole model and optimizer state, gathered and written by rank 0.
+    Gathered,
+    /// Each rank writes what it holds, in parallel.
+    Sharded,
 }
 
 /// Which way a watched metric improves.

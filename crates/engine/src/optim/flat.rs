@@ -239,6 +239,36 @@ impl FlatOptimizer {
         (tensors, sink.scalars.into_iter().collect())
     }
 
+    /// A part of the shard's state, read to the host: AdamW's moments each taken through
+    /// `part` on the device first (so that only the part is copied), SGD's velocity read whole
+    /// and cut by `host_part`. Named and valued as [`Self::export`] names them.
+    pub fn export_part(
+        &self,
+        part: &dyn Fn(Tensor<1>) -> Tensor<1>,
+        host_part: &dyn Fn(Vec<f32>) -> Vec<f32>,
+    ) -> (StateTensors, Scalars) {
+        match &self.rule {
+            Rule::Adamw { state: Some(s), .. } if s.momentum.max_moment_2.is_none() => {
+                let m = &s.momentum;
+                let read = |t: &Tensor<1>| crate::params::host_f32(part(t.clone()));
+                let tensors = vec![
+                    ("momentum.moment_1".to_string(), read(&m.moment_1)),
+                    ("momentum.moment_2".to_string(), read(&m.moment_2)),
+                ];
+                let scalars = [("momentum.time".to_string(), Scalar::from(m.time))].into();
+                (tensors, scalars)
+            }
+            _ => {
+                let (tensors, scalars) = self.export();
+                let tensors = tensors
+                    .into_iter()
+                    .map(|(name, v)| (name, host_part(v)))
+                    .collect();
+                (tensors, scalars)
+            }
+        }
+    }
+
     /// Replaces the state with `tensors` (shard-length vectors by leaf name, as
     /// [`Self::export`] names them) and `scalars`; no tensors means no state yet. The state is
     /// rebuilt in the optimizer's dtype (bf16 under `bf16-true`).

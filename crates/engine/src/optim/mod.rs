@@ -6,8 +6,10 @@
 
 pub mod flat;
 mod fused;
+mod share;
 
-pub use flat::{FlatOptimizer, OptimState};
+pub use flat::{FlatOptimizer, OptimState, Scalars};
+pub use share::{Lead, Piece, Share, Source, optim_tensor, param_dtypes, rest_record};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::decay::WeightDecayConfig;

@@ -29,6 +29,17 @@ pub struct Entry {
     pub offset: usize,
 }
 
+/// Where a shard's piece of a unit meets one parameter ([`FlatLayout::spans`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Span {
+    /// The parameter: its index in [`FlatLayout::entries`].
+    pub entry: usize,
+    /// The range of the parameter's flattened values the shard holds.
+    pub within: Range<usize>,
+    /// Where that range starts in the shard (laid out as [`FlatLayout::cut`] lays it out).
+    pub at: usize,
+}
+
 /// A group of parameters gathered and reduced together: the parameters outside every block,
 /// or one block's.
 #[derive(Debug, Clone)]
@@ -275,6 +286,28 @@ impl FlatLayout {
         rank * p..(rank + 1) * p
     }
 
+    /// Where shard `rank`'s piece of each unit meets each parameter, unit by unit: what a
+    /// sharded checkpoint names the shard's values by.
+    pub fn spans(&self, rank: usize) -> Vec<Span> {
+        let mut out = Vec::new();
+        for (u, unit) in self.units.iter().enumerate() {
+            let piece = self.piece_range(u, rank);
+            for entry in unit.entries.clone() {
+                let e = &self.entries[entry];
+                let lo = e.offset.max(piece.start);
+                let hi = (e.offset + e.numel).min(piece.end);
+                if lo < hi {
+                    out.push(Span {
+                        entry,
+                        within: lo - e.offset..hi - e.offset,
+                        at: unit.shard_offset + lo - piece.start,
+                    });
+                }
+            }
+        }
+        out
+    }
+
     /// The largest unit, in elements.
     pub fn largest_unit(&self) -> usize {
         self.units.iter().map(|u| u.len).max().unwrap_or(0)
@@ -407,6 +440,20 @@ mod tests {
             let pieces: Vec<Vec<f32>> = (0..shards).map(|r| layout.cut(&canonical, r)).collect();
             assert!(pieces.iter().all(|p| p.len() == layout.shard_len));
             assert_eq!(layout.assemble(&pieces), canonical, "{shards} shards");
+            // The spans name every value of every shard once, where `cut` put it.
+            let mut seen = vec![0; canonical.len()];
+            for (r, piece) in pieces.iter().enumerate() {
+                for span in layout.spans(r) {
+                    let e = &layout.entries[span.entry];
+                    let base: usize = layout.units[..e.unit].iter().map(|u| u.len).sum();
+                    for (k, i) in span.within.clone().enumerate() {
+                        let at = base + e.offset + i;
+                        assert_eq!(piece[span.at + k], canonical[at]);
+                        seen[at] += 1;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "{shards} shards: {seen:?}");
         }
     }
 

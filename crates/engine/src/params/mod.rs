@@ -19,4 +19,4 @@ pub use floats::{
     frozen_bytes, frozen_with_ids, has_buffers, host_f32, param_tensor, parameter_values,
     replace_floats, running_state_ids, set_frozen, sync_running_state, trainable_ids,
 };
-pub use layout::{Entry, FlatLayout, Unit, trainable_params};
+pub use layout::{Entry, FlatLayout, Span, Unit, trainable_params};

@@ -40,7 +40,22 @@ impl<'a, W: Workload> Tuned<'a, W> {
     ) -> Result<Self> {
         let device = device.clone().autodiff();
         let plain = kiln_models::with_rng(|| kiln_models::materialized(inner.init_model(&device)));
-        let (plain, loaded) = if init.from.is_some() && !resuming {
+        let sharded = init
+            .from
+            .as_deref()
+            .filter(|from| crate::checkpoint::is_sharded(from));
+        let (plain, loaded) = if let Some(dir) = sharded.filter(|_| !resuming) {
+            // A sharded checkpoint: its weights whole, as a resume reads them.
+            let model = crate::checkpoint::load_model(dir, plain)
+                .map_err(|e| crate::error::Error::config(format!("key `init.from`: {e}")))?;
+            let applied = crate::params::parameter_values(&model).len();
+            let loaded = Loaded {
+                file: dir.to_path_buf(),
+                applied,
+                ..Loaded::default()
+            };
+            (model, Some(loaded))
+        } else if init.from.is_some() && !resuming {
             let (model, loaded) = weights::load(plain, init)?;
             (model, Some(loaded))
         } else {

@@ -53,6 +53,25 @@ impl FrozenShard {
         (model, Some(shard))
     }
 
+    /// Adds this rank's shard of the frozen parameters to a sharded checkpoint's `share`, in
+    /// `dtype`; returns their ids.
+    pub fn share(
+        &self,
+        share: &mut crate::optim::Share,
+        rank: usize,
+        dtype: FloatDType,
+    ) -> Vec<ParamId> {
+        let rank = if self.layout.shards > 1 { rank } else { 0 };
+        share.add_shard(
+            &self.layout,
+            rank,
+            self.pieces.concat(),
+            &|_| dtype,
+            |path| path.to_string(),
+        );
+        self.layout.entries.iter().map(|e| e.id).collect()
+    }
+
     /// Unit `u` all-gathered from every rank's piece, whole (padded), on the inner device.
     fn all_gathered(&self, u: usize, kit: &mut RankKit) -> Result<Tensor<1>> {
         let mine = &self.pieces[u];

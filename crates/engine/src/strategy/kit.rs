@@ -18,8 +18,10 @@ use crate::comm::{Collective, ReduceOp};
 use crate::config::ReduceDtype;
 use crate::error::{Error, Result};
 use crate::exec::{Pass, Recompute};
-use crate::optim::{FlatOptimizer, OptimState};
-use crate::params::{FlatLayout, collect_floats, has_buffers, replace_floats, sync_running_state};
+use crate::optim::{FlatOptimizer, Lead, OptimState, Share, Source, optim_tensor, rest_record};
+use crate::params::{
+    Entry, FlatLayout, collect_floats, has_buffers, host_f32, replace_floats, sync_running_state,
+};
 use crate::precision::{LossScaler, Policy};
 
 /// The group a rank's kit reduces in: the one its strategy was built with, or one the
@@ -508,6 +510,136 @@ impl<'a> RankKit<'a> {
             .map(|(name, v)| (name, self.layout.cut(&v, rank)))
             .collect();
         self.optimizer.import(parts, state.scalars.clone())?;
+        self.memory.optim.set(self.optimizer.state_bytes());
+        Ok(())
+    }
+
+    /// The layout this rank's share of a sharded checkpoint is cut by, and its place in it:
+    /// the rank's own shard, or — where every rank holds the whole space (`single`, `ddp`) —
+    /// the space cut into one equal part per rank, so that each value is written once.
+    fn write_layout(&self) -> (FlatLayout, usize) {
+        if self.layout.shards > 1 {
+            (self.layout.clone(), self.rank())
+        } else {
+            (self.layout.with_shards(self.world()), self.rank())
+        }
+    }
+
+    /// `flat` (this kit's layout of one shard) as `layout`'s shard `rank` (see
+    /// [`Self::write_layout`]), on the device: itself, or its part when it is the whole space.
+    fn write_part(&self, flat: Tensor<1>, layout: &FlatLayout, rank: usize) -> Tensor<1> {
+        if self.layout.shards > 1 {
+            return flat;
+        }
+        let dtype = crate::params::float_dtype(flat.dtype());
+        let device = flat.device();
+        let mut parts = Vec::with_capacity(layout.units.len() * 2);
+        let mut base = 0;
+        for (u, unit) in layout.units.iter().enumerate() {
+            let piece = layout.piece_range(u, rank);
+            let (lo, hi) = (piece.start.min(unit.len), piece.end.min(unit.len));
+            if hi > lo {
+                parts.push(flat.clone().slice(base + lo..base + hi));
+            }
+            if piece.len() > hi - lo {
+                parts.push(Tensor::<1>::zeros([piece.len() - (hi - lo)], &device).cast(dtype));
+            }
+            base += unit.len;
+        }
+        cat_or_empty(parts, dtype, &device)
+    }
+
+    /// This rank's share of a sharded checkpoint of parameter group `group` (`""`: the
+    /// model's one optimizer): `params` — the rank's flat parameters in this kit's layout —
+    /// and its optimizer state, each copied to the host as [`Self::write_layout`] cuts them,
+    /// each parameter's dtype as `dtype` says; with the optimizer's scalars (for the lead).
+    pub fn share(
+        &mut self,
+        params: Tensor<1>,
+        group: &str,
+        dtype: &dyn Fn(&Entry) -> FloatDType,
+    ) -> (Share, crate::optim::Scalars) {
+        let (layout, rank) = self.write_layout();
+        let mut share = Share::default();
+        let values = host_f32(self.write_part(params, &layout, rank));
+        share.add_shard(&layout, rank, values, dtype, |path| path.to_string());
+        let whole = self.layout.shards == 1;
+        let (tensors, scalars) =
+            self.optimizer
+                .export_part(&|t| self.write_part(t, &layout, rank), &|v| {
+                    if whole { layout.cut(&v, rank) } else { v }
+                });
+        for (leaf, values) in tensors {
+            share.add_shard(&layout, rank, values, &|_| FloatDType::F32, |path| {
+                optim_tensor(group, &leaf, path)
+            });
+        }
+        (share, scalars)
+    }
+
+    /// Adds the frozen parameters of `model` (which every rank holds whole) to `share`, this
+    /// rank's equal part of them; returns their ids.
+    pub fn share_frozen<M: Module>(
+        &self,
+        share: &mut Share,
+        model: &M,
+        dtype: &dyn Fn(&Entry) -> FloatDType,
+    ) -> Vec<burn::module::ParamId> {
+        let layout = FlatLayout::frozen(model, &[], self.world());
+        if layout.total() == 0 {
+            return Vec::new();
+        }
+        let rank = self.rank();
+        let whole = layout.unit_values(model, 0, FloatDType::F32, &self.inner);
+        let values = host_f32(whole.slice(layout.piece_range(0, rank)));
+        share.add_shard(&layout, rank, values, dtype, |path| path.to_string());
+        layout.entries.iter().map(|e| e.id).collect()
+    }
+
+    /// On rank 0, the lead of `share`: `model`'s tensors outside `held` (the ids the pieces
+    /// hold) and group `group`'s optimizer kind and `scalars`.
+    pub fn lead<M: Module>(
+        &self,
+        share: &mut Share,
+        model: M,
+        held: &[burn::module::ParamId],
+        group: &str,
+        scalars: crate::optim::Scalars,
+    ) {
+        if self.rank() == 0 {
+            share.lead = Some(Lead {
+                rest: rest_record(model, held),
+                optimizers: vec![(group.to_string(), self.optimizer.kind(), scalars)],
+            });
+        }
+    }
+
+    /// Takes this rank's part of `group`'s optimizer state from a sharded checkpoint, reading
+    /// only the ranges its shard holds.
+    pub fn load_optimizer_from(&mut self, source: &dyn Source, group: &str) -> Result<()> {
+        let Some((kind, scalars)) = source.optimizer(group) else {
+            return Err(Error::checkpoint(
+                "the checkpoint holds no state of this model's optimizer".to_string(),
+            ));
+        };
+        if kind != self.optimizer.kind() {
+            return Err(Error::checkpoint(format!(
+                "the checkpoint's optimizer state is {}'s, but optim.name = {:?}",
+                crate::config::name_of(&kind),
+                crate::config::name_of(&self.optimizer.kind())
+            )));
+        }
+        let rank = if self.layout.shards > 1 {
+            self.rank()
+        } else {
+            0
+        };
+        let mut parts = Vec::new();
+        for leaf in source.leaves(group) {
+            let name = |path: &str| optim_tensor(group, &leaf, path);
+            parts.push((leaf.clone(), source.shard(&self.layout, rank, &name)?));
+        }
+        self.optimizer.import(parts, scalars)?;
         self.memory.optim.set(self.optimizer.state_bytes());
         Ok(())
     }

@@ -277,6 +277,19 @@ impl<B, M: BlockStack<B> + Module, R: Reduction> Strategy<M, B> for Replicated<'
         self.replica.settled(&mut self.kit)
     }
 
+    fn checkpoint_share(&mut self) -> Result<crate::optim::Share> {
+        let model = self.replica.settled(&mut self.kit)?;
+        share_replica(&mut self.kit, model)
+    }
+
+    fn load_optimizer_shards(
+        &mut self,
+        source: &dyn crate::optim::Source,
+        groups: &[String],
+    ) -> Result<()> {
+        load_one_optimizer(&mut self.kit, source, groups)
+    }
+
     fn check_replicas(&mut self, step: usize) -> Result<()> {
         if !self.reduction.replicated() {
             // One device: no replicas to compare.
@@ -286,6 +299,36 @@ impl<B, M: BlockStack<B> + Module, R: Reduction> Strategy<M, B> for Replicated<'
     }
 
     answered_by_kit!();
+}
+
+/// A replica's share of a sharded checkpoint: its part of the trained parameters (its shard,
+/// or its equal part where every rank steps the whole space), of the optimizer state and of
+/// the frozen parameters, and on rank 0 the rest of `model`.
+pub(crate) fn share_replica<M: Module>(kit: &mut RankKit, model: M) -> Result<crate::optim::Share> {
+    let dtypes = crate::optim::param_dtypes(&model);
+    let dtype = |e: &crate::params::Entry| dtypes.get(&e.id).copied().unwrap_or(FloatDType::F32);
+    let params = kit.shard_of(&model);
+    let (mut share, scalars) = kit.share(params, "", &dtype);
+    let mut held = kit.share_frozen(&mut share, &model, &dtype);
+    held.extend(kit.layout.entries.iter().map(|e| e.id));
+    kit.lead(&mut share, model, &held, "", scalars);
+    Ok(share)
+}
+
+/// Takes the model's one optimizer's state from a sharded checkpoint, this rank's ranges of
+/// it; `groups` must be that one (`""`).
+pub(crate) fn load_one_optimizer(
+    kit: &mut RankKit,
+    source: &dyn crate::optim::Source,
+    groups: &[String],
+) -> Result<()> {
+    match groups {
+        [name] if name.is_empty() => kit.load_optimizer_from(source, ""),
+        _ => Err(crate::error::Error::checkpoint(format!(
+            "the checkpoint holds the optimizer states of groups {groups:?}, but this model \
+             steps one optimizer"
+        ))),
+    }
 }
 
 /// The gradients a step added up on the rank, taken out of `held`.

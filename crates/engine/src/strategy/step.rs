@@ -5,7 +5,7 @@ use kiln_models::StepOutput;
 
 use super::memory::Memory;
 use crate::error::{Error, Result};
-use crate::optim::OptimState;
+use crate::optim::{OptimState, Share, Source};
 use crate::precision::LossScaler;
 
 /// What one optimizer step does across ranks; see the module documentation. Collective
@@ -63,6 +63,31 @@ pub trait Strategy<M, B> {
                 states.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>()
             ))),
         }
+    }
+    /// This rank's share of a sharded checkpoint, copied to the host (collective): by default
+    /// the whole model and every optimizer's canonical state on the rank that gathers them
+    /// (nothing elsewhere) — what a gathered checkpoint holds; a strategy whose ranks hold
+    /// the state in parts gives each rank its own part instead.
+    fn checkpoint_share(&mut self) -> Result<Share>
+    where
+        M: burn::module::Module,
+    {
+        let model = self.full_model()?;
+        Ok(match self.optimizer_states()? {
+            Some(states) => Share::whole(model, states),
+            None => Share::default(),
+        })
+    }
+    /// Takes this rank's part of the optimizer states of `groups` (`""`: the model's one
+    /// optimizer; a strategy's own state under its name) from a sharded checkpoint: by
+    /// default each read whole, as a gathered checkpoint gives them; a strategy whose ranks
+    /// hold the state in parts reads only its ranges.
+    fn load_optimizer_shards(&mut self, source: &dyn Source, groups: &[String]) -> Result<()> {
+        let states = groups
+            .iter()
+            .map(|g| Ok((g.clone(), source.canonical(g)?)))
+            .collect::<Result<Vec<_>>>()?;
+        self.load_optimizer_states(&states)
     }
     /// Makes parameter group `group` the one that the next [`Strategy::begin_step`],
     /// [`Strategy::micro_steps`] and [`Strategy::optimizer_step`] train (models with several

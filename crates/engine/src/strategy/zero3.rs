@@ -585,6 +585,28 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
         Ok(full)
     }
 
+    fn checkpoint_share(&mut self) -> Result<crate::optim::Share> {
+        let model = self.model.take().expect("the model is home between steps");
+        let model = self.kit.settle_buffers(model)?;
+        self.model = Some(model.clone());
+        let master = self.kit.master;
+        let (mut share, scalars) = self.kit.share(self.params.clone(), "", &|_| master);
+        let mut held: Vec<ParamId> = self.kit.layout.entries.iter().map(|e| e.id).collect();
+        if let Some(frozen) = &self.frozen {
+            held.extend(frozen.share(&mut share, self.kit.rank(), master));
+        }
+        self.kit.lead(&mut share, model, &held, "", scalars);
+        Ok(share)
+    }
+
+    fn load_optimizer_shards(
+        &mut self,
+        source: &dyn crate::optim::Source,
+        groups: &[String],
+    ) -> Result<()> {
+        super::replica::load_one_optimizer(&mut self.kit, source, groups)
+    }
+
     fn check_replicas(&mut self, _step: usize) -> Result<()> {
         // One device, or ranks that hold different shards: no replicas to compare.
         Ok(())

@@ -1,8 +1,12 @@
-//! Checkpoints and snapshots: when they are due, and writing them from the whole model
-//! (gathered by every rank, written by rank 0).
+//! Checkpoints and snapshots: when they are due, and writing them — gathered (the whole model
+//! and optimizer state gathered by every rank, written by rank 0) or sharded (each rank's
+//! share copied on the step's thread and written by the rank in parallel, rank 0 sealing the
+//! checkpoint once every rank's share is there).
 
 use std::cell::RefCell;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -12,7 +16,7 @@ use super::validate::Validator;
 use super::workload::Workload;
 use crate::checkpoint;
 use crate::comm::Collective;
-use crate::config::TrainConfig;
+use crate::config::{CheckpointFormat, TrainConfig};
 use crate::error::{Error, Result};
 use crate::precision::Policy;
 use crate::state::LoopState;
@@ -28,7 +32,12 @@ pub(super) struct Checkpointer {
     /// Whether checkpoints but the last are written in the background
     /// (`train.checkpoint_async`).
     background: bool,
-    /// The background write in flight (rank 0): its step and its thread.
+    /// Whether each rank writes its own share (`train.checkpoint_format`).
+    sharded: bool,
+    /// Set when the run ends with a write in flight: rank 0 stops waiting for shares that
+    /// do not come.
+    cancel: Arc<AtomicBool>,
+    /// The background write in flight: its step and its thread.
     writing: RefCell<Option<(usize, JoinHandle<Result<PathBuf>>)>>,
     /// Each checkpoint's time on the step's path (gathering, waiting for the write before it,
     /// writing where that is not in the background), in seconds.
@@ -43,6 +52,8 @@ impl Checkpointer {
             keep: train.keep_checkpoints,
             best: train.best_metric.clone(),
             background: train.checkpoint_async,
+            sharded: train.checkpoint_format == CheckpointFormat::Sharded,
+            cancel: Arc::new(AtomicBool::new(false)),
             writing: RefCell::new(None),
             stalls: RefCell::new(Vec::new()),
         }
@@ -72,6 +83,9 @@ impl Checkpointer {
         comm: &dyn Collective,
         last: bool,
     ) -> Result<f64> {
+        if self.sharded {
+            return self.save_sharded(strategy, state, val, comm, last);
+        }
         let t0 = Instant::now();
         let model = strategy.full_model()?;
         let optim = strategy.optimizer_states()?;
@@ -95,7 +109,7 @@ impl Checkpointer {
             let record = model.into_record();
             let (run_dir, keep, state) = (self.run_dir.clone(), self.keep, state.clone());
             let write = move || {
-                if let Some(delay) = super::faults::write_delay(state.step) {
+                if let Some(delay) = super::faults::write_delay(0, state.step) {
                     std::thread::sleep(delay);
                 }
                 let score = score.as_ref().map(|(metric, value)| checkpoint::Score {
@@ -115,6 +129,74 @@ impl Checkpointer {
             }
         }
         comm.barrier()?;
+        let stall = t0.elapsed().as_secs_f64();
+        self.stalls.borrow_mut().push(stall);
+        Ok(stall)
+    }
+
+    /// [`Self::save`] of a sharded checkpoint: rank 0 makes the checkpoint's temporary
+    /// directory; every rank copies its share on the step's thread and writes it (in the
+    /// background, as [`Self::save`] says), rank 0 then sealing and landing the checkpoint
+    /// once every rank's share is on disk.
+    fn save_sharded<M: burn::module::Module + 'static, B>(
+        &self,
+        strategy: &mut dyn Strategy<M, B>,
+        state: &LoopState,
+        val: &Validator,
+        comm: &dyn Collective,
+        last: bool,
+    ) -> Result<f64> {
+        let t0 = Instant::now();
+        let (rank, world) = (comm.rank(), comm.world_size());
+        // This rank's write before this one has landed (and rank 0's sealed that checkpoint).
+        self.wait()?;
+        if rank == 0 {
+            if let Some(holder) = crate::runlock::lost(&self.run_dir) {
+                return Err(Error::checkpoint(format!(
+                    "{}: {} took this run's directory over (its lease had lapsed): this run \
+                     stops rather than write into it",
+                    self.run_dir.join(crate::runlock::LOCK_FILE).display(),
+                    holder.describe()
+                )));
+            }
+            checkpoint::begin_sharded(&self.run_dir, state.step)?;
+        }
+        comm.barrier()?;
+        let share = strategy.checkpoint_share()?;
+        let score = self.best.clone().filter(|_| rank == 0).and_then(|metric| {
+            let value = val.score(&metric, state.step)?;
+            Some((metric, value))
+        });
+        let step = state.step;
+        let tmp = checkpoint::sharded_tmp(&self.run_dir, step);
+        let (run_dir, keep, state) = (self.run_dir.clone(), self.keep, state.clone());
+        let cancel = self.cancel.clone();
+        let write = move || {
+            if let Some(delay) = super::faults::write_delay(rank, state.step) {
+                std::thread::sleep(delay);
+            }
+            checkpoint::write_share(&tmp, rank, world, share)?;
+            if rank != 0 {
+                return Ok(tmp);
+            }
+            let score = score.as_ref().map(|(metric, value)| checkpoint::Score {
+                metric,
+                value: *value,
+            });
+            let cancelled = || cancel.load(Ordering::Relaxed);
+            checkpoint::finish_sharded(&run_dir, world, &state, keep, score, &cancelled)
+        };
+        if self.background && !last {
+            let writer = std::thread::Builder::new()
+                .name(format!("kiln-checkpoint-{step}"))
+                .spawn(write)
+                .map_err(|e| Error::io(&self.run_dir, e))?;
+            *self.writing.borrow_mut() = Some((step, writer));
+        } else {
+            write()?;
+            // Rank 0 has landed it: no rank goes on before.
+            comm.barrier()?;
+        }
         let stall = t0.elapsed().as_secs_f64();
         self.stalls.borrow_mut().push(stall);
         Ok(stall)
@@ -169,6 +251,8 @@ impl Drop for Checkpointer {
     /// A run that fails while a checkpoint is being written still lands it: only a crash
     /// loses the write in flight, and then the checkpoint before it is the newest whole one.
     fn drop(&mut self) {
+        // Rank 0 waits a little for the other ranks' shares, not for ranks that are gone.
+        self.cancel.store(true, Ordering::Relaxed);
         if let Err(e) = self.wait() {
             eprintln!("warning: {e}");
         }

@@ -25,9 +25,10 @@ pub(super) fn is_abort_echo(e: &Error) -> bool {
 /// step, `rank:step:hang` stops making progress after it, `rank:step:slow=MS` adds MS
 /// milliseconds of compute to every step from that one on (a straggler), and
 /// `rank:step:loader-hang` / `rank:step:loader-panic` make a loader thread of the rank
-/// (`data.workers` > 0) hang or panic building that step's batch, and `0:step:slow-write=MS`
-/// makes the checkpoint writer wait MS milliseconds before writing each checkpoint from that
-/// step on (a slow disk; the run's numbers do not change).
+/// (`data.workers` > 0) hang or panic building that step's batch, and `rank:step:slow-write=MS`
+/// makes the rank's checkpoint writer wait MS milliseconds before writing each checkpoint from
+/// that step on (a slow disk; the run's numbers do not change; a gathered checkpoint's writer is
+/// rank 0's).
 pub const FAULT_VAR: &str = "KILN_FAULT_INJECT";
 
 /// The attempt of a run the launcher (`train launch`) started: 0 for the first, then one more
@@ -54,9 +55,9 @@ pub(super) enum Fault {
 
 /// How long the checkpoint writer waits before writing the checkpoint of `step`, by the
 /// injected fault.
-pub(super) fn write_delay(step: usize) -> Option<Duration> {
+pub(super) fn write_delay(rank: usize, step: usize) -> Option<Duration> {
     match injected_fault()? {
-        (0, at, Fault::SlowWrite(d)) if step >= at => Some(d),
+        (r, at, Fault::SlowWrite(d)) if r == rank && step >= at => Some(d),
         _ => None,
     }
 }
@@ -210,6 +211,21 @@ impl<M, B> Strategy<M, B> for Faulty<'_, M, B> {
 
     fn load_optimizer_states(&mut self, states: &[(String, OptimState)]) -> Result<()> {
         self.inner.load_optimizer_states(states)
+    }
+
+    fn checkpoint_share(&mut self) -> Result<crate::optim::Share>
+    where
+        M: burn::module::Module,
+    {
+        self.inner.checkpoint_share()
+    }
+
+    fn load_optimizer_shards(
+        &mut self,
+        source: &dyn crate::optim::Source,
+        groups: &[String],
+    ) -> Result<()> {
+        self.inner.load_optimizer_shards(source, groups)
     }
 
     fn select_group(&mut self, group: usize) -> Result<()> {

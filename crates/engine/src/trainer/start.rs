@@ -12,13 +12,22 @@ use crate::checkpoint;
 use crate::config::name_of;
 use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
-use crate::optim::OptimState;
+use crate::optim::{OptimState, Source};
 use crate::params::FlatLayout;
 use crate::state::LoopState;
 use crate::strategy::{Setup, block_ids};
 
 /// Optimizer states by parameter group (`""` alone for a model with one optimizer).
 type GroupStates = Vec<(String, OptimState)>;
+
+/// The optimizer states a resumed run continues.
+pub(crate) enum Resumed {
+    /// A gathered checkpoint's, read whole: each rank takes its part.
+    Whole(GroupStates),
+    /// A sharded checkpoint's (checked to fit the model), of these groups: each rank reads the
+    /// ranges it needs.
+    Sharded(checkpoint::Sharded, Vec<String>),
+}
 
 /// What the workers start from.
 pub(crate) struct Start {
@@ -28,7 +37,7 @@ pub(crate) struct Start {
     /// Where the loop stands.
     pub state: LoopState,
     /// The optimizer states to continue.
-    pub optim: Option<GroupStates>,
+    pub optim: Option<Resumed>,
     /// The model's parameter groups, in the order a step trains them (none for a model with
     /// one optimizer).
     pub groups: Vec<String>,
@@ -206,7 +215,7 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
     model: M,
     fresh: LoopState,
     settings: &TrainerSettings,
-) -> Result<(M, LoopState, GroupStates)> {
+) -> Result<(M, LoopState, Resumed)> {
     // Checkpoint writers killed mid-write leave temporary directories; they go now.
     if settings.parallel.processes.index == 0 {
         let removed = checkpoint::remove_stale(&settings.output.run_dir)?;
@@ -225,7 +234,13 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
     }
     let mut state = checkpoint::read_state(dir)?;
     same_samples_per_step(dir, &state, fresh.samples_per_step)?;
-    let model = checkpoint::load_model(dir, model)?;
+    let sharded = checkpoint::is_sharded(dir)
+        .then(|| checkpoint::Sharded::open(dir))
+        .transpose()?;
+    let model = match &sharded {
+        Some(source) => source.load_model(model)?,
+        None => checkpoint::load_model(dir, model)?,
+    };
     // Fail before the workers start if an optimizer state does not fit the model.
     let groups = model.param_groups();
     let parts: Vec<(String, FlatLayout, String)> = if groups.is_empty() {
@@ -241,34 +256,75 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
             })
             .collect()
     };
-    let mut states = Vec::with_capacity(parts.len());
-    for (group, layout, key) in parts {
-        let loaded = load_fitting(dir, &group, &layout)?;
-        let file = dir.join(checkpoint::optim_file(&group));
-        let wanted = settings.group_optim(&group).name;
-        if loaded.kind != wanted {
-            return Err(Error::checkpoint(format!(
-                "{}: the optimizer state is {}'s, but {key} = {:?}",
-                file.display(),
-                name_of(&loaded.kind),
-                name_of(&wanted)
-            )));
+    let own = settings.setup().rules().own_state();
+    let resumed = match sharded {
+        Some(source) => {
+            let mut groups = Vec::with_capacity(parts.len() + 1);
+            for (group, layout, key) in &parts {
+                source.fits(group, layout)?;
+                let kind = source.optimizer(group).map(|o| o.0);
+                fits_optimizer(dir, group, kind, settings, key)?;
+                groups.push(group.clone());
+            }
+            // A strategy's own state (DiLoCo's outer loop), when this checkpoint has one; a
+            // checkpoint of another strategy starts it fresh.
+            if let Some(own) = own.filter(|own| source.optimizer(own).is_some()) {
+                let layout = FlatLayout::new(&model, &block_ids(&model), 1);
+                source.fits(own, &layout)?;
+                groups.push(own.to_string());
+            }
+            Resumed::Sharded(source, groups)
         }
-        states.push((group, loaded));
-    }
-    // A strategy's own state (DiLoCo's outer loop), when this checkpoint has one; a
-    // checkpoint of another strategy starts it fresh.
-    if let Some(own) = settings.setup().rules().own_state()
-        && dir.join(checkpoint::optim_file(own)).is_file()
-    {
-        let layout = FlatLayout::new(&model, &block_ids(&model), 1);
-        states.push((own.to_string(), load_fitting(dir, own, &layout)?));
-    }
+        None => {
+            let mut states = Vec::with_capacity(parts.len());
+            for (group, layout, key) in parts {
+                let loaded = load_fitting(dir, &group, &layout)?;
+                fits_optimizer(dir, &group, Some(loaded.kind), settings, &key)?;
+                states.push((group, loaded));
+            }
+            if let Some(own) = own
+                && dir.join(checkpoint::optim_file(own)).is_file()
+            {
+                let layout = FlatLayout::new(&model, &block_ids(&model), 1);
+                states.push((own.to_string(), load_fitting(dir, own, &layout)?));
+            }
+            Resumed::Whole(states)
+        }
+    };
     state.seed = fresh.seed;
     state.world_size = fresh.world_size;
     // A checkpoint of a run without a scaler continues with a fresh one, and a run that no
     // longer scales drops it.
     let saved = state.scaler.take();
     state.scaler = fresh.scaler.map(|fresh| saved.unwrap_or(fresh));
-    Ok((model, state, states))
+    Ok((model, state, resumed))
+}
+
+/// Refuses a checkpoint whose optimizer for `group` is not the one the settings name (`key`).
+fn fits_optimizer(
+    dir: &Path,
+    group: &str,
+    kind: Option<crate::config::OptimizerKind>,
+    settings: &TrainerSettings,
+    key: &str,
+) -> Result<()> {
+    let wanted = settings.group_optim(group).name;
+    match kind {
+        Some(kind) if kind == wanted => Ok(()),
+        Some(kind) => Err(Error::checkpoint(format!(
+            "{}: the optimizer state is {}'s, but {key} = {:?}",
+            dir.join(checkpoint::optim_file(group)).display(),
+            name_of(&kind),
+            name_of(&wanted)
+        ))),
+        None => Err(Error::checkpoint(format!(
+            "{}: holds no optimizer state for {}",
+            dir.display(),
+            if group.is_empty() {
+                "the model's optimizer".to_string()
+            } else {
+                format!("parameter group {group:?}")
+            }
+        ))),
+    }
 }

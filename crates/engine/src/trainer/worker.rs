@@ -14,7 +14,7 @@ use super::loader::{Feed, Jobs};
 use super::log::{Logger, LoggerParts, Scores};
 use super::plateau;
 use super::settings::TrainerSettings;
-use super::start::Start;
+use super::start::{Resumed, Start};
 use super::validate::{self, Validator};
 use super::workload::{Event, EventKind, Workload};
 use crate::comm::Collective;
@@ -287,8 +287,12 @@ impl<W: Workload> Worker<'_, W> {
             ctx.tp = Some(mesh.place::<W::Batch, _>(&model)?);
         }
         let mut strategy = strategy::build(self.setup.kind, model, ctx)?;
-        if let Some(optim) = &start.optim {
-            strategy.load_optimizer_states(optim)?;
+        match &start.optim {
+            Some(Resumed::Whole(states)) => strategy.load_optimizer_states(states)?,
+            Some(Resumed::Sharded(source, groups)) => {
+                strategy.load_optimizer_shards(source, groups)?
+            }
+            None => {}
         }
         let phases = self.steps.groups.len().max(1);
         Ok(with_injected_fault(

@@ -1,0 +1,274 @@
+//! A rank's share of a sharded checkpoint, and where a rank reads its part of one back.
+//!
+//! A sharded checkpoint holds every tensor of the training state — each trained (or frozen)
+//! parameter under its module path, each optimizer state leaf of a parameter under
+//! [`optim_tensor`] — as flattened ranges that the ranks wrote, each the ranges it holds
+//! ([`Share`]: its ZeRO shard, or its equal part of what every replica holds, so that each
+//! range is written once). A rank reading one back asks a [`Source`] for the ranges it needs,
+//! whatever world wrote them.
+
+use std::ops::Range;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
+use burn::prelude::*;
+use burn::store::ModuleRecord;
+use burn::tensor::FloatDType;
+
+use super::flat::{OptimState, Scalars};
+use crate::config::OptimizerKind;
+use crate::error::Result;
+use crate::params::{FlatLayout, host_f32};
+
+/// The checkpoint's name of a parameter's optimizer state leaf: `optimizer:<leaf>:<path>`
+/// for the model's one optimizer, `optimizer.<group>:<leaf>:<path>` for a parameter group's.
+pub fn optim_tensor(group: &str, leaf: &str, path: &str) -> String {
+    if group.is_empty() {
+        format!("optimizer:{leaf}:{path}")
+    } else {
+        format!("optimizer.{group}:{leaf}:{path}")
+    }
+}
+
+/// A flattened range of one tensor of the checkpoint, as a rank holds it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Piece {
+    /// The tensor: a parameter's module path, or [`optim_tensor`]'s name.
+    pub tensor: String,
+    /// The whole tensor's shape.
+    pub shape: Vec<usize>,
+    /// A parameter's id (restored with it, as a gathered checkpoint's record restores it).
+    pub id: Option<u64>,
+    /// The dtype the tensor is restored in (the values are kept in f32, exact for bf16/f16).
+    pub dtype: FloatDType,
+    /// Where the range starts in the flattened tensor.
+    pub start: usize,
+    /// Its length.
+    pub len: usize,
+    /// The share's buffer that holds its values, and where they start in it.
+    pub buffer: usize,
+    /// Where its values start in that buffer.
+    pub at: usize,
+}
+
+/// What rank 0 adds to its share: the model's tensors that no piece holds (buffers, a
+/// quantized base, integer tensors) and every optimizer's kind and scalars.
+pub struct Lead {
+    /// The record of the model's tensors outside the pieces.
+    pub rest: ModuleRecord,
+    /// `(group, kind, scalars)` of every optimizer (`""`: the model's one optimizer).
+    pub optimizers: Vec<(String, OptimizerKind, Scalars)>,
+}
+
+/// One rank's share of a sharded checkpoint: its pieces over host buffers (a copy taken on
+/// the step's thread: the write goes on while the steps do), and on rank 0 the [`Lead`].
+#[derive(Default)]
+pub struct Share {
+    /// The values, copied to the host.
+    pub buffers: Vec<Vec<f32>>,
+    /// Which tensor ranges the buffers hold.
+    pub pieces: Vec<Piece>,
+    /// Rank 0's part.
+    pub lead: Option<Lead>,
+}
+
+impl Share {
+    /// Adds `values` — shard `rank` of `layout`, laid out as [`FlatLayout::cut`] lays a shard
+    /// out — and a piece for each parameter range it holds, the tensor named by `name` from
+    /// the parameter's path.
+    pub fn add_shard(
+        &mut self,
+        layout: &FlatLayout,
+        rank: usize,
+        values: Vec<f32>,
+        dtype: &dyn Fn(&crate::params::Entry) -> FloatDType,
+        name: impl Fn(&str) -> String,
+    ) {
+        let buffer = self.buffers.len();
+        for span in layout.spans(rank) {
+            let e = &layout.entries[span.entry];
+            let tensor = name(&e.path);
+            let id = (tensor == e.path).then(|| e.id.val());
+            self.pieces.push(Piece {
+                tensor,
+                shape: e.shape.clone(),
+                id,
+                dtype: dtype(e),
+                start: span.within.start,
+                len: span.within.len(),
+                buffer,
+                at: span.at,
+            });
+        }
+        self.buffers.push(values);
+    }
+
+    /// Values of all pieces, in bytes.
+    pub fn bytes(&self) -> usize {
+        self.pieces.iter().map(|p| p.len * 4).sum()
+    }
+
+    /// The share of a rank that holds the whole model and every optimizer's canonical state
+    /// (what a strategy that gathers them gives): every trained parameter and optimizer leaf
+    /// whole, and the rest of the model in the [`Lead`].
+    pub fn whole<M: Module>(model: M, states: Vec<(String, OptimState)>) -> Self {
+        let mut share = Share::default();
+        let trained = trained_tensors(&model);
+        let trained_ids: Vec<ParamId> = trained.iter().map(|t| t.0).collect();
+        for (id, path, shape, dtype, values) in trained {
+            share.add_whole(path, Some(id.val()), shape, dtype, values);
+        }
+        let mut optimizers = Vec::with_capacity(states.len());
+        for (group, state) in states {
+            for (path, leaf, shape, values) in state.tensors {
+                share.add_whole(
+                    optim_tensor(&group, &leaf, &path),
+                    None,
+                    shape,
+                    FloatDType::F32,
+                    values,
+                );
+            }
+            optimizers.push((group, state.kind, state.scalars));
+        }
+        share.lead = Some(Lead {
+            rest: rest_record(model, &trained_ids),
+            optimizers,
+        });
+        share
+    }
+
+    fn add_whole(
+        &mut self,
+        tensor: String,
+        id: Option<u64>,
+        shape: Vec<usize>,
+        dtype: FloatDType,
+        v: Vec<f32>,
+    ) {
+        self.pieces.push(Piece {
+            tensor,
+            shape,
+            id,
+            dtype,
+            start: 0,
+            len: v.len(),
+            buffer: self.buffers.len(),
+            at: 0,
+        });
+        self.buffers.push(v);
+    }
+}
+
+/// The record of `model`'s tensors but those in `held` (which pieces hold).
+pub fn rest_record<M: Module>(model: M, held: &[ParamId]) -> ModuleRecord {
+    let held: std::collections::HashSet<ParamId> = held.iter().copied().collect();
+    let rest: Vec<ParamId> = all_ids(&model)
+        .into_iter()
+        .filter(|id| !held.contains(id))
+        .collect();
+    model.into_record_group(ParamGroup::from_ids(rest))
+}
+
+/// The float dtype of each float parameter of `module`, by id.
+pub fn param_dtypes<M: Module>(module: &M) -> std::collections::HashMap<ParamId, FloatDType> {
+    struct Dtypes(std::collections::HashMap<ParamId, FloatDType>);
+    impl ModuleVisitor for Dtypes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0
+                .insert(param.id, crate::params::float_dtype(param.val().dtype()));
+        }
+    }
+    let mut d = Dtypes(std::collections::HashMap::new());
+    module.visit(&mut d);
+    d.0
+}
+
+/// The ids of every tensor of `module` (float, integer and boolean).
+fn all_ids<M: Module>(module: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
+            self.0.push(param.id);
+        }
+        fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
+/// A trained parameter: `(id, path, shape, dtype, values)`.
+type Trained = (ParamId, String, Vec<usize>, FloatDType, Vec<f32>);
+
+/// `module`'s trained parameters in module order, their values on the host.
+fn trained_tensors<M: Module>(module: &M) -> Vec<Trained> {
+    struct Collect {
+        path: Vec<String>,
+        out: Vec<Trained>,
+    }
+    impl ModuleVisitor for Collect {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.is_require_grad() {
+                return;
+            }
+            let value = param.val();
+            self.out.push((
+                param.id,
+                self.path.join("."),
+                value.shape().to_vec(),
+                crate::params::float_dtype(value.dtype()),
+                host_f32(value),
+            ));
+        }
+    }
+    let mut c = Collect {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    module.visit(&mut c);
+    c.out
+}
+
+/// Where a rank reads its part of a sharded checkpoint: ranges of its tensors, whichever
+/// ranks wrote them.
+pub trait Source: Sync {
+    /// The values of `range` of the flattened `tensor`; an error names the checkpoint's file
+    /// and what is missing or damaged.
+    fn read(&self, tensor: &str, range: Range<usize>) -> Result<Vec<f32>>;
+    /// The kind and scalars of parameter group `group`'s optimizer (`""`: the model's one),
+    /// `None` when the checkpoint holds no state for it.
+    fn optimizer(&self, group: &str) -> Option<(OptimizerKind, Scalars)>;
+    /// The optimizer state leaves the checkpoint holds for `group` (`momentum.moment_1`, …).
+    fn leaves(&self, group: &str) -> Vec<String>;
+    /// The whole canonical optimizer state of `group` (what a strategy that takes the
+    /// canonical state reads).
+    fn canonical(&self, group: &str) -> Result<OptimState>;
+
+    /// Shard `rank` of `layout` of the tensors `name` gives for each parameter path, laid out
+    /// as [`FlatLayout::cut`] lays it out (zeros as padding): only the ranges it holds are read.
+    fn shard(
+        &self,
+        layout: &FlatLayout,
+        rank: usize,
+        name: &dyn Fn(&str) -> String,
+    ) -> Result<Vec<f32>> {
+        let mut out = vec![0.0; layout.shard_len];
+        for span in layout.spans(rank) {
+            let e = &layout.entries[span.entry];
+            let values = self.read(&name(&e.path), span.within.clone())?;
+            out[span.at..span.at + values.len()].copy_from_slice(&values);
+        }
+        Ok(out)
+    }
+}
