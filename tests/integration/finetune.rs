@@ -497,6 +497,44 @@ fn a_lora_run_resumes_bit_for_bit_and_on_other_devices() {
     );
     let diff = max_relative_diff(&adapters(&other), &want);
     assert!(diff < 1e-5, "resumed under zero2 on 2 devices: {diff:e}");
+    // Sharded (the frozen base written as ranges too) and resumed under zero3 on 2 devices,
+    // whose ranks read their own ranges of the adapters and of the base: the resume from the
+    // gathered checkpoint, bit for bit.
+    let sharded = finetune(
+        &dir,
+        "sharded",
+        &base,
+        &[
+            "train.checkpoint_every=5",
+            "train.checkpoint_format=\"sharded\"",
+        ],
+    );
+    let zero3 = |from: &Path, name: &str, format: &str| {
+        let r = crate::training::resume_cut(
+            from,
+            &dir.join(name),
+            5,
+            &[
+                "hardware.devices=2".into(),
+                "train.batch_size=4".into(),
+                "strategy.name=\"zero3\"".into(),
+                format!("train.checkpoint_format={format:?}"),
+            ],
+        );
+        values(&pick(
+            &read_tensors(&r.dir.join("model.bpk")).unwrap(),
+            |_| true,
+        ))
+    };
+    let (a, b) = (
+        zero3(&sharded.dir, "sharded-zero3", "sharded"),
+        zero3(&full.dir, "gathered-zero3", "gathered"),
+    );
+    assert_eq!(a.len(), b.len());
+    for (t, (x, y)) in a.iter().zip(&b).enumerate() {
+        let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+        assert!(same, "tensor {t}: the sharded resume under zero3 differs");
+    }
 }
 
 /// `xtask/reference/gpt_torch_parity.py` with PyTorch (`KILN_PYTHON`, default

@@ -819,16 +819,19 @@ fn bed_args(text: &Path, steps: usize, every: usize) -> Vec<String> {
     args
 }
 
-/// Two hosts × one device under `train launch`; one host lost mid-run (its rank killed, its
-/// link down): the launcher ends the job, restarts on the host left with the same samples per
-/// step (accumulation doubled), and the run ends as the uninterrupted one does.
+/// Two hosts × one device under `train launch`, sharded checkpoints (each host writes its
+/// rank's share into the one run directory); one host lost mid-run (its rank killed, its link
+/// down): the launcher ends the job, restarts on the host left with the same samples per step
+/// (accumulation doubled) from a checkpoint both hosts wrote, and the run ends as the
+/// uninterrupted one does.
 #[test]
 #[ignore = "needs root (network namespaces): CI runs it, `-- --ignored mpi::a_lost_host`"]
 fn a_lost_host_is_left_and_the_run_goes_on_with_the_same_samples() {
     let dir = temp_dir("mpi-heal");
     let text = text_file(&dir);
     let steps = 40;
-    let train = bed_args(&text, steps, 10);
+    let mut train = bed_args(&text, steps, 10);
+    train.extend(["--set".into(), "train.checkpoint_format=\"sharded\"".into()]);
     let bed = Bed::up();
     let out = bed
         .launch(&dir, &["--run-dir", "ref"], &train)
@@ -866,6 +869,15 @@ fn a_lost_host_is_left_and_the_run_goes_on_with_the_same_samples() {
     assert!(r["failure"].as_str().unwrap().contains("10.231.7.2"), "{r}");
     let resumed = r["resumed_from_step"].as_u64().unwrap();
     assert!((20..=30).contains(&resumed), "{r}");
+    // The checkpoint the host left resumed from: both hosts' shares.
+    let from = kiln::checkpoint::step_dir(&healed, resumed as usize);
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(from.join(kiln::checkpoint::STATE_FILE)).unwrap())
+            .unwrap();
+    assert_eq!(state["sharded"]["world"], 2, "{state}");
+    for rank in 0..2 {
+        assert!(from.join(kiln::checkpoint::rank_file(rank)).is_file());
+    }
     // After the restart, every step is the uninterrupted run's step (the same samples, another
     // split of them): its loss within rounding.
     let reference: std::collections::BTreeMap<u64, f64> = train_losses(&dir.join("ref"))

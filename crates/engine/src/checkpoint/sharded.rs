@@ -349,6 +349,36 @@ impl Sharded {
     /// the rest of its tensors from `rest.bpk`. An error names the file, or the tensor the
     /// model does not take.
     pub fn load_model<M: Module>(&self, model: M) -> Result<M> {
+        self.load(model, true)
+    }
+
+    /// `model` with the checkpoint's tensors outside the shards (`rest.bpk`: buffers, a
+    /// quantized base, the parameters a gathering strategy kept there): for ranks that read
+    /// their own ranges of the parameters.
+    pub fn load_rest<M: Module>(&self, model: M) -> Result<M> {
+        self.load(model, false)
+    }
+
+    /// Checks that `model` takes the checkpoint's weights (names and shapes) without reading
+    /// the shards' values: every tensor of the model is in `rest.bpk` or a shard, in its
+    /// shape, and nothing else is.
+    pub fn fits_model<M: Module>(&self, model: M) -> Result<()> {
+        let model = self.load_rest(model)?;
+        for (path, shape) in crate::params::float_shapes(&model) {
+            if let Some(held) = self.tensors.get(&path)
+                && held.shape != shape
+            {
+                return Err(Error::checkpoint(format!(
+                    "{}: tensor `{path}` has shape {:?}, the model's {shape:?}",
+                    self.dir.display(),
+                    held.shape
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn load<M: Module>(&self, model: M, params: bool) -> Result<M> {
         let rest = self.dir.join(REST_FILE);
         let corrupt = |e: &dyn std::fmt::Display| {
             Error::checkpoint(format!(
@@ -359,25 +389,56 @@ impl Sharded {
         };
         let reader = Reader::from_file(&rest).map_err(|e| corrupt(&e))?;
         let mut all = reader.into_tensors().map_err(|e| corrupt(&e))?;
-        for (name, held) in &self.tensors {
+        let mut held = Vec::new();
+        for (name, piece) in &self.tensors {
             if name.contains(':') {
                 continue;
             }
-            let n: usize = held.shape.iter().product();
+            held.push(name.clone());
+            if !params {
+                continue;
+            }
+            let n: usize = piece.shape.iter().product();
             let values = self.read(name, 0..n)?;
-            let data =
-                TensorData::new(values, held.shape.clone()).convert_dtype(DType::from(held.dtype));
+            let data = TensorData::new(values, piece.shape.clone())
+                .convert_dtype(DType::from(piece.dtype));
             let (bytes, shape, dtype) = data.into_parts();
             all.push(burn_pack::Tensor::new(
                 name.clone(),
                 dtype,
                 shape,
-                held.id,
+                piece.id,
                 bytes,
             ));
         }
         let bytes = Writer::new(all).into_bytes().map_err(|e| corrupt(&e))?;
         let record = ModuleRecord::from_bytes(bytes).map_err(|e| corrupt(&e))?;
+        let record = record.allow_partial(!params);
+        let missing = if params {
+            Vec::new()
+        } else {
+            // Without the shards' values, a tensor of the model must still be in one place.
+            let have: std::collections::BTreeSet<String> = Reader::from_file(&rest)
+                .map_err(|e| corrupt(&e))?
+                .tensor_names()
+                .into_iter()
+                .map(String::from)
+                .chain(held)
+                .collect();
+            crate::params::float_shapes(&model)
+                .into_iter()
+                .map(|(path, _)| path)
+                .filter(|p| !have.contains(p))
+                .collect()
+        };
+        if let Some(path) = missing.first() {
+            return Err(Error::checkpoint(format!(
+                "{}: holds no tensor `{path}` of the model ({} missing): it was saved for \
+                 another model",
+                self.dir.display(),
+                missing.len()
+            )));
+        }
         model.try_load_record(record).map_err(|e| {
             Error::checkpoint(format!(
                 "{}: the model does not take its weights: {}",
@@ -485,6 +546,10 @@ impl Source for Sharded {
             )));
         }
         Ok(out)
+    }
+
+    fn holds(&self, tensor: &str) -> bool {
+        self.tensors.contains_key(tensor)
     }
 
     fn optimizer(&self, group: &str) -> Option<(OptimizerKind, Scalars)> {

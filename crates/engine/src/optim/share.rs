@@ -246,6 +246,8 @@ pub trait Source: Sync {
     /// The values of `range` of the flattened `tensor`; an error names the checkpoint's file
     /// and what is missing or damaged.
     fn read(&self, tensor: &str, range: Range<usize>) -> Result<Vec<f32>>;
+    /// Whether the checkpoint holds ranges of `tensor`.
+    fn holds(&self, tensor: &str) -> bool;
     /// The kind and scalars of parameter group `group`'s optimizer (`""`: the model's one),
     /// `None` when the checkpoint holds no state for it.
     fn optimizer(&self, group: &str) -> Option<(OptimizerKind, Scalars)>;

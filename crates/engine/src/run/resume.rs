@@ -99,7 +99,7 @@ pub(super) fn check_resume<W: Workload>(
         )));
     }
     let model = kiln_models::with_rng(|| kiln_models::materialized(workload.init_model(device)));
-    if let Err(e) = checkpoint::load_model(checkpoint, model) {
+    if let Err(e) = checkpoint::check_model(checkpoint, model) {
         // A model's shape comes from its own section: name those keys when they changed. A
         // file whose digest was verified is whole, so another change is what does not fit; an
         // unverified one (an older kiln's) may be damaged, and its error names it.

@@ -72,6 +72,21 @@ impl FrozenShard {
         self.layout.entries.iter().map(|e| e.id).collect()
     }
 
+    /// Takes this rank's shard of the frozen parameters from a sharded checkpoint that holds
+    /// them as ranges (one that kept them whole in its rest of the model loaded them into the
+    /// model this shard was cut from).
+    pub fn read_from(&mut self, source: &dyn crate::optim::Source, rank: usize) -> Result<()> {
+        if !self.layout.entries.iter().all(|e| source.holds(&e.path)) {
+            return Ok(());
+        }
+        let rank = if self.layout.shards > 1 { rank } else { 0 };
+        let shard = source.shard(&self.layout, rank, &|path| path.to_string())?;
+        for (u, unit) in self.layout.units.iter().enumerate() {
+            self.pieces[u] = shard[unit.shard_offset..unit.shard_offset + unit.piece].to_vec();
+        }
+        Ok(())
+    }
+
     /// Unit `u` all-gathered from every rank's piece, whole (padded), on the inner device.
     fn all_gathered(&self, u: usize, kit: &mut RankKit) -> Result<Tensor<1>> {
         let mine = &self.pieces[u];

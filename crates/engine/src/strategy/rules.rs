@@ -165,6 +165,14 @@ pub trait Shape: Sync {
     fn own_state(&self) -> Option<&'static str> {
         None
     }
+    /// Whether a rank of this strategy reads its own ranges of the trained (and frozen)
+    /// parameters from a sharded checkpoint
+    /// ([`Strategy::load_param_shards`](crate::strategy::Strategy::load_param_shards)), so that
+    /// the model every rank starts from is read without them: a strategy whose ranks hold a
+    /// shard of the parameters. `false`, the default: every rank starts from the whole model.
+    fn reads_own_params(&self) -> bool {
+        false
+    }
 }
 
 /// A dimension of the mesh around the data dimension's strategy (tensor parallelism): what it

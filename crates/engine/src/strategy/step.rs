@@ -89,6 +89,12 @@ pub trait Strategy<M, B> {
             .collect::<Result<Vec<_>>>()?;
         self.load_optimizer_states(&states)
     }
+    /// Takes this rank's ranges of the parameters from a sharded checkpoint, for a strategy
+    /// that [reads its own](crate::strategy::Shape::reads_own_params) (its ranks started from
+    /// a model without them); nothing, by default: the rank started from the whole model.
+    fn load_param_shards(&mut self, _source: &dyn Source) -> Result<()> {
+        Ok(())
+    }
     /// Makes parameter group `group` the one that the next [`Strategy::begin_step`],
     /// [`Strategy::micro_steps`] and [`Strategy::optimizer_step`] train (models with several
     /// optimizers; every other strategy has group 0 alone).

@@ -155,6 +155,10 @@ impl Costs for Zero3 {
 }
 
 impl Shape for Zero3 {
+    fn reads_own_params(&self) -> bool {
+        true
+    }
+
     fn recomputes(&self, setup: &Setup) -> Recompute {
         recompute_for(setup)
     }
@@ -605,6 +609,20 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Sharded<'_, M> {
         groups: &[String],
     ) -> Result<()> {
         super::replica::load_one_optimizer(&mut self.kit, source, groups)
+    }
+
+    fn load_param_shards(&mut self, source: &dyn crate::optim::Source) -> Result<()> {
+        let rank = if self.kit.layout.shards > 1 {
+            self.kit.rank()
+        } else {
+            0
+        };
+        let values = source.shard(&self.kit.layout, rank, &|path| path.to_string())?;
+        self.params = self.kit.on_inner(values).cast(self.kit.master);
+        if let Some(frozen) = &mut self.frozen {
+            frozen.read_from(source, rank)?;
+        }
+        Ok(())
     }
 
     fn check_replicas(&mut self, _step: usize) -> Result<()> {

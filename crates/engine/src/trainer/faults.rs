@@ -228,6 +228,10 @@ impl<M, B> Strategy<M, B> for Faulty<'_, M, B> {
         self.inner.load_optimizer_shards(source, groups)
     }
 
+    fn load_param_shards(&mut self, source: &dyn crate::optim::Source) -> Result<()> {
+        self.inner.load_param_shards(source)
+    }
+
     fn select_group(&mut self, group: usize) -> Result<()> {
         self.inner.select_group(group)
     }

@@ -25,8 +25,13 @@ pub(crate) enum Resumed {
     /// A gathered checkpoint's, read whole: each rank takes its part.
     Whole(GroupStates),
     /// A sharded checkpoint's (checked to fit the model), of these groups: each rank reads the
-    /// ranges it needs.
-    Sharded(checkpoint::Sharded, Vec<String>),
+    /// ranges it needs — of the parameters too when `params` (the model every rank starts
+    /// from was read without them).
+    Sharded {
+        source: checkpoint::Sharded,
+        groups: Vec<String>,
+        params: bool,
+    },
 }
 
 /// What the workers start from.
@@ -237,7 +242,11 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
     let sharded = checkpoint::is_sharded(dir)
         .then(|| checkpoint::Sharded::open(dir))
         .transpose()?;
+    // A strategy whose ranks hold a shard of the parameters reads its own ranges of them.
+    let setup = settings.setup();
+    let own_params = setup.rules().reads_own_params() && setup.tp == 1;
     let model = match &sharded {
+        Some(source) if own_params => source.load_rest(model)?,
         Some(source) => source.load_model(model)?,
         None => checkpoint::load_model(dir, model)?,
     };
@@ -256,7 +265,7 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
             })
             .collect()
     };
-    let own = settings.setup().rules().own_state();
+    let own = setup.rules().own_state();
     let resumed = match sharded {
         Some(source) => {
             let mut groups = Vec::with_capacity(parts.len() + 1);
@@ -273,7 +282,11 @@ fn resume<B, M: kiln_models::BlockStack<B> + Module>(
                 source.fits(own, &layout)?;
                 groups.push(own.to_string());
             }
-            Resumed::Sharded(source, groups)
+            Resumed::Sharded {
+                source,
+                groups,
+                params: own_params,
+            }
         }
         None => {
             let mut states = Vec::with_capacity(parts.len());

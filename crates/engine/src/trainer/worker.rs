@@ -289,7 +289,14 @@ impl<W: Workload> Worker<'_, W> {
         let mut strategy = strategy::build(self.setup.kind, model, ctx)?;
         match &start.optim {
             Some(Resumed::Whole(states)) => strategy.load_optimizer_states(states)?,
-            Some(Resumed::Sharded(source, groups)) => {
+            Some(Resumed::Sharded {
+                source,
+                groups,
+                params,
+            }) => {
+                if *params {
+                    strategy.load_param_shards(source)?;
+                }
                 strategy.load_optimizer_shards(source, groups)?
             }
             None => {}
