@@ -43,10 +43,11 @@ impl Mesh {
             ),
         ];
         if self.strategy == "pipeline" {
-            // One data rank: 4 micro-batches of 3 per step.
+            // 2 stages, each on `devices / 2` replicas: micro-batches of 3, 4 a step in all.
+            let replicas = self.devices / 2;
             o.extend([
                 "pipeline.stages=2".into(),
-                "pipeline.microbatches=4".into(),
+                format!("pipeline.microbatches={}", 4 / replicas),
                 "train.batch_size=3".into(),
             ]);
         } else {
@@ -111,11 +112,13 @@ fn assert_same_bits(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
 }
 
 /// From each mesh to another — zero3 × 4 → single, single → zero3 × 4, ddp × 2 → zero2 × 3,
-/// a pipeline of 2 stages → zero3 × 2 — the run resumed from step 4's sharded checkpoint ends
+/// a pipeline of 2 stages → zero3 × 2, 2 stages × 2 replicas → ddp × 2 and back from zero2 ×
+/// 3 — the run resumed from step 4's sharded checkpoint ends
 /// with the parameters, bit for bit, of the same resume from the gathered checkpoint of the
 /// same step (which the runs wrote alike: the format changes no number), and its losses are
 /// the uninterrupted run's within 1e-5 (across worlds the sums run in another order). On the
-/// same mesh the resume is the uninterrupted run bit for bit.
+/// same mesh (zero3 × 2, and a pipeline whose stages each wrote their own units) the resume is
+/// the uninterrupted run bit for bit.
 #[test]
 fn sharded_checkpoints_resume_across_meshes_as_gathered_ones_do_bit_for_bit() {
     let dir = temp_dir("shards-resume");
@@ -125,7 +128,10 @@ fn sharded_checkpoints_resume_across_meshes_as_gathered_ones_do_bit_for_bit() {
         (Mesh::of("single", 1), Mesh::of("zero3", 4)),
         (Mesh::of("ddp", 2), Mesh::of("zero2", 3)),
         (Mesh::of("pipeline", 2), Mesh::of("zero3", 2)),
+        (Mesh::of("pipeline", 4), Mesh::of("ddp", 2)),
+        (Mesh::of("zero2", 3), Mesh::of("pipeline", 4)),
         (Mesh::of("zero3", 2), Mesh::of("zero3", 2)),
+        (Mesh::of("pipeline", 4), Mesh::of("pipeline", 4)),
     ];
     for (from, to) in pairs {
         let tag = format!(
@@ -227,7 +233,12 @@ fn a_rank_killed_mid_write_leaves_no_manifest_and_a_damaged_shard_is_named() {
     let steps: Vec<usize> = kiln::checkpoint::list(&alone).iter().map(|c| c.0).collect();
     assert_eq!(steps, [10, 20, 30, 40]);
     let newest = kiln::checkpoint::step_dir(&alone, 40);
-    for file in ["rank-00000.bin", "rank-00001.bin", "rest.bpk", "state.json"] {
+    for file in [
+        "rank-00000.bin",
+        "rank-00001.bin",
+        "rest-00000.bpk",
+        "state.json",
+    ] {
         assert!(newest.join(file).is_file(), "{file}");
     }
     // `train eval` reads the sharded checkpoint as it reads the run's exported weights (the
@@ -306,5 +317,86 @@ fn a_rank_killed_mid_write_leaves_no_manifest_and_a_damaged_shard_is_named() {
     assert!(
         weights("flipped") == weights("alone"),
         "the resumed run's weights"
+    );
+}
+
+/// The ConvNet (whose BatchNorm statistics each pipeline stage writes for its own blocks) on a
+/// pipeline of 2 stages × 2 replicas, sharded: resumed as ddp on 2 devices, it ends bit for
+/// bit as the resume from the gathered checkpoint of the same run.
+#[test]
+fn a_pipelines_stages_write_their_own_blocks_and_buffers() {
+    let base = temp_dir("shards-pipeline");
+    let args = |run: &str, format: &str| -> Vec<String> {
+        [
+            "--run-dir",
+            run,
+            "--max-steps",
+            "6",
+            "--devices",
+            "4",
+            "--strategy",
+            "pipeline",
+            "--set",
+            "pipeline.stages=2",
+            "--set",
+            "pipeline.microbatches=2",
+            "--set",
+            "train.batch_size=8",
+            "--set",
+            &format!("train.checkpoint_format={format:?}"),
+            "--set",
+            "train.checkpoint_every=3",
+            "--set",
+            "train.keep_checkpoints=10",
+            "--set",
+            "model.convnet.channels=[2, 2]",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    for format in ["sharded", "gathered"] {
+        let a = args(format, format);
+        ok(&train_bin(
+            &base,
+            &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        ));
+        let run = base.join(format);
+        crate::training::cut_copy(&run, &base.join(format!("{format}-cut")), 3);
+        let cut = format!("{format}-cut");
+        let resume = [
+            "--resume",
+            &cut,
+            "--devices",
+            "2",
+            "--strategy",
+            "ddp",
+            "--set",
+            "pipeline.stages=1",
+            "--set",
+            "pipeline.microbatches=1",
+            "--set",
+            "train.batch_size=16",
+        ];
+        ok(&train_bin(&base, &resume));
+    }
+    let step3 = kiln::checkpoint::step_dir(&base.join("sharded"), 3);
+    for rank in 0..4 {
+        assert!(step3.join(kiln::checkpoint::rank_file(rank)).is_file());
+    }
+    // Each stage's first replica wrote its blocks' tensors outside the pieces.
+    for rank in [0, 1] {
+        assert!(
+            step3.join(kiln::checkpoint::rest_file(rank)).is_file(),
+            "{rank}"
+        );
+    }
+    let weights = |run: &str| tensors(&base.join(run).join("model.safetensors"));
+    assert!(
+        weights("sharded-cut") == weights("gathered-cut"),
+        "the resumed runs' weights"
+    );
+    assert_eq!(
+        train_losses(&base.join("sharded-cut")),
+        train_losses(&base.join("gathered-cut"))
     );
 }

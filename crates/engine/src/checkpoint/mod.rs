@@ -19,7 +19,7 @@ pub use crate::state::LoopState;
 pub use integrity::{Newest, Verified, newest_whole, report, verify};
 pub use manifest::{FileDigest, MODEL_FILE, OPTIM_FILE, STATE_FILE, digest};
 pub use optimizer::{load_group_optimizer, load_optimizer, optim_file, save_optimizer};
-pub use sharded::{REST_FILE, Sharded, index_file, is_sharded, rank_file, write_share};
+pub use sharded::{Sharded, index_file, is_sharded, rank_file, rest_file, write_share};
 pub use store::{
     BEST_FILE, Best, Score, begin_sharded, check_model, finish_sharded, latest, list, load_model,
     read_best, read_state, remove_stale, save, save_record, sharded_tmp, step_dir,

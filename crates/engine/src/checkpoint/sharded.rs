@@ -1,7 +1,8 @@
 //! Sharded checkpoints: every rank writes its share in parallel — `rank-NNNNN.bin`, its
 //! pieces' values (f32, little-endian, one piece after another), then `rank-NNNNN.json`, which
-//! tensor ranges they are, where in the file, and the file's SHA-256 —, rank 0 also
-//! `rest.bpk` (the model's tensors no piece holds); rank 0 writes `state.json` last, once every
+//! tensor ranges they are, where in the file, and the file's SHA-256 —, rank 0 (and each
+//! pipeline stage) also `rest-NNNNN.bpk` (the model's tensors no piece holds that it writes);
+//! rank 0 writes `state.json` last, once every
 //! rank's index is there, recording every file's digest and each optimizer's kind and scalars.
 //! A rank's index is written after its values are synced, so an index on disk means its values
 //! are durable, and `state.json` on disk means the whole checkpoint is.
@@ -32,8 +33,11 @@ use crate::optim::{OptimState, Scalars, Share, Source, optim_tensor};
 use crate::params::FlatLayout;
 use crate::state::LoopState;
 
-/// File of the model's tensors that no piece holds (rank 0).
-pub const REST_FILE: &str = "rest.bpk";
+/// The file of the model's tensors outside the pieces that rank `rank` wrote (rank 0's, or
+/// each pipeline stage's own).
+pub fn rest_file(rank: usize) -> String {
+    format!("rest-{rank:05}.bpk")
+}
 
 /// The file of rank `rank`'s values.
 pub fn rank_file(rank: usize) -> String {
@@ -51,6 +55,9 @@ struct RankIndex {
     rank: usize,
     world: usize,
     file: String,
+    /// Its record of the model's tensors outside the pieces, if it wrote one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rest: Option<String>,
     bytes: u64,
     sha256: String,
     pieces: Vec<StoredPiece>,
@@ -129,16 +136,22 @@ pub fn write_share(dir: &Path, rank: usize, world: usize, share: Share) -> Resul
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    if let Some(lead) = share.lead {
-        let rest = dir.join(REST_FILE);
-        lead.rest
-            .save(&rest)
-            .map_err(|e| Error::checkpoint(format!("{}: {}", rest.display(), one_line(&e))))?;
-        std::fs::File::open(&rest)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| Error::io(&rest, e))?;
-        let optimizers = lead
-            .optimizers
+    let rest = match share.rest {
+        Some(record) => {
+            let name = rest_file(rank);
+            let path = dir.join(&name);
+            record
+                .save(&path)
+                .map_err(|e| Error::checkpoint(format!("{}: {}", path.display(), one_line(&e))))?;
+            std::fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| Error::io(&path, e))?;
+            Some(name)
+        }
+        None => None,
+    };
+    if let Some(optimizers) = share.optimizers {
+        let optimizers = optimizers
             .into_iter()
             .map(|(group, kind, scalars)| StoredOptimizer {
                 group,
@@ -153,6 +166,7 @@ pub fn write_share(dir: &Path, rank: usize, world: usize, share: Share) -> Resul
         rank,
         world,
         file,
+        rest,
         bytes: offset,
         sha256,
         pieces: stored,
@@ -218,8 +232,10 @@ pub fn seal(
                 sha256: index.sha256,
             },
         );
+        if let Some(rest) = &index.rest {
+            files.insert(rest.clone(), digest(&dir.join(rest))?);
+        }
     }
-    files.insert(REST_FILE.to_string(), digest(&dir.join(REST_FILE))?);
     let optimizers_path = dir.join(OPTIMIZERS_FILE);
     let optimizers: Vec<StoredOptimizer> = std::fs::read(&optimizers_path)
         .map_err(|e| Error::io(&optimizers_path, e))
@@ -268,6 +284,8 @@ pub struct Sharded {
     dir: PathBuf,
     world: usize,
     files: Vec<PathBuf>,
+    /// The ranks' records of the model's tensors outside the pieces.
+    rests: Vec<PathBuf>,
     tensors: BTreeMap<String, Held>,
     optimizers: Vec<(String, OptimizerKind, Scalars)>,
 }
@@ -284,9 +302,11 @@ impl Sharded {
             )));
         };
         let mut files = Vec::with_capacity(info.world);
+        let mut rests = Vec::new();
         let mut tensors: BTreeMap<String, Held> = BTreeMap::new();
         for rank in 0..info.world {
             let index = read_index(dir, &index_file(rank))?;
+            rests.extend(index.rest.as_ref().map(|r| dir.join(r)));
             let file = files.len();
             let path = dir.join(&index.file);
             for p in index.pieces {
@@ -330,6 +350,7 @@ impl Sharded {
             dir: dir.to_path_buf(),
             world: info.world,
             files,
+            rests,
             tensors,
             optimizers,
         })
@@ -346,13 +367,13 @@ impl Sharded {
     }
 
     /// `model` with the checkpoint's weights: its parameters read whole from the shards and
-    /// the rest of its tensors from `rest.bpk`. An error names the file, or the tensor the
+    /// the rest of its tensors from the ranks' `rest-N.bpk`. An error names the file, or the tensor the
     /// model does not take.
     pub fn load_model<M: Module>(&self, model: M) -> Result<M> {
         self.load(model, true)
     }
 
-    /// `model` with the checkpoint's tensors outside the shards (`rest.bpk`: buffers, a
+    /// `model` with the checkpoint's tensors outside the shards (the ranks' `rest-N.bpk`: buffers, a
     /// quantized base, the parameters a gathering strategy kept there): for ranks that read
     /// their own ranges of the parameters.
     pub fn load_rest<M: Module>(&self, model: M) -> Result<M> {
@@ -360,7 +381,7 @@ impl Sharded {
     }
 
     /// Checks that `model` takes the checkpoint's weights (names and shapes) without reading
-    /// the shards' values: every tensor of the model is in `rest.bpk` or a shard, in its
+    /// the shards' values: every tensor of the model is in a `rest-N.bpk` or a shard, in its
     /// shape, and nothing else is.
     pub fn fits_model<M: Module>(&self, model: M) -> Result<()> {
         let model = self.load_rest(model)?;
@@ -379,16 +400,27 @@ impl Sharded {
     }
 
     fn load<M: Module>(&self, model: M, params: bool) -> Result<M> {
-        let rest = self.dir.join(REST_FILE);
+        let mut all = Vec::new();
+        let mut named = std::collections::BTreeSet::new();
+        for rest in &self.rests {
+            let corrupt = |e: &dyn std::fmt::Display| {
+                Error::checkpoint(format!(
+                    "{}: corrupt model weights: {}",
+                    rest.display(),
+                    one_line(e)
+                ))
+            };
+            let reader = Reader::from_file(rest).map_err(|e| corrupt(&e))?;
+            named.extend(reader.tensor_names().into_iter().map(String::from));
+            all.extend(reader.into_tensors().map_err(|e| corrupt(&e))?);
+        }
         let corrupt = |e: &dyn std::fmt::Display| {
             Error::checkpoint(format!(
                 "{}: corrupt model weights: {}",
-                rest.display(),
+                self.dir.display(),
                 one_line(e)
             ))
         };
-        let reader = Reader::from_file(&rest).map_err(|e| corrupt(&e))?;
-        let mut all = reader.into_tensors().map_err(|e| corrupt(&e))?;
         let mut held = Vec::new();
         for (name, piece) in &self.tensors {
             if name.contains(':') {
@@ -418,13 +450,7 @@ impl Sharded {
             Vec::new()
         } else {
             // Without the shards' values, a tensor of the model must still be in one place.
-            let have: std::collections::BTreeSet<String> = Reader::from_file(&rest)
-                .map_err(|e| corrupt(&e))?
-                .tensor_names()
-                .into_iter()
-                .map(String::from)
-                .chain(held)
-                .collect();
+            let have: std::collections::BTreeSet<String> = named.into_iter().chain(held).collect();
             crate::params::float_shapes(&model)
                 .into_iter()
                 .map(|(path, _)| path)

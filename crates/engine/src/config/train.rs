@@ -75,7 +75,7 @@ pub struct TrainConfig {
     /// How a checkpoint is written: `"gathered"` — the whole model and optimizer state
     /// gathered and written by rank 0 (`model.bpk`, `optimizer.bpk`) — or `"sharded"` — each
     /// rank writes the state it holds (its ZeRO shard, or its equal part of what replicas
-    /// hold) in parallel, the step waiting only for a copy of it (`rank-N.bin`, `rest.bpk`).
+    /// hold) in parallel, the step waiting only for a copy of it (`rank-N.bin`, `rest-N.bpk`).
     /// Either resumes under any strategy and world size. Default "gathered".
     pub checkpoint_format: CheckpointFormat,
     /// Clip gradients to this global L2 norm. Default: unset (no clipping).

@@ -9,7 +9,7 @@ mod fused;
 mod share;
 
 pub use flat::{FlatOptimizer, OptimState, Scalars};
-pub use share::{Lead, Piece, Share, Source, optim_tensor, param_dtypes, rest_record};
+pub use share::{Piece, Share, Source, optim_tensor, param_dtypes, rest_record, tensor_ids};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::decay::WeightDecayConfig;

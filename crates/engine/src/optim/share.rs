@@ -50,25 +50,21 @@ pub struct Piece {
     pub at: usize,
 }
 
-/// What rank 0 adds to its share: the model's tensors that no piece holds (buffers, a
-/// quantized base, integer tensors) and every optimizer's kind and scalars.
-pub struct Lead {
-    /// The record of the model's tensors outside the pieces.
-    pub rest: ModuleRecord,
-    /// `(group, kind, scalars)` of every optimizer (`""`: the model's one optimizer).
-    pub optimizers: Vec<(String, OptimizerKind, Scalars)>,
-}
-
 /// One rank's share of a sharded checkpoint: its pieces over host buffers (a copy taken on
-/// the step's thread: the write goes on while the steps do), and on rank 0 the [`Lead`].
+/// the step's thread: the write goes on while the steps do), the model's tensors it writes
+/// outside the pieces, and on rank 0 every optimizer's kind and scalars.
 #[derive(Default)]
 pub struct Share {
     /// The values, copied to the host.
     pub buffers: Vec<Vec<f32>>,
     /// Which tensor ranges the buffers hold.
     pub pieces: Vec<Piece>,
-    /// Rank 0's part.
-    pub lead: Option<Lead>,
+    /// The record of the model's tensors this rank writes whole (buffers, a quantized base,
+    /// integer tensors, the parameters of a strategy that gathers them): rank 0's, or each
+    /// pipeline stage's own.
+    pub rest: Option<ModuleRecord>,
+    /// `(group, kind, scalars)` of every optimizer (`""`: the model's one optimizer), on rank 0.
+    pub optimizers: Option<Vec<(String, OptimizerKind, Scalars)>>,
 }
 
 impl Share {
@@ -109,7 +105,7 @@ impl Share {
 
     /// The share of a rank that holds the whole model and every optimizer's canonical state
     /// (what a strategy that gathers them gives): every trained parameter and optimizer leaf
-    /// whole, and the rest of the model in the [`Lead`].
+    /// whole, and the rest of the model.
     pub fn whole<M: Module>(model: M, states: Vec<(String, OptimState)>) -> Self {
         let mut share = Share::default();
         let trained = trained_tensors(&model);
@@ -130,10 +126,8 @@ impl Share {
             }
             optimizers.push((group, state.kind, state.scalars));
         }
-        share.lead = Some(Lead {
-            rest: rest_record(model, &trained_ids),
-            optimizers,
-        });
+        share.rest = Some(rest_record(model, &trained_ids));
+        share.optimizers = Some(optimizers);
         share
     }
 
@@ -167,6 +161,11 @@ pub fn rest_record<M: Module>(model: M, held: &[ParamId]) -> ModuleRecord {
         .filter(|id| !held.contains(id))
         .collect();
     model.into_record_group(ParamGroup::from_ids(rest))
+}
+
+/// The ids of every tensor of `module` (float, integer and boolean), in module order.
+pub fn tensor_ids<M: Module>(module: &M) -> Vec<ParamId> {
+    all_ids(module)
 }
 
 /// The float dtype of each float parameter of `module`, by id.

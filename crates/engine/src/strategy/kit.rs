@@ -18,7 +18,7 @@ use crate::comm::{Collective, ReduceOp};
 use crate::config::ReduceDtype;
 use crate::error::{Error, Result};
 use crate::exec::{Pass, Recompute};
-use crate::optim::{FlatOptimizer, Lead, OptimState, Share, Source, optim_tensor, rest_record};
+use crate::optim::{FlatOptimizer, OptimState, Share, Source, optim_tensor, rest_record};
 use crate::params::{
     Entry, FlatLayout, collect_floats, has_buffers, host_f32, replace_floats, sync_running_state,
 };
@@ -531,22 +531,7 @@ impl<'a> RankKit<'a> {
         if self.layout.shards > 1 {
             return flat;
         }
-        let dtype = crate::params::float_dtype(flat.dtype());
-        let device = flat.device();
-        let mut parts = Vec::with_capacity(layout.units.len() * 2);
-        let mut base = 0;
-        for (u, unit) in layout.units.iter().enumerate() {
-            let piece = layout.piece_range(u, rank);
-            let (lo, hi) = (piece.start.min(unit.len), piece.end.min(unit.len));
-            if hi > lo {
-                parts.push(flat.clone().slice(base + lo..base + hi));
-            }
-            if piece.len() > hi - lo {
-                parts.push(Tensor::<1>::zeros([piece.len() - (hi - lo)], &device).cast(dtype));
-            }
-            base += unit.len;
-        }
-        cat_or_empty(parts, dtype, &device)
+        part_of(flat, layout, rank)
     }
 
     /// This rank's share of a sharded checkpoint of parameter group `group` (`""`: the
@@ -607,10 +592,8 @@ impl<'a> RankKit<'a> {
         scalars: crate::optim::Scalars,
     ) {
         if self.rank() == 0 {
-            share.lead = Some(Lead {
-                rest: rest_record(model, held),
-                optimizers: vec![(group.to_string(), self.optimizer.kind(), scalars)],
-            });
+            share.rest = Some(rest_record(model, held));
+            share.optimizers = Some(vec![(group.to_string(), self.optimizer.kind(), scalars)]);
         }
     }
 
@@ -688,6 +671,27 @@ impl<'a> RankKit<'a> {
     pub fn master_bytes(&self, n: usize) -> usize {
         self.policy.master_bytes(n)
     }
+}
+
+/// Shard `rank` of `layout` (laid out as [`FlatLayout::cut`] lays it out, zeros as padding)
+/// from `flat`, the whole space of `layout`'s units (unpadded), on the device.
+pub(crate) fn part_of(flat: Tensor<1>, layout: &FlatLayout, rank: usize) -> Tensor<1> {
+    let dtype = crate::params::float_dtype(flat.dtype());
+    let device = flat.device();
+    let mut parts = Vec::with_capacity(layout.units.len() * 2);
+    let mut base = 0;
+    for (u, unit) in layout.units.iter().enumerate() {
+        let piece = layout.piece_range(u, rank);
+        let (lo, hi) = (piece.start.min(unit.len), piece.end.min(unit.len));
+        if hi > lo {
+            parts.push(flat.clone().slice(base + lo..base + hi));
+        }
+        if piece.len() > hi - lo {
+            parts.push(Tensor::<1>::zeros([piece.len() - (hi - lo)], &device).cast(dtype));
+        }
+        base += unit.len;
+    }
+    cat_or_empty(parts, dtype, &device)
 }
 
 /// A function of the gradient giving the global sum of squares.

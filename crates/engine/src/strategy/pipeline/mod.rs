@@ -30,6 +30,7 @@ mod flush;
 pub mod partition;
 mod rules;
 pub mod schedule;
+mod shares;
 mod stage;
 mod step;
 mod timeline;

@@ -14,7 +14,7 @@ use crate::comm::ReduceOp;
 use crate::config::name_of;
 use crate::error::Result;
 use crate::optim::OptimState;
-use crate::params::{buffers_with_ids, frozen_with_ids, host_f32, replace_floats, set_frozen};
+use crate::params::{frozen_with_ids, host_f32, set_frozen};
 use crate::precision::LossScaler;
 use crate::strategy::kit::Norm;
 use crate::strategy::memory::Memory;
@@ -92,29 +92,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
     }
 
     fn full_model(&mut self) -> Result<M> {
-        // Buffers: each comes from the stage that holds its block, averaged over replicas.
-        crate::params::sync_running_state(&self.model);
-        let buffers = buffers_with_ids(&self.model);
-        if !buffers.is_empty() {
-            let mut values = Vec::new();
-            for (id, v) in &buffers {
-                let owner = self.block_of.get(id).map_or(0, |b| self.stage_of_block(*b));
-                if owner == self.stage {
-                    values.extend_from_slice(v);
-                } else {
-                    values.extend(std::iter::repeat_n(0.0, v.len()));
-                }
-            }
-            self.kit
-                .timed(|comm| comm.all_reduce(&mut values, ReduceOp::Sum))?;
-            if self.replicas > 1 {
-                let inv = self.replicas as f32;
-                for x in &mut values {
-                    *x /= inv;
-                }
-            }
-            self.model = replace_floats(self.model.clone(), false, values, &self.kit.device);
-        }
+        self.settle_buffers()?;
         let mut full = self.model.clone();
         // Frozen parameters: each from the stage that keeps it.
         if !self.frozen.is_empty() {
@@ -209,6 +187,19 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
         self.kit.optimizer.import(parts, state.scalars.clone())?;
         self.kit.memory.optim.set(self.kit.optimizer.state_bytes());
         Ok(())
+    }
+
+    fn checkpoint_share(&mut self) -> Result<crate::optim::Share> {
+        self.settle_buffers()?;
+        Ok(self.share())
+    }
+
+    fn load_optimizer_shards(
+        &mut self,
+        source: &dyn crate::optim::Source,
+        groups: &[String],
+    ) -> Result<()> {
+        crate::strategy::replica::load_one_optimizer(&mut self.kit, source, groups)
     }
 
     fn check_replicas(&mut self, step: usize) -> Result<()> {
