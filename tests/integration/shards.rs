@@ -15,20 +15,35 @@ use crate::gpt::{gpt_config, text_file};
 /// Samples per step: every world below divides it.
 const SAMPLES: usize = 12;
 
-/// A mesh a run trains on: the strategy, its devices, and its own settings.
+/// A mesh a run trains on: the strategy, its devices, the tensor-parallel groups' size, and
+/// its own settings.
 #[derive(Clone, Copy, Debug)]
 struct Mesh {
     strategy: &'static str,
     devices: usize,
+    tp: usize,
 }
 
 impl Mesh {
     const fn of(strategy: &'static str, devices: usize) -> Self {
-        Self { strategy, devices }
+        Self {
+            strategy,
+            devices,
+            tp: 1,
+        }
+    }
+
+    const fn tp(strategy: &'static str, devices: usize, tp: usize) -> Self {
+        Self {
+            strategy,
+            devices,
+            tp,
+        }
     }
 
     fn overrides(&self, format: &str) -> Vec<String> {
         let mut o = vec![
+            format!("parallel.tp={}", self.tp),
             format!("hardware.devices={}", self.devices),
             format!("strategy.name={:?}", self.strategy),
             format!("train.checkpoint_format={format:?}"),
@@ -52,7 +67,7 @@ impl Mesh {
             ]);
         } else {
             o.extend([
-                format!("train.batch_size={}", SAMPLES / self.devices),
+                format!("train.batch_size={}", SAMPLES * self.tp / self.devices),
                 "pipeline.stages=1".into(),
                 "pipeline.microbatches=1".into(),
             ]);
@@ -113,12 +128,12 @@ fn assert_same_bits(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
 
 /// From each mesh to another — zero3 × 4 → single, single → zero3 × 4, ddp × 2 → zero2 × 3,
 /// a pipeline of 2 stages → zero3 × 2, 2 stages × 2 replicas → ddp × 2 and back from zero2 ×
-/// 3 — the run resumed from step 4's sharded checkpoint ends
+/// 3, dp 2 × tp 2 → single and zero3 × 2 → tp 2 — the run resumed from step 4's sharded checkpoint ends
 /// with the parameters, bit for bit, of the same resume from the gathered checkpoint of the
 /// same step (which the runs wrote alike: the format changes no number), and its losses are
 /// the uninterrupted run's within 1e-5 (across worlds the sums run in another order). On the
-/// same mesh (zero3 × 2, and a pipeline whose stages each wrote their own units) the resume is
-/// the uninterrupted run bit for bit.
+/// same mesh (zero3 × 2, a pipeline whose stages each wrote their own units, zero1 × 2 × tp 2
+/// whose ranks each wrote their parts) the resume is the uninterrupted run bit for bit.
 #[test]
 fn sharded_checkpoints_resume_across_meshes_as_gathered_ones_do_bit_for_bit() {
     let dir = temp_dir("shards-resume");
@@ -132,6 +147,9 @@ fn sharded_checkpoints_resume_across_meshes_as_gathered_ones_do_bit_for_bit() {
         (Mesh::of("zero2", 3), Mesh::of("pipeline", 4)),
         (Mesh::of("zero3", 2), Mesh::of("zero3", 2)),
         (Mesh::of("pipeline", 4), Mesh::of("pipeline", 4)),
+        (Mesh::tp("ddp", 4, 2), Mesh::of("single", 1)),
+        (Mesh::of("zero3", 2), Mesh::tp("ddp", 2, 2)),
+        (Mesh::tp("zero1", 4, 2), Mesh::tp("zero1", 4, 2)),
     ];
     for (from, to) in pairs {
         let tag = format!(
@@ -145,6 +163,13 @@ fn sharded_checkpoints_resume_across_meshes_as_gathered_ones_do_bit_for_bit() {
                 && !kiln::checkpoint::is_sharded(&kiln::checkpoint::step_dir(&gathered, 4)),
             "{tag}: the formats asked for"
         );
+        if from.tp > 1 {
+            // Rank 1 wrote its parts of the cut tensors, not the whole.
+            let index =
+                kiln::checkpoint::step_dir(&sharded, 4).join(kiln::checkpoint::index_file(1));
+            let index = std::fs::read_to_string(index).unwrap();
+            assert!(index.contains("#1/2"), "{tag}: {index}");
+        }
         assert_same_bits(
             &checkpoint_params(&sharded, 4),
             &checkpoint_params(&gathered, 4),
@@ -173,7 +198,7 @@ fn sharded_checkpoints_resume_across_meshes_as_gathered_ones_do_bit_for_bit() {
         }
         let d = max_relative_diff(&s, &final_params(&sharded));
         println!("{tag}: parameters against the uninterrupted run: {d:e}");
-        if from.strategy == to.strategy && from.devices == to.devices {
+        if from.strategy == to.strategy && from.devices == to.devices && from.tp == to.tp {
             assert_same_bits(&s, &final_params(&sharded), &format!("{tag}: same mesh"));
         }
     }

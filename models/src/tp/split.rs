@@ -13,7 +13,8 @@ use burn::prelude::*;
 use super::ops::{copy_to_group, reduce_from_group};
 
 /// How a parameter is held over a tensor-parallel group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Split {
     /// Whole on every rank (a norm's scale, a row-parallel Linear's bias), its gradient the
     /// same on every rank.

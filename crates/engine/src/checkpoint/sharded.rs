@@ -29,7 +29,7 @@ use super::manifest::{
 use crate::config::{OptimizerKind, name_of, one_line};
 use crate::error::{Error, Result};
 use crate::files::{write_atomic, write_synced};
-use crate::optim::{OptimState, Scalars, Share, Source, optim_tensor};
+use crate::optim::{Cut, OptimState, Scalars, Share, Source, optim_tensor};
 use crate::params::FlatLayout;
 use crate::state::LoopState;
 
@@ -75,6 +75,9 @@ struct StoredPiece {
     len: usize,
     /// Byte offset of its values in the rank's file.
     offset: u64,
+    /// The tensor-parallel part it is of a cut tensor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cut: Option<Cut>,
 }
 
 fn dtype_name(dtype: FloatDType) -> &'static str {
@@ -126,6 +129,7 @@ pub fn write_share(dir: &Path, rank: usize, world: usize, share: Share) -> Resul
             start: p.start,
             len: p.len,
             offset,
+            cut: p.cut.clone(),
         });
         offset += p.len as u64 * 4;
     }
@@ -275,6 +279,16 @@ struct Held {
     dtype: FloatDType,
     /// `(file, start, len, byte offset)`, by start.
     pieces: Vec<(usize, usize, usize, u64)>,
+    /// The tensor-parallel part it is, if it is one.
+    cut: Option<Cut>,
+}
+
+/// A tensor a tensor-parallel group wrote in parts: each part's name, by the rank's place.
+#[derive(Debug, Clone)]
+struct Parts {
+    shape: Vec<usize>,
+    split: kiln_models::tp::Split,
+    names: Vec<Option<String>>,
 }
 
 /// A sharded checkpoint opened for reading: the manifest's optimizers and every rank's index;
@@ -287,6 +301,10 @@ pub struct Sharded {
     /// The ranks' records of the model's tensors outside the pieces.
     rests: Vec<PathBuf>,
     tensors: BTreeMap<String, Held>,
+    /// The tensors held as tensor-parallel parts, by their whole name.
+    parts: BTreeMap<String, Parts>,
+    /// The last tensor put together from its parts.
+    assembled: std::sync::Mutex<Option<(String, std::sync::Arc<Vec<f32>>)>>,
     optimizers: Vec<(String, OptimizerKind, Scalars)>,
 }
 
@@ -323,6 +341,7 @@ impl Sharded {
                     id: p.id,
                     dtype,
                     pieces: Vec::new(),
+                    cut: p.cut.clone(),
                 });
                 held.pieces.push((file, p.start, p.len, p.offset));
             }
@@ -330,6 +349,20 @@ impl Sharded {
         }
         for held in tensors.values_mut() {
             held.pieces.sort_by_key(|p| p.1);
+        }
+        let mut parts: BTreeMap<String, Parts> = BTreeMap::new();
+        for (name, held) in &tensors {
+            let (Some(cut), Some((whole, _))) = (&held.cut, name.rsplit_once('#')) else {
+                continue;
+            };
+            let entry = parts.entry(whole.to_string()).or_insert_with(|| Parts {
+                shape: cut.whole.clone(),
+                split: cut.split,
+                names: vec![None; cut.of],
+            });
+            if let Some(slot) = entry.names.get_mut(cut.index) {
+                *slot = Some(name.clone());
+            }
         }
         let mut optimizers = Vec::with_capacity(info.optimizers.len());
         for o in info.optimizers {
@@ -352,8 +385,71 @@ impl Sharded {
             files,
             rests,
             tensors,
+            parts,
+            assembled: std::sync::Mutex::new(None),
             optimizers,
         })
+    }
+
+    /// The whole tensors it holds, by name: those written whole and those a tensor-parallel
+    /// group wrote in parts.
+    fn names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self
+            .tensors
+            .iter()
+            .filter(|(_, h)| h.cut.is_none())
+            .map(|(n, _)| n.as_str())
+            .chain(self.parts.keys().map(String::as_str))
+            .collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// The dtype and id a whole tensor is restored with.
+    fn kept_as(&self, name: &str) -> Option<(FloatDType, Option<u64>)> {
+        let held = match self.tensors.get(name) {
+            Some(held) => held,
+            None => {
+                let first = self.parts.get(name)?.names.iter().flatten().next()?;
+                self.tensors.get(first)?
+            }
+        };
+        Some((held.dtype, held.id))
+    }
+
+    /// A tensor written in parts, put back together (the last one is kept for the next read).
+    fn assemble(&self, name: &str, parts: &Parts) -> Result<std::sync::Arc<Vec<f32>>> {
+        let mut kept = self.assembled.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((kept_name, values)) = kept.as_ref()
+            && kept_name == name
+        {
+            return Ok(values.clone());
+        }
+        let mut values = Vec::with_capacity(parts.names.len());
+        let mut part_shape = Vec::new();
+        for (i, part) in parts.names.iter().enumerate() {
+            let part = part.as_ref().ok_or_else(|| {
+                Error::checkpoint(format!(
+                    "{}: no shard holds part {i} of {} of tensor `{name}`",
+                    self.dir.display(),
+                    parts.names.len()
+                ))
+            })?;
+            let held = &self.tensors[part];
+            part_shape = held.shape.clone();
+            let n: usize = held.shape.iter().product();
+            values.push(self.read(part, 0..n)?);
+        }
+        let (whole, _) = kiln_models::tp::whole_of_values(&values, &part_shape, parts.split)
+            .map_err(|e| {
+                Error::checkpoint(format!(
+                    "{}: tensor `{name}`'s parts do not make it whole: {e}",
+                    self.dir.display()
+                ))
+            })?;
+        let whole = std::sync::Arc::new(whole);
+        *kept = Some((name.to_string(), whole.clone()));
+        Ok(whole)
     }
 
     /// The ranks that wrote it.
@@ -386,13 +482,12 @@ impl Sharded {
     pub fn fits_model<M: Module>(&self, model: M) -> Result<()> {
         let model = self.load_rest(model)?;
         for (path, shape) in crate::params::float_shapes(&model) {
-            if let Some(held) = self.tensors.get(&path)
-                && held.shape != shape
+            if let Some(held) = self.shape(&path)
+                && held != shape
             {
                 return Err(Error::checkpoint(format!(
-                    "{}: tensor `{path}` has shape {:?}, the model's {shape:?}",
+                    "{}: tensor `{path}` has shape {held:?}, the model's {shape:?}",
                     self.dir.display(),
-                    held.shape
                 )));
             }
         }
@@ -422,24 +517,25 @@ impl Sharded {
             ))
         };
         let mut held = Vec::new();
-        for (name, piece) in &self.tensors {
+        for name in self.names() {
             if name.contains(':') {
                 continue;
             }
-            held.push(name.clone());
+            held.push(name.to_string());
             if !params {
                 continue;
             }
-            let n: usize = piece.shape.iter().product();
+            let shape = self.shape(name).expect("a tensor it names");
+            let (dtype, id) = self.kept_as(name).expect("a tensor it names");
+            let n: usize = shape.iter().product();
             let values = self.read(name, 0..n)?;
-            let data = TensorData::new(values, piece.shape.clone())
-                .convert_dtype(DType::from(piece.dtype));
+            let data = TensorData::new(values, shape).convert_dtype(DType::from(dtype));
             let (bytes, shape, dtype) = data.into_parts();
             all.push(burn_pack::Tensor::new(
-                name.clone(),
+                name.to_string(),
                 dtype,
                 shape,
-                piece.id,
+                id,
                 bytes,
             ));
         }
@@ -484,7 +580,7 @@ impl Sharded {
         for leaf in &leaves {
             for e in &layout.entries {
                 let name = optim_tensor(group, leaf, &e.path);
-                match self.tensors.get(&name) {
+                match self.shape(&name) {
                     None => {
                         return Err(Error::checkpoint(format!(
                             "{}: the optimizer state has no {leaf:?} for parameter `{}`: it \
@@ -493,13 +589,13 @@ impl Sharded {
                             e.path
                         )));
                     }
-                    Some(held) if held.shape != e.shape => {
+                    Some(shape) if shape != e.shape => {
                         return Err(Error::checkpoint(format!(
                             "{}: the optimizer state of parameter `{}` has shape {:?}, the \
                              model's parameter {:?}",
                             self.dir.display(),
                             e.path,
-                            held.shape,
+                            shape,
                             e.shape
                         )));
                     }
@@ -507,7 +603,7 @@ impl Sharded {
                 }
             }
         }
-        for name in self.tensors.keys() {
+        for name in self.names() {
             let Some((_, path)) = name
                 .strip_prefix(prefix)
                 .and_then(|r| r.strip_prefix(':'))
@@ -544,6 +640,21 @@ impl Sharded {
 
 impl Source for Sharded {
     fn read(&self, tensor: &str, range: Range<usize>) -> Result<Vec<f32>> {
+        if !self.tensors.contains_key(tensor)
+            && let Some(parts) = self.parts.get(tensor)
+        {
+            let whole = self.assemble(tensor, parts)?;
+            return whole
+                .get(range.clone())
+                .map(<[f32]>::to_vec)
+                .ok_or_else(|| {
+                    Error::checkpoint(format!(
+                        "{}: tensor `{tensor}` has {} elements, not {range:?}",
+                        self.dir.display(),
+                        whole.len()
+                    ))
+                });
+        }
         let held = self.tensors.get(tensor).ok_or_else(|| {
             Error::checkpoint(format!(
                 "{}: no shard holds tensor `{tensor}`: it was saved for another model",
@@ -575,7 +686,14 @@ impl Source for Sharded {
     }
 
     fn holds(&self, tensor: &str) -> bool {
-        self.tensors.contains_key(tensor)
+        self.tensors.contains_key(tensor) || self.parts.contains_key(tensor)
+    }
+
+    fn shape(&self, tensor: &str) -> Option<Vec<usize>> {
+        match self.tensors.get(tensor) {
+            Some(held) => Some(held.shape.clone()),
+            None => self.parts.get(tensor).map(|p| p.shape.clone()),
+        }
     }
 
     fn optimizer(&self, group: &str) -> Option<(OptimizerKind, Scalars)> {
@@ -589,8 +707,8 @@ impl Source for Sharded {
         let prefix = optim_tensor(group, "", "");
         let prefix = prefix.trim_end_matches(':');
         let mut leaves: Vec<String> = self
-            .tensors
-            .keys()
+            .names()
+            .into_iter()
             .filter_map(|name| {
                 let (leaf, _) = name
                     .strip_prefix(prefix)?
@@ -619,7 +737,7 @@ impl Source for Sharded {
         let prefix = optim_tensor(group, "", "");
         let prefix = prefix.trim_end_matches(':');
         let mut tensors = Vec::new();
-        for (name, held) in &self.tensors {
+        for name in self.names() {
             let Some((leaf, path)) = name
                 .strip_prefix(prefix)
                 .and_then(|r| r.strip_prefix(':'))
@@ -627,11 +745,12 @@ impl Source for Sharded {
             else {
                 continue;
             };
-            let n: usize = held.shape.iter().product();
+            let shape = self.shape(name).expect("a tensor it names");
+            let n: usize = shape.iter().product();
             tensors.push((
                 path.to_string(),
                 leaf.to_string(),
-                held.shape.clone(),
+                shape,
                 self.read(name, 0..n)?,
             ));
         }

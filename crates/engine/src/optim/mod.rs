@@ -9,7 +9,10 @@ mod fused;
 mod share;
 
 pub use flat::{FlatOptimizer, OptimState, Scalars};
-pub use share::{Piece, Share, Source, optim_tensor, param_dtypes, rest_record, tensor_ids};
+pub use share::{
+    Cut, Piece, Share, Source, optim_tensor, param_dtypes, part_name, path_of, rest_record,
+    tensor_ids,
+};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::decay::WeightDecayConfig;

@@ -48,6 +48,36 @@ pub struct Piece {
     pub buffer: usize,
     /// Where its values start in that buffer.
     pub at: usize,
+    /// The part of a tensor cut over a tensor-parallel group that `tensor` is (its name then
+    /// [`part_name`]'s), when it is one.
+    pub cut: Option<Cut>,
+}
+
+/// A tensor-parallel rank's part of a cut tensor, as a sharded checkpoint keeps it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Cut {
+    /// The rank's place in its group.
+    pub index: usize,
+    /// The group's size.
+    pub of: usize,
+    /// How the whole is cut.
+    pub split: kiln_models::tp::Split,
+    /// The whole tensor's shape.
+    pub whole: Vec<usize>,
+}
+
+/// The name a sharded checkpoint gives part `index` of `of` of tensor `tensor`.
+pub fn part_name(tensor: &str, index: usize, of: usize) -> String {
+    format!("{tensor}#{index}/{of}")
+}
+
+/// The module path a checkpoint tensor's name holds (a parameter's own, or the parameter
+/// whose optimizer state leaf it is).
+pub fn path_of(tensor: &str) -> &str {
+    match tensor.split_once(':') {
+        Some((_, rest)) => rest.split_once(':').map_or(rest, |(_, path)| path),
+        None => tensor,
+    }
 }
 
 /// One rank's share of a sharded checkpoint: its pieces over host buffers (a copy taken on
@@ -93,6 +123,7 @@ impl Share {
                 len: span.within.len(),
                 buffer,
                 at: span.at,
+                cut: None,
             });
         }
         self.buffers.push(values);
@@ -148,6 +179,7 @@ impl Share {
             len: v.len(),
             buffer: self.buffers.len(),
             at: 0,
+            cut: None,
         });
         self.buffers.push(v);
     }
@@ -245,8 +277,11 @@ pub trait Source: Sync {
     /// The values of `range` of the flattened `tensor`; an error names the checkpoint's file
     /// and what is missing or damaged.
     fn read(&self, tensor: &str, range: Range<usize>) -> Result<Vec<f32>>;
-    /// Whether the checkpoint holds ranges of `tensor`.
+    /// Whether the checkpoint holds `tensor` (as itself or as a tensor-parallel group's
+    /// parts).
     fn holds(&self, tensor: &str) -> bool;
+    /// The whole shape of `tensor`, if the checkpoint holds it.
+    fn shape(&self, tensor: &str) -> Option<Vec<usize>>;
     /// The kind and scalars of parameter group `group`'s optimizer (`""`: the model's one),
     /// `None` when the checkpoint holds no state for it.
     fn optimizer(&self, group: &str) -> Option<(OptimizerKind, Scalars)>;

@@ -24,7 +24,7 @@ use super::rules::{Dimension, Setup};
 use super::step::{Report, Strategy};
 use crate::comm::{Collective, ReduceOp};
 use crate::error::{Error, Result};
-use crate::optim::OptimState;
+use crate::optim::{Cut, OptimState, Share, Source, part_name, path_of};
 use crate::precision::LossScaler;
 
 /// The tensor dimension of the mesh (`parallel.tp`): groups of neighbouring ranks that each
@@ -171,6 +171,98 @@ impl TpPlace<'_> {
     }
 }
 
+/// A sharded checkpoint as a rank of a tensor-parallel group reads it: each cut tensor is the
+/// rank's part of it (its own part when the checkpoint was written by a group of this size,
+/// else cut from the whole the parts make).
+struct PartsOf<'s, 'a> {
+    source: &'s dyn Source,
+    place: &'s TpPlace<'a>,
+}
+
+impl PartsOf<'_, '_> {
+    fn place(&self) -> (usize, usize) {
+        (self.place.comm.rank(), self.place.comm.world_size())
+    }
+
+    /// Tensor `tensor`'s part on this rank, whole.
+    fn part(&self, tensor: &str, split: Split) -> Result<Vec<f32>> {
+        let (index, of) = self.place();
+        let own = part_name(tensor, index, of);
+        if let Some(shape) = self.source.shape(&own) {
+            return self.source.read(&own, 0..shape.iter().product());
+        }
+        let shape = self.source.shape(tensor).ok_or_else(|| {
+            Error::checkpoint(format!("the checkpoint holds no tensor `{tensor}`"))
+        })?;
+        let whole = self.source.read(tensor, 0..shape.iter().product())?;
+        part_of_values(&whole, &shape, split, index, of)
+            .map(|(part, _)| part)
+            .map_err(|e| {
+                Error::checkpoint(format!(
+                    "the checkpoint's `{tensor}` cannot be cut over {of} tensor-parallel ranks: \
+                     {e}"
+                ))
+            })
+    }
+}
+
+impl Source for PartsOf<'_, '_> {
+    fn read(&self, tensor: &str, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        let split = self.place.split_of(path_of(tensor));
+        if !split.is_cut() {
+            return self.source.read(tensor, range);
+        }
+        let part = self.part(tensor, split)?;
+        part.get(range.clone()).map(<[f32]>::to_vec).ok_or_else(|| {
+            Error::checkpoint(format!(
+                "the checkpoint's part of `{tensor}` has {} elements, not {range:?}",
+                part.len()
+            ))
+        })
+    }
+
+    fn holds(&self, tensor: &str) -> bool {
+        self.source.holds(tensor)
+    }
+
+    fn shape(&self, tensor: &str) -> Option<Vec<usize>> {
+        let mut shape = self.source.shape(tensor)?;
+        if let Some(dim) = self.place.split_of(path_of(tensor)).cut_dim() {
+            shape[dim] /= self.place().1;
+        }
+        Some(shape)
+    }
+
+    fn optimizer(
+        &self,
+        group: &str,
+    ) -> Option<(crate::config::OptimizerKind, crate::optim::Scalars)> {
+        self.source.optimizer(group)
+    }
+
+    fn leaves(&self, group: &str) -> Vec<String> {
+        self.source.leaves(group)
+    }
+
+    fn canonical(&self, group: &str) -> Result<OptimState> {
+        let mut state = self.source.canonical(group)?;
+        let (index, of) = self.place();
+        for (path, leaf, shape, values) in &mut state.tensors {
+            let split = self.place.split_of(path);
+            let (part, part_shape) =
+                part_of_values(values, shape, split, index, of).map_err(|e| {
+                    Error::checkpoint(format!(
+                        "the optimizer state's `{path}` ({leaf}) cannot be cut over {of} \
+                         tensor-parallel ranks: {e}"
+                    ))
+                })?;
+            *values = part;
+            *shape = part_shape;
+        }
+        Ok(state)
+    }
+}
+
 /// One rank of a tensor-parallel group around the strategy that steps its part.
 pub(crate) struct TpRank<'a, M, B> {
     inner: Box<dyn Strategy<M, B> + 'a>,
@@ -294,6 +386,49 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
             *shape = part_shape;
         }
         self.inner.load_optimizer_state(&mine)
+    }
+
+    fn checkpoint_share(&mut self) -> Result<Share>
+    where
+        M: burn::module::Module,
+    {
+        let (index, of) = (self.place.comm.rank(), self.place.comm.world_size());
+        let mut share = self.inner.checkpoint_share()?;
+        let mut kept = Vec::with_capacity(share.pieces.len());
+        for mut piece in std::mem::take(&mut share.pieces) {
+            let split = self.place.split_of(path_of(&piece.tensor));
+            match split.cut_dim() {
+                Some(dim) => {
+                    let mut whole = piece.shape.clone();
+                    whole[dim] *= of;
+                    piece.cut = Some(Cut {
+                        index,
+                        of,
+                        split,
+                        whole,
+                    });
+                    piece.tensor = part_name(&piece.tensor, index, of);
+                    kept.push(piece);
+                }
+                // Whole on every rank of the group: its first writes it.
+                None if index == 0 => kept.push(piece),
+                None => {}
+            }
+        }
+        share.pieces = kept;
+        if index != 0 {
+            share.rest = None;
+            share.optimizers = None;
+        }
+        Ok(share)
+    }
+
+    fn load_optimizer_shards(&mut self, source: &dyn Source, groups: &[String]) -> Result<()> {
+        let parts = PartsOf {
+            source,
+            place: &self.place,
+        };
+        self.inner.load_optimizer_shards(&parts, groups)
     }
 
     fn select_group(&mut self, group: usize) -> Result<()> {
