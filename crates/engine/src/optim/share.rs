@@ -129,6 +129,16 @@ impl Share {
         self.buffers.push(values);
     }
 
+    /// Adds `other`'s pieces and values to this share (its rest and optimizers are dropped).
+    pub fn merge(&mut self, other: Share) {
+        let base = self.buffers.len();
+        self.buffers.extend(other.buffers);
+        self.pieces.extend(other.pieces.into_iter().map(|p| Piece {
+            buffer: p.buffer + base,
+            ..p
+        }));
+    }
+
     /// Values of all pieces, in bytes.
     pub fn bytes(&self) -> usize {
         self.pieces.iter().map(|p| p.len * 4).sum()

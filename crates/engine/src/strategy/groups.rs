@@ -21,7 +21,7 @@ use super::replica::{Replica, accumulate, step_whole};
 use super::step::{Strategy, one_by_one};
 use crate::error::{Error, Result};
 use crate::exec::Accumulate;
-use crate::optim::OptimState;
+use crate::optim::{OptimState, Share, Source, param_dtypes, rest_record};
 use crate::params::FlatLayout;
 use crate::precision::LossScaler;
 
@@ -175,6 +175,44 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Groups<'_, M> {
                 )));
             };
             kit.load_optimizer_state(state).map_err(|e| match e {
+                Error::Checkpoint(m) => Error::checkpoint(format!("group {name:?}: {m}")),
+                other => other,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn checkpoint_share(&mut self) -> Result<Share> {
+        let model = self.replica.settled(&mut self.whole)?;
+        let dtypes = param_dtypes(&model);
+        let dtype =
+            |e: &crate::params::Entry| dtypes.get(&e.id).copied().unwrap_or(FloatDType::F32);
+        let mut share = Share::default();
+        let mut held = Vec::new();
+        let mut optimizers = Vec::with_capacity(self.kits.len());
+        for (name, kit) in self.names.iter().zip(&mut self.kits) {
+            let params = kit.shard_of(&model);
+            let (group, scalars) = kit.share(params, name, &dtype);
+            share.merge(group);
+            held.extend(kit.layout.entries.iter().map(|e| e.id));
+            optimizers.push((name.clone(), kit.optimizer.kind(), scalars));
+        }
+        held.extend(self.whole.share_frozen(&mut share, &model, &dtype));
+        if self.whole.rank() == 0 {
+            share.rest = Some(rest_record(model, &held));
+            share.optimizers = Some(optimizers);
+        }
+        Ok(share)
+    }
+
+    fn load_optimizer_shards(&mut self, source: &dyn Source, groups: &[String]) -> Result<()> {
+        for (name, kit) in self.names.iter().zip(&mut self.kits) {
+            if !groups.contains(name) {
+                return Err(Error::checkpoint(format!(
+                    "the checkpoint holds no optimizer state for parameter group {name:?}"
+                )));
+            }
+            kit.load_optimizer_from(source, name).map_err(|e| match e {
                 Error::Checkpoint(m) => Error::checkpoint(format!("group {name:?}: {m}")),
                 other => other,
             })?;
