@@ -306,9 +306,14 @@ pub fn float_dtypes<M: Module>(module: &M) -> Vec<DType> {
     dtypes.0
 }
 
-/// A tensor's values on the host as f32 (exact for bf16 and f16).
+/// A tensor's values on the host as f32 (exact for bf16 and f16): an f32 tensor's read once,
+/// its bytes kept as the vector where they can be.
 pub fn host_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().iter::<f32>().collect()
+    let data = t.into_data();
+    if data.dtype() == DType::F32 {
+        return data.try_into_vec::<f32>().expect("f32 values read as f32");
+    }
+    data.convert::<f32>().iter::<f32>().collect()
 }
 
 /// The float dtype of a tensor's `DType` (f32 for anything that is not a float).
