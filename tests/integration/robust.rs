@@ -376,6 +376,27 @@ fn a_checkpoint_that_cannot_be_written_is_one_error_and_the_last_one_stays() {
     assert_eq!(step, 2);
     kiln::checkpoint::load_optimizer(&ckpt).unwrap();
     kiln_models::load_run(&run, &Device::flex()).unwrap();
+    // Sharded on 2 devices: a rank's file past the limit is the one error, named.
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -f 32 && exec {} --resume {} --max-steps 4 --devices 2 --set \
+             train.batch_size=8 --set 'train.checkpoint_format=\"sharded\"'",
+            env!("CARGO_BIN_EXE_train"),
+            run.display()
+        ))
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: checkpoint error:") && last.contains(".bin"),
+        "{last}"
+    );
+    assert_eq!(kiln::checkpoint::latest(&run).unwrap().0, 2);
 }
 
 #[test]

@@ -425,3 +425,39 @@ fn a_pipelines_stages_write_their_own_blocks_and_buffers() {
         train_losses(&base.join("gathered-cut"))
     );
 }
+
+/// Rank 1's writer of step 4's sharded checkpoint fails (`KILN_FAULT_INJECT=1:4:fail-write`, a
+/// full disk): rank 0 stops waiting for its share at once rather than for the ten minutes it
+/// gives a slow one, the run ends with one line naming the failure, and step 2's checkpoint is
+/// the newest whole one.
+#[test]
+fn a_ranks_failed_write_ends_the_run_at_once_naming_it() {
+    let base = temp_dir("shards-fail");
+    let started = std::time::Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--run-dir", "run", "--max-steps", "8", "--devices", "2"])
+        .args(["--strategy", "zero3"])
+        .args(["--set", "train.checkpoint_format=\"sharded\""])
+        .args(["--set", "train.checkpoint_every=2"])
+        .args(["--set", "model.convnet.channels=[2, 2]"])
+        .current_dir(&base)
+        .env(kiln::trainer::FAULT_VAR, "1:4:fail-write")
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: checkpoint error:")
+            && last.contains("injected failure of rank 1's write"),
+        "{stderr}"
+    );
+    assert!(took.as_secs() < 120, "{took:?}");
+    let whole: Vec<usize> = kiln::checkpoint::list(&base.join("run"))
+        .iter()
+        .map(|c| c.0)
+        .collect();
+    assert_eq!(whole, [2]);
+}

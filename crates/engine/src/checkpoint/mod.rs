@@ -12,6 +12,7 @@
 mod integrity;
 mod manifest;
 mod optimizer;
+mod reader;
 mod sharded;
 mod store;
 
@@ -19,7 +20,8 @@ pub use crate::state::LoopState;
 pub use integrity::{Newest, Verified, newest_whole, report, verify};
 pub use manifest::{FileDigest, MODEL_FILE, OPTIM_FILE, STATE_FILE, digest};
 pub use optimizer::{load_group_optimizer, load_optimizer, optim_file, save_optimizer};
-pub use sharded::{Sharded, index_file, is_sharded, rank_file, rest_file, write_share};
+pub use reader::{Sharded, is_sharded};
+pub use sharded::{failed_file, index_file, note_failure, rank_file, rest_file, write_share};
 pub use store::{
     BEST_FILE, Best, Score, begin_sharded, check_model, finish_sharded, latest, list, load_model,
     read_best, read_state, remove_stale, save, save_record, sharded_tmp, step_dir,

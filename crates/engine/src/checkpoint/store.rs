@@ -269,16 +269,16 @@ pub fn read_state(dir: &Path) -> Result<LoopState> {
 /// Checks that `model` takes a checkpoint's weights: a gathered checkpoint's loaded, a
 /// sharded one's names and shapes (its shards' values are not read).
 pub fn check_model<M: Module>(dir: &Path, model: M) -> Result<()> {
-    if super::sharded::is_sharded(dir) {
-        return super::sharded::Sharded::open(dir)?.fits_model(model);
+    if super::reader::is_sharded(dir) {
+        return super::reader::Sharded::open(dir)?.fits_model(model);
     }
     load_model(dir, model).map(|_| ())
 }
 
 /// Loads a checkpoint's weights into `model` (gathered or sharded).
 pub fn load_model<M: Module>(dir: &Path, model: M) -> Result<M> {
-    if super::sharded::is_sharded(dir) {
-        return super::sharded::Sharded::open(dir)?.load_model(model);
+    if super::reader::is_sharded(dir) {
+        return super::reader::Sharded::open(dir)?.load_model(model);
     }
     let path = dir.join(MODEL_FILE);
     if !path.is_file() {

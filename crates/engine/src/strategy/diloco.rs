@@ -530,6 +530,22 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Islands<'_, M> {
         }))
     }
 
+    fn checkpoint_share(&mut self) -> Result<crate::optim::Share>
+    where
+        M: Module,
+    {
+        // Every rank takes part in the gathers; the first island's lead writes what they give
+        // (each island's lead holds a whole state: the others' would be written twice).
+        let model = Strategy::<M, B>::full_model(self)?;
+        let states = Strategy::<M, B>::optimizer_states(self)?;
+        Ok(match states {
+            Some(states) if self.island == 0 && self.local == 0 => {
+                crate::optim::Share::whole(model, states)
+            }
+            _ => crate::optim::Share::default(),
+        })
+    }
+
     fn load_optimizer_states(&mut self, states: &[(String, OptimState)]) -> Result<()> {
         for (name, state) in states {
             match name.as_str() {

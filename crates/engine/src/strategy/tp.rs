@@ -228,7 +228,7 @@ impl Source for PartsOf<'_, '_> {
     fn shape(&self, tensor: &str) -> Option<Vec<usize>> {
         let mut shape = self.source.shape(tensor)?;
         if let Some(dim) = self.place.split_of(path_of(tensor)).cut_dim() {
-            shape[dim] /= self.place().1;
+            *shape.get_mut(dim)? /= self.place().1;
         }
         Some(shape)
     }

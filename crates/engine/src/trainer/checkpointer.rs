@@ -175,7 +175,19 @@ impl Checkpointer {
             if let Some(delay) = super::faults::write_delay(rank, state.step) {
                 std::thread::sleep(delay);
             }
-            checkpoint::write_share(&tmp, rank, world, share)?;
+            let written = if super::faults::write_fails(rank, state.step) {
+                Err(Error::checkpoint(format!(
+                    "{}: injected failure of rank {rank}'s write ({})",
+                    tmp.join(checkpoint::rank_file(rank)).display(),
+                    super::faults::FAULT_VAR
+                )))
+            } else {
+                checkpoint::write_share(&tmp, rank, world, share)
+            };
+            if let Err(e) = written {
+                checkpoint::note_failure(&tmp, rank, &e);
+                return Err(e);
+            }
             if rank != 0 {
                 return Ok(tmp);
             }
@@ -193,7 +205,14 @@ impl Checkpointer {
                 .map_err(|e| Error::io(&self.run_dir, e))?;
             *self.writing.borrow_mut() = Some((step, writer));
         } else {
-            write()?;
+            let tmp = checkpoint::sharded_tmp(&self.run_dir, step);
+            if let Err(e) = write() {
+                // Nothing half-written stays (the run ends; the other ranks' writes fail too).
+                if rank == 0 {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                }
+                return Err(e);
+            }
             // Rank 0 has landed it: no rank goes on before.
             comm.barrier()?;
         }

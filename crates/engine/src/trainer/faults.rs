@@ -28,7 +28,8 @@ pub(super) fn is_abort_echo(e: &Error) -> bool {
 /// (`data.workers` > 0) hang or panic building that step's batch, and `rank:step:slow-write=MS`
 /// makes the rank's checkpoint writer wait MS milliseconds before writing each checkpoint from
 /// that step on (a slow disk; the run's numbers do not change; a gathered checkpoint's writer is
-/// rank 0's).
+/// rank 0's), and `rank:step:fail-write` makes the rank's writer of that step's sharded
+/// checkpoint fail (a full disk).
 pub const FAULT_VAR: &str = "KILN_FAULT_INJECT";
 
 /// The attempt of a run the launcher (`train launch`) started: 0 for the first, then one more
@@ -51,6 +52,8 @@ pub(super) enum Fault {
     LoaderPanic,
     /// The checkpoint writer waits this long before each write.
     SlowWrite(Duration),
+    /// The rank's writer of a sharded checkpoint fails (a full disk).
+    FailWrite,
 }
 
 /// How long the checkpoint writer waits before writing the checkpoint of `step`, by the
@@ -60,6 +63,11 @@ pub(super) fn write_delay(rank: usize, step: usize) -> Option<Duration> {
         (r, at, Fault::SlowWrite(d)) if r == rank && step >= at => Some(d),
         _ => None,
     }
+}
+
+/// Whether `rank`'s writer of a sharded checkpoint fails at `step`, by the injected fault.
+pub(super) fn write_fails(rank: usize, step: usize) -> bool {
+    matches!(injected_fault(), Some((r, at, Fault::FailWrite)) if r == rank && at == step)
 }
 
 /// The fault injected into `rank`'s loader threads as they build the batches of step `step`
@@ -89,6 +97,7 @@ pub(super) fn injected_fault() -> Option<(usize, usize, Fault)> {
             Some("hang") => Fault::Hang,
             Some("loader-hang") => Fault::LoaderHang,
             Some("loader-panic") => Fault::LoaderPanic,
+            Some("fail-write") => Fault::FailWrite,
             Some(write) if write.starts_with("slow-write=") => {
                 let ms = write.strip_prefix("slow-write=")?.parse().ok()?;
                 Fault::SlowWrite(Duration::from_millis(ms))

@@ -297,7 +297,8 @@ impl<W: Workload> Worker<'_, W> {
                 if *params {
                     strategy.load_param_shards(source)?;
                 }
-                strategy.load_optimizer_shards(source, groups)?
+                strategy.load_optimizer_shards(source, groups)?;
+                source.release();
             }
             None => {}
         }
