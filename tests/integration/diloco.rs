@@ -130,6 +130,30 @@ fn diloco_resumes_between_outer_steps_bit_for_bit() {
         cut.join("checkpoints/step-00000008/optimizer.diloco.bpk")
             .is_file()
     );
+    // Sharded: the first island's lead writes the islands' state (its outer loop among it),
+    // and the resume between outer steps is the uninterrupted run bit for bit.
+    let sharded = dir.join("sharded");
+    let with: Vec<&str> = extra
+        .iter()
+        .copied()
+        .chain(["train.checkpoint_format=\"sharded\""])
+        .collect();
+    run(&sharded, &text, &with);
+    let state: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(sharded.join("checkpoints/step-00000008/state.json")).unwrap(),
+    )
+    .unwrap();
+    let groups: Vec<&str> = state["sharded"]["optimizers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["group"].as_str().unwrap())
+        .collect();
+    assert_eq!(groups, ["", "diloco"], "{state}");
+    let cut = dir.join("sharded-cut");
+    resume_cut(&sharded, &cut, 8, &[]);
+    assert_eq!(train_losses(&cut), train_losses(&full));
+    assert_eq!(params(&cut), params(&full));
 }
 
 #[test]
