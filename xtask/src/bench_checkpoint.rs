@@ -86,6 +86,9 @@ struct Figures {
     wall_seconds: f64,
     /// A sharded run's rank 0: the bytes of its own state, and the seconds copying them takes.
     own: Option<(u64, f64)>,
+    /// MiB the checkpoints added to the process's heap peak (its peak at the end less its
+    /// peak as the first checkpoint began).
+    heap_added_mib: f64,
 }
 
 pub fn run(root: &Path, o: &Options) -> Result<()> {
@@ -141,10 +144,11 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 });
                 println!(
                     "  round {round} {strategy:<5} {mode:<28} stalls [{}] s, {:.1} ms/step, \
-                     {:.1} s in all{own}",
+                     {:.1} s in all, heap peak +{:.0} MiB{own}",
                     shown.join(", "),
                     f.step_seconds * 1e3,
-                    f.wall_seconds
+                    f.wall_seconds,
+                    f.heap_added_mib
                 );
                 results[s][m].push(f);
             }
@@ -156,9 +160,10 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     println!();
     println!(
         "| strategy | checkpoint | stall per checkpoint (s) | ms/step | run (s) | stall ÷ \
-         gathered on the path | rank 0's own state (MB) | copying it (s) | stall ÷ copy |"
+         gathered on the path | rank 0's own state (MB) | copying it (s) | stall ÷ copy | heap \
+         peak added (MiB) | ÷ the 2 ranks' own states |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for (s, strategy) in STRATEGIES.iter().enumerate() {
         let stall = |m: usize| {
             let all: Vec<f64> = results[s][m]
@@ -171,12 +176,19 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         for (m, (mode, _, _)) in MODES.iter().enumerate() {
             let med =
                 |f: fn(&Figures) -> f64| median(&results[s][m].iter().map(f).collect::<Vec<_>>());
+            let added = med(|f| f.heap_added_mib);
             let own = if results[s][m].iter().all(|f| f.own.is_some()) {
                 let bytes = med(|f| f.own.map_or(0.0, |o| o.0 as f64));
                 let copy = med(|f| f.own.map_or(0.0, |o| o.1));
-                format!("{:.0} | {copy:.3} | {:.2}", bytes / 1e6, stall(m) / copy)
+                let states_mib = 2.0 * bytes / (1024.0 * 1024.0);
+                format!(
+                    "{:.0} | {copy:.3} | {:.2} | {added:.0} | {:.2}",
+                    bytes / 1e6,
+                    stall(m) / copy,
+                    added / states_mib
+                )
             } else {
-                "– | – | –".to_string()
+                format!("– | – | – | {added:.0} | –")
             };
             println!(
                 "| {strategy} | {mode} | {:.3} | {:.1} | {:.1} | {:.3} | {own} |",
@@ -250,6 +262,10 @@ fn read_figures(path: &Path) -> Result<Figures> {
         step_seconds: json_number(&text, "step_seconds").ok_or_else(|| missing("step_seconds"))?,
         wall_seconds: json_number(&text, "wall_seconds").ok_or_else(|| missing("wall_seconds"))?,
         own: None,
+        heap_added_mib: json_number(&text, "peak_heap_mib")
+            .ok_or_else(|| missing("peak_heap_mib"))?
+            - json_number(&text, "peak_heap_before_checkpoints_mib")
+                .ok_or_else(|| missing("peak_heap_before_checkpoints_mib"))?,
     })
 }
 

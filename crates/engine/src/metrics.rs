@@ -255,6 +255,10 @@ pub struct Summary {
     /// order; not counted in `step_seconds`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checkpoint_stall_s: Vec<f64>,
+    /// The process's heap peak (`peak_heap_mib`) as the first checkpoint began: the steps' own
+    /// peak, against which `peak_heap_mib` shows what the checkpoints added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_heap_before_checkpoints_mib: Option<f64>,
 }
 
 /// One device's memory at its most over the samples of a run (a GPU's; the CPU has no pool);

@@ -67,6 +67,7 @@ impl<W: Workload> Worker<'_, W> {
         };
         let ran = Ran {
             checkpoint_stalls: kept.saver.stalls(),
+            heap_before_checkpoints: kept.saver.heap_before(),
             val: kept.val,
             wall: kept.wall,
             started: kept.started,

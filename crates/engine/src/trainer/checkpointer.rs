@@ -42,6 +42,8 @@ pub(super) struct Checkpointer {
     /// Each checkpoint's time on the step's path (gathering, waiting for the write before it,
     /// writing where that is not in the background), in seconds.
     stalls: RefCell<Vec<f64>>,
+    /// The process's heap peak as the first checkpoint began.
+    heap_before: std::cell::Cell<Option<usize>>,
 }
 
 impl Checkpointer {
@@ -56,6 +58,7 @@ impl Checkpointer {
             cancel: Arc::new(AtomicBool::new(false)),
             writing: RefCell::new(None),
             stalls: RefCell::new(Vec::new()),
+            heap_before: std::cell::Cell::new(None),
         }
     }
 
@@ -83,6 +86,9 @@ impl Checkpointer {
         comm: &dyn Collective,
         last: bool,
     ) -> Result<f64> {
+        if self.heap_before.get().is_none() {
+            self.heap_before.set(crate::heap::peak());
+        }
         if self.sharded {
             return self.save_sharded(strategy, state, val, comm, last);
         }
@@ -234,6 +240,12 @@ impl Checkpointer {
                 crate::panics::panic_message(&panic)
             ))),
         }
+    }
+
+    /// The process's heap peak as the first checkpoint began (`None` before one, or without
+    /// kiln's allocator).
+    pub fn heap_before(&self) -> Option<usize> {
+        self.heap_before.get()
     }
 
     /// Each checkpoint's seconds on the step's path, in order.

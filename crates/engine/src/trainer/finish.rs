@@ -92,6 +92,9 @@ impl<W: Workload> Worker<'_, W> {
                 .filter(|p| p.iter().any(|d| !d.is_empty())),
             plan: None,
             checkpoint_stall_s: ran.checkpoint_stalls,
+            peak_heap_before_checkpoints_mib: ran
+                .heap_before_checkpoints
+                .map(|b| b as f64 / (1024.0 * 1024.0)),
             processes: s.parallel.processes.count,
             stopped_by: ran.stopped_by,
             stopped_early: ran.stopped_early,

@@ -353,4 +353,6 @@ pub(super) struct Ran {
     pub(super) stopped_early: Option<String>,
     /// Each checkpoint's seconds on the step's path.
     pub(super) checkpoint_stalls: Vec<f64>,
+    /// The process's heap peak as the first checkpoint began.
+    pub(super) heap_before_checkpoints: Option<usize>,
 }
