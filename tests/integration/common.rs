@@ -173,6 +173,17 @@ pub fn records_logged(run: &Path) -> usize {
         .unwrap_or(0)
 }
 
+/// The last training step `run` has logged (a line being written is not read yet).
+pub fn last_train_step(run: &Path) -> u64 {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| r["split"] == "train")
+        .filter_map(|r| r["step"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
 /// Waits until `run`'s metrics.jsonl has `records` lines (at most 60 s).
 pub fn wait_for_records(run: &Path, records: usize) {
     let started = Instant::now();

@@ -478,17 +478,7 @@ fn a_kill_during_a_background_write_resumes_from_the_checkpoint_before_it() {
         .unwrap();
     let dir = base.join("killed");
     let started = std::time::Instant::now();
-    // The last training step logged (a line being written is not read yet).
-    let logged = || {
-        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
-        text.lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|r| r["split"] == "train")
-            .filter_map(|r| r["step"].as_u64())
-            .max()
-            .unwrap_or(0)
-    };
-    while logged() < 25 {
+    while crate::common::last_train_step(&dir) < 25 {
         assert!(started.elapsed().as_secs() < 60, "no steps past 25");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }

@@ -212,17 +212,6 @@ fn ok(out: &std::process::Output) {
     );
 }
 
-/// The last training step a run has logged (a line being written is not read yet).
-fn logged(dir: &Path) -> u64 {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|r| r["split"] == "train")
-        .filter_map(|r| r["step"].as_u64())
-        .max()
-        .unwrap_or(0)
-}
-
 /// zero3 on 2 devices, sharded: while rank 1 writes its share of step 20's checkpoint (its
 /// writer made slow) the steps go on and rank 0, its own share written, waits to seal; a
 /// SIGKILL then leaves no `state.json` for step 20 (rank 0's files and no manifest in the
@@ -297,7 +286,7 @@ fn a_rank_killed_mid_write_leaves_no_manifest_and_a_damaged_shard_is_named() {
         .unwrap();
     let dir = base.join("killed");
     let started = std::time::Instant::now();
-    while logged(&dir) < 25 {
+    while crate::common::last_train_step(&dir) < 25 {
         assert!(started.elapsed().as_secs() < 60, "no steps past 25");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }

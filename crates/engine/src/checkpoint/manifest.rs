@@ -60,11 +60,16 @@ pub fn digest(path: &Path) -> Result<FileDigest> {
 }
 
 pub(super) fn read_manifest(dir: &Path) -> Result<Manifest> {
-    let path = dir.join(STATE_FILE);
-    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    read_json(&dir.join(STATE_FILE), "loop state")
+}
+
+/// A checkpoint's JSON file read as `T`; an error names the file and calls what it should
+/// have held `what`.
+pub(super) fn read_json<T: serde::de::DeserializeOwned>(path: &Path, what: &str) -> Result<T> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     serde_json::from_slice(&bytes).map_err(|e| {
         Error::checkpoint(format!(
-            "{}: corrupt loop state: {}",
+            "{}: corrupt {what}: {}",
             path.display(),
             one_line(&e)
         ))

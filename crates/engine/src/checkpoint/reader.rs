@@ -218,6 +218,23 @@ impl Sharded {
         names
     }
 
+    /// The whole tensors of parameter group `group`'s optimizer state (see [`optim_tensor`]):
+    /// `(name, leaf, parameter path)`.
+    fn optimizer_tensors(&self, group: &str) -> Vec<(&str, &str, &str)> {
+        let prefix = optim_tensor(group, "", "");
+        let prefix = prefix.trim_end_matches(':');
+        self.names()
+            .into_iter()
+            .filter_map(|name| {
+                let (leaf, path) = name
+                    .strip_prefix(prefix)?
+                    .strip_prefix(':')?
+                    .split_once(':')?;
+                Some((name, leaf, path))
+            })
+            .collect()
+    }
+
     /// The dtype and id a whole tensor is restored with.
     fn kept_as(&self, name: &str) -> Option<(FloatDType, Option<u64>)> {
         let held = match self.tensors.get(name) {
@@ -408,8 +425,6 @@ impl Sharded {
     /// missing, has another shape, or that the model does not have.
     pub fn fits(&self, group: &str, layout: &FlatLayout) -> Result<()> {
         let leaves = self.leaves(group);
-        let prefix = optim_tensor(group, "", "");
-        let prefix = prefix.trim_end_matches(':');
         for leaf in &leaves {
             for e in &layout.entries {
                 let name = optim_tensor(group, leaf, &e.path);
@@ -436,14 +451,7 @@ impl Sharded {
                 }
             }
         }
-        for name in self.names() {
-            let Some((_, path)) = name
-                .strip_prefix(prefix)
-                .and_then(|r| r.strip_prefix(':'))
-                .and_then(|r| r.split_once(':'))
-            else {
-                continue;
-            };
+        for (_, _, path) in self.optimizer_tensors(group) {
             if !layout.entries.iter().any(|e| e.path == path) {
                 return Err(Error::checkpoint(format!(
                     "{}: the optimizer state holds parameter `{path}`, which the model does \
@@ -537,18 +545,10 @@ impl Source for Sharded {
     }
 
     fn leaves(&self, group: &str) -> Vec<String> {
-        let prefix = optim_tensor(group, "", "");
-        let prefix = prefix.trim_end_matches(':');
         let mut leaves: Vec<String> = self
-            .names()
+            .optimizer_tensors(group)
             .into_iter()
-            .filter_map(|name| {
-                let (leaf, _) = name
-                    .strip_prefix(prefix)?
-                    .strip_prefix(':')?
-                    .split_once(':')?;
-                Some(leaf.to_string())
-            })
+            .map(|(_, leaf, _)| leaf.to_string())
             .collect();
         leaves.sort();
         leaves.dedup();
@@ -567,17 +567,8 @@ impl Source for Sharded {
                 }
             )));
         };
-        let prefix = optim_tensor(group, "", "");
-        let prefix = prefix.trim_end_matches(':');
         let mut tensors = Vec::new();
-        for name in self.names() {
-            let Some((leaf, path)) = name
-                .strip_prefix(prefix)
-                .and_then(|r| r.strip_prefix(':'))
-                .and_then(|r| r.split_once(':'))
-            else {
-                continue;
-            };
+        for (name, leaf, path) in self.optimizer_tensors(group) {
             let shape = self.shape(name).expect("a tensor it names");
             let n: usize = shape.iter().product();
             tensors.push((

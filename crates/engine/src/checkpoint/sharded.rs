@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 
-use super::manifest::{FileDigest, Manifest, STATE_FILE, ShardedInfo, StoredOptimizer, digest};
+use super::manifest::{
+    FileDigest, Manifest, STATE_FILE, ShardedInfo, StoredOptimizer, digest, read_json,
+};
 use crate::config::{name_of, one_line};
 use crate::error::{Error, Result};
 use crate::files::{write_atomic, write_synced};
@@ -253,9 +255,7 @@ pub fn seal(
         }
     }
     let optimizers_path = dir.join(OPTIMIZERS_FILE);
-    let optimizers: Vec<StoredOptimizer> = std::fs::read(&optimizers_path)
-        .map_err(|e| Error::io(&optimizers_path, e))
-        .and_then(|b| serde_json::from_slice(&b).map_err(|e| Error::checkpoint(one_line(&e))))?;
+    let optimizers: Vec<StoredOptimizer> = read_json(&optimizers_path, "optimizers' note")?;
     std::fs::remove_file(&optimizers_path).map_err(|e| Error::io(&optimizers_path, e))?;
     let manifest = Manifest {
         state: state.clone(),
@@ -267,13 +267,5 @@ pub fn seal(
 }
 
 pub(super) fn read_index(dir: &Path, name: &str) -> Result<RankIndex> {
-    let path = dir.join(name);
-    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
-    serde_json::from_slice(&bytes).map_err(|e| {
-        Error::checkpoint(format!(
-            "{}: corrupt shard index: {}",
-            path.display(),
-            one_line(&e)
-        ))
-    })
+    read_json(&dir.join(name), "shard index")
 }

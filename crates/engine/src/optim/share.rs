@@ -17,7 +17,7 @@ use burn::tensor::FloatDType;
 use super::flat::{OptimState, Scalars};
 use crate::config::OptimizerKind;
 use crate::error::Result;
-use crate::params::{FlatLayout, host_f32};
+use crate::params::{FlatLayout, float_tensors, trainable_params};
 
 /// The checkpoint's name of a parameter's optimizer state leaf: `optimizer:<leaf>:<path>`
 /// for the model's one optimizer, `optimizer.<group>:<leaf>:<path>` for a parameter group's.
@@ -149,9 +149,12 @@ impl Share {
     /// whole, and the rest of the model.
     pub fn whole<M: Module>(model: M, states: Vec<(String, OptimState)>) -> Self {
         let mut share = Share::default();
-        let trained = trained_tensors(&model);
+        let dtypes = param_dtypes(&model);
+        let trained = trainable_params(&model);
         let trained_ids: Vec<ParamId> = trained.iter().map(|t| t.0).collect();
-        for (id, path, shape, dtype, values) in trained {
+        let values = float_tensors(&model, Some(true));
+        for ((id, path, shape), values) in trained.into_iter().zip(values) {
+            let dtype = dtypes.get(&id).copied().unwrap_or(FloatDType::F32);
             share.add_whole(path, Some(id.val()), shape, dtype, values);
         }
         let mut optimizers = Vec::with_capacity(states.len());
@@ -241,44 +244,6 @@ fn all_ids<M: Module>(module: &M) -> Vec<ParamId> {
     let mut ids = Ids(Vec::new());
     module.visit(&mut ids);
     ids.0
-}
-
-/// A trained parameter: `(id, path, shape, dtype, values)`.
-type Trained = (ParamId, String, Vec<usize>, FloatDType, Vec<f32>);
-
-/// `module`'s trained parameters in module order, their values on the host.
-fn trained_tensors<M: Module>(module: &M) -> Vec<Trained> {
-    struct Collect {
-        path: Vec<String>,
-        out: Vec<Trained>,
-    }
-    impl ModuleVisitor for Collect {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if !param.is_require_grad() {
-                return;
-            }
-            let value = param.val();
-            self.out.push((
-                param.id,
-                self.path.join("."),
-                value.shape().to_vec(),
-                crate::params::float_dtype(value.dtype()),
-                host_f32(value),
-            ));
-        }
-    }
-    let mut c = Collect {
-        path: Vec::new(),
-        out: Vec::new(),
-    };
-    module.visit(&mut c);
-    c.out
 }
 
 /// Where a rank reads its part of a sharded checkpoint: ranges of its tensors, whichever

@@ -268,31 +268,6 @@ pub fn trainable_ids<M: Module>(module: &M) -> Vec<ParamId> {
     ids.0
 }
 
-/// The module path and shape of every float tensor of `module`, in module order.
-pub fn float_shapes<M: Module>(module: &M) -> Vec<(String, Vec<usize>)> {
-    struct Shapes {
-        path: Vec<String>,
-        out: Vec<(String, Vec<usize>)>,
-    }
-    impl ModuleVisitor for Shapes {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.out.push((self.path.join("."), param.shape().to_vec()));
-        }
-    }
-    let mut shapes = Shapes {
-        path: Vec::new(),
-        out: Vec::new(),
-    };
-    module.visit(&mut shapes);
-    shapes.out
-}
-
 /// The dtype of every float parameter of `module` (a quantized base's too), in module order.
 pub fn float_dtypes<M: Module>(module: &M) -> Vec<DType> {
     struct Dtypes(Vec<DType>);

@@ -87,6 +87,14 @@ pub fn trainable_params<M: Module>(module: &M) -> Vec<(ParamId, String, Vec<usiz
         .collect()
 }
 
+/// The module path and shape of every float tensor of `module`, in module order.
+pub fn float_shapes<M: Module>(module: &M) -> Vec<(String, Vec<usize>)> {
+    float_params(module)
+        .into_iter()
+        .map(|(_, path, shape, _)| (path, shape))
+        .collect()
+}
+
 /// What a float tensor is to a layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {

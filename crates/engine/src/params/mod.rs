@@ -15,9 +15,8 @@ mod layout;
 mod units;
 
 pub use floats::{
-    buffers_with_ids, collect_floats, dtype_bytes, float_dtype, float_dtypes, float_shapes,
-    float_tensors, frozen_bytes, frozen_with_ids, has_buffers, host_f32, param_tensor,
-    parameter_values, replace_floats, running_state_ids, set_frozen, sync_running_state,
-    trainable_ids,
+    buffers_with_ids, collect_floats, dtype_bytes, float_dtype, float_dtypes, float_tensors,
+    frozen_bytes, frozen_with_ids, has_buffers, host_f32, param_tensor, parameter_values,
+    replace_floats, running_state_ids, set_frozen, sync_running_state, trainable_ids,
 };
-pub use layout::{Entry, FlatLayout, Span, Unit, trainable_params};
+pub use layout::{Entry, FlatLayout, Span, Unit, float_shapes, trainable_params};

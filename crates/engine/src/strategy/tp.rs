@@ -164,6 +164,24 @@ impl TpPlace<'_> {
         self.split_of(path).is_cut()
     }
 
+    /// `state` (a canonical optimizer state) cut to this rank's part of every parameter.
+    fn cut_state(&self, state: &mut OptimState) -> Result<()> {
+        let (rank, size) = (self.comm.rank(), self.comm.world_size());
+        for (path, leaf, shape, values) in &mut state.tensors {
+            let split = self.split_of(path);
+            let (part, part_shape) =
+                part_of_values(values, shape, split, rank, size).map_err(|e| {
+                    Error::checkpoint(format!(
+                        "the optimizer state's `{path}` ({leaf}) cannot be cut over {size} \
+                         tensor-parallel ranks: {e}"
+                    ))
+                })?;
+            *values = part;
+            *shape = part_shape;
+        }
+        Ok(())
+    }
+
     /// Whether the parameter at `path` is whole on every rank with a part of its gradient on
     /// each, summed over the group before the step.
     pub fn is_summed(&self, path: &str) -> bool {
@@ -246,19 +264,7 @@ impl Source for PartsOf<'_, '_> {
 
     fn canonical(&self, group: &str) -> Result<OptimState> {
         let mut state = self.source.canonical(group)?;
-        let (index, of) = self.place();
-        for (path, leaf, shape, values) in &mut state.tensors {
-            let split = self.place.split_of(path);
-            let (part, part_shape) =
-                part_of_values(values, shape, split, index, of).map_err(|e| {
-                    Error::checkpoint(format!(
-                        "the optimizer state's `{path}` ({leaf}) cannot be cut over {of} \
-                         tensor-parallel ranks: {e}"
-                    ))
-                })?;
-            *values = part;
-            *shape = part_shape;
-        }
+        self.place.cut_state(&mut state)?;
         Ok(state)
     }
 }
@@ -371,20 +377,8 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
     }
 
     fn load_optimizer_state(&mut self, state: &OptimState) -> Result<()> {
-        let (rank, size) = (self.place.comm.rank(), self.place.comm.world_size());
         let mut mine = state.clone();
-        for (path, leaf, shape, values) in &mut mine.tensors {
-            let split = self.place.split_of(path);
-            let (part, part_shape) =
-                part_of_values(values, shape, split, rank, size).map_err(|e| {
-                    Error::checkpoint(format!(
-                        "the optimizer state's `{path}` ({leaf}) cannot be cut over {size} \
-                         tensor-parallel ranks: {e}"
-                    ))
-                })?;
-            *values = part;
-            *shape = part_shape;
-        }
+        self.place.cut_state(&mut mine)?;
         self.inner.load_optimizer_state(&mine)
     }
 

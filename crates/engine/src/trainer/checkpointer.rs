@@ -96,19 +96,9 @@ impl Checkpointer {
         let model = strategy.full_model()?;
         let optim = strategy.optimizer_states()?;
         if let Some(optim) = optim.filter(|_| comm.rank() == 0) {
-            if let Some(holder) = crate::runlock::lost(&self.run_dir) {
-                return Err(Error::checkpoint(format!(
-                    "{}: {} took this run's directory over (its lease had lapsed): this run \
-                     stops rather than write into it",
-                    self.run_dir.join(crate::runlock::LOCK_FILE).display(),
-                    holder.describe()
-                )));
-            }
+            self.still_ours()?;
             self.wait()?;
-            let score = self.best.clone().and_then(|metric| {
-                let value = val.score(&metric, state.step)?;
-                Some((metric, value))
-            });
+            let score = self.score(val, state.step);
             let step = state.step;
             // The record now, on the step's thread: the model's buffers are shared with the
             // training model, which the next steps update while a background write runs.
@@ -118,18 +108,10 @@ impl Checkpointer {
                 if let Some(delay) = super::faults::write_delay(0, state.step) {
                     std::thread::sleep(delay);
                 }
-                let score = score.as_ref().map(|(metric, value)| checkpoint::Score {
-                    metric,
-                    value: *value,
-                });
-                checkpoint::save_record(&run_dir, record, &optim, &state, keep, score)
+                checkpoint::save_record(&run_dir, record, &optim, &state, keep, scored(&score))
             };
             if self.background && !last {
-                let writer = std::thread::Builder::new()
-                    .name(format!("kiln-checkpoint-{step}"))
-                    .spawn(write)
-                    .map_err(|e| Error::io(&self.run_dir, e))?;
-                *self.writing.borrow_mut() = Some((step, writer));
+                self.in_background(step, write)?;
             } else {
                 write()?;
             }
@@ -157,26 +139,17 @@ impl Checkpointer {
         // This rank's write before this one has landed (and rank 0's sealed that checkpoint).
         self.wait()?;
         if rank == 0 {
-            if let Some(holder) = crate::runlock::lost(&self.run_dir) {
-                return Err(Error::checkpoint(format!(
-                    "{}: {} took this run's directory over (its lease had lapsed): this run \
-                     stops rather than write into it",
-                    self.run_dir.join(crate::runlock::LOCK_FILE).display(),
-                    holder.describe()
-                )));
-            }
+            self.still_ours()?;
             checkpoint::begin_sharded(&self.run_dir, state.step)?;
         }
         comm.barrier()?;
         let share = strategy.checkpoint_share()?;
-        let score = self.best.clone().filter(|_| rank == 0).and_then(|metric| {
-            let value = val.score(&metric, state.step)?;
-            Some((metric, value))
-        });
+        let score = self.score(val, state.step).filter(|_| rank == 0);
         let step = state.step;
         let tmp = checkpoint::sharded_tmp(&self.run_dir, step);
         let (run_dir, keep, state) = (self.run_dir.clone(), self.keep, state.clone());
         let cancel = self.cancel.clone();
+        let kept_tmp = tmp.clone();
         let write = move || {
             if let Some(delay) = super::faults::write_delay(rank, state.step) {
                 std::thread::sleep(delay);
@@ -197,25 +170,16 @@ impl Checkpointer {
             if rank != 0 {
                 return Ok(tmp);
             }
-            let score = score.as_ref().map(|(metric, value)| checkpoint::Score {
-                metric,
-                value: *value,
-            });
             let cancelled = || cancel.load(Ordering::Relaxed);
-            checkpoint::finish_sharded(&run_dir, world, &state, keep, score, &cancelled)
+            checkpoint::finish_sharded(&run_dir, world, &state, keep, scored(&score), &cancelled)
         };
         if self.background && !last {
-            let writer = std::thread::Builder::new()
-                .name(format!("kiln-checkpoint-{step}"))
-                .spawn(write)
-                .map_err(|e| Error::io(&self.run_dir, e))?;
-            *self.writing.borrow_mut() = Some((step, writer));
+            self.in_background(step, write)?;
         } else {
-            let tmp = checkpoint::sharded_tmp(&self.run_dir, step);
             if let Err(e) = write() {
                 // Nothing half-written stays (the run ends; the other ranks' writes fail too).
                 if rank == 0 {
-                    let _ = std::fs::remove_dir_all(&tmp);
+                    let _ = std::fs::remove_dir_all(&kept_tmp);
                 }
                 return Err(e);
             }
@@ -225,6 +189,42 @@ impl Checkpointer {
         let stall = t0.elapsed().as_secs_f64();
         self.stalls.borrow_mut().push(stall);
         Ok(stall)
+    }
+
+    /// Refuses to write into the run directory once another run took it over (its lease had
+    /// lapsed).
+    fn still_ours(&self) -> Result<()> {
+        match crate::runlock::lost(&self.run_dir) {
+            Some(holder) => Err(Error::checkpoint(format!(
+                "{}: {} took this run's directory over (its lease had lapsed): this run stops \
+                 rather than write into it",
+                self.run_dir.join(crate::runlock::LOCK_FILE).display(),
+                holder.describe()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The checkpoint's score by `train.best_metric`, when it validated at `step`.
+    fn score(&self, val: &Validator, step: usize) -> Option<(String, f64)> {
+        let metric = self.best.clone()?;
+        let value = val.score(&metric, step)?;
+        Some((metric, value))
+    }
+
+    /// Runs `write`, the write of step `step`'s checkpoint, on a thread of its own: the write
+    /// in flight, which the next checkpoint and the end wait for.
+    fn in_background(
+        &self,
+        step: usize,
+        write: impl FnOnce() -> Result<PathBuf> + Send + 'static,
+    ) -> Result<()> {
+        let writer = std::thread::Builder::new()
+            .name(format!("kiln-checkpoint-{step}"))
+            .spawn(write)
+            .map_err(|e| Error::io(&self.run_dir, e))?;
+        *self.writing.borrow_mut() = Some((step, writer));
+        Ok(())
     }
 
     /// Waits for the background write in flight, if one is; its error is the run's.
@@ -276,6 +276,14 @@ impl Checkpointer {
         }
         Ok(())
     }
+}
+
+/// A score as the checkpoint store takes it.
+fn scored(score: &Option<(String, f64)>) -> Option<checkpoint::Score<'_>> {
+    score.as_ref().map(|(metric, value)| checkpoint::Score {
+        metric,
+        value: *value,
+    })
 }
 
 impl Drop for Checkpointer {
