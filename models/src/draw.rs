@@ -119,6 +119,36 @@ impl<'a> DropoutPart<'a> {
     }
 }
 
+/// What a kernel needs to draw a dropout mask of its own, as a function of the seed and each
+/// element's place: the draw's seed (the next under the thread's key, as [`dropout`] would
+/// take it), the probability and the part of the whole its input is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KernelDraw {
+    /// The seed of this draw.
+    pub seed: u64,
+    /// The probability of dropping an element.
+    pub prob: f64,
+    /// The part of the whole tensor the input is (`None`: the whole).
+    pub part: Option<Part>,
+}
+
+/// Whether `dropout` does anything here: in training, on an autodiff device, at a probability
+/// above 0 (as [`dropout`] decides).
+pub fn acts(dropout: &Dropout, device: &Device) -> bool {
+    dropout.training.is_enabled() && device.is_autodiff() && dropout.prob > 0.0
+}
+
+/// The next draw of the running forward for a kernel that draws its own mask, if the forward
+/// is keyed ([`keyed`]); `None` otherwise (the caller then draws with [`dropout`]). Takes the
+/// draw's number as [`dropout`] would, so the draws after it are the same either way.
+pub fn kernel_draw(part: DropoutPart<'_>) -> Option<KernelDraw> {
+    Some(KernelDraw {
+        seed: next_seed()?,
+        prob: part.dropout.prob,
+        part: part.part,
+    })
+}
+
 /// `dropout` applied to `x`, as Burn's [`Dropout::forward`] applies it (nothing outside
 /// training or at probability 0; kept elements scaled by `1 / (1 - prob)`), with the mask
 /// drawn for the whole tensor of which `x` is `part` (`None`: `x` is whole) and `x`'s part of
@@ -126,7 +156,7 @@ impl<'a> DropoutPart<'a> {
 /// before it; without one it comes from the backend's shared state.
 pub fn dropout<const D: usize>(dropout: &Dropout, x: Tensor<D>, part: Option<Part>) -> Tensor<D> {
     let device = x.device();
-    if !dropout.training.is_enabled() || !device.is_autodiff() || dropout.prob == 0.0 {
+    if !acts(dropout, &device) {
         return x;
     }
     let keep = 1.0 - dropout.prob;

@@ -6,6 +6,7 @@
 use burn::nn::Linear;
 use burn::prelude::*;
 
+use crate::fused::repeat_heads;
 use crate::lm::causal_mask;
 use crate::rope::Rope;
 
@@ -89,19 +90,10 @@ pub(crate) fn attend(
     }
     let d = q.dims()[3];
     let s = k.dims()[2];
-    // Each key/value head serves h / kv query heads.
-    let repeat = |y: Tensor<4>| {
-        if h == kv {
-            return y;
-        }
-        y.reshape([b, kv, 1, s, d])
-            .expand([b, kv, h / kv, s, d])
-            .reshape([b, h, s, d])
-    };
-    let (k, v) = (repeat(k), repeat(v));
     // The composed product, the keys `hidden` hides (one mask for every row, or one per row)
-    // at −∞.
+    // at −∞; each key/value head serves h / kv query heads.
     let composed = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, hidden: Option<Tensor<4, Bool>>| {
+        let (k, v) = (repeat_heads(k, h), repeat_heads(v, h));
         let scores = q
             .matmul(k.swap_dims(2, 3))
             .mul_scalar(1.0 / (d as f64).sqrt());
@@ -112,7 +104,8 @@ pub(crate) fn attend(
         burn::tensor::activation::softmax(scores, 3).matmul(v)
     };
     let y = match mask {
-        // Every query sees itself and what came before: one fused kernel on the CPU.
+        // Every query sees itself and what came before: one fused kernel on the CPU, the
+        // GPU's kernels (which read a key/value head for its query heads) on a CubeCL device.
         Masking::Causal => crate::fused::causal_attention(q, k, v, None),
         // The same within each packed example.
         Masking::Within(starts) => crate::fused::attention_within(q, k, v, Some(starts), None),

@@ -1142,19 +1142,21 @@ fn the_hf_export_has_the_checkpoints_layout_and_the_runs_logits() {
         let mut store = SafetensorsStore::from_file(r.dir.join("model.safetensors"));
         let device = Device::flex();
         let s = hf::read_config(&out).unwrap();
+        // Each init under the random-number lock (see `with_rng`): its draws stay out of a
+        // seeded run's beside it.
         let run = match s.kind {
             ModelKind::Llama => {
-                let mut m = s.llama.init(&device);
+                let mut m = kiln_models::with_rng(|| s.llama.init(&device));
                 m.load_from(&mut store).unwrap();
                 Lm::Llama(m)
             }
             ModelKind::Phi3 => {
-                let mut m = s.phi3.init(&device);
+                let mut m = kiln_models::with_rng(|| s.phi3.init(&device));
                 m.load_from(&mut store).unwrap();
                 Lm::Phi3(m)
             }
             _ => {
-                let mut m = s.gpt2.init(&device);
+                let mut m = kiln_models::with_rng(|| s.gpt2.init(&device));
                 m.load_from(&mut store).unwrap();
                 Lm::Gpt2(m)
             }

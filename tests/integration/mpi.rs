@@ -507,7 +507,7 @@ fn assert_checkpoints_whole(run: &Path) {
     kiln::checkpoint::load_optimizer(&newest).unwrap();
     let spec = kiln_models::read_spec(&run.join("model.toml")).unwrap();
     let config = spec.model.config_of::<kiln_models::Gpt>().unwrap();
-    let model = config.init(&Device::flex());
+    let model = kiln_models::with_rng(|| config.init(&Device::flex()));
     kiln::checkpoint::load_model(&newest, model).unwrap();
 }
 

@@ -6,11 +6,15 @@
 //!   (`embedding.rs`) where Burn's walks every token in one thread per column.
 //! - [`adamw`]: AdamW's update of a flat shard in one pass (`adamw.rs`), where Burn's runs a
 //!   dozen whole-vector ops.
+//! - [`attention`]: causal attention forward and backward by tiles in shared memory, the rows'
+//!   log-sum-exp kept instead of the `T × T` scores (`attention.rs`), where Burn's composes
+//!   the scores, their mask, softmax and products.
 //!
 //! Each kernel equals the Burn ops it replaces within 1e-5 relative (forward and gradient) on
 //! WGPU with the software adapter (the integration tests' `wgpu` module).
 
 mod adamw;
+mod attention;
 mod embedding;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,9 +22,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::nn::Embedding;
 use burn::prelude::*;
-use burn::tensor::DType;
+use burn::tensor::{DType, TensorData};
 
 pub use adamw::{AdamStep, CubeAdamWOps};
+pub use attention::{AttentionDropout, CubeAttentionOps, MOST_HEAD_WIDTH, tile_rows};
 pub use embedding::{CubeEmbeddingOps, ROWS_PER_PART, parts};
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
@@ -92,4 +97,49 @@ pub fn adamw(
         Tensor::from_dispatch(m),
         Tensor::from_dispatch(v),
     )
+}
+
+/// Whether [`attention`] runs the kernels for these tensors: f32 on a CubeCL device, q
+/// `[B, H, T, D]`, k and v `[B, KV, T, D]` with `H` a multiple of `KV`, heads of
+/// [`MOST_HEAD_WIDTH`] floats at most.
+pub fn attention_takes(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) -> bool {
+    let ([b, h, t, d], kd) = (q.dims(), k.dims());
+    let dtypes = [q.dtype(), k.dtype(), v.dtype()];
+    kernels_here(q.dtype(), &q.device())
+        && dtypes.iter().all(|&x| x == q.dtype())
+        && kd == v.dims()
+        && kd[0] == b
+        && kd[2] == t
+        && kd[3] == d
+        && kd[1] > 0
+        && h.is_multiple_of(kd[1])
+        && d <= MOST_HEAD_WIDTH
+}
+
+/// Causal attention of `q` (`[B, H, T, D]`) over `k` and `v` (`[B, KV, T, D]`: a query head
+/// `h` reads key/value head `h / (H / KV)`), scaled by 1/√D, differentiated in all three;
+/// `starts` (`[B, T]`): each row's first key, for examples packed into one row; the weights
+/// through `drop` (the kernels' own mask, [`AttentionDropout::keeps`]; `prob = 0`: none). The
+/// caller checks [`attention_takes`].
+pub fn attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    starts: Option<&Tensor<2, Int>>,
+    drop: AttentionDropout,
+) -> Tensor<4> {
+    let device = q.device();
+    let scale = 1.0 / (q.dims()[3] as f32).sqrt();
+    let starts = match starts {
+        Some(s) => s.clone(),
+        None => Tensor::<2, Int>::from_data(TensorData::new(Vec::<i64>::new(), [0, 0]), &device),
+    };
+    Tensor::from_dispatch(<Dispatch as CubeAttentionOps>::kiln_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        starts.into_dispatch(),
+        scale,
+        drop,
+    ))
 }

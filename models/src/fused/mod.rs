@@ -381,6 +381,46 @@ pub fn causal_attention(
     attention_within(q, k, v, None, dropout)
 }
 
+/// The dropout the GPU's attention kernels draw for `dropout` on the weights of `heads` heads:
+/// none where it does nothing; `None` where the kernels cannot draw it — a forward without a
+/// key ([`crate::draw::keyed`]), or a part not cut by heads — and the composed ops draw it.
+/// Takes the forward's draw only when it answers one.
+fn cube_dropout(
+    dropout: Option<DropoutPart<'_>>,
+    heads: usize,
+    device: &Device,
+) -> Option<crate::cube::AttentionDropout> {
+    let Some(part) = dropout.filter(|d| crate::draw::acts(d.dropout, device)) else {
+        return Some(crate::cube::AttentionDropout::default());
+    };
+    if part.part.is_some_and(|p| p.dim != 1) {
+        return None;
+    }
+    let draw = crate::draw::kernel_draw(part)?;
+    let (first_head, all) = match draw.part {
+        Some(p) => (p.index * heads, p.of * heads),
+        None => (0, heads),
+    };
+    Some(crate::cube::AttentionDropout {
+        seed: draw.seed,
+        prob: draw.prob as f32,
+        first_head,
+        heads: all,
+    })
+}
+
+/// `x` (`[b, kv, t, d]`) with each head repeated for the `heads / kv` query heads that read it
+/// (`[b, heads, t, d]`); as it is when `kv = heads`.
+pub(crate) fn repeat_heads(x: Tensor<4>, heads: usize) -> Tensor<4> {
+    let [b, kv, t, d] = x.dims();
+    if kv == heads {
+        return x;
+    }
+    x.reshape([b, kv, 1, t, d])
+        .expand([b, kv, heads / kv, t, d])
+        .reshape([b, heads, t, d])
+}
+
 /// [`causal_attention`] within documents: with `starts` (`[batch, time]`, the position where
 /// each position's document begins in its row — several examples packed into one row),
 /// position `t` attends to `starts[t]..=t` only, so that no example sees another.
@@ -393,6 +433,13 @@ pub fn attention_within(
 ) -> Tensor<4> {
     let device = q.device();
     let dropout_acts = dropout.is_some_and(|d| d.dropout.prob > 0.0 && device.is_autodiff());
+    if crate::cube::attention_takes(&q, &k, &v)
+        && let Some(drop) = cube_dropout(dropout, q.dims()[1], &device)
+    {
+        return crate::cube::attention(q, k, v, starts, drop);
+    }
+    let heads = q.dims()[1];
+    let (k, v) = (repeat_heads(k, heads), repeat_heads(v, heads));
     let dtypes = [q.dtype(), k.dtype(), v.dtype()];
     if dropout_acts || !dtypes.iter().all(|&d| fused_here(d, &device)) {
         return causal_attention_composed(q, k, v, starts, dropout);
@@ -455,6 +502,20 @@ pub fn packed_within(
     );
     let device = qkv.device();
     let dropout_acts = dropout.is_some_and(|d| d.dropout.prob > 0.0 && device.is_autodiff());
+    if crate::cube::kernels_here(qkv.dtype(), &device) {
+        let [b, t, _] = qkv.dims();
+        let [q, k, v] = packed_heads(qkv, heads);
+        if crate::cube::attention_takes(&q, &k, &v)
+            && let Some(drop) = cube_dropout(dropout, heads, &device)
+        {
+            return crate::cube::attention(q, k, v, starts, drop)
+                .swap_dims(1, 2)
+                .reshape([b, t, c3 / 3]);
+        }
+        return causal_attention_composed(q, k, v, starts, dropout)
+            .swap_dims(1, 2)
+            .reshape([b, t, c3 / 3]);
+    }
     if !dropout_acts && fused_here(qkv.dtype(), &device) {
         let starts = starts_or_none(starts, &device);
         return Tensor::from_dispatch(<Dispatch as FusedOps>::fused_causal_attention_packed(
@@ -475,16 +536,22 @@ fn packed_composed(
     dropout: Option<DropoutPart<'_>>,
 ) -> Tensor<3> {
     let [b, t, c3] = qkv.dims();
+    let [q, k, v] = packed_heads(qkv, heads);
+    causal_attention_composed(q, k, v, starts, dropout)
+        .swap_dims(1, 2)
+        .reshape([b, t, c3 / 3])
+}
+
+/// q, k and v (`[b, heads, t, d]` each) of a packed projection `qkv` (`[b, t, 3·heads·d]`).
+fn packed_heads(qkv: Tensor<3>, heads: usize) -> [Tensor<4>; 3] {
+    let [b, t, c3] = qkv.dims();
     let (c, d) = (c3 / 3, c3 / 3 / heads);
-    let split = |i: usize| {
+    [0, 1, 2].map(|i| {
         qkv.clone()
             .slice([0..b, 0..t, i * c..(i + 1) * c])
             .reshape([b, t, heads, d])
             .swap_dims(1, 2)
-    };
-    causal_attention_composed(split(0), split(1), split(2), starts, dropout)
-        .swap_dims(1, 2)
-        .reshape([b, t, c])
+    })
 }
 
 /// `x · weight + bias` over the rows of `x` (`[rows, in]`; `weight` `[in, out]` as Burn's

@@ -1,0 +1,449 @@
+//! The attention kernels themselves (see the module's page for what each computes): the
+//! forward's online softmax, `dq` by query rows and `dk`/`dv` by key rows, and the dropout mask
+//! each recomputes from its seed.
+
+use cubecl::prelude::*;
+
+/// [`mix`] in a kernel.
+#[cube]
+fn mix_in(x: u32) -> u32 {
+    let mut x = x;
+    x ^= x >> 16;
+    x *= 0x7feb_352d;
+    x ^= x >> 15;
+    x *= 0x846c_a68b;
+    x ^ (x >> 16)
+}
+
+/// The hash of a head's place (`bh = b · heads + first_head + h`) under the seed.
+#[cube]
+fn head_hash(seed_a: u32, seed_b: u32, bh: u32) -> u32 {
+    mix_in(seed_a ^ mix_in(seed_b ^ bh))
+}
+
+/// The factor of the weight of the row hashed `row` on key `j`: `inv_keep` kept, 0 dropped.
+#[cube]
+fn kept_factor<F: Float>(row: u32, j: usize, threshold: u32, inv_keep: F) -> F {
+    let mut z = inv_keep;
+    if (mix_in(row ^ mix_in(j as u32)) >> 8) < threshold {
+        z = F::new(0.0);
+    }
+    z
+}
+
+/// `AttentionDropout` as the kernels read it.
+#[derive(CubeLaunch, CubeType, Clone, Copy)]
+pub struct DropArgs {
+    /// The seed's low 32 bits.
+    pub seed_a: u32,
+    /// Its high 32 bits.
+    pub seed_b: u32,
+    /// A weight whose hash's top 24 bits fall below it is dropped.
+    pub threshold: u32,
+    /// The factor of a kept weight.
+    pub inv_keep: f32,
+    /// The first of these heads in the whole.
+    pub first_head: u32,
+    /// The heads of the whole.
+    pub heads: u32,
+}
+
+/// The start of each row's keys: `starts[b, i]` within documents, else 0.
+#[cube]
+fn first_key<I: Numeric>(
+    starts: &Tensor<I>,
+    at: usize,
+    live: bool,
+    #[comptime] within: bool,
+) -> usize {
+    let mut first = 0usize;
+    if within && live {
+        first = u32::cast_from(starts[at]) as usize;
+    }
+    first
+}
+
+/// Rows `row0 ..` of a `[t, d]` slab at `base` into `tile` (`rows × d`), zeros past `t`; every
+/// unit of the cube takes part, consecutive units consecutive floats.
+#[cube]
+fn load_tile<F: Float>(
+    from: &Tensor<F>,
+    base: usize,
+    row0: usize,
+    t: usize,
+    scale: F,
+    tile: &mut [F],
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+) {
+    let mut idx = UNIT_POS_X as usize;
+    while idx < rows * d {
+        let row = row0 + idx / d;
+        let mut x = F::new(0.0);
+        if row < t {
+            x = from[base + row * d + idx % d] * scale;
+        }
+        tile[idx] = x;
+        idx += rows;
+    }
+}
+
+/// A cube per (query tile, head, batch row), a unit per query row: the online softmax over
+/// the keys `first ..= i`, loaded a tile at a time.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward_kernel<F: Float, I: Numeric>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    starts: &Tensor<I>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<F>,
+    scale: f32,
+    drop: DropArgs,
+    #[comptime] d: usize,
+    #[comptime] rows: usize,
+    #[comptime] within: bool,
+    #[comptime] dropping: bool,
+    #[define(F, I)] _dtypes: [ElemType; 2],
+) {
+    let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
+    let (b, h) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
+    let hk = h / (heads / kv_heads);
+    let row0 = CUBE_POS_X as usize * rows;
+    let i = row0 + UNIT_POS_X as usize;
+    let live = i < t;
+    let row_at = (b * heads + h) * t + i;
+    let kv_base = (b * kv_heads + hk) * t * d;
+    let scale = F::cast_from(scale);
+    let mut qr = Array::<F>::new(d);
+    let mut acc = Array::<F>::new(d);
+    #[unroll]
+    for c in 0..d {
+        let mut x = F::new(0.0);
+        if live {
+            x = q[row_at * d + c] * scale;
+        }
+        qr[c] = x;
+        acc[c] = F::new(0.0);
+    }
+    let first = first_key::<I>(starts, b * t + i, live, within);
+    let inv_keep = F::cast_from(drop.inv_keep);
+    let mut row_hash = 0u32;
+    if dropping {
+        let bh = (b * drop.heads as usize + drop.first_head as usize + h) as u32;
+        row_hash = mix_in(head_hash(drop.seed_a, drop.seed_b, bh) ^ i as u32);
+    }
+    let mut m = F::new(-1.0e30);
+    let mut l = F::new(0.0);
+    let mut ks = Shared::<[F]>::new_slice(rows * d);
+    let mut vs = Shared::<[F]>::new_slice(rows * d);
+    // The keys any row of this cube sees end before its last row + 1.
+    let mut last = row0 + rows;
+    if last > t {
+        last = t;
+    }
+    let tiles = last.div_ceil(rows);
+    for kt in 0..tiles {
+        let key0 = kt * rows;
+        load_tile::<F>(k, kv_base, key0, t, F::new(1.0), &mut ks, rows, d);
+        load_tile::<F>(v, kv_base, key0, t, F::new(1.0), &mut vs, rows, d);
+        sync_cube();
+        if live {
+            let mut j = key0;
+            if j < first {
+                j = first;
+            }
+            let mut end = key0 + rows;
+            if end > i + 1 {
+                end = i + 1;
+            }
+            while j < end {
+                let r = (j - key0) * d;
+                let mut s = F::new(0.0);
+                #[unroll]
+                for c in 0..d {
+                    s += qr[c] * ks[r + c];
+                }
+                // A new largest score: what was summed so far is rescaled to it once.
+                if s > m {
+                    let corr = (m - s).exp();
+                    l *= corr;
+                    #[unroll]
+                    for c in 0..d {
+                        acc[c] *= corr;
+                    }
+                    m = s;
+                }
+                let p = (s - m).exp();
+                l += p;
+                let mut pz = p;
+                if dropping {
+                    pz = p * kept_factor::<F>(row_hash, j, drop.threshold, inv_keep);
+                }
+                #[unroll]
+                for c in 0..d {
+                    acc[c] += pz * vs[r + c];
+                }
+                j += 1;
+            }
+        }
+        sync_cube();
+    }
+    if live {
+        let inv = F::new(1.0) / l;
+        #[unroll]
+        for c in 0..d {
+            out[row_at * d + c] = acc[c] * inv;
+        }
+        lse[row_at] = m + l.ln();
+    }
+}
+
+/// A cube per (query tile, head, batch row), a unit per query row:
+/// `dq_i = scale · Σ_j p_ij (dout_i·v_j − δ_i) k_j`, `p_ij = exp(scale·q_i·k_j − lse_i)`,
+/// `δ_i = dout_i·out_i`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn dq_kernel<F: Float, I: Numeric>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<F>,
+    delta: &Tensor<F>,
+    starts: &Tensor<I>,
+    dq: &mut Tensor<F>,
+    scale: f32,
+    drop: DropArgs,
+    #[comptime] d: usize,
+    #[comptime] rows: usize,
+    #[comptime] within: bool,
+    #[comptime] dropping: bool,
+    #[define(F, I)] _dtypes: [ElemType; 2],
+) {
+    let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
+    let (b, h) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
+    let hk = h / (heads / kv_heads);
+    let row0 = CUBE_POS_X as usize * rows;
+    let i = row0 + UNIT_POS_X as usize;
+    let live = i < t;
+    let row_at = (b * heads + h) * t + i;
+    let kv_base = (b * kv_heads + hk) * t * d;
+    let scale = F::cast_from(scale);
+    let mut qr = Array::<F>::new(d);
+    let mut gr = Array::<F>::new(d);
+    let mut acc = Array::<F>::new(d);
+    let mut li = F::new(0.0);
+    let mut di = F::new(0.0);
+    if live {
+        li = lse[row_at];
+        di = delta[row_at];
+    }
+    #[unroll]
+    for c in 0..d {
+        let mut x = F::new(0.0);
+        let mut g = F::new(0.0);
+        if live {
+            x = q[row_at * d + c] * scale;
+            g = dout[row_at * d + c];
+        }
+        qr[c] = x;
+        gr[c] = g;
+        acc[c] = F::new(0.0);
+    }
+    let first = first_key::<I>(starts, b * t + i, live, within);
+    let inv_keep = F::cast_from(drop.inv_keep);
+    let mut row_hash = 0u32;
+    if dropping {
+        let bh = (b * drop.heads as usize + drop.first_head as usize + h) as u32;
+        row_hash = mix_in(head_hash(drop.seed_a, drop.seed_b, bh) ^ i as u32);
+    }
+    let mut ks = Shared::<[F]>::new_slice(rows * d);
+    let mut vs = Shared::<[F]>::new_slice(rows * d);
+    let mut last = row0 + rows;
+    if last > t {
+        last = t;
+    }
+    let tiles = last.div_ceil(rows);
+    for kt in 0..tiles {
+        let key0 = kt * rows;
+        load_tile::<F>(k, kv_base, key0, t, F::new(1.0), &mut ks, rows, d);
+        load_tile::<F>(v, kv_base, key0, t, F::new(1.0), &mut vs, rows, d);
+        sync_cube();
+        if live {
+            let mut j = key0;
+            if j < first {
+                j = first;
+            }
+            let mut end = key0 + rows;
+            if end > i + 1 {
+                end = i + 1;
+            }
+            while j < end {
+                let r = (j - key0) * d;
+                let mut s = F::new(0.0);
+                let mut dp = F::new(0.0);
+                #[unroll]
+                for c in 0..d {
+                    s += qr[c] * ks[r + c];
+                    dp += gr[c] * vs[r + c];
+                }
+                if dropping {
+                    dp *= kept_factor::<F>(row_hash, j, drop.threshold, inv_keep);
+                }
+                let ds = (s - li).exp() * (dp - di);
+                #[unroll]
+                for c in 0..d {
+                    acc[c] += ds * ks[r + c];
+                }
+                j += 1;
+            }
+        }
+        sync_cube();
+    }
+    if live {
+        #[unroll]
+        for c in 0..d {
+            dq[row_at * d + c] = acc[c] * scale;
+        }
+    }
+}
+
+/// A cube per (key tile, key/value head, batch row), a unit per key row `j`, over every query
+/// head that reads it and every query row `i ≥ j` that sees it:
+/// `dv_j = Σ p_ij dout_i`, `dk_j = scale · Σ p_ij (dout_i·v_j − δ_i) q_i`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn dkv_kernel<F: Float, I: Numeric>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<F>,
+    delta: &Tensor<F>,
+    starts: &Tensor<I>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    scale: f32,
+    drop: DropArgs,
+    #[comptime] d: usize,
+    #[comptime] rows: usize,
+    #[comptime] within: bool,
+    #[comptime] dropping: bool,
+    #[define(F, I)] _dtypes: [ElemType; 2],
+) {
+    let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
+    let group = heads / kv_heads;
+    let (b, hk) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
+    let key0 = CUBE_POS_X as usize * rows;
+    let j = key0 + UNIT_POS_X as usize;
+    let live = j < t;
+    let key_at = (b * kv_heads + hk) * t + j;
+    let scale = F::cast_from(scale);
+    let mut kr = Array::<F>::new(d);
+    let mut vr = Array::<F>::new(d);
+    let mut gk = Array::<F>::new(d);
+    let mut gv = Array::<F>::new(d);
+    #[unroll]
+    for c in 0..d {
+        let mut x = F::new(0.0);
+        let mut y = F::new(0.0);
+        if live {
+            x = k[key_at * d + c];
+            y = v[key_at * d + c];
+        }
+        kr[c] = x;
+        vr[c] = y;
+        gk[c] = F::new(0.0);
+        gv[c] = F::new(0.0);
+    }
+    let mut qs = Shared::<[F]>::new_slice(rows * d);
+    let mut gs = Shared::<[F]>::new_slice(rows * d);
+    let mut ls = Shared::<[F]>::new_slice(rows);
+    let mut es = Shared::<[F]>::new_slice(rows);
+    let mut ss = Shared::<[u32]>::new_slice(rows);
+    let tiles = t.div_ceil(rows);
+    let unit = UNIT_POS_X as usize;
+    let inv_keep = F::cast_from(drop.inv_keep);
+    let key_hash = mix_in(j as u32);
+    for g in 0..group {
+        let h = hk * group + g;
+        let head_rows = (b * heads + h) * t;
+        let mut hash = 0u32;
+        if dropping {
+            let bh = (b * drop.heads as usize + drop.first_head as usize + h) as u32;
+            hash = head_hash(drop.seed_a, drop.seed_b, bh);
+        }
+        // The query tiles from this cube's first key on: earlier rows see none of its keys.
+        for qt in CUBE_POS_X as usize..tiles {
+            let q0 = qt * rows;
+            load_tile::<F>(q, head_rows * d, q0, t, scale, &mut qs, rows, d);
+            load_tile::<F>(dout, head_rows * d, q0, t, F::new(1.0), &mut gs, rows, d);
+            let row = q0 + unit;
+            let mut lr = F::new(0.0);
+            let mut er = F::new(0.0);
+            let mut sr = 0u32;
+            if row < t {
+                lr = lse[head_rows + row];
+                er = delta[head_rows + row];
+                if within {
+                    sr = u32::cast_from(starts[b * t + row]);
+                }
+            }
+            ls[unit] = lr;
+            es[unit] = er;
+            ss[unit] = sr;
+            sync_cube();
+            if live {
+                let mut i = q0;
+                if j > q0 {
+                    i = j;
+                }
+                let mut end = q0 + rows;
+                if end > t {
+                    end = t;
+                }
+                while i < end {
+                    let ii = i - q0;
+                    if !within || ss[ii] as usize <= j {
+                        let r = ii * d;
+                        let mut s = F::new(0.0);
+                        let mut dp = F::new(0.0);
+                        #[unroll]
+                        for c in 0..d {
+                            s += qs[r + c] * kr[c];
+                            dp += gs[r + c] * vr[c];
+                        }
+                        let p = (s - ls[ii]).exp();
+                        let mut pz = p;
+                        if dropping {
+                            let row_hash = mix_in(hash ^ i as u32);
+                            let mut z = inv_keep;
+                            if (mix_in(row_hash ^ key_hash) >> 8) < drop.threshold {
+                                z = F::new(0.0);
+                            }
+                            pz = p * z;
+                            dp *= z;
+                        }
+                        let ds = p * (dp - es[ii]);
+                        #[unroll]
+                        for c in 0..d {
+                            gv[c] += pz * gs[r + c];
+                            gk[c] += ds * qs[r + c];
+                        }
+                    }
+                    i += 1;
+                }
+            }
+            sync_cube();
+        }
+    }
+    if live {
+        #[unroll]
+        for c in 0..d {
+            dk[key_at * d + c] = gk[c];
+            dv[key_at * d + c] = gv[c];
+        }
+    }
+}

@@ -1,0 +1,453 @@
+//! Causal attention as CubeCL kernels, forward and backward, without the `T × T` scores.
+//!
+//! Burn 0.22.1 differentiates attention by its composed ops: the scores `q·kᵀ`, their mask,
+//! softmax and the product with `v`, each a kernel with a `[B, H, T, T]` buffer kept for the
+//! backward (on an H200 the GPT GPU recipe's six layers held about 400 MB of them each, and
+//! their element-wise kernels and reductions were most of the step's non-product time,
+//! BENCHMARKS.md). Here, as FlashAttention-2 does:
+//!
+//! - **Forward**: a cube per tile of query rows of one head, a unit per row. The cube loads the
+//!   keys and values a tile at a time into shared memory; each unit keeps its row's running
+//!   maximum, sum and weighted sum of values in registers (the online softmax) and writes the
+//!   output row and the row's log-sum-exp — `T` floats a head, not `T × T`.
+//! - **Backward**: the scores recomputed from q, k and the log-sum-exp. One kernel gives `dq`
+//!   (a unit per query row, keys by tiles as in the forward); another `dk` and `dv` (a unit per
+//!   key row, queries by tiles, the query heads that share the key head — grouped-query
+//!   attention — summed in the unit). Every gradient element is written once by one unit: no
+//!   atomics, the result independent of timing.
+//!
+//! Query heads may be a multiple of the key/value heads (grouped-query attention): a query head
+//! `h` reads key head `h / (H / KV)`, nothing repeated in memory. `starts` restricts each row to
+//! its packed document, as the CPU's kernel does. Each unit computes in its tensors' float type.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_extension};
+use burn::tensor::Shape;
+use burn_backend::cubecl::dtype_to_storage_type;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::{empty_device_dtype, zeros_client};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+use kernels::{DropArgsLaunch, dkv_kernel, dq_kernel, forward_kernel};
+
+mod kernels;
+
+/// The widest head the kernels take: a unit holds four rows of this many floats in registers
+/// (the key/value kernel's key, value and their two gradients).
+pub const MOST_HEAD_WIDTH: usize = 256;
+
+/// Rows a cube handles at once (its units), and rows of a tile in shared memory: two tiles of
+/// `tile × width` floats stay within 16 KiB (a software adapter's shared memory may hold 32).
+pub fn tile_rows(width: usize) -> usize {
+    (2048 / width.max(1)).clamp(8, 64)
+}
+
+/// Dropout on the attention weights, drawn by the kernels themselves: whether the weight of
+/// query row `i` on key `j` of head `h` in batch row `b` is kept is a function of the seed and
+/// that place alone ([`AttentionDropout::keeps`]), so the forward and both backward kernels
+/// recompute the same mask and none is stored. `prob = 0`: no dropout.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct AttentionDropout {
+    /// The draw's seed.
+    pub seed: u64,
+    /// The probability of dropping a weight; the kept ones are scaled by `1 / (1 − prob)`.
+    pub prob: f32,
+    /// The first of these heads in the whole (a tensor-parallel rank's heads are a part of it).
+    pub first_head: usize,
+    /// The heads of the whole.
+    pub heads: usize,
+}
+
+/// Knuth's multiplicative constant's cousins: a 32-bit integer hash (two multiply-xorshift
+/// rounds), the same on the host and in the kernels.
+fn mix(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+impl AttentionDropout {
+    /// The dropped fraction as the kernels compare it: 24 bits of a hash below it drop.
+    fn threshold(&self) -> u32 {
+        (f64::from(self.prob) * f64::from(1u32 << 24)).round() as u32
+    }
+
+    /// The factor of a kept weight.
+    fn inv_keep(&self) -> f32 {
+        (1.0 / (1.0 - f64::from(self.prob))) as f32
+    }
+
+    /// Whether the weight of query row `i` on key `j` of local head `h` in batch row `b` is
+    /// kept — what the kernels compute.
+    pub fn keeps(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
+        let bh = (b * self.heads + self.first_head + h) as u32;
+        let head = mix((self.seed as u32) ^ mix(((self.seed >> 32) as u32) ^ bh));
+        let row = mix(head ^ i as u32);
+        (mix(row ^ mix(j as u32)) >> 8) >= self.threshold()
+    }
+}
+
+impl AttentionDropout {
+    /// The kernels' arguments.
+    fn args(&self) -> DropArgsLaunch {
+        DropArgsLaunch::new(
+            self.seed as u32,
+            (self.seed >> 32) as u32,
+            self.threshold(),
+            self.inv_keep(),
+            self.first_head as u32,
+            self.heads as u32,
+        )
+    }
+}
+
+/// Causal attention on a CubeCL device.
+#[backend_extension(Cube, Fusion, Autodiff)]
+pub trait CubeAttentionOps: Backend {
+    /// The output (`[B, H, T, D]`) and each row's log-sum-exp of its scaled scores
+    /// (`[B, H, T]`) of causal attention of `q` (`[B, H, T, D]`) over `k` and `v`
+    /// (`[B, KV, T, D]`, `H` a multiple of `KV`), scaled by `scale`, the weights through
+    /// `drop`; `starts`: each row's first key (`[B, T]`), or empty (every row from 0). Not
+    /// differentiated.
+    #[fusion(meta = |q, _k, _v, _starts, _scale, _drop| (
+        q.clone(),
+        TensorSpec::new(Shape::new([q.shape[0], q.shape[1], q.shape[2]]), q.dtype),
+    ))]
+    fn kiln_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradients of `q`, `k` and `v` from the output's gradient `dout`, with the forward's
+    /// output `out` and log-sum-exp `lse` (arguments as [`CubeAttentionOps::kiln_attention_forward`]'s).
+    /// Not differentiated.
+    #[fusion(meta = |q, k, v, _out, _lse, _dout, _starts, _scale, _drop| (q.clone(), k.clone(), v.clone()))]
+    #[allow(clippy::too_many_arguments)]
+    fn kiln_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Causal attention's output, differentiated in `q`, `k` and `v` through
+    /// [`CubeAttentionOps::kiln_attention_backward`].
+    #[fusion(default)]
+    fn kiln_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        Self::kiln_attention_forward(q, k, v, starts, scale, drop).0
+    }
+}
+
+/// The shapes the kernels take, checked: `[B, H, T, D]` and `[B, KV, T, D]` twice.
+fn dims(q: &CubeTensor, k: &CubeTensor, v: &CubeTensor) -> [usize; 5] {
+    let [b, h, t, d] = q.shape().dims::<4>();
+    let kd = k.shape().dims::<4>();
+    let kv = kd[1];
+    assert!(
+        kd == [b, kv, t, d] && v.shape().dims::<4>() == kd && kv > 0 && h.is_multiple_of(kv),
+        "attention of q {:?} over k {:?} and v {:?}: k and v must be [B, KV, T, D] with H a \
+         multiple of KV",
+        q.shape(),
+        k.shape(),
+        v.shape()
+    );
+    assert!(
+        d <= MOST_HEAD_WIDTH,
+        "attention heads of {d} floats: the kernels take {MOST_HEAD_WIDTH} at most"
+    );
+    [b, h, kv, t, d]
+}
+
+/// `starts` as the kernels read it, and whether it restricts the rows: an empty tensor becomes
+/// one element (a binding may not be empty) that the kernels do not read.
+fn starts_arg(starts: CubeTensor, like: &CubeTensor) -> (CubeTensor, bool) {
+    if starts.shape().num_elements() > 0 {
+        return (into_contiguous(starts), true);
+    }
+    let dtype = starts.dtype;
+    let one = zeros_client(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new([1]),
+        dtype,
+    );
+    (one, false)
+}
+
+impl CubeAttentionOps for CubeBackend {
+    fn kiln_attention_forward(
+        q: CubeTensor,
+        k: CubeTensor,
+        v: CubeTensor,
+        starts: CubeTensor,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> (CubeTensor, CubeTensor) {
+        let [q, k, v] = [q, k, v].map(into_contiguous);
+        let [b, h, _, t, d] = dims(&q, &k, &v);
+        let (starts, within) = starts_arg(starts, &q);
+        let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
+        let out = empty_device_dtype(client.clone(), device.clone(), q.shape(), dtype);
+        let lse = empty_device_dtype(client.clone(), device, Shape::new([b, h, t]), dtype);
+        let rows = tile_rows(d);
+        let index_dtype = starts.dtype;
+        forward_kernel::launch(
+            &client,
+            CubeCount::Static(t.div_ceil(rows) as u32, h as u32, b as u32),
+            CubeDim::new_1d(rows as u32),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            starts.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            scale,
+            drop.args(),
+            d,
+            rows,
+            within,
+            drop.prob > 0.0,
+            [
+                dtype_to_storage_type(dtype),
+                dtype_to_storage_type(index_dtype),
+            ],
+        );
+        (out, lse)
+    }
+
+    fn kiln_attention_backward(
+        q: CubeTensor,
+        k: CubeTensor,
+        v: CubeTensor,
+        out: CubeTensor,
+        lse: CubeTensor,
+        dout: CubeTensor,
+        starts: CubeTensor,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> (CubeTensor, CubeTensor, CubeTensor) {
+        type Ops = CubeBackend;
+        let [q, k, v, dout, lse] = [q, k, v, dout, lse].map(into_contiguous);
+        let [b, h, kv, t, d] = dims(&q, &k, &v);
+        // δ_i = dout_i · out_i, a float per row.
+        let delta = <Ops as FloatTensorOps<Ops>>::float_sum_dim(
+            <Ops as FloatTensorOps<Ops>>::float_mul(dout.clone(), out),
+            3,
+        );
+        let delta = into_contiguous(delta);
+        let (starts, within) = starts_arg(starts, &q);
+        let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
+        let empty = |shape: Shape| empty_device_dtype(client.clone(), device.clone(), shape, dtype);
+        let (dq, dk, dv) = (empty(q.shape()), empty(k.shape()), empty(k.shape()));
+        let rows = tile_rows(d);
+        let dtypes = [
+            dtype_to_storage_type(dtype),
+            dtype_to_storage_type(starts.dtype),
+        ];
+        dq_kernel::launch(
+            &client,
+            CubeCount::Static(t.div_ceil(rows) as u32, h as u32, b as u32),
+            CubeDim::new_1d(rows as u32),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            starts.clone().into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            scale,
+            drop.args(),
+            d,
+            rows,
+            within,
+            drop.prob > 0.0,
+            dtypes,
+        );
+        dkv_kernel::launch(
+            &client,
+            CubeCount::Static(t.div_ceil(rows) as u32, kv as u32, b as u32),
+            CubeDim::new_1d(rows as u32),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            dout.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            starts.into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
+            scale,
+            drop.args(),
+            d,
+            rows,
+            within,
+            drop.prob > 0.0,
+            dtypes,
+        );
+        (dq, dk, dv)
+    }
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: Backend + CubeAttentionOps> Backward<B, 3> for AttentionBackward {
+    /// q, k, v, the output, its rows' log-sum-exp, the starts, the scale and the dropout.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        IntTensor<B>,
+        f32,
+        AttentionDropout,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let dout = grads.consume::<B>(&ops.node);
+        let (q, k, v, out, lse, starts, scale, drop) = ops.state;
+        let (dq, dk, dv) = B::kiln_attention_backward(q, k, v, out, lse, dout, starts, scale, drop);
+        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+impl<B: Backend + CubeAttentionOps, C: CheckpointStrategy> CubeAttentionOps for Autodiff<B, C> {
+    fn kiln_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, lse) = B::kiln_attention_forward(
+            Self::inner(q),
+            Self::inner(k),
+            Self::inner(v),
+            starts,
+            scale,
+            drop,
+        );
+        (Self::from_inner(out), Self::from_inner(lse))
+    }
+
+    fn kiln_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dq, dk, dv) = B::kiln_attention_backward(
+            Self::inner(q),
+            Self::inner(k),
+            Self::inner(v),
+            Self::inner(out),
+            Self::inner(lse),
+            Self::inner(dout),
+            starts,
+            scale,
+            drop,
+        );
+        (
+            Self::from_inner(dq),
+            Self::from_inner(dk),
+            Self::from_inner(dv),
+        )
+    }
+
+    fn kiln_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        let (qp, kp, vp) = (q.primitive(), k.primitive(), v.primitive());
+        let (out, lse) = B::kiln_attention_forward(
+            qp.clone(),
+            kp.clone(),
+            vp.clone(),
+            starts.clone(),
+            scale,
+            drop,
+        );
+        match AttentionBackward
+            .prepare::<C>([q.node(), k.node(), v.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = (
+                    qp.clone(),
+                    kp.clone(),
+                    vp.clone(),
+                    out.clone(),
+                    lse,
+                    starts,
+                    scale,
+                    drop,
+                );
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_tiles_of_a_head_fit_sixteen_kib() {
+        for width in [1, 8, 16, 24, 32, 64, 96, 128, 256] {
+            let rows = tile_rows(width);
+            assert!((8..=64).contains(&rows));
+            assert!(
+                2 * rows * width * 4 <= 16 * 1024 || rows == 8,
+                "width {width}"
+            );
+        }
+        assert_eq!(tile_rows(64), 32);
+        assert_eq!(tile_rows(128), 16);
+    }
+}
