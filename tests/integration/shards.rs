@@ -275,6 +275,33 @@ fn a_rank_killed_mid_write_leaves_no_manifest_and_a_damaged_shard_is_named() {
         "init.from=\"alone/checkpoints/step-00000040\"",
     ]);
     assert_eq!(from_checkpoint, eval(&["--run", "alone"]));
+    // What reads a weights file otherwise (renames, partial, PyTorch's layout) is refused for
+    // a sharded checkpoint in one line, before the run's directory exists.
+    for (key, value) in [
+        ("init.partial", "true"),
+        ("init.rename", "[[\"^conv\", \"c\"]]"),
+        ("init.format", "\"pytorch\""),
+    ] {
+        let set = format!("{key}={value}");
+        let out = train_bin(
+            &base,
+            &[
+                &["--run-dir", "refused", "--set"][..],
+                &[
+                    "init.from=\"alone/checkpoints/step-00000040\"",
+                    "--set",
+                    &set,
+                ],
+                &train,
+            ]
+            .concat(),
+        );
+        crate::common::assert_one_line_error(&out, &[key, "sharded checkpoint"]);
+        assert!(
+            !base.join("refused").exists(),
+            "{key}: a refused run wrote its directory"
+        );
+    }
     let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
         .args(["--run-dir", "killed"])
         .args(train)

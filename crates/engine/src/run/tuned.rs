@@ -45,7 +45,24 @@ impl<'a, W: Workload> Tuned<'a, W> {
             .as_deref()
             .filter(|from| crate::checkpoint::is_sharded(from));
         let (plain, loaded) = if let Some(dir) = sharded.filter(|_| !resuming) {
-            // A sharded checkpoint: its weights whole, as a resume reads them.
+            // A sharded checkpoint: its weights whole, as a resume reads them — under the
+            // model's own names, so what reads a weights file otherwise is refused, not left out.
+            let reads_otherwise = [
+                (!init.rename.is_empty(), "init.rename"),
+                (init.partial, "init.partial"),
+                (
+                    init.format != crate::config::WeightsFormat::Kiln,
+                    "init.format",
+                ),
+            ];
+            if let Some((_, key)) = reads_otherwise.iter().find(|(set, _)| *set) {
+                return Err(crate::error::Error::config(format!(
+                    "key `{key}`: {} is a sharded checkpoint, read whole under the model's own \
+                     names; renames, partial loading and the PyTorch layout apply to a weights \
+                     file (a run's exported model.safetensors, a .bpk, a .safetensors, a .pt)",
+                    dir.display()
+                )));
+            }
             let model = crate::checkpoint::load_model(dir, plain)
                 .map_err(|e| crate::error::Error::config(format!("key `init.from`: {e}")))?;
             let applied = crate::params::parameter_values(&model).len();
