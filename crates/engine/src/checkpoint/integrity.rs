@@ -116,17 +116,12 @@ pub fn report(run: &Path) -> Result<(Vec<String>, Option<usize>)> {
     let mut lines = Vec::new();
     let mut whole = None;
     for (step, dir) in &all {
-        let mut files: Vec<String> = std::fs::read_dir(dir)
+        let files: Vec<(String, u64)> = std::fs::read_dir(dir)
             .into_iter()
             .flatten()
             .flatten()
-            .filter_map(|e| {
-                let len = e.metadata().ok()?.len();
-                let name = e.file_name().into_string().ok()?;
-                Some(format!("{name} {}", human_bytes(len)))
-            })
+            .filter_map(|e| Some((e.file_name().into_string().ok()?, e.metadata().ok()?.len())))
             .collect();
-        files.sort();
         let state = match verify(dir) {
             Ok(v) => {
                 whole = Some(*step);
@@ -149,13 +144,56 @@ pub fn report(run: &Path) -> Result<(Vec<String>, Option<usize>)> {
         };
         lines.push(format!(
             "step {step:>8}  {state}  [{}]{mark}",
-            files.join(", ")
+            file_list(files)
         ));
     }
     if let Some(s) = whole {
         lines.push(format!("--resume {} starts from step {s}", run.display()));
     }
     Ok((lines, whole))
+}
+
+/// Fewer files of one kind than this are listed one by one.
+const LISTED: usize = 4;
+
+/// A checkpoint's files for its line, by name, each with its size — except that `LISTED` or
+/// more of one kind (names alike but for their digits: the ranks' `rank-NNNNN.bin` of a
+/// sharded checkpoint) are one entry, the first and the last named, with their count and total.
+fn file_list(mut files: Vec<(String, u64)>) -> String {
+    files.sort();
+    let kind = |name: &str| -> String {
+        name.chars()
+            .map(|c| if c.is_ascii_digit() { '#' } else { c })
+            .collect()
+    };
+    let mut kinds: Vec<(String, Vec<(String, u64)>)> = Vec::new();
+    for (name, len) in files {
+        let k = kind(&name);
+        match kinds.iter_mut().find(|(seen, _)| *seen == k) {
+            Some((_, members)) => members.push((name, len)),
+            None => kinds.push((k, vec![(name, len)])),
+        }
+    }
+    let mut entries = Vec::new();
+    for (_, members) in kinds {
+        if members.len() < LISTED {
+            entries.extend(
+                members
+                    .iter()
+                    .map(|(name, len)| format!("{name} {}", human_bytes(*len))),
+            );
+        } else {
+            let total = members.iter().map(|(_, len)| len).sum();
+            entries.push(format!(
+                "{} … {} ({} files, {})",
+                members[0].0,
+                members[members.len() - 1].0,
+                members.len(),
+                human_bytes(total)
+            ));
+        }
+    }
+    entries.join(", ")
 }
 
 /// A byte count in B, KiB, MiB or GiB.
@@ -171,5 +209,39 @@ pub(super) fn human_bytes(n: u64) -> String {
         format!("{n} B")
     } else {
         format!("{v:.1} {}", units[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn many_files_of_a_kind_are_one_entry_and_a_few_are_listed() {
+        let mut files: Vec<(String, u64)> = (0..64)
+            .flat_map(|r| {
+                [
+                    (format!("rank-{r:05}.bin"), 1 << 20),
+                    (format!("rank-{r:05}.json"), 100),
+                ]
+            })
+            .collect();
+        files.push(("state.json".into(), 2048));
+        files.push(("rest-00000.bpk".into(), 10));
+        assert_eq!(
+            file_list(files),
+            "rank-00000.bin … rank-00063.bin (64 files, 64.0 MiB), \
+             rank-00000.json … rank-00063.json (64 files, 6.2 KiB), rest-00000.bpk 10 B, \
+             state.json 2.0 KiB"
+        );
+        let two = vec![
+            ("rank-00001.bin".to_string(), 5),
+            ("rank-00000.bin".to_string(), 7),
+            ("model.bpk".to_string(), 3),
+        ];
+        assert_eq!(
+            file_list(two),
+            "model.bpk 3 B, rank-00000.bin 7 B, rank-00001.bin 5 B"
+        );
     }
 }
