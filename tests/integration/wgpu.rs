@@ -381,6 +381,9 @@ fn assert_close(kernel: &Named, others: &[(&str, &Named)], decay: f64) {
 #[derive(Clone, Copy)]
 enum Way<'a> {
     Kernels(Option<(&'a burn::nn::Dropout, Option<kiln_models::draw::Part>)>),
+    /// The kernels through the packed projection's attention (`fused::packed_within`, the
+    /// GPT's), q, k and v put side by side first (query heads as many as key/value heads).
+    Packed(Option<&'a burn::nn::Dropout>),
     Composed(Option<kiln_models::cube::AttentionDropout>),
     CpuFused,
 }
@@ -413,6 +416,11 @@ fn attention_and_grads(
         Way::Kernels(dropout) => {
             let starts = starts
                 .map(|s| Tensor::<2, Int>::from_data(TensorData::new(s.to_vec(), [b, t]), &device));
+            assert!(
+                kiln_models::cube::attention_takes(&q, &k, &v),
+                "the kernels do not take {:?}",
+                [b, h, kv, t, d]
+            );
             let dropout =
                 dropout.map(|(dropout, part)| kiln_models::draw::DropoutPart { dropout, part });
             kiln_models::draw::keyed(KEY, || {
@@ -424,6 +432,20 @@ fn attention_and_grads(
                     dropout,
                 )
             })
+        }
+        Way::Packed(dropout) => {
+            assert_eq!(
+                h, kv,
+                "a packed projection has as many key/value heads as query heads"
+            );
+            let side = |x: &Tensor<4>| x.clone().swap_dims(1, 2).reshape([b, t, h * d]);
+            let qkv = Tensor::cat(vec![side(&q), side(&k), side(&v)], 2);
+            let dropout = dropout.map(kiln_models::draw::DropoutPart::whole);
+            kiln_models::draw::keyed(KEY, || {
+                kiln_models::fused::packed_within(qkv, h, None, dropout)
+            })
+            .reshape([b, t, h, d])
+            .swap_dims(1, 2)
         }
         Way::CpuFused => {
             let starts = starts
@@ -487,6 +509,13 @@ fn assert_attention_close(case: &str, kernel: &[Vec<f32>; 4], name: &str, other:
         .iter()
         .zip(kernel.iter().zip(other))
     {
+        assert_eq!(
+            a.len(),
+            b.len(),
+            "{case} {which}: {} values against {name}'s {}",
+            a.len(),
+            b.len()
+        );
         let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
         assert!(scale > 0.0, "{case} {which}: all zeros");
         for (i, (x, y)) in a.iter().zip(b).enumerate() {
@@ -502,10 +531,11 @@ fn assert_attention_close(case: &str, kernel: &[Vec<f32>; 4], name: &str, other:
 /// the scores from each row's log-sum-exp, dropout's mask from its seed) against Burn's
 /// composed ops on the CPU and the CPU's fused kernel: the output and the gradients of q, k
 /// and v within 1e-5 of each tensor's largest value. The cases: a time that is no whole number
-/// of tiles (70 rows in tiles of 64, 45 in tiles of 32), grouped-query heads (4 query heads on
-/// 2 key/value heads), rows restricted to their packed documents, head widths of 16, 24 and 64;
-/// dropout on the weights of a keyed forward (the composed ops given the kernels' mask), of all
-/// heads and of a tensor-parallel rank's half of them. (Burn's composed ops on the adapter
+/// of tiles (70 rows in tiles of 64, 45 in tiles of 32, 37 in tiles of 16, 20 in one of 64),
+/// grouped-query heads (4 query heads on 2 key/value heads), rows restricted to their packed
+/// documents, head widths of 16, 24, 64 and 128; dropout on the weights of a keyed forward (the
+/// composed ops given the kernels' mask), of all heads, of a tensor-parallel rank's half of them
+/// and through the packed projection the GPT attends with. (Burn's composed ops on the adapter
 /// itself are left out: their matrix products' autotuning in a test process has hung on
 /// llvmpipe; the GPT's run on WGPU in `the_convnet_and_the_gpt_on_wgpu_…` takes them.)
 #[test]
@@ -521,17 +551,20 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
         .map(|i| if i < 20 { 0 } else { 20 })
         .chain((0..70).map(|i| [0, 9, 41][usize::from(i >= 9) + usize::from(i >= 41)]))
         .collect();
-    let cases: [([usize; 5], Option<&[i64]>); 4] = [
+    let cases: [([usize; 5], Option<&[i64]>); 6] = [
         ([2, 3, 3, 70, 16], None),
         ([2, 4, 2, 70, 24], None),
         ([2, 4, 2, 70, 24], Some(&packed)),
         ([1, 2, 1, 45, 64], None),
+        ([1, 2, 2, 37, 128], None),
+        // Fewer rows than one tile.
+        ([2, 2, 1, 20, 16], None),
     ];
     for (dims, starts) in cases {
         let [_, _, _, t, d] = dims;
         let tile = kiln_models::cube::tile_rows(d);
         assert!(
-            t > tile && !t.is_multiple_of(tile),
+            !t.is_multiple_of(tile),
             "{dims:?}: {t} rows in tiles of {tile}"
         );
         let case = format!("{dims:?} starts {}", starts.is_some());
@@ -586,4 +619,23 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
             "{case}: the same output as without dropout"
         );
     }
+    // The GPT's way in, the packed projection, with dropout: the same mask.
+    let dims = [2, 3, 3, 70, 16];
+    let seed = keyed(KEY, || kernel_draw(DropoutPart::whole(&dropout)))
+        .expect("a keyed forward's draw")
+        .seed;
+    let drop = AttentionDropout {
+        seed,
+        prob: 0.25,
+        first_head: 0,
+        heads: 3,
+    };
+    let kernel = attention_and_grads(&wgpu, dims, None, Way::Packed(Some(&dropout)));
+    let composed = attention_and_grads(&cpu, dims, None, Way::Composed(Some(drop)));
+    assert_attention_close(
+        "packed with dropout",
+        &kernel,
+        "Burn's composed ops with the mask",
+        &composed,
+    );
 }

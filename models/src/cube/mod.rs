@@ -7,7 +7,7 @@
 //! - [`adamw`]: AdamW's update of a flat shard in one pass (`adamw.rs`), where Burn's runs a
 //!   dozen whole-vector ops.
 //! - [`attention`]: causal attention forward and backward by tiles in shared memory, the rows'
-//!   log-sum-exp kept instead of the `T × T` scores (`attention.rs`), where Burn's composes
+//!   log-sum-exp kept instead of the `T × T` scores (`attention/`), where Burn's composes
 //!   the scores, their mask, softmax and products.
 //!
 //! Each kernel equals the Burn ops it replaces within 1e-5 relative (forward and gradient) on
@@ -129,9 +129,18 @@ pub fn attention(
     drop: AttentionDropout,
 ) -> Tensor<4> {
     let device = q.device();
-    let scale = 1.0 / (q.dims()[3] as f32).sqrt();
+    let [b, _, t, d] = q.dims();
+    let scale = 1.0 / (d as f32).sqrt();
     let starts = match starts {
-        Some(s) => s.clone(),
+        Some(s) => {
+            assert_eq!(
+                s.dims(),
+                [b, t],
+                "attention within documents: starts {:?} for a batch of {b} rows of {t}",
+                s.dims()
+            );
+            s.clone()
+        }
         None => Tensor::<2, Int>::from_data(TensorData::new(Vec::<i64>::new(), [0, 0]), &device),
     };
     Tensor::from_dispatch(<Dispatch as CubeAttentionOps>::kiln_attention(

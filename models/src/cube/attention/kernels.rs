@@ -360,11 +360,7 @@ pub(super) fn dkv_kernel<F: Float, I: Numeric>(
     }
     let mut qs = Shared::<[F]>::new_slice(rows * d);
     let mut gs = Shared::<[F]>::new_slice(rows * d);
-    let mut ls = Shared::<[F]>::new_slice(rows);
-    let mut es = Shared::<[F]>::new_slice(rows);
-    let mut ss = Shared::<[u32]>::new_slice(rows);
     let tiles = t.div_ceil(rows);
-    let unit = UNIT_POS_X as usize;
     let inv_keep = F::cast_from(drop.inv_keep);
     let key_hash = mix_in(j as u32);
     for g in 0..group {
@@ -380,20 +376,6 @@ pub(super) fn dkv_kernel<F: Float, I: Numeric>(
             let q0 = qt * rows;
             load_tile::<F>(q, head_rows * d, q0, t, scale, &mut qs, rows, d);
             load_tile::<F>(dout, head_rows * d, q0, t, F::new(1.0), &mut gs, rows, d);
-            let row = q0 + unit;
-            let mut lr = F::new(0.0);
-            let mut er = F::new(0.0);
-            let mut sr = 0u32;
-            if row < t {
-                lr = lse[head_rows + row];
-                er = delta[head_rows + row];
-                if within {
-                    sr = u32::cast_from(starts[b * t + row]);
-                }
-            }
-            ls[unit] = lr;
-            es[unit] = er;
-            ss[unit] = sr;
             sync_cube();
             if live {
                 let mut i = q0;
@@ -404,9 +386,15 @@ pub(super) fn dkv_kernel<F: Float, I: Numeric>(
                 if end > t {
                     end = t;
                 }
+                // A row's log-sum-exp, δ and first key are read where they are: every unit
+                // reads the same row at once (shared memory holds the two tiles alone).
                 while i < end {
                     let ii = i - q0;
-                    if !within || ss[ii] as usize <= j {
+                    let mut sees = true;
+                    if within {
+                        sees = u32::cast_from(starts[b * t + i]) as usize <= j;
+                    }
+                    if sees {
                         let r = ii * d;
                         let mut s = F::new(0.0);
                         let mut dp = F::new(0.0);
@@ -415,7 +403,7 @@ pub(super) fn dkv_kernel<F: Float, I: Numeric>(
                             s += qs[r + c] * kr[c];
                             dp += gs[r + c] * vr[c];
                         }
-                        let p = (s - ls[ii]).exp();
+                        let p = (s - lse[head_rows + i]).exp();
                         let mut pz = p;
                         if dropping {
                             let row_hash = mix_in(hash ^ i as u32);
@@ -426,7 +414,7 @@ pub(super) fn dkv_kernel<F: Float, I: Numeric>(
                             pz = p * z;
                             dp *= z;
                         }
-                        let ds = p * (dp - es[ii]);
+                        let ds = p * (dp - delta[head_rows + i]);
                         #[unroll]
                         for c in 0..d {
                             gv[c] += pz * gs[r + c];

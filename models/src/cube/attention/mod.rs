@@ -44,8 +44,9 @@ mod kernels;
 /// (the key/value kernel's key, value and their two gradients).
 pub const MOST_HEAD_WIDTH: usize = 256;
 
-/// Rows a cube handles at once (its units), and rows of a tile in shared memory: two tiles of
-/// `tile × width` floats stay within 16 KiB (a software adapter's shared memory may hold 32).
+/// Rows a cube handles at once (its units), and rows of a tile in shared memory: each kernel's
+/// two tiles of `tile × width` floats are all the shared memory it takes, 16 KiB at most
+/// (WebGPU's least workgroup storage).
 pub fn tile_rows(width: usize) -> usize {
     (2048 / width.max(1)).clamp(8, 64)
 }
