@@ -15,17 +15,20 @@ fn mix_in(x: u32) -> u32 {
     x ^ (x >> 16)
 }
 
-/// The hash of a head's place (`bh = b · heads + first_head + h`) under the seed.
+/// The hash of local head `h` of batch row `b` under the draw's seed, by its place in the whole
+/// (`b · heads + first_head + h`).
 #[cube]
-fn head_hash(seed_a: u32, seed_b: u32, bh: u32) -> u32 {
-    mix_in(seed_a ^ mix_in(seed_b ^ bh))
+fn head_hash(drop: &DropArgs, b: usize, h: usize) -> u32 {
+    let bh = (b * drop.heads as usize + drop.first_head as usize + h) as u32;
+    mix_in(drop.seed_a ^ mix_in(drop.seed_b ^ bh))
 }
 
-/// The factor of the weight of the row hashed `row` on key `j`: `inv_keep` kept, 0 dropped.
+/// The factor of the weight of the row hashed `row` on the key hashed `key` (`mix_in(j)`):
+/// `inv_keep` kept, 0 dropped.
 #[cube]
-fn kept_factor<F: Float>(row: u32, j: usize, threshold: u32, inv_keep: F) -> F {
+fn kept_factor<F: Float>(row: u32, key: u32, threshold: u32, inv_keep: F) -> F {
     let mut z = inv_keep;
-    if (mix_in(row ^ mix_in(j as u32)) >> 8) < threshold {
+    if (mix_in(row ^ key) >> 8) < threshold {
         z = F::new(0.0);
     }
     z
@@ -131,8 +134,7 @@ pub(super) fn forward_kernel<F: Float, I: Numeric>(
     let inv_keep = F::cast_from(drop.inv_keep);
     let mut row_hash = 0u32;
     if dropping {
-        let bh = (b * drop.heads as usize + drop.first_head as usize + h) as u32;
-        row_hash = mix_in(head_hash(drop.seed_a, drop.seed_b, bh) ^ i as u32);
+        row_hash = mix_in(head_hash(&drop, b, h) ^ i as u32);
     }
     let mut m = F::new(-1.0e30);
     let mut l = F::new(0.0);
@@ -179,7 +181,7 @@ pub(super) fn forward_kernel<F: Float, I: Numeric>(
                 l += p;
                 let mut pz = p;
                 if dropping {
-                    pz = p * kept_factor::<F>(row_hash, j, drop.threshold, inv_keep);
+                    pz = p * kept_factor::<F>(row_hash, mix_in(j as u32), drop.threshold, inv_keep);
                 }
                 #[unroll]
                 for c in 0..d {
@@ -256,8 +258,7 @@ pub(super) fn dq_kernel<F: Float, I: Numeric>(
     let inv_keep = F::cast_from(drop.inv_keep);
     let mut row_hash = 0u32;
     if dropping {
-        let bh = (b * drop.heads as usize + drop.first_head as usize + h) as u32;
-        row_hash = mix_in(head_hash(drop.seed_a, drop.seed_b, bh) ^ i as u32);
+        row_hash = mix_in(head_hash(&drop, b, h) ^ i as u32);
     }
     let mut ks = Shared::<[F]>::new_slice(rows * d);
     let mut vs = Shared::<[F]>::new_slice(rows * d);
@@ -290,7 +291,7 @@ pub(super) fn dq_kernel<F: Float, I: Numeric>(
                     dp += gr[c] * vs[r + c];
                 }
                 if dropping {
-                    dp *= kept_factor::<F>(row_hash, j, drop.threshold, inv_keep);
+                    dp *= kept_factor::<F>(row_hash, mix_in(j as u32), drop.threshold, inv_keep);
                 }
                 let ds = (s - li).exp() * (dp - di);
                 #[unroll]
@@ -368,8 +369,7 @@ pub(super) fn dkv_kernel<F: Float, I: Numeric>(
         let head_rows = (b * heads + h) * t;
         let mut hash = 0u32;
         if dropping {
-            let bh = (b * drop.heads as usize + drop.first_head as usize + h) as u32;
-            hash = head_hash(drop.seed_a, drop.seed_b, bh);
+            hash = head_hash(&drop, b, h);
         }
         // The query tiles from this cube's first key on: earlier rows see none of its keys.
         for qt in CUBE_POS_X as usize..tiles {
@@ -407,10 +407,7 @@ pub(super) fn dkv_kernel<F: Float, I: Numeric>(
                         let mut pz = p;
                         if dropping {
                             let row_hash = mix_in(hash ^ i as u32);
-                            let mut z = inv_keep;
-                            if (mix_in(row_hash ^ key_hash) >> 8) < drop.threshold {
-                                z = F::new(0.0);
-                            }
+                            let z = kept_factor::<F>(row_hash, key_hash, drop.threshold, inv_keep);
                             pz = p * z;
                             dp *= z;
                         }
