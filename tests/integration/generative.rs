@@ -119,6 +119,7 @@ fn a_discriminator_step_leaves_the_generator_and_its_adamw_state_bit_identical()
             .map(|(k, g)| (k.clone(), g.optim.clone()))
             .collect(),
         tp: None,
+        decide_on_device: false,
     };
     let mut strategy: Box<dyn Strategy<Gan, GanBatch> + '_> =
         build(StrategyKind::Single, model, ctx).unwrap();

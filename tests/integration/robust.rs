@@ -124,9 +124,10 @@ fn to_str(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
 
-/// The image workload, except that rank 1's batch of micro-step `poison` is all NaN.
-struct NanAt {
+/// The image workload, except that rank `rank`'s batch of micro-step `poison` is all NaN.
+pub(crate) struct NanAt {
     inner: ImageWorkload,
+    rank: usize,
     poison: usize,
     seen: std::sync::atomic::AtomicUsize,
 }
@@ -143,10 +144,10 @@ impl Workload for NanAt {
     }
     fn train_batch(&self, indices: &[usize], device: &Device) -> ImageBatch {
         let batch = self.inner.train_batch(indices, device);
-        let on_rank_1 = std::thread::current()
+        let on_rank = std::thread::current()
             .name()
-            .is_some_and(|n| n.starts_with("kiln-worker-1"));
-        if on_rank_1 && self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == self.poison {
+            .is_some_and(|n| n.starts_with(&format!("kiln-worker-{}", self.rank)));
+        if on_rank && self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == self.poison {
             return ImageBatch {
                 images: batch.images.mul_scalar(f32::NAN),
                 ..batch
@@ -165,18 +166,31 @@ impl Workload for NanAt {
     }
 }
 
-fn nan_run(dir: &Path, skip: usize) -> (kiln::Result<kiln::metrics::Summary>, NanAt) {
-    let config = small_config(
-        dir,
-        &[
-            "model.kind=\"mlp\"",
-            "model.mlp.hidden=[16]",
-            "train.checkpoint_every=1",
-            "train.keep_checkpoints=100",
-            "train.max_steps=6",
-            &format!("train.skip_nonfinite={skip}"),
-        ],
-    );
+/// `n` CPU devices, as [`nan_run`] takes them.
+pub(crate) fn cpus(n: usize) -> (Vec<Device>, &'static str) {
+    (vec![Device::flex(); n], "cpu")
+}
+
+/// Six steps of an MLP on `devices` (of `accelerator`), the last rank's fourth batch all NaN,
+/// with `train.skip_nonfinite = skip` and `more` settings (a checkpoint every step unless they
+/// say).
+pub(crate) fn nan_run(
+    dir: &Path,
+    skip: usize,
+    (devices, accelerator): (Vec<Device>, &str),
+    more: &[&str],
+) -> (kiln::Result<kiln::metrics::Summary>, NanAt) {
+    let skip = format!("train.skip_nonfinite={skip}");
+    let mut settings = vec![
+        "model.kind=\"mlp\"",
+        "model.mlp.hidden=[16]",
+        "train.checkpoint_every=1",
+        "train.keep_checkpoints=100",
+        "train.max_steps=6",
+        &skip,
+    ];
+    settings.extend(more);
+    let config = small_config(dir, &settings);
     let splits = kiln_datasets::digits();
     let workload = NanAt {
         inner: ImageWorkload {
@@ -186,22 +200,19 @@ fn nan_run(dir: &Path, skip: usize) -> (kiln::Result<kiln::metrics::Summary>, Na
             },
             splits,
         },
+        rank: devices.len() - 1,
         poison: 3,
         seen: Default::default(),
     };
-    let settings = TrainerSettings::from_config(
-        &config.kiln,
-        vec![Device::flex(), Device::flex()],
-        "cpu".into(),
-        dir.to_path_buf(),
-    );
+    let settings =
+        TrainerSettings::from_config(&config.kiln, devices, accelerator.into(), dir.to_path_buf());
     (fit(&workload, &settings).map(|(s, _)| s), workload)
 }
 
 #[test]
 fn a_nan_loss_stops_the_run_naming_the_step_or_is_skipped_and_counted() {
     let dir = temp_dir("nan");
-    let (result, workload) = nan_run(&dir.join("stop"), 0);
+    let (result, workload) = nan_run(&dir.join("stop"), 0, cpus(2), &[]);
     let message = result.unwrap_err().to_string();
     println!("{message}");
     // Rank 1's fourth batch is step 4's only micro-batch.
@@ -224,13 +235,80 @@ fn a_nan_loss_stops_the_run_naming_the_step_or_is_skipped_and_counted() {
             .all(|x| x.is_finite())
     );
 
-    let (result, _) = nan_run(&dir.join("skip"), 1);
+    let (result, _) = nan_run(&dir.join("skip"), 1, cpus(2), &[]);
     let summary = result.unwrap();
     assert_eq!(summary.steps, 6);
     let records = metrics(&dir.join("skip"), "train");
     assert_eq!(records.last().unwrap()["nonfinite_skipped"], 1);
     assert_eq!(records[2]["nonfinite_skipped"], 0);
     assert!(summary.final_train_loss.is_some());
+}
+
+#[test]
+fn a_step_refused_on_the_device_is_the_step_refused_on_the_host() {
+    // One device (no per-core replicas: a rank alone), a log line and a checkpoint every 3
+    // steps: with `host_waits = "log"` the NaN of step 4 is found at step 6.
+    let dir = temp_dir("nan-device");
+    let every = [
+        "hardware.cpu_split=\"off\"",
+        "train.log_every=3",
+        "train.checkpoint_every=3",
+    ];
+    let with = |waits: &'static str| {
+        let mut s = every.to_vec();
+        s.push(waits);
+        s
+    };
+    let each_step = "train.host_waits=\"step\"";
+    let at_log = "train.host_waits=\"log\"";
+    let (on_host, workload) = nan_run(&dir.join("host"), 1, cpus(1), &with(each_step));
+    let (on_device, _) = nan_run(&dir.join("device"), 1, cpus(1), &with(at_log));
+    assert_eq!(on_host.unwrap().steps, 6);
+    assert_eq!(on_device.unwrap().steps, 6);
+    for run in ["host", "device"] {
+        let skipped: Vec<_> = metrics(&dir.join(run), "train")
+            .iter()
+            .map(|r| r["nonfinite_skipped"].as_u64().unwrap())
+            .collect();
+        assert_eq!(skipped, vec![0, 1], "{run}");
+    }
+    // The same parameters and optimizer state to the bit: the step left undone, AdamW's count
+    // of steps (5) and the corrections of the steps after it as the host's refusal leaves them.
+    let last = |run: &str| kiln::checkpoint::step_dir(&dir.join(run), 6);
+    let read = |run: &str| {
+        let optim = kiln::checkpoint::load_optimizer(&last(run)).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let tensors: Vec<_> = optim.tensors.iter().map(|t| bits(&t.3)).collect();
+        let model = kiln::checkpoint::load_model(&last(run), workload.init_model(&Device::flex()));
+        let values = kiln::trainer::parameter_values(&model.unwrap()).concat();
+        (bits(&values), tensors, optim.scalars)
+    };
+    let (host_read, device_read) = (read("host"), read("device"));
+    assert_eq!(
+        host_read.2.get("momentum.time").map(|t| format!("{t:?}")),
+        Some(format!(
+            "{:?}",
+            burn::store::burn_pack::Scalar::from(5usize)
+        )),
+        "AdamW counted the steps taken"
+    );
+    assert!(
+        host_read == device_read,
+        "the parameters or the optimizer state differ"
+    );
+
+    // Past `skip_nonfinite` the run stops when it reads, naming the step, and writes nothing
+    // after it: step 3's checkpoint is the newest.
+    let (stopped, _) = nan_run(&dir.join("stop"), 0, cpus(1), &with(at_log));
+    let message = stopped.unwrap_err().to_string();
+    assert!(message.starts_with("training error: step 4:"), "{message}");
+    assert!(message.contains("at step 6"), "{message}");
+    assert!(message.contains("step-00000003"), "{message}");
+    let steps: Vec<usize> = kiln::checkpoint::list(&dir.join("stop"))
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(steps, vec![3]);
 }
 
 #[test]

@@ -357,6 +357,133 @@ fn the_adamw_kernel_gives_burns_update_on_wgpu() {
     }
 }
 
+/// Six AdamW steps as [`adamw_steps`] (decay 0.1), of which the second and fifth have a NaN in
+/// their gradient: `guarded`, every step is given to `FlatOptimizer::step_guarded` with its
+/// flag and the flags are read after the third and the sixth; otherwise the two are not taken
+/// (the host's refusal). The parameters, the state's tensors and AdamW's count of steps.
+fn adamw_guarded_steps(device: &burn::prelude::Device, guarded: bool) -> (Named, String) {
+    use burn::prelude::*;
+    let n = 1037;
+    let config = kiln::config::OptimConfig {
+        weight_decay: 0.1,
+        beta2: 0.99,
+        ..Default::default()
+    };
+    let mask: Vec<bool> = (0..n).map(|i| i % 3 != 0).collect();
+    let mut optim =
+        kiln::optim::FlatOptimizer::new(&config, &mask, burn::tensor::FloatDType::F32, device);
+    let tensor = |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v, [n]), device);
+    let mut params = tensor(values(n, 1).iter().map(|v| v * 0.5).collect());
+    let taken = [true, false, true, true, false, true];
+    for (step, &take) in taken.iter().enumerate() {
+        let scale = 10f32.powi(step as i32 - 3);
+        let mut g: Vec<f32> = values(n, 10 + step as u64)
+            .iter()
+            .map(|v| v * scale)
+            .collect();
+        if !take {
+            g[7] = f32::NAN;
+        }
+        let lr = 1e-3 * (step + 1) as f64;
+        if guarded {
+            let flag = Tensor::<1>::from_data([f32::from(u8::from(take))], device);
+            params = optim.step_guarded(lr, params, tensor(g), flag);
+            if step == 2 || step == 5 {
+                assert_eq!(optim.settle(), vec![1], "after step {}", step + 1);
+            }
+        } else if take {
+            params = optim.step(lr, params, tensor(g));
+        }
+    }
+    let mut out = vec![(
+        "parameters".to_string(),
+        params.into_data().try_to_vec::<f32>().unwrap(),
+    )];
+    let (tensors, scalars) = optim.export();
+    out.extend(tensors);
+    (out, format!("{:?}", scalars.get("momentum.time")))
+}
+
+/// AdamW's GPU kernel given each step's flag on the device (`train.host_waits = "log"`): the
+/// steps whose flag is 0 (their gradients hold a NaN) are left undone, and the steps after
+/// them are corrected as the host's refusal corrects them — within 1e-5 of the CPU's update
+/// without the two steps, the same count of steps; the CPU's guarded loop equal to it to the
+/// bit.
+#[test]
+#[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
+fn the_adamw_kernel_leaves_a_step_refused_on_the_device_undone_on_wgpu() {
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let cpu = burn::prelude::Device::flex();
+    let (kernel, kernel_time) = adamw_guarded_steps(&wgpu_device(), true);
+    let (refused, refused_time) = adamw_guarded_steps(&cpu, false);
+    let (cpu_guarded, cpu_time) = adamw_guarded_steps(&cpu, true);
+    assert_eq!(kernel.len(), 3, "parameters and two moments");
+    assert!(kernel.iter().all(|(_, v)| v.iter().all(|x| x.is_finite())));
+    assert_eq!(cpu_guarded, refused, "the CPU's guarded loop");
+    assert_eq!((&kernel_time, &cpu_time), (&refused_time, &refused_time));
+    assert!(refused_time.contains('4'), "{refused_time}");
+    assert_close(
+        &kernel,
+        &[("the CPU's without the refused steps", &refused)],
+        0.1,
+    );
+}
+
+/// A NaN batch in a run on WGPU, where `train.host_waits = "auto"` decides on the device: the
+/// step is refused there and named when the host reads (step 4 read at step 6's log line and
+/// checkpoint), or skipped and counted, the run's losses those of the same run refusing on the
+/// host (`"step"`: each step's check read) within the f32 tolerance. (Against the CPU the
+/// weights would differ from the start: each device draws its own.)
+#[test]
+#[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
+fn a_nan_step_on_wgpu_is_refused_on_the_device_and_named_when_read() {
+    use crate::robust::nan_run;
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("wgpu-nan");
+    let every = [
+        "hardware.cpu_split=\"off\"",
+        "train.log_every=3",
+        "train.checkpoint_every=3",
+    ];
+    let wgpu = || (vec![wgpu_device()], "wgpu");
+    let (stopped, _) = nan_run(&dir.join("stop"), 0, wgpu(), &every);
+    let message = stopped.unwrap_err().to_string();
+    assert!(message.starts_with("training error: step 4:"), "{message}");
+    assert!(message.contains("at step 6"), "{message}");
+    let (skipped, _) = nan_run(&dir.join("skip"), 1, wgpu(), &every);
+    assert_eq!(skipped.unwrap().steps, 6);
+    let mut each_step = every.to_vec();
+    each_step.push("train.host_waits=\"step\"");
+    let (host, _) = nan_run(&dir.join("host"), 1, wgpu(), &each_step);
+    assert_eq!(host.unwrap().steps, 6);
+    let records = |run: &str| crate::common::metrics(&dir.join(run), "train");
+    let (device, host) = (records("skip"), records("host"));
+    assert_eq!(device.len(), 2);
+    for (d, h) in device.iter().zip(&host) {
+        assert_eq!(d["nonfinite_skipped"], h["nonfinite_skipped"]);
+        // The window of steps 4–6 holds step 4's NaN loss on both (written as null).
+        match (d["loss"].as_f64(), h["loss"].as_f64()) {
+            (Some(a), Some(b)) => assert!(
+                (a - b).abs() <= F32_TOLERANCE * b.abs(),
+                "step {}: refused on the device {a}, on the host {b}",
+                d["step"]
+            ),
+            (a, b) => assert_eq!(a, b, "step {}", d["step"]),
+        }
+    }
+    assert_eq!(device[1]["nonfinite_skipped"], 1);
+    // What both runs' models score after the refused step: the same.
+    let val = |run: &str| crate::common::metrics(&dir.join(run), "val");
+    let (a, b) = (val("skip"), val("host"));
+    let loss = |r: &[serde_json::Value]| r.last().map(|r| r["loss"].as_f64());
+    assert!(matches!(loss(&a), Some(Some(x)) if x.is_finite()), "{a:?}");
+    let (x, y) = (loss(&a).flatten().unwrap(), loss(&b).flatten().unwrap());
+    assert!(
+        (x - y).abs() <= F32_TOLERANCE * y.abs(),
+        "validation {x} against {y}"
+    );
+}
+
 /// Named tensors' values.
 type Named = Vec<(String, Vec<f32>)>;
 

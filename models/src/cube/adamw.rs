@@ -37,6 +37,10 @@ pub struct AdamStep {
     pub decay_factor: f32,
     /// Whether any element decays: without, the mask is not read (any bool tensor will do).
     pub decays: bool,
+    /// Whether the step is decided on the device: the `guard` and `table` tensors are read
+    /// (see [`CubeAdamWOps::kiln_adamw`]) in place of `correction_1` and `correction_2`.
+    /// Without, neither is read (any tensor will do).
+    pub guarded: bool,
 }
 
 /// The update on a CubeCL device. Takes and returns f32 tensors of one length `[N]`.
@@ -45,20 +49,31 @@ pub trait CubeAdamWOps: Backend {
     /// One AdamW step: `(parameters, first moments, second moments)` after the step, from the
     /// parameters, the gradient, the moments before it (zeros before the first step) and
     /// `decay` (true where an element decays, read where `step.decays`). Not differentiated.
-    #[fusion(meta = |params, _grads, m, v, _decay, _step| (params.clone(), m.clone(), v.clone()))]
+    ///
+    /// Where `step.guarded`, whether the step is taken is decided on the device, without the
+    /// host reading anything: `guard` is `[taken, skipped]` — `taken` 0 leaves every element
+    /// as it was (a gradient that was not finite), and `skipped` counts the steps so left
+    /// since the host last read them — and `table` holds `[1 − β₁ᵗ, 1 − β₂ᵗ]` for `t` the
+    /// host's step count less 0, 1, 2, … skipped steps: the kernel takes the pair at
+    /// `skipped`, so a step after a skipped one is corrected as if that one had not been.
+    #[fusion(meta = |params, _grads, m, v, _decay, _guard, _table, _step| (params.clone(), m.clone(), v.clone()))]
+    #[allow(clippy::too_many_arguments)]
     fn kiln_adamw(
         params: FloatTensor<Self>,
         grads: FloatTensor<Self>,
         m: FloatTensor<Self>,
         v: FloatTensor<Self>,
         decay: BoolTensor<Self>,
+        guard: FloatTensor<Self>,
+        table: FloatTensor<Self>,
         step: AdamStep,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 }
 
-/// One thread per element: the moments, the decay, the update (Burn's order of operations).
-// `decays` is a comptime branch (a kernel without the mask's read): not one `if` with the
-// mask's runtime test.
+/// One thread per element: the moments, the decay, the update (Burn's order of operations);
+/// under `guarded`, a step the device refused copies each element through.
+// `decays` and `guarded` are comptime branches (a kernel without those reads): not one `if`
+// with a runtime test.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn adamw_kernel<F: Float, B: Int>(
@@ -67,6 +82,8 @@ fn adamw_kernel<F: Float, B: Int>(
     m: &Tensor<F>,
     v: &Tensor<F>,
     decay: &Tensor<B>,
+    guard: &Tensor<F>,
+    table: &Tensor<F>,
     out_params: &mut Tensor<F>,
     out_m: &mut Tensor<F>,
     out_v: &mut Tensor<F>,
@@ -78,18 +95,30 @@ fn adamw_kernel<F: Float, B: Int>(
     correction_2: f32,
     decay_factor: f32,
     #[comptime] decays: bool,
+    #[comptime] guarded: bool,
     #[define(F, B)] _dtypes: [ElemType; 2],
 ) {
     let i = ABSOLUTE_POS;
     if i >= params.len() {
         terminate!();
     }
+    let mut correction_1 = F::cast_from(correction_1);
+    let mut correction_2 = F::cast_from(correction_2);
+    if guarded {
+        if guard[0] == F::new(0.0) {
+            out_params[i] = params[i];
+            out_m[i] = m[i];
+            out_v[i] = v[i];
+            terminate!();
+        }
+        let at = u32::cast_from(guard[1]) as usize * 2;
+        correction_1 = table[at];
+        correction_2 = table[at + 1];
+    }
     let beta_1 = F::cast_from(beta_1);
     let beta_2 = F::cast_from(beta_2);
     let epsilon = F::cast_from(epsilon);
     let lr = F::cast_from(lr);
-    let correction_1 = F::cast_from(correction_1);
-    let correction_2 = F::cast_from(correction_2);
     let factor = F::cast_from(decay_factor);
     let one = F::new(1.0);
     let g = grads[i];
@@ -114,6 +143,8 @@ impl CubeAdamWOps for CubeBackend {
         m: CubeTensor,
         v: CubeTensor,
         decay: CubeTensor,
+        guard: CubeTensor,
+        table: CubeTensor,
         step: AdamStep,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
         let n = params.shape().num_elements();
@@ -128,7 +159,15 @@ impl CubeAdamWOps for CubeBackend {
                 "an AdamW step of {n} parameters with a {name} of another length"
             );
         }
-        let [params, grads, m, v, decay] = [params, grads, m, v, decay].map(into_contiguous);
+        if step.guarded {
+            let (g, c) = (guard.shape().num_elements(), table.shape().num_elements());
+            assert!(
+                g == 2 && c >= 2 && c.is_multiple_of(2),
+                "a guarded AdamW step takes a guard of 2 and corrections in pairs, not {g} and {c}"
+            );
+        }
+        let [params, grads, m, v, decay, guard, table] =
+            [params, grads, m, v, decay, guard, table].map(into_contiguous);
         let (client, device, dtype) = (params.client.clone(), params.device.clone(), params.dtype);
         let shape = params.shape();
         let out = || empty_device_dtype(client.clone(), device.clone(), shape.clone(), dtype);
@@ -146,6 +185,8 @@ impl CubeAdamWOps for CubeBackend {
             m.into_tensor_arg(),
             v.into_tensor_arg(),
             decay.into_tensor_arg(),
+            guard.into_tensor_arg(),
+            table.into_tensor_arg(),
             out_params.clone().into_tensor_arg(),
             out_m.clone().into_tensor_arg(),
             out_v.clone().into_tensor_arg(),
@@ -157,6 +198,7 @@ impl CubeAdamWOps for CubeBackend {
             step.correction_2,
             step.decay_factor,
             step.decays,
+            step.guarded,
             [
                 dtype_to_storage_type(dtype),
                 dtype_to_storage_type(mask_dtype),

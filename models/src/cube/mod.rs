@@ -72,24 +72,36 @@ pub fn embedding(table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
 /// One AdamW step of a flat f32 shard on a CubeCL device as one kernel: the parameters, first
 /// and second moments after it, from the parameters, the gradient, the moments before it
 /// (zeros before the first step) and `decay` (true where an element decays by
-/// `step.decay_factor`; `None`: none does). The caller checks [`kernels_here`].
+/// `step.decay_factor`; `None`: none does). `guard`: the step decided on the device, as
+/// `(guard, table)` ([`CubeAdamWOps::kiln_adamw`]); `None`: taken, corrected by `step`'s
+/// numbers. The caller checks [`kernels_here`].
 pub fn adamw(
     params: Tensor<1>,
     grads: Tensor<1>,
     moments: (Tensor<1>, Tensor<1>),
     decay: Option<Tensor<1, Bool>>,
+    guard: Option<(Tensor<1>, Tensor<1>)>,
     mut step: AdamStep,
 ) -> (Tensor<1>, Tensor<1>, Tensor<1>) {
     let (m, v) = moments;
+    let device = params.device();
     step.decays = decay.is_some();
-    // Without decay the kernel reads no mask: one element stands in for it.
-    let decay = decay.unwrap_or_else(|| Tensor::<1, Bool>::from_data([false], &params.device()));
+    step.guarded = guard.is_some();
+    // Without decay the kernel reads no mask, without a guard no guard: one element stands
+    // in for each.
+    let decay = decay.unwrap_or_else(|| Tensor::<1, Bool>::from_data([false], &device));
+    let (guard, table) = guard.unwrap_or_else(|| {
+        let one = || Tensor::<1>::ones([1], &device);
+        (one(), one())
+    });
     let (p, m, v) = <Dispatch as CubeAdamWOps>::kiln_adamw(
         params.into_dispatch(),
         grads.into_dispatch(),
         m.into_dispatch(),
         v.into_dispatch(),
         decay.into_dispatch(),
+        guard.into_dispatch(),
+        table.into_dispatch(),
         step,
     );
     (

@@ -33,4 +33,6 @@ pub use precision::{
     PrecisionConfig, PrecisionMode, RecomputeConfig, RecomputeMode, ReduceDtype, ScalerKind,
 };
 pub use root::RootConfig;
-pub use train::{CheckpointFormat, LoaderConfig, MetricMode, MetricWatch, RunConfig, TrainConfig};
+pub use train::{
+    CheckpointFormat, HostWaits, LoaderConfig, MetricMode, MetricWatch, RunConfig, TrainConfig,
+};

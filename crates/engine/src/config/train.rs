@@ -85,6 +85,16 @@ pub struct TrainConfig {
     /// skipped, leaving the parameters as they were; one more stops the run with an error
     /// naming the step, rank and micro-batch. Default 0.
     pub skip_nonfinite: usize,
+    /// When the host waits for the device. `"step"`: at every step — whether the gradient is
+    /// finite is read at its step, and each step's time is split into compute and optimizer.
+    /// `"log"`: only where a number must reach the host — a log line, a checkpoint, a
+    /// validation, the run's end — with a step whose gradient is not finite skipped on the
+    /// device and acted on (counted under `skip_nonfinite`, or the run stopped naming it) at
+    /// the next of those, and the time split measured on log steps (the others' queued work
+    /// counts as the log step's compute). `"log"` applies to a device alone in its group
+    /// stepping AdamW in f32 without a loss scaler; elsewhere every step is read. `"auto"`:
+    /// `"log"` on a GPU, `"step"` on the CPU (whose reads wait for nothing). Default "auto".
+    pub host_waits: HostWaits,
     /// On the first SIGINT/SIGTERM, finish the step in flight on every rank, write a
     /// checkpoint and stop (a second signal stops at once). Default true.
     pub checkpoint_on_signal: bool,
@@ -117,6 +127,7 @@ impl Default for TrainConfig {
             checkpoint_format: CheckpointFormat::Gathered,
             grad_clip: None,
             skip_nonfinite: 0,
+            host_waits: HostWaits::Auto,
             checkpoint_on_signal: true,
             best_metric: None,
             early_stopping: None,
@@ -249,6 +260,18 @@ pub enum CheckpointFormat {
     Gathered,
     /// Each rank writes what it holds, in parallel.
     Sharded,
+}
+
+/// `train.host_waits`: when the host waits for the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostWaits {
+    /// `log` on a GPU, `step` on the CPU.
+    Auto,
+    /// At every step.
+    Step,
+    /// Where a number must reach the host: log lines, checkpoints, validations.
+    Log,
 }
 
 /// Which way a watched metric improves.

@@ -25,6 +25,7 @@ use burn::store::burn_pack::Scalar;
 use burn::tensor::FloatDType;
 
 use super::fused;
+use super::guard::{self, Pending};
 use crate::config::{OptimConfig, OptimizerKind, name_of};
 use crate::error::{Error, Result};
 use crate::params::{FlatLayout, dtype_bytes};
@@ -59,12 +60,15 @@ pub struct FlatOptimizer {
     len: usize,
     dtype: FloatDType,
     device: Device,
+    /// Steps decided on the device that the host has not read yet ([`Self::step_guarded`]).
+    pending: Pending,
 }
 
 /// One AdamW update on a CubeCL device as one kernel ([`kiln_models::cube::adamw`]): the new
 /// parameters and state from `params`, `grads` and the state (none before the first step) at
 /// learning rate `lr`; `decay` marks the decayed elements, which are multiplied by
-/// `1 − decay_rate` first, in Burn's arithmetic as the CPU's fused loop has it.
+/// `1 − decay_rate` first, in Burn's arithmetic as the CPU's fused loop has it. `guard`: the
+/// step decided on the device, with `back` steps pending (`super::guard`).
 fn cube_step(
     adam: fused::Adam,
     lr: f64,
@@ -72,6 +76,7 @@ fn cube_step(
     (params, grads): (Tensor<1>, Tensor<1>),
     decay: Option<Tensor<1, Bool>>,
     state: Option<AdamWState<1>>,
+    guard: Option<(Tensor<1>, usize)>,
 ) -> (Tensor<1>, AdamWState<1>) {
     let (time, m, v) = match state {
         Some(s) => (
@@ -81,18 +86,20 @@ fn cube_step(
         ),
         None => (1, params.zeros_like(), params.zeros_like()),
     };
-    let t = time as i32;
     let step = kiln_models::cube::AdamStep {
         beta_1: adam.beta_1,
         beta_2: adam.beta_2,
         epsilon: adam.epsilon,
         lr: lr as f32,
-        correction_1: 1f32 - adam.beta_1.powi(t),
-        correction_2: 1f32 - adam.beta_2.powi(t),
+        correction_1: fused::correction(adam.beta_1, time),
+        correction_2: fused::correction(adam.beta_2, time),
         decay_factor: (1.0 - decay_rate) as f32,
         decays: decay.is_some(),
+        guarded: guard.is_some(),
     };
-    let (out, m, v) = kiln_models::cube::adamw(params, grads, (m, v), decay, step);
+    let device = params.device();
+    let guard = guard.map(|(g, back)| (g, guard::corrections(adam, time, back, &device)));
+    let (out, m, v) = kiln_models::cube::adamw(params, grads, (m, v), decay, guard, step);
     (out, AdamWState::new(AdaptiveMomentumState::new(time, m, v)))
 }
 
@@ -142,6 +149,7 @@ impl FlatOptimizer {
             len,
             dtype,
             device,
+            pending: Pending::default(),
         }
     }
 
@@ -158,6 +166,56 @@ impl FlatOptimizer {
     /// One update of `params` with `grads` (both the shard's, in the optimizer's dtype) at
     /// learning rate `lr`; returns the new parameters.
     pub fn step(&mut self, lr: f64, params: Tensor<1>, grads: Tensor<1>) -> Tensor<1> {
+        self.update(lr, params, grads, None)
+    }
+
+    /// Whether [`Self::step_guarded`] can step this shard: AdamW in f32 through the CPU's
+    /// fused loop or the GPU kernel.
+    pub fn guardable(&self) -> bool {
+        matches!(self.rule, Rule::Adamw { .. })
+            && self.dtype == FloatDType::F32
+            && (fused::here(self.dtype, &self.device)
+                || kiln_models::cube::kernels_here(self.dtype.into(), &self.device))
+    }
+
+    /// [`Self::step`] where whether the step is taken is decided on the device: `taken` (`[1]`,
+    /// 1 or 0) leaves every element as it was when 0, without the host reading it. The host
+    /// learns which steps were skipped from [`Self::settle`]. Only where
+    /// [`Self::guardable`].
+    pub fn step_guarded(
+        &mut self,
+        lr: f64,
+        params: Tensor<1>,
+        grads: Tensor<1>,
+        taken: Tensor<1>,
+    ) -> Tensor<1> {
+        assert!(
+            self.guardable(),
+            "a guarded step of an optimizer without one"
+        );
+        let guard = self.pending.add(taken.cast(FloatDType::F32));
+        let back = self.pending.len();
+        self.update(lr, params, grads, Some((guard, back)))
+    }
+
+    /// The guarded steps since the last call that the device skipped, by position (0: the
+    /// first since then): read once, and forgotten from AdamW's count of steps taken.
+    pub fn settle(&mut self) -> Vec<usize> {
+        let skipped = self.pending.settle();
+        if let Rule::Adamw { state: Some(s), .. } = &mut self.rule {
+            s.momentum.time -= skipped.len();
+        }
+        skipped
+    }
+
+    /// [`Self::step`], guarded when `guard` is given (with the steps pending).
+    fn update(
+        &mut self,
+        lr: f64,
+        params: Tensor<1>,
+        grads: Tensor<1>,
+        guard: Option<(Tensor<1>, usize)>,
+    ) -> Tensor<1> {
         let params = params.cast(self.dtype);
         let grads = grads.cast(self.dtype);
         match &mut self.rule {
@@ -168,15 +226,24 @@ impl FlatOptimizer {
                         .filter(|_| decay_rate != 0.0)
                         .map(|flags| (flags, 1.0 - decay_rate));
                     let before = state.take().map(|s| *s);
-                    let (out, next) = fused::step(self.adam, lr, decay, params, grads, before);
+                    let guard = guard.map(|(g, _)| fused::Guarded::read(g));
+                    let (out, next) =
+                        fused::step(self.adam, lr, decay, (params, grads), before, guard);
                     *state = Some(Box::new(next));
                     return out;
                 }
                 if kiln_models::cube::kernels_here(params.dtype(), &self.device) {
                     let decay = self.decay.clone().filter(|_| decay_rate != 0.0);
                     let before = state.take().map(|s| *s);
-                    let (out, next) =
-                        cube_step(self.adam, lr, decay_rate, (params, grads), decay, before);
+                    let (out, next) = cube_step(
+                        self.adam,
+                        lr,
+                        decay_rate,
+                        (params, grads),
+                        decay,
+                        before,
+                        guard,
+                    );
                     *state = Some(Box::new(next));
                     return out;
                 }
@@ -284,6 +351,7 @@ impl FlatOptimizer {
             }
             by_name.insert(name, values);
         }
+        self.pending = Pending::default();
         if by_name.is_empty() {
             match &mut self.rule {
                 Rule::Adamw { state, .. } => *state = None,

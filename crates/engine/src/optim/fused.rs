@@ -30,16 +30,46 @@ pub(super) fn here(dtype: FloatDType, device: &Device) -> bool {
         && matches!(device.as_dispatch(), DispatchDevice::Flex(_))
 }
 
+/// AdamW's bias correction `1 − βᵗ` of step `t`, in f32 as Burn computes it.
+pub(super) fn correction(beta: f32, t: usize) -> f32 {
+    1f32 - beta.powi(t as i32)
+}
+
+/// Whether a step decided on the device was taken, read on the host (the CPU's reads wait
+/// for nothing): its guard, `[taken, skipped]` (`super::guard`).
+pub(super) struct Guarded {
+    pub taken: bool,
+    /// Steps skipped since the host last read them: the step's corrections are those of the
+    /// count of steps less these.
+    pub skipped: usize,
+}
+
+impl Guarded {
+    /// The guard's values.
+    pub fn read(guard: Tensor<1>) -> Self {
+        let v: Vec<f32> = guard
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec()
+            .unwrap_or_default();
+        Self {
+            taken: v.first().is_some_and(|t| *t != 0.0),
+            skipped: v.get(1).map_or(0, |s| *s as usize),
+        }
+    }
+}
+
 /// One update: the new parameters and state from `params`, `grads` and the state (none before
 /// the first step) at learning rate `lr`; `decay` holds the mask of decayed elements and
-/// their factor `1 − lr·λ` (in f64, as kiln computes it).
+/// their factor `1 − lr·λ` (in f64, as kiln computes it). `guard`: a step decided on the
+/// device, left undone (the state's count still counts it) when not taken.
 pub(super) fn step(
     adam: Adam,
     lr: f64,
     decay: Option<(&[bool], f64)>,
-    params: Tensor<1>,
-    grads: Tensor<1>,
+    (params, grads): (Tensor<1>, Tensor<1>),
     state: Option<AdamWState<1>>,
+    guard: Option<Guarded>,
 ) -> (Tensor<1>, AdamWState<1>) {
     let device = params.device();
     let len = params.dims()[0];
@@ -56,6 +86,15 @@ pub(super) fn step(
             (1, zeros(), zeros())
         }
     };
+    let tensor = |data: TensorData| Tensor::<1>::from_data(data, &device);
+    let skipped = match guard {
+        Some(Guarded { taken: false, .. }) => {
+            let state = AdaptiveMomentumState::new(time, tensor(m), tensor(v));
+            return (tensor(p), AdamWState::new(state));
+        }
+        Some(Guarded { skipped, .. }) => skipped,
+        None => 0,
+    };
     update(
         adam,
         Slices {
@@ -64,11 +103,10 @@ pub(super) fn step(
             m: m.as_mut_slice::<f32>().expect("f32 first moments"),
             v: v.as_mut_slice::<f32>().expect("f32 second moments"),
         },
-        time,
+        time - skipped,
         lr,
         decay,
     );
-    let tensor = |data: TensorData| Tensor::<1>::from_data(data, &device);
     let state = AdaptiveMomentumState::new(time, tensor(m), tensor(v));
     (tensor(p), AdamWState::new(state))
 }
@@ -97,9 +135,8 @@ fn update(adam: Adam, s: Slices, time: usize, lr: f64, decay: Option<(&[bool], f
         s.v.len()
     );
     let (factor_1, factor_2) = (1.0 - beta_1, 1.0 - beta_2);
-    let t = time as i32;
-    let correction_1 = 1f32 - beta_1.powi(t);
-    let correction_2 = 1f32 - beta_2.powi(t);
+    let correction_1 = correction(beta_1, time);
+    let correction_2 = correction(beta_2, time);
     let lr = lr as f32;
     let first = time == 1;
     let decay = decay.map(|(mask, factor)| {
@@ -199,7 +236,7 @@ mod tests {
             let lr = 1e-3 * (step_no + 1) as f64;
             let factor = 1.0 - lr * 0.1;
             let decay = (step_no != 2).then_some((mask.as_slice(), factor));
-            let (p, s) = step(adam, lr, decay, fused_p, tensor(g.clone()), fused_s);
+            let (p, s) = step(adam, lr, decay, (fused_p, tensor(g.clone())), fused_s, None);
             let (q, r) = burn_step(adam, lr, decay, burn_p, tensor(g), burn_s);
             assert_eq!(bits(&p), bits(&q), "parameters after step {}", step_no + 1);
             assert_eq!(s.momentum.time, r.momentum.time);

@@ -6,6 +6,7 @@
 
 pub mod flat;
 mod fused;
+mod guard;
 mod share;
 
 pub use flat::{FlatOptimizer, OptimState, Scalars};

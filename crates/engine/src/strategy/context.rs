@@ -38,6 +38,10 @@ pub struct Context<'a> {
     /// The rank's tensor-parallel group, where it has one: `comm` is then the data-parallel
     /// group of the rank's place in it, and the model the rank's part.
     pub tp: Option<TpPlace<'a>>,
+    /// Whether a rank alone in its group may check its gradient on the device and skip a
+    /// step there, the host reading the flags later (`train.host_waits = "log"`), instead of
+    /// reading each step's.
+    pub decide_on_device: bool,
 }
 
 impl<'a> Context<'a> {
@@ -62,6 +66,7 @@ impl<'a> Context<'a> {
             optim,
             group_optims,
             tp: None,
+            decide_on_device: false,
         }
     }
 }

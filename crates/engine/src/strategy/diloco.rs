@@ -601,4 +601,8 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Islands<'_, M> {
     fn nonfinite(&self) -> bool {
         Strategy::<M, B>::nonfinite(&self.inner)
     }
+
+    fn skipped_on_device(&mut self) -> Result<Vec<usize>> {
+        Strategy::<M, B>::skipped_on_device(&mut self.inner)
+    }
 }

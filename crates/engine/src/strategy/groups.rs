@@ -54,6 +54,8 @@ impl<'a, M: Module> Groups<'a, M> {
         let mut names = Vec::with_capacity(groups.len());
         for group in groups {
             let mut c = ctx.clone();
+            // A group's phase is checked at its phase (`skipped_on_device` is per step).
+            c.decide_on_device = false;
             if let Some(optim) = ctx.group_optims.get(&group.name) {
                 c.optim = optim.clone();
             }
@@ -248,5 +250,10 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Groups<'_, M> {
 
     fn nonfinite(&self) -> bool {
         self.kits[self.current].nonfinite
+    }
+
+    fn skipped_on_device(&mut self) -> Result<Vec<usize>> {
+        // Each group's check is read at its phase: a skipped phase is not a skipped step.
+        Ok(Vec::new())
     }
 }

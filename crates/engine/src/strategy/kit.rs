@@ -1,6 +1,6 @@
 //! `RankKit`, what every strategy's rank holds: its collective, device, layout and
 //! optimizer, the reductions of flat gradients (all-reduce in buckets, the reduce-scatter of
-//! one unit), the step that follows them (unscale, overflow check, clipping, update), and the
+//! one unit) — the step that follows them is `update.rs`'s — and the
 //! canonical optimizer state in and out of the rank's shard. (Its name is not `cores.rs`'s:
 //! those are a CPU's.)
 
@@ -22,7 +22,7 @@ use crate::optim::{FlatOptimizer, OptimState, Share, Source, optim_tensor, rest_
 use crate::params::{
     Entry, FlatLayout, collect_floats, has_buffers, host_f32, replace_floats, sync_running_state,
 };
-use crate::precision::{LossScaler, Policy};
+use crate::precision::Policy;
 
 /// The group a rank's kit reduces in: the one its strategy was built with, or one the
 /// strategy split off and owns (a DiLoCo island).
@@ -64,22 +64,25 @@ pub(crate) struct RankKit<'a> {
     pub memory: Memory,
     /// Whether the last optimizer step was refused for a non-finite gradient (no scaler).
     pub nonfinite: bool,
-    sync_seconds: f64,
+    /// Whether a step's gradient may be checked on the device, the step skipped there and the
+    /// host told later (the context's `decide_on_device`, for a rank alone in its group).
+    pub on_device: bool,
+    pub(super) sync_seconds: f64,
     /// The rank's tensor-parallel group, where it has one.
-    tp: Option<TpNorm<'a>>,
+    pub(super) tp: Option<TpNorm<'a>>,
 }
 
 /// What the step asks of a tensor-parallel group: the overflow flag and the gradient's norm
 /// over the whole model, each rank's parts counted once and the parameters every rank holds
 /// whole counted once among them.
-struct TpNorm<'a> {
-    comm: &'a dyn Collective,
+pub(super) struct TpNorm<'a> {
+    pub(super) comm: &'a dyn Collective,
     /// Per element of the rank's shard: 1 for a part of a cut parameter, `1 / tp` for a
     /// parameter whole on every rank of the group (its gradient is the same on each).
-    weights: Tensor<1>,
+    pub(super) weights: Tensor<1>,
     /// The runs of the shard whose gradients are parts of a whole parameter's
     /// (`Split::Summed`): summed over the group before anything reads them.
-    summed: Vec<std::ops::Range<usize>>,
+    pub(super) summed: Vec<std::ops::Range<usize>>,
 }
 
 /// The runs of `true` in `mask`.
@@ -106,6 +109,8 @@ impl<'a> RankKit<'a> {
     /// [`RankKit::new`] for a rank of `comm` rather than of `ctx.comm`.
     pub fn in_group(ctx: Context<'a>, comm: Group<'a>, layout: FlatLayout) -> Self {
         let shards = layout.shards;
+        let on_device =
+            ctx.decide_on_device && shards == 1 && comm.world_size() == 1 && ctx.tp.is_none();
         let master = ctx.policy.master;
         let rank = if shards > 1 { comm.rank() } else { 0 };
         let inner = ctx.device.clone().without_autodiff();
@@ -139,6 +144,7 @@ impl<'a> RankKit<'a> {
             overlap: ctx.overlap,
             memory: Memory::default(),
             nonfinite: false,
+            on_device,
             sync_seconds: 0.0,
             tp,
         }
@@ -303,144 +309,6 @@ impl<'a> RankKit<'a> {
             .map(|u| self.unit_piece(model, u))
             .collect();
         cat_or_empty(pieces, self.master, &self.inner)
-    }
-
-    /// After the gradients are reduced: unscales them and checks them for overflow (with a
-    /// scaler, on every rank alike), clips them to the global norm `clip` (taken as `norm`
-    /// says) and steps the optimizer. `grads` is the shard's f32 gradient, `params` its
-    /// parameters. Returns the new parameters, or `None` when the step is skipped.
-    pub fn finish(
-        &mut self,
-        grads: Tensor<1>,
-        params: Tensor<1>,
-        lr: f64,
-        scaler: Option<&mut LossScaler>,
-        clip: Option<f64>,
-        norm: Norm<'_>,
-    ) -> Result<Option<Tensor<1>>> {
-        let mut grads = grads;
-        if let Some(tp) = &self.tp
-            && !tp.summed.is_empty()
-        {
-            grads = self.sum_parts(grads)?;
-        }
-        let unscale = scaler.as_ref().map(|sc| (1.0 / sc.scale) as f32);
-        if let Some(u) = unscale {
-            grads = grads.mul_scalar(u);
-        }
-        // Every rank holds a shard of the same averaged gradient (or all of it): one flag,
-        // summed over ranks, decides for every rank alike. A loss scaler takes an overflow as
-        // the sign to lower its scale; without one, a non-finite gradient is the run's problem
-        // (the loop stops, or skips as `train.skip_nonfinite` allows).
-        let total: f32 = grads.clone().abs().sum().into_scalar();
-        let mut flag = vec![f32::from(u8::from(!total.is_finite()))];
-        self.timed(|c| c.all_reduce(&mut flag, ReduceOp::Sum))?;
-        let tp = self.tp.as_ref().map(|t| (t.comm, t.weights.clone()));
-        if let Some((group, _)) = &tp {
-            // The other parts of the model are the other ranks' of the group.
-            self.timed(|_| group.all_reduce(&mut flag, ReduceOp::Sum))?;
-        }
-        let finite = flag[0] == 0.0;
-        self.nonfinite = !finite && scaler.is_none();
-        if let Some(sc) = scaler {
-            if !sc.update(finite) {
-                return Ok(None);
-            }
-        } else if !finite {
-            return Ok(None);
-        }
-        if let (Some(max), Some((group, weights))) = (clip, tp) {
-            // The squares of the rank's shard, then of every shard of its part (or of every
-            // stage of its pipeline), then of every part; what every rank of the group holds
-            // whole is weighted to count once.
-            let mut squares = match norm {
-                Norm::Squares(total) => {
-                    let started = Instant::now();
-                    let weighted = grads.clone() * weights.sqrt();
-                    let s = total(&weighted)?;
-                    self.sync_seconds += started.elapsed().as_secs_f64();
-                    vec![s]
-                }
-                _ => {
-                    let weighted = grads.clone().square() * weights;
-                    let mut s = vec![weighted.sum().into_scalar::<f32>()];
-                    if self.layout.shards > 1 {
-                        self.timed(|c| c.all_reduce(&mut s, ReduceOp::Sum))?;
-                    }
-                    s
-                }
-            };
-            self.timed(|_| group.all_reduce(&mut squares, ReduceOp::Sum))?;
-            let factor = (max as f32 / (squares[0].sqrt() + 1e-6)).min(1.0);
-            grads = grads.mul_scalar(factor);
-        } else if let Some(max) = clip {
-            // On the device: the factor is a tensor, never read back.
-            let factor = |whole: Tensor<1>| {
-                let total = whole.square().sum();
-                (total.sqrt().add_scalar(1e-6).recip() * max).clamp_max(1.0)
-            };
-            grads = match norm {
-                Norm::Local => {
-                    let f = factor(grads.clone());
-                    grads * f
-                }
-                Norm::Whole(whole) => {
-                    let whole = *whole;
-                    let whole = match unscale {
-                        Some(u) => whole.mul_scalar(u),
-                        None => whole,
-                    };
-                    grads * factor(whole)
-                }
-                Norm::Shards => {
-                    let mut squares = vec![grads.clone().square().sum().into_scalar::<f32>()];
-                    self.timed(|c| c.all_reduce(&mut squares, ReduceOp::Sum))?;
-                    let factor = (max as f32 / (squares[0].sqrt() + 1e-6)).min(1.0);
-                    grads.mul_scalar(factor)
-                }
-                Norm::Squares(total) => {
-                    let started = Instant::now();
-                    let squares = total(&grads)?;
-                    self.sync_seconds += started.elapsed().as_secs_f64();
-                    let factor = (max as f32 / (squares.sqrt() + 1e-6)).min(1.0);
-                    grads.mul_scalar(factor)
-                }
-            };
-        }
-        let out = self.optimizer.step(lr, params, grads);
-        self.memory.optim.set(self.optimizer.state_bytes());
-        self.memory.note();
-        Ok(Some(out))
-    }
-
-    /// `grads` with the runs the tensor-parallel group sums ([`TpNorm::summed`]) summed over
-    /// it: every rank of the group holds the same shard of the same layout.
-    fn sum_parts(&mut self, grads: Tensor<1>) -> Result<Tensor<1>> {
-        let Some(tp) = &self.tp else {
-            return Ok(grads);
-        };
-        let (group, summed) = (tp.comm, tp.summed.clone());
-        let parts: Vec<Tensor<1>> = summed
-            .iter()
-            .map(|r| grads.clone().slice(r.clone()))
-            .collect();
-        let mut values: Vec<f32> = Tensor::cat(parts, 0)
-            .try_into_vec_as::<f32>()
-            .map_err(|e| Error::Worker(format!("a gradient's parts could not be read: {e:?}")))?;
-        self.timed(|_| group.all_reduce(&mut values, ReduceOp::Sum))?;
-        let mut grads = grads;
-        let mut at = 0;
-        for r in summed {
-            let n = r.len();
-            let part = Tensor::<1>::from_data(
-                TensorData::new(values[at..at + n].to_vec(), [n]),
-                &self.inner,
-            )
-            .cast(grads.dtype());
-            grads = grads.slice_assign(r, part);
-            at += n;
-        }
-        Ok(grads)
     }
 
     /// The canonical vector of a quantity of which every rank holds its shard (`mine`).
@@ -694,24 +562,6 @@ pub(crate) fn part_of(flat: Tensor<1>, layout: &FlatLayout, rank: usize) -> Tens
     cat_or_empty(parts, dtype, &device)
 }
 
-/// A function of the gradient giving the global sum of squares.
-pub(crate) type SquaresFn<'n> = Box<dyn FnOnce(&Tensor<1>) -> Result<f32> + 'n>;
-
-/// Where the global gradient norm of clipping comes from.
-pub(crate) enum Norm<'n> {
-    /// The rank's gradient is the whole gradient.
-    Local,
-    /// This tensor (on the device) is the whole averaged gradient, of which the rank steps a
-    /// shard: the norm is taken over it exactly as `ddp` takes it, so that `zero1` clips by
-    /// the same factor to the bit.
-    Whole(Box<Tensor<1>>),
-    /// Every rank holds a shard: the squares are summed per shard and all-reduced.
-    Shards,
-    /// This function of the (unscaled) gradient gives the global sum of squares (a pipeline
-    /// stage adds its part to the other stages').
-    Squares(SquaresFn<'n>),
-}
-
 /// `parts` concatenated, or an empty tensor.
 pub(crate) fn cat_or_empty(parts: Vec<Tensor<1>>, dtype: FloatDType, device: &Device) -> Tensor<1> {
     if parts.is_empty() {
@@ -746,6 +596,10 @@ macro_rules! answered_by_kit {
 
         fn nonfinite(&self) -> bool {
             self.kit.nonfinite
+        }
+
+        fn skipped_on_device(&mut self) -> $crate::error::Result<Vec<usize>> {
+            Ok(self.kit.take_skipped())
         }
     };
 }

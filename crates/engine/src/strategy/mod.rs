@@ -54,6 +54,7 @@ mod rules;
 pub mod single;
 mod step;
 mod tp;
+mod update;
 pub mod zero1;
 pub mod zero2;
 pub mod zero3;

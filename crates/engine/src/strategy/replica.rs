@@ -13,9 +13,10 @@ use burn::tensor::FloatDType;
 use kiln_models::{BlockStack, StepOutput};
 
 use super::courier::{self, Courier, Job, Ticket};
+use super::kit::RankKit;
 use super::kit::answered_by_kit;
-use super::kit::{Norm, RankKit};
 use super::step::{Strategy, one_by_one};
+use super::update::Norm;
 use crate::error::Result;
 use crate::exec::{self, Accumulate, Hooks, Part};
 use crate::params::{collect_floats, host_f32};

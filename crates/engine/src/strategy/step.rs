@@ -122,6 +122,11 @@ pub trait Strategy<M, B> {
     /// Whether the last optimizer step was refused because a gradient was not finite (with no
     /// loss scaler to take it as an overflow).
     fn nonfinite(&self) -> bool;
+    /// The optimizer steps since the last call that were refused on the device for a gradient
+    /// that was not finite, by position (0: the first step since then), read once: where the
+    /// check is not read at each step (a rank alone with the context's `decide_on_device`);
+    /// empty where [`Strategy::nonfinite`] reported each at its step.
+    fn skipped_on_device(&mut self) -> Result<Vec<usize>>;
 }
 
 /// What a strategy adds to a log line: fields of the training record, and records of its own.

@@ -463,6 +463,10 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
     fn nonfinite(&self) -> bool {
         self.inner.nonfinite()
     }
+
+    fn skipped_on_device(&mut self) -> Result<Vec<usize>> {
+        self.inner.skipped_on_device()
+    }
 }
 
 /// Rank 0's part of `model` in a tensor-parallel group of `tp` ranks, where the model says

@@ -6,11 +6,12 @@ use burn::module::Module;
 use burn::prelude::*;
 
 use super::ddp::several;
-use super::kit::{Norm, RankKit};
+use super::kit::RankKit;
 use super::replica::{Held, Reduction, Replica, averaged, step_shard};
 use super::rules::{
     Checks, Costs, Estimate, Op, Room, Setup, Shape, Traffic, Variant, Words, replicated_estimate,
 };
+use super::update::Norm;
 use crate::config::OptimConfig;
 use crate::error::Result;
 use crate::params::FlatLayout;

@@ -14,12 +14,13 @@
 use burn::module::Module;
 
 use super::ddp::several;
-use super::kit::{Norm, RankKit};
+use super::kit::RankKit;
 use super::replica::{Held, Reduction, Replica, SCATTERS_IN_FLIGHT, step_shard};
 use super::rules::{
     Checks, Costs, Estimate, ModelFacts, Op, Room, Setup, Shape, Traffic, Variant, Words,
     replicated_estimate,
 };
+use super::update::Norm;
 use crate::config::OptimConfig;
 use crate::error::{Error, Result};
 use crate::params::FlatLayout;

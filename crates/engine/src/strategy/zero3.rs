@@ -34,14 +34,15 @@ use std::collections::VecDeque;
 use super::courier::{self, Courier, Job, Ticket};
 use super::ddp::several;
 use super::frozen::FrozenShard;
+use super::kit::RankKit;
 use super::kit::answered_by_kit;
-use super::kit::{Norm, RankKit};
 use super::replica::{Beside, Scatter, open_shard, overlaps};
 use super::rules::{
     Checks, Costs, Estimate, ModelFacts, Op, Room, Setup, Shape, Traffic, Variant, Words,
     state_tensors,
 };
 use super::step::{Strategy, one_by_one};
+use super::update::Norm;
 use super::zero2::scattering;
 use crate::config::{OptimConfig, RecomputeMode, name_of};
 use crate::error::{Error, Result};

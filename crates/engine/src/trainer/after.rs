@@ -32,6 +32,7 @@ impl<W: Workload> Worker<'_, W> {
             saver: Checkpointer::new(&self.settings.train, self.settings.output.run_dir.clone()),
             wall: state.wall_seconds,
             started: Instant::now(),
+            settled: state.step,
         };
         let start_rss_mib = process_memory_mib("VmRSS");
         let parts = after_step::<W>();
@@ -121,8 +122,9 @@ pub(super) trait AfterStep<W: Workload> {
 }
 
 /// The parts, in the order they run after every step.
-pub(super) fn after_step<'a, W: Workload + 'a>() -> [&'a dyn AfterStep<W>; 8] {
+pub(super) fn after_step<'a, W: Workload + 'a>() -> [&'a dyn AfterStep<W>; 9] {
     [
+        &Settle,
         &HoldMemory,
         &LogLine,
         &HandBackPages,
@@ -156,6 +158,9 @@ pub(super) struct Kept {
     /// Seconds of training before this run (a resumed run's), and when this one started.
     pub(super) wall: f64,
     pub(super) started: Instant,
+    /// The step after which the host last read what the device decided (`train.host_waits =
+    /// "log"`).
+    pub(super) settled: usize,
 }
 
 /// Why the run stops before its last step.
@@ -179,6 +184,32 @@ pub(super) struct StepEnd<'s, 'w, W: Workload> {
     pub(super) early: Option<String>,
     /// Set by [`Stop`]: the run ends after this step.
     pub(super) stop: Option<Stopped>,
+}
+
+/// Under `train.host_waits = "log"`, before anything after the step reads the device or leaves
+/// the window's clock (a log line, a validation, a checkpoint, a snapshot, the epoch's end, the
+/// run's end): the host waits for the queued steps and reads which the device refused
+/// ([`Worker::settle`]), so that a refused step is acted on before anything is written for a
+/// step after it, and the queued work counts as training time, not as validation's.
+struct Settle;
+
+impl<W: Workload> AfterStep<W> for Settle {
+    fn after(&self, worker: &Worker<'_, W>, end: &mut StepEnd<'_, '_, W>) -> Result<()> {
+        let due = &end.due;
+        let step = end.state.step;
+        let reads = due.log
+            || due.save
+            || due.validate
+            || due.signal.is_some()
+            || due.epoch_end
+            || end.last
+            || Checkpointer::snapshot_due(worker.workload, step, end.last);
+        if worker.waits_each_step() || !reads {
+            return Ok(());
+        }
+        let from = std::mem::replace(&mut end.kept.settled, step);
+        worker.settle(end.strategy, (from, step), end.log, &end.kept.saver)
+    }
 }
 
 /// Under `hardware.memory_limit_mib`, past the limit ÷ (1 + HEADROOM) at a step's end —

@@ -264,4 +264,8 @@ impl<M, B> Strategy<M, B> for Faulty<'_, M, B> {
     fn nonfinite(&self) -> bool {
         self.inner.nonfinite()
     }
+
+    fn skipped_on_device(&mut self) -> Result<Vec<usize>> {
+        self.inner.skipped_on_device()
+    }
 }

@@ -47,6 +47,12 @@ impl<W: Workload> Worker<'_, W> {
         state.lr = lrs[0];
         let micros = self.steps.micros;
         let objective = objective(micros, state.scaler.as_ref().map(|s| s.scale as f32));
+        // Whether to wait for the device after the micro-steps (below): at every step, or
+        // (`train.host_waits = "log"`, a rank alone) on the steps that log, the others
+        // queueing their work behind the one before.
+        let next = state.step + 1;
+        let split =
+            self.waits_each_step() || self.world() > 1 || log.due(next, next == self.steps.total);
         for (phase, &lr) in lrs.iter().enumerate() {
             let t0 = Instant::now();
             if lrs.len() > 1 {
@@ -78,13 +84,9 @@ impl<W: Workload> Worker<'_, W> {
             // them: waiting here counts that time as compute, not as the optimizer step that
             // would otherwise wait for it (a CUDA run logged "optim 88 %" without this). The
             // CPU's ops run as they are called, so there it returns at once.
-            self.place.device.sync().map_err(|e| {
-                Error::Device(format!(
-                    "{:?} failed in step {}: {e}",
-                    self.place.device,
-                    step + 1
-                ))
-            })?;
+            if split {
+                self.sync_device(step + 1)?;
+            }
             // Collectives inside the micro-steps (ZeRO's reduce-scatters and gathers) count as
             // synchronisation, not compute.
             let inside = strategy.take_sync_seconds();
@@ -113,6 +115,56 @@ impl<W: Workload> Worker<'_, W> {
             strategy.check_replicas(state.step)?;
         }
         Ok(())
+    }
+
+    /// Waits for everything queued on the rank's device, in step `step`.
+    pub(super) fn sync_device(&self, step: usize) -> Result<()> {
+        self.place.device.sync().map_err(|e| {
+            Error::Device(format!(
+                "{:?} failed in step {step}: {e}",
+                self.place.device
+            ))
+        })
+    }
+
+    /// The steps since the last settling that the device refused for a gradient that was not
+    /// finite (`train.host_waits = "log"`), read now that the host waits anyway: each counts
+    /// under `train.skip_nonfinite` as at its step, and one past it stops the run naming the
+    /// step. `from` is the step of the last settling; `now` this step.
+    pub(super) fn settle(
+        &self,
+        strategy: &mut dyn Strategy<W::Model, W::Batch>,
+        (from, now): (usize, usize),
+        log: &mut Logger,
+        saver: &Checkpointer,
+    ) -> Result<()> {
+        self.sync_device(now)?;
+        for offset in strategy.skipped_on_device()? {
+            let allowed = self.settings.train.skip_nonfinite;
+            if log.skipped < allowed {
+                log.skipped += 1;
+                continue;
+            }
+            saver.wait()?;
+            let step = from + offset + 1;
+            return Err(Error::Training(format!(
+                "step {step}: a non-finite loss or gradient; the step was not taken (the device \
+                 decided it, and the host read it at step {now}: train.host_waits = \"step\" \
+                 reads it at each step and names the micro-batch) and the newest checkpoint {} \
+                 (train.skip_nonfinite = {allowed} lets a run skip such steps)",
+                self.newest_checkpoint()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The newest checkpoint, as an error message names it.
+    fn newest_checkpoint(&self) -> String {
+        checkpoint::list(&self.settings.output.run_dir)
+            .pop()
+            .map_or("none was written".to_string(), |(_, d)| {
+                format!("{} is intact", d.display())
+            })
     }
 
     /// A step whose gradients were not finite (every rank saw the same flag): within
@@ -152,11 +204,7 @@ impl<W: Workload> Worker<'_, W> {
         }
         // The checkpoint being written lands first: the newest is then the one named.
         saver.wait()?;
-        let kept = checkpoint::list(&self.settings.output.run_dir)
-            .pop()
-            .map_or("none was written".to_string(), |(_, d)| {
-                format!("{} is intact", d.display())
-            });
+        let kept = self.newest_checkpoint();
         Err(Error::Training(format!(
             "step {step}: {what}; the step was not taken and the newest checkpoint {kept} \
              (train.skip_nonfinite = {allowed} lets a run skip such steps)"

@@ -6,6 +6,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use burn::backend::DispatchDevice;
 use burn::module::Module;
 use burn::prelude::*;
 
@@ -19,6 +20,7 @@ use super::validate::{self, Validator};
 use super::workload::{Event, EventKind, Workload};
 use crate::comm::Collective;
 use crate::comm::watch::Recorder;
+use crate::config::HostWaits;
 use crate::data::DistributedSampler;
 use crate::error::{Error, Result};
 use crate::metrics::{MetricsWriter, Progress, Summary};
@@ -84,6 +86,19 @@ impl<W: Workload> Worker<'_, W> {
 
     pub fn world(&self) -> usize {
         self.place.comm.world_size()
+    }
+
+    /// Whether the host waits for the device at every step (`train.host_waits`; `auto`: on
+    /// the CPU, whose reads wait for nothing, not on a GPU).
+    pub fn waits_each_step(&self) -> bool {
+        match self.settings.train.host_waits {
+            HostWaits::Step => true,
+            HostWaits::Log => false,
+            HostWaits::Auto => matches!(
+                self.place.device.clone().without_autodiff().as_dispatch(),
+                DispatchDevice::Flex(_)
+            ),
+        }
     }
 
     /// Validates `model` on this rank's shard of the evaluation set.
@@ -286,6 +301,7 @@ impl<W: Workload> Worker<'_, W> {
         if let Some(mesh) = mesh {
             ctx.tp = Some(mesh.place::<W::Batch, _>(&model)?);
         }
+        ctx.decide_on_device = !self.waits_each_step();
         let mut strategy = strategy::build(self.setup.kind, model, ctx)?;
         match &start.optim {
             Some(Resumed::Whole(states)) => strategy.load_optimizer_states(states)?,

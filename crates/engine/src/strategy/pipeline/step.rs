@@ -16,9 +16,9 @@ use crate::error::Result;
 use crate::optim::OptimState;
 use crate::params::{frozen_with_ids, host_f32, set_frozen};
 use crate::precision::LossScaler;
-use crate::strategy::kit::Norm;
 use crate::strategy::memory::Memory;
 use crate::strategy::step::{Report, Strategy};
+use crate::strategy::update::Norm;
 
 impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
     fn begin_step(&mut self) -> Result<()> {
@@ -305,5 +305,9 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Stage<'_, M, B> {
 
     fn nonfinite(&self) -> bool {
         self.kit.nonfinite
+    }
+
+    fn skipped_on_device(&mut self) -> Result<Vec<usize>> {
+        Ok(self.kit.take_skipped())
     }
 }
