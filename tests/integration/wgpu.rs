@@ -187,6 +187,105 @@ fn the_convnet_and_the_gpt_on_wgpu_give_the_cpus_losses() {
     }
 }
 
+/// Two replicas on one adapter (`hardware.replicas_per_device = 2`: the ddp step over the host,
+/// each replica half the batch) give one replica's losses at the same global batch, step by
+/// step within the f32 tolerance; a strategy that shards the model over devices is refused in
+/// one line naming the key, before the run's directory exists.
+#[test]
+#[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
+fn two_replicas_on_one_adapter_give_one_replicas_losses() {
+    let cwd = temp_dir("wgpu-replicas");
+    let text: String = (0..400)
+        .map(|i| format!("line {i}: the whale and the sea, the ship and the sky. "))
+        .collect();
+    std::fs::write(cwd.join("text.txt"), text).unwrap();
+    let path = format!("data.path={:?}", cwd.join("text.txt").display().to_string());
+    let recipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/gpt-text.toml");
+    let recipe = recipe.display().to_string();
+    let gpt = [
+        "--config",
+        &recipe,
+        "--set",
+        &path,
+        "--set",
+        "model.gpt.n_layer=2",
+        "--set",
+        "model.gpt.n_embd=32",
+        "--set",
+        "model.gpt.n_head=2",
+        "--set",
+        "model.gpt.block_size=16",
+        "--batch-size",
+        "8",
+        "--set",
+        "train.val_every=1000",
+        "--set",
+        "train.log_every=1",
+        "--max-steps",
+        "6",
+        "--accelerator",
+        "wgpu",
+    ];
+    let run = |name: &str, more: &[&str]| {
+        let dir = cwd.join(name);
+        let dir_arg = dir.display().to_string();
+        let mut all = vec!["--run-dir", &dir_arg];
+        all.extend(gpt);
+        all.extend(more);
+        (train_bin(&cwd, &all), dir)
+    };
+    let (out, one) = run("one", &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (out, two) = run("two", &["--set", "hardware.replicas_per_device=2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("2 replicas of 4 samples per device"),
+        "{stdout}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(two.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(
+        (&summary["devices"], &summary["sub_replicas"], &summary["strategy"]),
+        (&1.into(), &2.into(), &"ddp".into()),
+        "{summary}"
+    );
+    let (a, b) = (losses(&one), losses(&two));
+    assert_eq!(a.len(), 6);
+    assert_eq!(a.len(), b.len());
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        let rel = (x - y).abs() / x.abs().max(1e-12);
+        assert!(
+            rel <= F32_TOLERANCE,
+            "step {}: one replica {x}, two {y} (relative {rel:.2e})",
+            step + 1
+        );
+    }
+    let (out, refused) = run(
+        "zero3",
+        &[
+            "--strategy",
+            "zero3",
+            "--set",
+            "hardware.replicas_per_device=2",
+        ],
+    );
+    assert_one_line_error(&out, &["hardware.replicas_per_device = 2", "zero3"]);
+    assert!(
+        !refused.exists(),
+        "a refused run wrote {}",
+        refused.display()
+    );
+}
+
 /// Held by a test while it turns the GPU kernels off and on (the switch is the process's).
 static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 

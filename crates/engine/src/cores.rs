@@ -13,6 +13,7 @@
 use burn::prelude::*;
 
 use crate::config::{CpuSplit, RecomputeMode, RootConfig, StrategyKind, name_of};
+use crate::error::{Error, Result};
 use crate::strategy::ModelFacts;
 use crate::trainer::TrainerSettings;
 
@@ -45,36 +46,43 @@ impl CoreSplit {
         cpu: bool,
         processes: usize,
         facts: &ModelFacts,
-    ) -> Self {
+    ) -> Result<Self> {
         let cores = config.hardware.cores();
         if !cpu {
-            return Self {
-                per_device: 1,
-                strategy: None,
-                words: None,
-            };
+            return Self::on_a_gpu(config, devices, facts);
+        }
+        if config.hardware.replicas_per_device > 1 {
+            return Ok(Self::off(
+                "hardware.replicas_per_device is a GPU's: on the CPU, hardware.cpu_split \
+                 runs a device as per-core sub-replicas"
+                    .into(),
+            ));
         }
         let per_device = (cores / devices).max(1);
         if config.hardware.cpu_split == CpuSplit::Off {
-            return Self::off(format!(
+            return Ok(Self::off(format!(
                 "hardware.cpu_split = \"off\"; its kernels share {per_device} core(s)"
-            ));
+            )));
         }
         if processes > 1 {
-            return Self::off("several processes share the machine's cores".into());
+            return Ok(Self::off(
+                "several processes share the machine's cores".into(),
+            ));
         }
         if config.parallel.tp > 1 {
-            return Self::off("tensor parallelism splits the model over devices".into());
+            return Ok(Self::off(
+                "tensor parallelism splits the model over devices".into(),
+            ));
         }
         let asked = config.strategy.name.resolve(devices);
         let Some(strategy) = crate::strategy::rules(asked).core_split() else {
-            return Self::off(format!(
+            return Ok(Self::off(format!(
                 "{} shards or stages the model over devices",
                 name_of(&asked)
-            ));
+            )));
         };
         if per_device < 2 {
-            return Self::off(format!("{per_device} core per device"));
+            return Ok(Self::off(format!("{per_device} core per device")));
         }
         if facts.buffers {
             // BatchNorm's batch statistics are kept to the device's whole batch by
@@ -89,19 +97,19 @@ impl CoreSplit {
                 None
             };
             if let Some(why) = why {
-                return Self::off(format!(
+                return Ok(Self::off(format!(
                     "the model's BatchNorm would see per-core statistics and synchronising \
                      them is not possible here: {why}"
-                ));
+                )));
             }
         }
         let batch = config.train.batch_size;
         let Some(k) = (2..=per_device).rev().find(|k| batch.is_multiple_of(*k)) else {
-            return Self::off(format!(
+            return Ok(Self::off(format!(
                 "batch {batch} does not split evenly over {per_device} cores"
-            ));
+            )));
         };
-        Self {
+        Ok(Self {
             per_device: k,
             strategy: Some(strategy),
             words: Some(format!(
@@ -114,7 +122,61 @@ impl CoreSplit {
                     ""
                 }
             )),
+        })
+    }
+
+    /// A GPU's split: `hardware.replicas_per_device` ranks on each card, the device's batch
+    /// shared among them as per-core sub-replicas share a CPU device's — one replica against
+    /// two at the same global batch measures what the exchange of gradients over the host
+    /// costs. Refused in one line where the strategy, the batch or the model cannot be split so.
+    fn on_a_gpu(config: &RootConfig, devices: usize, facts: &ModelFacts) -> Result<Self> {
+        let k = config.hardware.replicas_per_device;
+        if k < 2 {
+            return Ok(Self {
+                per_device: 1,
+                strategy: None,
+                words: None,
+            });
         }
+        let refuse = |why: String| {
+            Err(Error::config(format!(
+                "hardware.replicas_per_device = {k}: {why}"
+            )))
+        };
+        let asked = config.strategy.name.resolve(devices);
+        let Some(strategy) = crate::strategy::rules(asked).core_split() else {
+            return refuse(format!(
+                "{} shards or stages the model over devices; replicas on one device run \
+                 single or ddp",
+                name_of(&asked)
+            ));
+        };
+        if config.parallel.tp > 1 {
+            return refuse("tensor parallelism splits the model over devices".into());
+        }
+        let batch = config.train.batch_size;
+        if !batch.is_multiple_of(k) {
+            return refuse(format!(
+                "batch {batch} does not split evenly over {k} replicas"
+            ));
+        }
+        let blocks_recomputed = config.recompute.mode == RecomputeMode::Blocks;
+        if facts.buffers && (facts.blocks == 0 || blocks_recomputed || !facts.groups.is_empty()) {
+            return refuse(
+                "the model's BatchNorm statistics cannot be synchronised over the replicas \
+                 (it describes no blocks, recomputes them, or steps several parameter groups)"
+                    .into(),
+            );
+        }
+        Ok(Self {
+            per_device: k,
+            strategy: Some(strategy),
+            words: Some(format!(
+                "{k} replicas of {} samples per device, gradients averaged over the host as \
+                 one device's (hardware.replicas_per_device)",
+                batch / k
+            )),
+        })
     }
 
     /// `settings` (built for the user's devices) with every device run as this split's
@@ -136,7 +198,6 @@ impl CoreSplit {
             .collect::<Vec<Device>>();
         p.sub_replicas = k;
         p.strategy = strategy;
-        p.split_cpu_threads = true;
         p.sync_batchnorm |= facts.buffers;
         settings.train.batch_size /= k;
     }

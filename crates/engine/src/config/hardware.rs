@@ -59,6 +59,11 @@ pub struct HardwareConfig {
     /// averaged as one device — the schedule data parallelism uses across devices); `off`
     /// runs one replica whose kernels spread over the cores. Default `auto`.
     pub cpu_split: CpuSplit,
+    /// On a GPU, ranks each device runs: its batch shared among them, their gradients averaged
+    /// over the host as one device's (the `ddp` step; `single` and `ddp` only). One replica
+    /// against two at the same global batch measures what that exchange costs a step. On the
+    /// CPU `cpu_split` does this per core. Default 1.
+    pub replicas_per_device: usize,
     /// On the CPU accelerator, the cores the devices share. Default: every core the machine
     /// offers the process.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -131,6 +136,7 @@ impl Default for HardwareConfig {
             accelerator: Accelerator::Auto,
             devices: DeviceList::Count(1),
             cpu_split: CpuSplit::Auto,
+            replicas_per_device: 1,
             cpu_cores: None,
             memory_limit_mib: None,
             memory_limit_force: false,
@@ -165,6 +171,22 @@ impl HardwareConfig {
             return bad(
                 "hardware.memory_limit_mib",
                 format!("must be a number of MiB > 0 (or left unset), got {limit}"),
+            );
+        }
+        if self.replicas_per_device == 0 {
+            return bad(
+                "hardware.replicas_per_device",
+                "must be at least 1, got 0".into(),
+            );
+        }
+        if self.replicas_per_device > 1 && self.accelerator == Accelerator::Cpu {
+            return bad(
+                "hardware.replicas_per_device",
+                format!(
+                    "is a GPU's, got {} on the CPU accelerator (there hardware.cpu_split runs a \
+                     device as per-core sub-replicas)",
+                    self.replicas_per_device
+                ),
             );
         }
         if self.cpu_cores == Some(0) {

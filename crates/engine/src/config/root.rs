@@ -344,10 +344,32 @@ mod tests {
             ("monitor.interval_s=-1", "monitor.interval_s"),
             ("monitor.peak_tflops=0", "monitor.peak_tflops"),
             ("monitor.smoothing=1", "monitor.smoothing"),
+            (
+                "hardware.replicas_per_device=0",
+                "hardware.replicas_per_device",
+            ),
         ] {
             let e = load(&[o]).unwrap_err().to_string();
             assert!(e.contains(key), "{o}: {e}");
         }
+        // Several replicas on a device are a GPU's; the CPU splits its devices per core.
+        let e = load(&[
+            "hardware.accelerator=\"cpu\"",
+            "hardware.replicas_per_device=2",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("hardware.replicas_per_device") && e.contains("cpu_split"),
+            "{e}"
+        );
+        assert!(
+            load(&[
+                "hardware.accelerator=\"wgpu\"",
+                "hardware.replicas_per_device=2"
+            ])
+            .is_ok()
+        );
     }
 
     #[test]

@@ -343,8 +343,10 @@ pub(crate) fn settings_for(
     );
     let processes = crate::comm::processes().count;
     let cpu = accelerator.starts_with("cpu");
-    let split = CoreSplit::plan(config, devices.len(), cpu, processes, facts);
-    split.apply(&mut s, facts);
+    // A split refused here is refused, in its own words, when the run starts.
+    if let Ok(split) = CoreSplit::plan(config, devices.len(), cpu, processes, facts) {
+        split.apply(&mut s, facts);
+    }
     s
 }
 

@@ -51,6 +51,7 @@ pub(super) fn print_table<W: Workload>(
         w.counts.1 - w.counts.0
     };
     let (world, t, setup) = (s.world(), &s.train, s.setup());
+    let cpu = s.parallel.accelerator.starts_with("cpu");
     let (replicas, micros) = (s.data_world(), s.micro_batches());
     let sampler = crate::data::DistributedSampler::new(
         w.train_len(),
@@ -85,15 +86,22 @@ pub(super) fn print_table<W: Workload>(
         ),
         (
             "strategy".into(),
-            match s.parallel.sub_replicas {
-                k if k > 1 && world == k => {
-                    format!("single (one device as {k} per-core sub-replicas: the ddp step)")
+            match (
+                s.parallel.sub_replicas,
+                if cpu {
+                    "per-core sub-replicas"
+                } else {
+                    "replicas"
+                },
+            ) {
+                (k, what) if k > 1 && world == k => {
+                    format!("single (one device as {k} {what}: the ddp step)")
                 }
-                k if k > 1 => format!(
-                    "ddp ({} devices × {k} per-core sub-replicas, gradients all-reduced)",
+                (k, what) if k > 1 => format!(
+                    "ddp ({} devices × {k} {what}, gradients all-reduced)",
                     world / k
                 ),
-                _ => setup.describe(),
+                (_, _) => setup.describe(),
             },
         ),
         ("world size".into(), world.to_string()),
@@ -124,7 +132,8 @@ pub(super) fn print_table<W: Workload>(
         ),
     ];
     if let Some(words) = &s.parallel.cores {
-        rows.push(("cpu cores".into(), words.clone()));
+        let what = if cpu { "cpu cores" } else { "replicas" };
+        rows.push((what.into(), words.clone()));
     }
     rows.extend(lr_rows(s, &facts.groups));
     let (trainable, total) = w.counts;

@@ -225,7 +225,7 @@ fn prepare<W: Workload>(
     facts.tp_floats = tp_floats;
     drop(probe);
     // A CPU device runs as per-core sub-replicas where they fit the strategy and the model.
-    let split = CoreSplit::plan(config, devices.len(), cpu, processes.count, &facts);
+    let split = CoreSplit::plan(config, devices.len(), cpu, processes.count, &facts)?;
     split.apply(&mut settings, &facts);
     settings.drop_last = drop_last;
     settings.output.resume_from = resume_from;
