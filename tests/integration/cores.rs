@@ -161,4 +161,16 @@ fn the_start_up_table_says_how_a_device_uses_its_cores() {
             .unwrap_or_else(|| panic!("no cpu cores row: {stdout}"));
         assert!(row.contains(needle), "{row}");
     }
+    // Several replicas on a device are a GPU's: on the CPU (here `auto` finds no GPU) the
+    // key is refused in one line, not left out of the split in silence.
+    let out = train_bin(
+        &dir,
+        &[
+            "--max-steps",
+            "2",
+            "--set",
+            "hardware.replicas_per_device=2",
+        ],
+    );
+    crate::common::assert_one_line_error(&out, &["hardware.replicas_per_device = 2", "cpu_split"]);
 }

@@ -254,7 +254,11 @@ fn two_replicas_on_one_adapter_give_one_replicas_losses() {
     let summary: serde_json::Value =
         serde_json::from_slice(&std::fs::read(two.join("summary.json")).unwrap()).unwrap();
     assert_eq!(
-        (&summary["devices"], &summary["sub_replicas"], &summary["strategy"]),
+        (
+            &summary["devices"],
+            &summary["sub_replicas"],
+            &summary["strategy"]
+        ),
         (&1.into(), &2.into(), &"ddp".into()),
         "{summary}"
     );

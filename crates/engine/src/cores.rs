@@ -52,11 +52,11 @@ impl CoreSplit {
             return Self::on_a_gpu(config, devices, facts);
         }
         if config.hardware.replicas_per_device > 1 {
-            return Ok(Self::off(
-                "hardware.replicas_per_device is a GPU's: on the CPU, hardware.cpu_split \
-                 runs a device as per-core sub-replicas"
-                    .into(),
-            ));
+            return Err(Error::config(format!(
+                "hardware.replicas_per_device = {} is a GPU's, and this run is on the CPU \
+                 (there hardware.cpu_split runs a device as per-core sub-replicas)",
+                config.hardware.replicas_per_device
+            )));
         }
         let per_device = (cores / devices).max(1);
         if config.hardware.cpu_split == CpuSplit::Off {

@@ -202,8 +202,14 @@ impl FlatOptimizer {
     /// first since then): read once, and forgotten from AdamW's count of steps taken.
     pub fn settle(&mut self) -> Vec<usize> {
         let skipped = self.pending.settle();
-        if let Rule::Adamw { state: Some(s), .. } = &mut self.rule {
+        if let Rule::Adamw { state, .. } = &mut self.rule
+            && let Some(s) = state
+        {
             s.momentum.time -= skipped.len();
+            // Every step so far refused: no state, as a refusal on the host leaves it.
+            if s.momentum.time == 0 {
+                *state = None;
+            }
         }
         skipped
     }

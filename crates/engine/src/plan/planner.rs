@@ -128,7 +128,7 @@ pub fn plan<W: Workload>(
     // config's group size and each other one the model can be cut into inside a process.
     let parts = Parts::of::<W::Batch, _>(&model, config.parallel.tp, world, devices.len());
     let facts = parts.of_tp(config.parallel.tp).clone();
-    let own = settings_for(config, devices, accelerator, &facts);
+    let own = settings_for(config, devices, accelerator, &facts)?;
     let samples = sampler(workload.train_len(), &own)?.samples_per_step();
     // Every candidate the settings' checks allow (the probe's micro-batches come from them),
     // and those of the scope.
@@ -308,9 +308,10 @@ fn allowed_of<W: Workload>(
     let mut refused = Vec::new();
     for c in listed(config, world, samples, parts, scope) {
         let facts = parts.of_tp(c.config.parallel.tp);
-        let s = settings_for(&c.config, target.devices, target.accelerator, facts);
-        match refusal(workload, model, &s) {
-            Ok(()) => allowed.push((c, s)),
+        let checked = settings_for(&c.config, target.devices, target.accelerator, facts)
+            .and_then(|s| refusal(workload, model, &s).map(|()| s));
+        match checked {
+            Ok(s) => allowed.push((c, s)),
             Err(e) => {
                 // One line per refusal, however many of its variants were weighed.
                 let row = (c.strategy_words(), e.to_string());

@@ -328,13 +328,14 @@ fn comm_seconds(setup: &Setup, l: &Links, total: usize, micros: usize, local: us
 }
 
 /// The trainer's settings for `config` on `devices`, with the core split applied as the
-/// launcher applies it.
+/// launcher applies it; a split the launcher would refuse (`hardware.replicas_per_device`) is
+/// refused here too.
 pub(crate) fn settings_for(
     config: &RootConfig,
     devices: &[burn::prelude::Device],
     accelerator: &str,
     facts: &ModelFacts,
-) -> TrainerSettings {
+) -> crate::error::Result<TrainerSettings> {
     let mut s = TrainerSettings::from_config(
         config,
         devices.to_vec(),
@@ -343,11 +344,9 @@ pub(crate) fn settings_for(
     );
     let processes = crate::comm::processes().count;
     let cpu = accelerator.starts_with("cpu");
-    // A split refused here is refused, in its own words, when the run starts.
-    if let Ok(split) = CoreSplit::plan(config, devices.len(), cpu, processes, facts) {
-        split.apply(&mut s, facts);
-    }
-    s
+    let split = CoreSplit::plan(config, devices.len(), cpu, processes, facts)?;
+    split.apply(&mut s, facts);
+    Ok(s)
 }
 
 #[cfg(test)]

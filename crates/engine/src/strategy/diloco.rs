@@ -605,4 +605,8 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Islands<'_, M> {
     fn skipped_on_device(&mut self) -> Result<Vec<usize>> {
         Strategy::<M, B>::skipped_on_device(&mut self.inner)
     }
+
+    fn decided_on_device(&self) -> bool {
+        Strategy::<M, B>::decided_on_device(&self.inner)
+    }
 }

@@ -67,6 +67,8 @@ pub(crate) struct RankKit<'a> {
     /// Whether a step's gradient may be checked on the device, the step skipped there and the
     /// host told later (the context's `decide_on_device`, for a rank alone in its group).
     pub on_device: bool,
+    /// Whether the last step's check was kept on the device (the host did not wait for it).
+    pub deferred: bool,
     pub(super) sync_seconds: f64,
     /// The rank's tensor-parallel group, where it has one.
     pub(super) tp: Option<TpNorm<'a>>,
@@ -145,6 +147,7 @@ impl<'a> RankKit<'a> {
             memory: Memory::default(),
             nonfinite: false,
             on_device,
+            deferred: false,
             sync_seconds: 0.0,
             tp,
         }
@@ -600,6 +603,10 @@ macro_rules! answered_by_kit {
 
         fn skipped_on_device(&mut self) -> $crate::error::Result<Vec<usize>> {
             Ok(self.kit.take_skipped())
+        }
+
+        fn decided_on_device(&self) -> bool {
+            self.kit.deferred
         }
     };
 }

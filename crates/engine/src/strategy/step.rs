@@ -127,6 +127,11 @@ pub trait Strategy<M, B> {
     /// check is not read at each step (a rank alone with the context's `decide_on_device`);
     /// empty where [`Strategy::nonfinite`] reported each at its step.
     fn skipped_on_device(&mut self) -> Result<Vec<usize>>;
+    /// Whether the last optimizer step's check was kept on the device (nothing in it waited
+    /// for the device); `false` where each step reads it, the default.
+    fn decided_on_device(&self) -> bool {
+        false
+    }
 }
 
 /// What a strategy adds to a log line: fields of the training record, and records of its own.

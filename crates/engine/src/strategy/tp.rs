@@ -467,6 +467,10 @@ impl<'a, M: burn::module::Module, B> Strategy<M, B> for TpRank<'a, M, B> {
     fn skipped_on_device(&mut self) -> Result<Vec<usize>> {
         self.inner.skipped_on_device()
     }
+
+    fn decided_on_device(&self) -> bool {
+        self.inner.decided_on_device()
+    }
 }
 
 /// Rank 0's part of `model` in a tensor-parallel group of `tp` ranks, where the model says

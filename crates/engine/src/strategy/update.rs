@@ -55,11 +55,11 @@ impl RankKit<'_> {
         {
             grads = self.sum_parts(grads)?;
         }
-        if self.on_device
+        self.deferred = self.on_device
             && scaler.is_none()
             && matches!(norm, Norm::Local)
-            && self.optimizer.guardable()
-        {
+            && self.optimizer.guardable();
+        if self.deferred {
             return Ok(Some(self.finish_on_device(grads, params, lr, clip)));
         }
         let unscale = scaler.as_ref().map(|sc| (1.0 / sc.scale) as f32);

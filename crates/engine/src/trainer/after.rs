@@ -193,11 +193,17 @@ pub(super) struct StepEnd<'s, 'w, W: Workload> {
 /// step after it, and the queued work counts as training time, not as validation's.
 struct Settle;
 
+/// The most steps the device decides before the host reads them, whatever else is due.
+const SETTLE_EVERY: usize = 256;
+
 impl<W: Workload> AfterStep<W> for Settle {
     fn after(&self, worker: &Worker<'_, W>, end: &mut StepEnd<'_, '_, W>) -> Result<()> {
         let due = &end.due;
         let step = end.state.step;
+        // At least every SETTLE_EVERY steps: the flags and AdamW's table of corrections
+        // grow with the steps not read.
         let reads = due.log
+            || step - end.kept.settled >= SETTLE_EVERY
             || due.save
             || due.validate
             || due.signal.is_some()

@@ -268,4 +268,8 @@ impl<M, B> Strategy<M, B> for Faulty<'_, M, B> {
     fn skipped_on_device(&mut self) -> Result<Vec<usize>> {
         self.inner.skipped_on_device()
     }
+
+    fn decided_on_device(&self) -> bool {
+        self.inner.decided_on_device()
+    }
 }

@@ -48,11 +48,14 @@ impl<W: Workload> Worker<'_, W> {
         let micros = self.steps.micros;
         let objective = objective(micros, state.scaler.as_ref().map(|s| s.scale as f32));
         // Whether to wait for the device after the micro-steps (below): at every step, or
-        // (`train.host_waits = "log"`, a rank alone) on the steps that log, the others
-        // queueing their work behind the one before.
+        // where the step's check stays on the device (`train.host_waits = "log"`, a rank
+        // alone, as the last step's did) on the steps that log, the others queueing their
+        // work behind the one before. A step that reads its check waits there anyway, and
+        // the wait belongs to compute.
         let next = state.step + 1;
-        let split =
-            self.waits_each_step() || self.world() > 1 || log.due(next, next == self.steps.total);
+        let split = self.waits_each_step()
+            || !strategy.decided_on_device()
+            || log.due(next, next == self.steps.total);
         for (phase, &lr) in lrs.iter().enumerate() {
             let t0 = Instant::now();
             if lrs.len() > 1 {

@@ -343,8 +343,10 @@ impl<W: Workload> Worker<'_, W> {
             writer: lead
                 .then(|| MetricsWriter::open(&s.output.run_dir, &monitor.sinks, Some(step))),
             progress: (lead && s.output.progress).then(|| Progress::new(self.steps.total, step)),
+            // Per device: replicas sharing one (per-core sub-replicas, several on a card)
+            // share its peak.
             throughput: Throughput::new(
-                self.world(),
+                self.world() / s.parallel.sub_replicas.max(1),
                 self.workload.tokens_per_sample(),
                 self.workload.flops_per_sample(),
                 peak_tflops(monitor.peak_tflops, device_name.as_deref()),
