@@ -41,6 +41,36 @@ fn losses(dir: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// A two-layer GPT on a text of its own, written into `cwd`: `train`'s arguments.
+fn small_gpt(cwd: &Path) -> Vec<String> {
+    let text: String = (0..400)
+        .map(|i| format!("line {i}: the whale and the sea, the ship and the sky. "))
+        .collect();
+    std::fs::write(cwd.join("text.txt"), text).unwrap();
+    let path = format!("data.path={:?}", cwd.join("text.txt").display().to_string());
+    let recipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/gpt-text.toml");
+    [
+        "--config",
+        &recipe.display().to_string(),
+        "--set",
+        &path,
+        "--set",
+        "model.gpt.n_layer=2",
+        "--set",
+        "model.gpt.n_embd=32",
+        "--set",
+        "model.gpt.n_head=2",
+        "--set",
+        "model.gpt.block_size=16",
+        "--batch-size",
+        "8",
+        "--set",
+        "train.val_every=1000",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 /// Trains `args` from `init` on the CPU and on WGPU (one replica each, `precision`) and
 /// compares their losses step by step.
 fn cpu_and_wgpu_agree(cwd: &Path, name: &str, args: &[&str], precision: &str, tolerance: f64) {
@@ -116,40 +146,17 @@ fn the_convnet_and_the_gpt_on_wgpu_give_the_cpus_losses() {
     cpu_and_wgpu_agree(&cwd, "convnet", &steps, "32", F32_TOLERANCE);
 
     // A two-layer GPT on a text of its own.
-    let text: String = (0..400)
-        .map(|i| format!("line {i}: the whale and the sea, the ship and the sky. "))
-        .collect();
-    std::fs::write(cwd.join("text.txt"), text).unwrap();
-    let path = format!("data.path={:?}", cwd.join("text.txt").display().to_string());
-    let recipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/gpt-text.toml");
-    let recipe = recipe.display().to_string();
-    let gpt = [
-        "--config",
-        &recipe,
-        "--set",
-        &path,
-        "--set",
-        "model.gpt.n_layer=2",
-        "--set",
-        "model.gpt.n_embd=32",
-        "--set",
-        "model.gpt.n_head=2",
-        "--set",
-        "model.gpt.block_size=16",
-        "--batch-size",
-        "8",
-        "--set",
-        "train.val_every=1000",
-    ];
+    let gpt = small_gpt(&cwd);
+    let gpt: Vec<&str> = gpt.iter().map(String::as_str).collect();
     let gpt_init = cwd.join("gpt-init");
     let gpt_init_arg = gpt_init.display().to_string();
     let mut first = vec!["--max-steps", "1", "--run-dir", &gpt_init_arg];
-    first.extend(gpt);
+    first.extend(&gpt);
     train(&cwd, &first);
     let from = format!("init.from={:?}", gpt_init.display().to_string());
     // Twenty steps: WGPU's kernels are fused (Burn's `fusion`), the CPU's are not.
     let mut steps = vec!["--max-steps", "20", "--set", &from];
-    steps.extend(gpt);
+    steps.extend(&gpt);
     cpu_and_wgpu_agree(&cwd, "gpt", &steps, "32", F32_TOLERANCE);
     // What CubeCL learned (autotune's choices) is kept in kiln's cache folder for the next run.
     let kept = cwd.join("cache").join("cubecl");
@@ -195,43 +202,24 @@ fn the_convnet_and_the_gpt_on_wgpu_give_the_cpus_losses() {
 #[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
 fn two_replicas_on_one_adapter_give_one_replicas_losses() {
     let cwd = temp_dir("wgpu-replicas");
-    let text: String = (0..400)
-        .map(|i| format!("line {i}: the whale and the sea, the ship and the sky. "))
-        .collect();
-    std::fs::write(cwd.join("text.txt"), text).unwrap();
-    let path = format!("data.path={:?}", cwd.join("text.txt").display().to_string());
-    let recipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/gpt-text.toml");
-    let recipe = recipe.display().to_string();
-    let gpt = [
-        "--config",
-        &recipe,
-        "--set",
-        &path,
-        "--set",
-        "model.gpt.n_layer=2",
-        "--set",
-        "model.gpt.n_embd=32",
-        "--set",
-        "model.gpt.n_head=2",
-        "--set",
-        "model.gpt.block_size=16",
-        "--batch-size",
-        "8",
-        "--set",
-        "train.val_every=1000",
-        "--set",
-        "train.log_every=1",
-        "--max-steps",
-        "6",
-        "--accelerator",
-        "wgpu",
-    ];
+    let mut gpt = small_gpt(&cwd);
+    gpt.extend(
+        [
+            "--set",
+            "train.log_every=1",
+            "--max-steps",
+            "6",
+            "--accelerator",
+            "wgpu",
+        ]
+        .map(String::from),
+    );
     let run = |name: &str, more: &[&str]| {
         let dir = cwd.join(name);
-        let dir_arg = dir.display().to_string();
-        let mut all = vec!["--run-dir", &dir_arg];
-        all.extend(gpt);
-        all.extend(more);
+        let mut all = vec!["--run-dir".to_string(), dir.display().to_string()];
+        all.extend(gpt.iter().cloned());
+        all.extend(more.iter().map(|s| s.to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
         (train_bin(&cwd, &all), dir)
     };
     let (out, one) = run("one", &[]);

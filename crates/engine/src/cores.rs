@@ -28,6 +28,23 @@ pub struct CoreSplit {
     pub words: Option<String>,
 }
 
+/// Why a model's BatchNorm statistics cannot be kept to a device's whole batch when replicas
+/// share it (synchronising them walks the model's blocks); `None` where they can, or where the
+/// model has no BatchNorm.
+fn batchnorm_unsynced(config: &RootConfig, facts: &ModelFacts) -> Option<&'static str> {
+    if !facts.buffers {
+        None
+    } else if facts.blocks == 0 {
+        Some("it describes no blocks")
+    } else if config.recompute.mode == RecomputeMode::Blocks {
+        Some("recompute.mode = \"blocks\"")
+    } else if !facts.groups.is_empty() {
+        Some("it steps several parameter groups")
+    } else {
+        None
+    }
+}
+
 impl CoreSplit {
     fn off(why: String) -> Self {
         Self {
@@ -84,24 +101,11 @@ impl CoreSplit {
         if per_device < 2 {
             return Ok(Self::off(format!("{per_device} core per device")));
         }
-        if facts.buffers {
-            // BatchNorm's batch statistics are kept to the device's whole batch by
-            // synchronising them over the sub-replicas, which walks the model's blocks.
-            let why = if facts.blocks == 0 {
-                Some("it describes no blocks")
-            } else if config.recompute.mode == RecomputeMode::Blocks {
-                Some("recompute.mode = \"blocks\"")
-            } else if !facts.groups.is_empty() {
-                Some("it steps several parameter groups")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Ok(Self::off(format!(
-                    "the model's BatchNorm would see per-core statistics and synchronising \
-                     them is not possible here: {why}"
-                )));
-            }
+        if let Some(why) = batchnorm_unsynced(config, facts) {
+            return Ok(Self::off(format!(
+                "the model's BatchNorm would see per-core statistics and synchronising \
+                 them is not possible here: {why}"
+            )));
         }
         let batch = config.train.batch_size;
         let Some(k) = (2..=per_device).rev().find(|k| batch.is_multiple_of(*k)) else {
@@ -160,13 +164,11 @@ impl CoreSplit {
                 "batch {batch} does not split evenly over {k} replicas"
             ));
         }
-        let blocks_recomputed = config.recompute.mode == RecomputeMode::Blocks;
-        if facts.buffers && (facts.blocks == 0 || blocks_recomputed || !facts.groups.is_empty()) {
-            return refuse(
-                "the model's BatchNorm statistics cannot be synchronised over the replicas \
-                 (it describes no blocks, recomputes them, or steps several parameter groups)"
-                    .into(),
-            );
+        if let Some(why) = batchnorm_unsynced(config, facts) {
+            return refuse(format!(
+                "the model's BatchNorm statistics cannot be synchronised over the replicas: \
+                 {why}"
+            ));
         }
         Ok(Self {
             per_device: k,
