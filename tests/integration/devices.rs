@@ -36,6 +36,27 @@ fn accelerator_cuda_where_cuda_cannot_run_is_one_line_and_writes_nothing() {
     );
 }
 
+/// `--accelerator cube-cpu` in a build without CubeCL's CPU runtime: one line naming the
+/// feature, nothing written. (With the feature, `cube_cpu::` trains on it.)
+#[cfg(not(feature = "cube-cpu"))]
+#[test]
+fn accelerator_cube_cpu_without_its_feature_is_one_line_and_writes_nothing() {
+    let dir = temp_dir("accel-cube-cpu");
+    let out = train_bin(&dir, &["--accelerator", "cube-cpu", "--max-steps", "1"]);
+    assert_one_line_error(
+        &out,
+        &[
+            "hardware.accelerator = \"cube-cpu\"",
+            "the `cube-cpu` feature",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        !dir.join("runs").exists(),
+        "a refused run wrote its directory"
+    );
+}
+
 #[test]
 fn auto_trains_where_train_devices_says_and_the_table_says_why() {
     let dir = temp_dir("accel-auto");

@@ -4,6 +4,8 @@ mod chat;
 mod cli;
 mod common;
 mod cores;
+#[cfg(feature = "cube-cpu")]
+mod cube_cpu;
 mod custom;
 mod data;
 mod ddp;
@@ -17,6 +19,7 @@ mod generative;
 mod gpt;
 mod heal;
 mod hf;
+mod kernels;
 mod lora;
 mod monitor;
 #[cfg(feature = "mpi")]

@@ -9,11 +9,15 @@ use std::path::Path;
 use std::process::Output;
 
 use crate::common::{assert_one_line_error, temp_dir, train_bin_kept, train_losses};
+use crate::kernels::{
+    F32, KEY, KernelsOff, SWITCH, Way, assert_attention_close, attention_and_grads,
+    embedding_and_grad, values,
+};
 
 /// The relative difference allowed between a WGPU loss and the CPU's at the same step, in f32:
 /// the kernels sum in other orders, and a few optimizer steps carry the differences on (7e-8 to
 /// 1e-7 measured on llvmpipe over 6 steps).
-const F32_TOLERANCE: f64 = 1e-5;
+pub(crate) const F32_TOLERANCE: f64 = 1e-5;
 /// The same for mixed precision, where the compute rounds to 8 (bf16) or 11 (f16) bits.
 const MIXED_TOLERANCE: f64 = 3e-2;
 
@@ -23,7 +27,7 @@ fn train_bin(cwd: &Path, args: &[&str]) -> Output {
 }
 
 /// Runs `train` in `cwd`, failing with its stderr when it fails.
-fn train(cwd: &Path, args: &[&str]) {
+pub(crate) fn train(cwd: &Path, args: &[&str]) {
     let out = train_bin(cwd, args);
     assert!(
         out.status.success(),
@@ -42,7 +46,7 @@ fn losses(dir: &Path) -> Vec<f64> {
 }
 
 /// A two-layer GPT on a text of its own, written into `cwd`: `train`'s arguments.
-fn small_gpt(cwd: &Path) -> Vec<String> {
+pub(crate) fn small_gpt(cwd: &Path) -> Vec<String> {
     let text: String = (0..400)
         .map(|i| format!("line {i}: the whale and the sea, the ship and the sky. "))
         .collect();
@@ -74,8 +78,19 @@ fn small_gpt(cwd: &Path) -> Vec<String> {
 /// Trains `args` from `init` on the CPU and on WGPU (one replica each, `precision`) and
 /// compares their losses step by step.
 fn cpu_and_wgpu_agree(cwd: &Path, name: &str, args: &[&str], precision: &str, tolerance: f64) {
+    cpu_and_device_agree(cwd, name, args, (precision, tolerance), "wgpu");
+}
+
+/// [`cpu_and_wgpu_agree`] on `device`'s accelerator.
+pub(crate) fn cpu_and_device_agree(
+    cwd: &Path,
+    name: &str,
+    args: &[&str],
+    (precision, tolerance): (&str, f64),
+    device: &str,
+) {
     let mut runs = Vec::new();
-    for accelerator in ["cpu", "wgpu"] {
+    for accelerator in ["cpu", device] {
         let dir = cwd.join(format!("{name}-{precision}-{accelerator}"));
         let dir_arg = dir.display().to_string();
         let mut all = vec![
@@ -118,7 +133,7 @@ fn cpu_and_wgpu_agree(cwd: &Path, name: &str, args: &[&str], precision: &str, to
         let rel = (a - b).abs() / a.abs().max(1e-12);
         assert!(
             rel <= tolerance,
-            "{name} {precision}: step {}: cpu {a} wgpu {b} (relative {rel:.2e} > {tolerance:e})",
+            "{name} {precision}: step {}: cpu {a} {device} {b} (relative {rel:.2e} > {tolerance:e})",
             step + 1
         );
     }
@@ -278,25 +293,6 @@ fn two_replicas_on_one_adapter_give_one_replicas_losses() {
     );
 }
 
-/// Held by a test while it turns the GPU kernels off and on (the switch is the process's).
-static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// The GPU kernels off while it lives, on again when it goes (a failing test included).
-struct KernelsOff;
-
-impl KernelsOff {
-    fn new() -> Self {
-        kiln_models::cube::set_enabled(false);
-        Self
-    }
-}
-
-impl Drop for KernelsOff {
-    fn drop(&mut self) {
-        kiln_models::cube::set_enabled(true);
-    }
-}
-
 /// The first WGPU adapter, on which the GPU kernels run (called with [`SWITCH`] held).
 fn wgpu_device() -> burn::prelude::Device {
     let wgpu = burn::prelude::Device::enumerate(burn::tensor::DeviceType::Wgpu)
@@ -308,47 +304,6 @@ fn wgpu_device() -> burn::prelude::Device {
         "the GPU kernels are not taken on {wgpu:?}"
     );
     wgpu
-}
-
-/// Values in [-1, 1) from a seed, the same on every device.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
-/// The embedding's lookup and its table's gradient through `upstream`, on `device`.
-fn embedding_and_grad(
-    device: &burn::prelude::Device,
-    (vocab, width): (usize, usize),
-    tokens: &[i64],
-    batch: usize,
-) -> (Vec<f32>, Vec<f32>) {
-    use burn::prelude::*;
-    let device = device.clone().autodiff();
-    let mut table = burn::nn::EmbeddingConfig::new(vocab, width).init(&device);
-    let weights = Tensor::<2>::from_data(
-        TensorData::new(values(vocab * width, 7), [vocab, width]),
-        &device,
-    );
-    table.weight = burn::module::Param::from_tensor(weights);
-    let t = tokens.len() / batch;
-    let ids = Tensor::<2, Int>::from_data(TensorData::new(tokens.to_vec(), [batch, t]), &device);
-    let y = kiln_models::cube::embedding(&table, ids);
-    let upstream = Tensor::<3>::from_data(
-        TensorData::new(values(batch * t * width, 11), [batch, t, width]),
-        &device,
-    );
-    let grads = (y.clone() * upstream).sum().backward();
-    let grad = table.weight.grad(&grads).expect("the table's gradient");
-    let floats = |d: TensorData| d.convert::<f32>().try_to_vec::<f32>().unwrap();
-    (floats(y.into_data()), floats(grad.into_data()))
 }
 
 /// The embedding's GPU kernel (its gradient summed by parts of the batch) against Burn's
@@ -373,11 +328,12 @@ fn the_embedding_kernel_gives_burns_gradient_on_wgpu() {
     let rows = batch * t;
     assert!(kiln_models::cube::parts(rows, vocab, width) > 1);
     assert!(!rows.is_multiple_of(kiln_models::cube::ROWS_PER_PART));
-    let (y, grad) = embedding_and_grad(&wgpu, (vocab, width), &tokens, batch);
+    let (y, grad) = embedding_and_grad(&wgpu, (vocab, width), &tokens, batch, F32);
     let off = KernelsOff::new();
-    let (burn_y, burn_grad) = embedding_and_grad(&wgpu, (vocab, width), &tokens, batch);
+    let (burn_y, burn_grad) = embedding_and_grad(&wgpu, (vocab, width), &tokens, batch, F32);
     drop(off);
-    let (cpu_y, cpu_grad) = embedding_and_grad(&Device::flex(), (vocab, width), &tokens, batch);
+    let (cpu_y, cpu_grad) =
+        embedding_and_grad(&Device::flex(), (vocab, width), &tokens, batch, F32);
     assert_eq!(y, burn_y, "the lookup differs from Burn's");
     assert_eq!(y, cpu_y, "the lookup differs from the CPU's");
     let scale = cpu_grad.iter().fold(0f32, |m, g| m.max(g.abs()));
@@ -593,158 +549,6 @@ fn assert_close(kernel: &Named, others: &[(&str, &Named)], decay: f64) {
     }
 }
 
-/// How [`attention_and_grads`] computes: the GPU's kernels through `fused::attention_within`
-/// (a keyed forward's dropout when given), Burn's composed ops written out here (scores, mask,
-/// softmax, the given dropout mask, the product), or the CPU's fused kernel.
-#[derive(Clone, Copy)]
-enum Way<'a> {
-    Kernels(Option<(&'a burn::nn::Dropout, Option<kiln_models::draw::Part>)>),
-    /// The kernels through the packed projection's attention (`fused::packed_within`, the
-    /// GPT's), q, k and v put side by side first (query heads as many as key/value heads).
-    Packed(Option<&'a burn::nn::Dropout>),
-    Composed(Option<kiln_models::cube::AttentionDropout>),
-    CpuFused,
-}
-
-/// The forward key of the dropout cases.
-const KEY: u64 = 0x5EED;
-
-/// Attention's output and the gradients of q, k and v through `upstream` on `device`, by
-/// `way`: q `[b, h, t, d]`, k and v `[b, kv, t, d]`, each row's first key from `starts` when
-/// given.
-fn attention_and_grads(
-    device: &burn::prelude::Device,
-    [b, h, kv, t, d]: [usize; 5],
-    starts: Option<&[i64]>,
-    way: Way<'_>,
-) -> [Vec<f32>; 4] {
-    use burn::prelude::*;
-    let device = device.clone().autodiff();
-    let tensor = |dims: [usize; 4], seed: u64| {
-        let n = dims.iter().product();
-        Tensor::<4>::from_data(TensorData::new(values(n, seed), dims), &device).require_grad()
-    };
-    let (q, k, v) = (
-        tensor([b, h, t, d], 3),
-        tensor([b, kv, t, d], 5),
-        tensor([b, kv, t, d], 9),
-    );
-    let first = |bi: usize, i: usize| starts.map_or(0, |s| s[bi * t + i] as usize);
-    let y = match way {
-        Way::Kernels(dropout) => {
-            let starts = starts
-                .map(|s| Tensor::<2, Int>::from_data(TensorData::new(s.to_vec(), [b, t]), &device));
-            assert!(
-                kiln_models::cube::attention_takes(&q, &k, &v),
-                "the kernels do not take {:?}",
-                [b, h, kv, t, d]
-            );
-            let dropout =
-                dropout.map(|(dropout, part)| kiln_models::draw::DropoutPart { dropout, part });
-            kiln_models::draw::keyed(KEY, || {
-                kiln_models::fused::attention_within(
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    starts.as_ref(),
-                    dropout,
-                )
-            })
-        }
-        Way::Packed(dropout) => {
-            assert_eq!(
-                h, kv,
-                "a packed projection has as many key/value heads as query heads"
-            );
-            let side = |x: &Tensor<4>| x.clone().swap_dims(1, 2).reshape([b, t, h * d]);
-            let qkv = Tensor::cat(vec![side(&q), side(&k), side(&v)], 2);
-            let dropout = dropout.map(kiln_models::draw::DropoutPart::whole);
-            kiln_models::draw::keyed(KEY, || {
-                kiln_models::fused::packed_within(qkv, h, None, dropout)
-            })
-            .reshape([b, t, h, d])
-            .swap_dims(1, 2)
-        }
-        Way::CpuFused => {
-            let starts = starts
-                .map(|s| Tensor::<2, Int>::from_data(TensorData::new(s.to_vec(), [b, t]), &device));
-            kiln_models::fused::attention_within(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                starts.as_ref(),
-                None,
-            )
-        }
-        Way::Composed(drop) => {
-            let repeat = |x: Tensor<4>| {
-                x.reshape([b, kv, 1, t, d])
-                    .expand([b, kv, h / kv, t, d])
-                    .reshape([b, h, t, d])
-            };
-            let scores = q
-                .clone()
-                .matmul(repeat(k.clone()).swap_dims(2, 3))
-                .mul_scalar(1.0 / (d as f64).sqrt());
-            let hidden: Vec<bool> = (0..b * t * t)
-                .map(|n| {
-                    let (bi, i, j) = (n / (t * t), n / t % t, n % t);
-                    j > i || j < first(bi, i)
-                })
-                .collect();
-            let hidden =
-                Tensor::<4, Bool>::from_data(TensorData::new(hidden, [b, 1, t, t]), &device);
-            let mut weights = burn::tensor::activation::softmax(
-                scores.mask_fill(hidden.expand([b, h, t, t]), f32::NEG_INFINITY),
-                3,
-            );
-            if let Some(drop) = drop {
-                let kept: Vec<f32> = (0..b * h * t * t)
-                    .map(|n| {
-                        let (bi, hi, i, j) = (n / (h * t * t), n / (t * t) % h, n / t % t, n % t);
-                        f32::from(u8::from(drop.keeps(bi, hi, i, j)))
-                    })
-                    .collect();
-                let kept = Tensor::<4>::from_data(TensorData::new(kept, [b, h, t, t]), &device);
-                weights = weights * kept * (1.0 / (1.0 - f64::from(drop.prob)));
-            }
-            weights.matmul(repeat(v.clone()))
-        }
-    };
-    let upstream = Tensor::<4>::from_data(
-        TensorData::new(values(b * h * t * d, 13), [b, h, t, d]),
-        &device,
-    );
-    let grads = (y.clone() * upstream).sum().backward();
-    let floats = |d: TensorData| d.convert::<f32>().try_to_vec::<f32>().unwrap();
-    let grad = |x: &Tensor<4>| floats(x.grad(&grads).expect("a gradient").into_data());
-    [floats(y.into_data()), grad(&q), grad(&k), grad(&v)]
-}
-
-/// `kernel`'s output and gradients within 1e-5 of each of `other`'s tensor's largest value.
-fn assert_attention_close(case: &str, kernel: &[Vec<f32>; 4], name: &str, other: &[Vec<f32>; 4]) {
-    for (which, (a, b)) in ["output", "dq", "dk", "dv"]
-        .iter()
-        .zip(kernel.iter().zip(other))
-    {
-        assert_eq!(
-            a.len(),
-            b.len(),
-            "{case} {which}: {} values against {name}'s {}",
-            a.len(),
-            b.len()
-        );
-        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-        assert!(scale > 0.0, "{case} {which}: all zeros");
-        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!(
-                (x - y).abs() <= 1e-5 * scale,
-                "{case}: {which} element {i}: kernel {x}, {name} {y}"
-            );
-        }
-    }
-}
-
 /// The attention kernels (forward by tiles with an online softmax, the backward recomputing
 /// the scores from each row's log-sum-exp, dropout's mask from its seed) against Burn's
 /// composed ops on the CPU and the CPU's fused kernel: the output and the gradients of q, k
@@ -786,11 +590,11 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
             "{dims:?}: {t} rows in tiles of {tile}"
         );
         let case = format!("{dims:?} starts {}", starts.is_some());
-        let kernel = attention_and_grads(&wgpu, dims, starts, Way::Kernels(None));
-        let composed = attention_and_grads(&cpu, dims, starts, Way::Composed(None));
-        assert_attention_close(&case, &kernel, "Burn's composed ops", &composed);
-        let fused = attention_and_grads(&cpu, dims, starts, Way::CpuFused);
-        assert_attention_close(&case, &kernel, "the CPU's fused kernel", &fused);
+        let kernel = attention_and_grads(&wgpu, dims, starts, Way::Kernels(None), F32);
+        let composed = attention_and_grads(&cpu, dims, starts, Way::Composed(None), F32);
+        assert_attention_close(&case, &kernel, "Burn's composed ops", &composed, 1e-5);
+        let fused = attention_and_grads(&cpu, dims, starts, Way::CpuFused, F32);
+        assert_attention_close(&case, &kernel, "the CPU's fused kernel", &fused, 1e-5);
     }
     // Dropout: the forward's first draw under KEY is the kernels' seed.
     let dropout = burn::nn::DropoutConfig::new(0.25).init();
@@ -819,16 +623,23 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
             heads: part.map_or(heads, |p| p.of * heads),
         };
         let case = format!("{dims:?} with dropout, part {part:?}");
-        let kernel = attention_and_grads(&wgpu, dims, starts, Way::Kernels(Some((&dropout, part))));
-        let composed = attention_and_grads(&cpu, dims, starts, Way::Composed(Some(drop)));
+        let kernel = attention_and_grads(
+            &wgpu,
+            dims,
+            starts,
+            Way::Kernels(Some((&dropout, part))),
+            F32,
+        );
+        let composed = attention_and_grads(&cpu, dims, starts, Way::Composed(Some(drop)), F32);
         assert_attention_close(
             &case,
             &kernel,
             "Burn's composed ops with the mask",
             &composed,
+            1e-5,
         );
         // The dropout is live: without it the output differs.
-        let plain = attention_and_grads(&cpu, dims, starts, Way::Composed(None));
+        let plain = attention_and_grads(&cpu, dims, starts, Way::Composed(None), F32);
         assert!(
             kernel[0]
                 .iter()
@@ -848,12 +659,13 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
         first_head: 0,
         heads: 3,
     };
-    let kernel = attention_and_grads(&wgpu, dims, None, Way::Packed(Some(&dropout)));
-    let composed = attention_and_grads(&cpu, dims, None, Way::Composed(Some(drop)));
+    let kernel = attention_and_grads(&wgpu, dims, None, Way::Packed(Some(&dropout)), F32);
+    let composed = attention_and_grads(&cpu, dims, None, Way::Composed(Some(drop)), F32);
     assert_attention_close(
         "packed with dropout",
         &kernel,
         "Burn's composed ops with the mask",
         &composed,
+        1e-5,
     );
 }

@@ -8,6 +8,8 @@
 //! [`ROWS_PER_PART`]: one thread per column of each part adds its part's rows into a table of
 //! its own (no two threads write one place), and the parts' tables are then summed, so that
 //! the work spreads over parts × columns threads and the result does not depend on timing.
+//! The parts' tables and their sum are f32 whatever the gradient's float type (bf16 and f16
+//! are added up in f32 and rounded once), as an f32 table's gradient would be.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -16,7 +18,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_extension};
-use burn::tensor::Shape;
+use burn::tensor::{DType, Shape};
 use burn_backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
@@ -55,17 +57,17 @@ pub trait CubeEmbeddingOps: Backend {
 }
 
 /// One thread per column `c` of part `p`: adds rows `p·chunk ..` of `grad` (`[N, C]`) into
-/// the part's table `partial[p]` (`[V, C]`) at the rows their tokens name. Tokens outside the
-/// table are left out (Burn's lookup refuses them in the forward).
+/// the part's table `partial[p]` (`[V, C]`, in `F`, f32) at the rows their tokens name.
+/// Tokens outside the table are left out (Burn's lookup refuses them in the forward).
 #[cube(launch)]
-fn embedding_grad_kernel<F: Numeric, I: Numeric>(
-    grad: &Tensor<F>,
+fn embedding_grad_kernel<E: Float, F: Float, I: Numeric>(
+    grad: &Tensor<E>,
     indices: &Tensor<I>,
     partial: &mut Tensor<F>,
     rows: u32,
     chunk: u32,
     vocab: u32,
-    #[define(F, I)] _dtypes: [ElemType; 2],
+    #[define(E, F, I)] _dtypes: [ElemType; 3],
 ) {
     let width = grad.shape(1);
     let c = ABSOLUTE_POS_X as usize;
@@ -86,7 +88,7 @@ fn embedding_grad_kernel<F: Numeric, I: Numeric>(
         let v = u32::cast_from(indices[n]) as usize;
         if v < vocab {
             let at = table + v * width + c;
-            partial[at] += grad[n * width + c];
+            partial[at] += F::cast_from(grad[n * width + c]);
         }
     }
 }
@@ -117,7 +119,7 @@ impl CubeEmbeddingOps for CubeBackend {
             client.clone(),
             device,
             Shape::new([parts, vocab, width]),
-            dtype,
+            DType::F32,
         );
         let threads = (width as u32).clamp(1, 256);
         let cube_count = CubeCount::Static((width as u32).div_ceil(threads), parts as u32, 1);
@@ -134,18 +136,22 @@ impl CubeEmbeddingOps for CubeBackend {
             vocab as u32,
             [
                 dtype_to_storage_type(dtype),
+                dtype_to_storage_type(DType::F32),
                 dtype_to_storage_type(index_dtype),
             ],
         );
+        type Ops = CubeBackend;
         // One part's table is the gradient as it is.
         let summed = match parts {
             1 => partial,
-            _ => <CubeBackend as FloatTensorOps<CubeBackend>>::float_sum_dim(partial, 0),
+            _ => <Ops as FloatTensorOps<Ops>>::float_sum_dim(partial, 0),
         };
-        <CubeBackend as FloatTensorOps<CubeBackend>>::float_reshape(
-            summed,
-            Shape::new([vocab, width]),
-        )
+        let summed =
+            <Ops as FloatTensorOps<Ops>>::float_reshape(summed, Shape::new([vocab, width]));
+        match dtype {
+            DType::F32 => summed,
+            low => <Ops as FloatTensorOps<Ops>>::float_cast(summed, low.into()),
+        }
     }
 }
 

@@ -1,6 +1,8 @@
 //! The models' GPU kernels: CubeCL kernels behind Burn backend extensions, for the CubeCL
-//! devices (CUDA, WGPU, …) with or without autodiff, in f32. Elsewhere — the CPU, another
-//! dtype, or with [`set_enabled`]`(false)` — each function runs the Burn ops it replaces.
+//! devices (CUDA, WGPU, CubeCL's CPU runtime, …) with or without autodiff. The embedding's and
+//! attention's take f32, bf16 and f16 tensors and compute in f32 (`bf16-mixed` runs them);
+//! AdamW's steps f32 master weights. Elsewhere — Burn's Flex CPU, another dtype, or with
+//! [`set_enabled`]`(false)` — each function runs the Burn ops it replaces.
 //!
 //! - [`embedding`]: the lookup whose backward sums the table's gradient by parts of the batch
 //!   (`embedding.rs`) where Burn's walks every token in one thread per column.
@@ -11,7 +13,9 @@
 //!   the scores, their mask, softmax and products.
 //!
 //! Each kernel equals the Burn ops it replaces within 1e-5 relative (forward and gradient) on
-//! WGPU with the software adapter (the integration tests' `wgpu` module).
+//! WGPU with the software adapter (the integration tests' `wgpu` module); in bf16 and f16,
+//! which that adapter cannot compute in, on CubeCL's CPU runtime (`cube_cpu`, the `cube-cpu`
+//! feature).
 
 mod adamw;
 mod attention;
@@ -51,9 +55,16 @@ fn on_cube(device: &Device) -> bool {
     }
 }
 
-/// Whether the GPU kernels take tensors of this dtype on this device.
+/// Whether the embedding's and attention's GPU kernels take tensors of this dtype on this
+/// device: f32, bf16 or f16 on a CubeCL device, the kernels on.
 pub fn kernels_here(dtype: DType, device: &Device) -> bool {
-    enabled() && dtype == DType::F32 && on_cube(device)
+    enabled() && matches!(dtype, DType::F32 | DType::BF16 | DType::F16) && on_cube(device)
+}
+
+/// Whether [`adamw`] steps a shard of this dtype on this device: f32 (the master weights of
+/// every precision but the `-true` ones) where [`kernels_here`].
+pub fn adamw_here(dtype: DType, device: &Device) -> bool {
+    dtype == DType::F32 && kernels_here(dtype, device)
 }
 
 /// `table`'s rows for `tokens` (`[B, T]` → `[B, T, C]`), as [`Embedding::forward`]; on a
@@ -74,7 +85,7 @@ pub fn embedding(table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
 /// (zeros before the first step) and `decay` (true where an element decays by
 /// `step.decay_factor`; `None`: none does). `guard`: the step decided on the device, as
 /// `(guard, table)` ([`CubeAdamWOps::kiln_adamw`]); `None`: taken, corrected by `step`'s
-/// numbers. The caller checks [`kernels_here`].
+/// numbers. The caller checks [`adamw_here`].
 pub fn adamw(
     params: Tensor<1>,
     grads: Tensor<1>,
@@ -111,7 +122,8 @@ pub fn adamw(
     )
 }
 
-/// Whether [`attention`] runs the kernels for these tensors: f32 on a CubeCL device, q
+/// Whether [`attention`] runs the kernels for these tensors: one float type of
+/// [`kernels_here`]'s on a CubeCL device, q
 /// `[B, H, T, D]`, k and v `[B, KV, T, D]` with `H` a multiple of `KV`, heads of
 /// [`MOST_HEAD_WIDTH`] floats at most.
 pub fn attention_takes(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) -> bool {

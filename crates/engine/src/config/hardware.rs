@@ -24,6 +24,11 @@ pub enum Accelerator {
     Wgpu,
     /// CUDA GPUs (needs the `cuda` feature).
     Cuda,
+    /// CubeCL's CPU runtime (needs the `cube-cpu` feature): the GPU path — kiln's GPU kernels,
+    /// Burn's fusion, the device's memory pool — compiled for the host through LLVM, in every
+    /// float type (WGPU's software adapter computes in neither bf16 nor f16). For trying a GPU
+    /// recipe without a GPU; slow. N devices are N replicas of the one runtime.
+    CubeCpu,
 }
 
 /// Number of devices, or an explicit list of device indices.

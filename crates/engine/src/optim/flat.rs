@@ -175,7 +175,7 @@ impl FlatOptimizer {
         matches!(self.rule, Rule::Adamw { .. })
             && self.dtype == FloatDType::F32
             && (fused::here(self.dtype, &self.device)
-                || kiln_models::cube::kernels_here(self.dtype.into(), &self.device))
+                || kiln_models::cube::adamw_here(self.dtype.into(), &self.device))
     }
 
     /// [`Self::step`] where whether the step is taken is decided on the device: `taken` (`[1]`,
@@ -238,7 +238,7 @@ impl FlatOptimizer {
                     *state = Some(Box::new(next));
                     return out;
                 }
-                if kiln_models::cube::kernels_here(params.dtype(), &self.device) {
+                if kiln_models::cube::adamw_here(params.dtype(), &self.device) {
                     let decay = self.decay.clone().filter(|_| decay_rate != 0.0);
                     let before = state.take().map(|s| *s);
                     let (out, next) = cube_step(

@@ -61,6 +61,7 @@ pub fn resolve_devices(hw: &HardwareConfig) -> Result<Chosen> {
         ),
         Accelerator::Wgpu => (wgpu_devices(&indices)?, "wgpu".to_string()),
         Accelerator::Cuda => (cuda_devices(&indices)?, "cuda".to_string()),
+        Accelerator::CubeCpu => (cube_cpu_devices(&indices)?, "cube-cpu".to_string()),
         Accelerator::Auto => unreachable!("auto was resolved above"),
     };
     Ok(Chosen { devices, name, why })
@@ -189,6 +190,30 @@ fn cuda_devices(_indices: &[usize]) -> Result<Vec<Device>> {
     Err(Error::Device(
         "hardware.accelerator = \"cuda\" needs kiln built with the `cuda` feature \
          (cargo xtask setup-cuda, then cargo build --release --features cuda --bin train)"
+            .into(),
+    ))
+}
+
+/// CubeCL's CPU device once per index (its runtime has one device, as Flex).
+#[cfg(feature = "cube-cpu")]
+fn cube_cpu_devices(indices: &[usize]) -> Result<Vec<Device>> {
+    let device = crate::panics::probe(|| Device::enumerate(DeviceType::Cpu).into_iter().next())
+        .ok()
+        .flatten()
+        .ok_or_else(|| {
+            Error::Device(
+                "hardware.accelerator = \"cube-cpu\": CubeCL's CPU runtime gave no device".into(),
+            )
+        })?;
+    Ok(indices.iter().map(|_| device.clone()).collect())
+}
+
+#[cfg(not(feature = "cube-cpu"))]
+fn cube_cpu_devices(_indices: &[usize]) -> Result<Vec<Device>> {
+    Err(Error::Device(
+        "hardware.accelerator = \"cube-cpu\" needs kiln built with the `cube-cpu` feature \
+         (cargo xtask setup-cuda for its LLVM, then cargo build --release --features cube-cpu \
+         --bin train)"
             .into(),
     ))
 }
@@ -417,6 +442,7 @@ mod tests {
             Accelerator::Cuda => assert!(cuda_cards().is_ok() && cfg!(feature = "cuda")),
             Accelerator::Wgpu => assert!(wgpu_adapters().iter().any(|a| a.hardware), "{why}"),
             Accelerator::Cpu => assert!(!wgpu_adapters().iter().any(|a| a.hardware), "{why}"),
+            Accelerator::CubeCpu => panic!("auto never picks CubeCL's CPU runtime"),
             Accelerator::Auto => panic!("auto resolves to a device kind"),
         }
     }

@@ -66,11 +66,12 @@ fn first_key<I: Numeric>(
     first
 }
 
-/// Rows `row0 ..` of a `[t, d]` slab at `base` into `tile` (`rows × d`), zeros past `t`; every
-/// unit of the cube takes part, consecutive units consecutive floats.
+/// Rows `row0 ..` of a `[t, d]` slab at `base` into `tile` (`rows × d`, in the arithmetic's
+/// float type), zeros past `t`; every unit of the cube takes part, consecutive units
+/// consecutive floats.
 #[cube]
-fn load_tile<F: Float>(
-    from: &Tensor<F>,
+fn load_tile<E: Float, F: Float>(
+    from: &Tensor<E>,
     base: usize,
     row0: usize,
     t: usize,
@@ -84,7 +85,7 @@ fn load_tile<F: Float>(
         let row = row0 + idx / d;
         let mut x = F::new(0.0);
         if row < t {
-            x = from[base + row * d + idx % d] * scale;
+            x = F::cast_from(from[base + row * d + idx % d]) * scale;
         }
         tile[idx] = x;
         idx += rows;
@@ -95,12 +96,12 @@ fn load_tile<F: Float>(
 /// the keys `first ..= i`, loaded a tile at a time.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn forward_kernel<F: Float, I: Numeric>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
     starts: &Tensor<I>,
-    out: &mut Tensor<F>,
+    out: &mut Tensor<E>,
     lse: &mut Tensor<F>,
     scale: f32,
     drop: DropArgs,
@@ -108,7 +109,7 @@ pub(super) fn forward_kernel<F: Float, I: Numeric>(
     #[comptime] rows: usize,
     #[comptime] within: bool,
     #[comptime] dropping: bool,
-    #[define(F, I)] _dtypes: [ElemType; 2],
+    #[define(E, F, I)] _dtypes: [ElemType; 3],
 ) {
     let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
     let (b, h) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
@@ -125,7 +126,7 @@ pub(super) fn forward_kernel<F: Float, I: Numeric>(
     for c in 0..d {
         let mut x = F::new(0.0);
         if live {
-            x = q[row_at * d + c] * scale;
+            x = F::cast_from(q[row_at * d + c]) * scale;
         }
         qr[c] = x;
         acc[c] = F::new(0.0);
@@ -148,8 +149,8 @@ pub(super) fn forward_kernel<F: Float, I: Numeric>(
     let tiles = last.div_ceil(rows);
     for kt in 0..tiles {
         let key0 = kt * rows;
-        load_tile::<F>(k, kv_base, key0, t, F::new(1.0), &mut ks, rows, d);
-        load_tile::<F>(v, kv_base, key0, t, F::new(1.0), &mut vs, rows, d);
+        load_tile::<E, F>(k, kv_base, key0, t, F::new(1.0), &mut ks, rows, d);
+        load_tile::<E, F>(v, kv_base, key0, t, F::new(1.0), &mut vs, rows, d);
         sync_cube();
         if live {
             let mut j = key0;
@@ -196,7 +197,7 @@ pub(super) fn forward_kernel<F: Float, I: Numeric>(
         let inv = F::new(1.0) / l;
         #[unroll]
         for c in 0..d {
-            out[row_at * d + c] = acc[c] * inv;
+            out[row_at * d + c] = E::cast_from(acc[c] * inv);
         }
         lse[row_at] = m + l.ln();
     }
@@ -204,25 +205,26 @@ pub(super) fn forward_kernel<F: Float, I: Numeric>(
 
 /// A cube per (query tile, head, batch row), a unit per query row:
 /// `dq_i = scale · Σ_j p_ij (dout_i·v_j − δ_i) k_j`, `p_ij = exp(scale·q_i·k_j − lse_i)`,
-/// `δ_i = dout_i·out_i`.
+/// `δ_i = dout_i·out_i`, which it writes to `delta` for [`dkv_kernel`].
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn dq_kernel<F: Float, I: Numeric>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    dout: &Tensor<F>,
+pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &Tensor<E>,
+    dout: &Tensor<E>,
     lse: &Tensor<F>,
-    delta: &Tensor<F>,
+    delta: &mut Tensor<F>,
     starts: &Tensor<I>,
-    dq: &mut Tensor<F>,
+    dq: &mut Tensor<E>,
     scale: f32,
     drop: DropArgs,
     #[comptime] d: usize,
     #[comptime] rows: usize,
     #[comptime] within: bool,
     #[comptime] dropping: bool,
-    #[define(F, I)] _dtypes: [ElemType; 2],
+    #[define(E, F, I)] _dtypes: [ElemType; 3],
 ) {
     let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
     let (b, h) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
@@ -240,19 +242,22 @@ pub(super) fn dq_kernel<F: Float, I: Numeric>(
     let mut di = F::new(0.0);
     if live {
         li = lse[row_at];
-        di = delta[row_at];
     }
     #[unroll]
     for c in 0..d {
         let mut x = F::new(0.0);
         let mut g = F::new(0.0);
         if live {
-            x = q[row_at * d + c] * scale;
-            g = dout[row_at * d + c];
+            x = F::cast_from(q[row_at * d + c]) * scale;
+            g = F::cast_from(dout[row_at * d + c]);
+            di += g * F::cast_from(out[row_at * d + c]);
         }
         qr[c] = x;
         gr[c] = g;
         acc[c] = F::new(0.0);
+    }
+    if live {
+        delta[row_at] = di;
     }
     let first = first_key::<I>(starts, b * t + i, live, within);
     let inv_keep = F::cast_from(drop.inv_keep);
@@ -269,8 +274,8 @@ pub(super) fn dq_kernel<F: Float, I: Numeric>(
     let tiles = last.div_ceil(rows);
     for kt in 0..tiles {
         let key0 = kt * rows;
-        load_tile::<F>(k, kv_base, key0, t, F::new(1.0), &mut ks, rows, d);
-        load_tile::<F>(v, kv_base, key0, t, F::new(1.0), &mut vs, rows, d);
+        load_tile::<E, F>(k, kv_base, key0, t, F::new(1.0), &mut ks, rows, d);
+        load_tile::<E, F>(v, kv_base, key0, t, F::new(1.0), &mut vs, rows, d);
         sync_cube();
         if live {
             let mut j = key0;
@@ -306,7 +311,7 @@ pub(super) fn dq_kernel<F: Float, I: Numeric>(
     if live {
         #[unroll]
         for c in 0..d {
-            dq[row_at * d + c] = acc[c] * scale;
+            dq[row_at * d + c] = E::cast_from(acc[c] * scale);
         }
     }
 }
@@ -316,23 +321,23 @@ pub(super) fn dq_kernel<F: Float, I: Numeric>(
 /// `dv_j = Σ p_ij dout_i`, `dk_j = scale · Σ p_ij (dout_i·v_j − δ_i) q_i`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn dkv_kernel<F: Float, I: Numeric>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    dout: &Tensor<F>,
+pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    dout: &Tensor<E>,
     lse: &Tensor<F>,
     delta: &Tensor<F>,
     starts: &Tensor<I>,
-    dk: &mut Tensor<F>,
-    dv: &mut Tensor<F>,
+    dk: &mut Tensor<E>,
+    dv: &mut Tensor<E>,
     scale: f32,
     drop: DropArgs,
     #[comptime] d: usize,
     #[comptime] rows: usize,
     #[comptime] within: bool,
     #[comptime] dropping: bool,
-    #[define(F, I)] _dtypes: [ElemType; 2],
+    #[define(E, F, I)] _dtypes: [ElemType; 3],
 ) {
     let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
     let group = heads / kv_heads;
@@ -351,8 +356,8 @@ pub(super) fn dkv_kernel<F: Float, I: Numeric>(
         let mut x = F::new(0.0);
         let mut y = F::new(0.0);
         if live {
-            x = k[key_at * d + c];
-            y = v[key_at * d + c];
+            x = F::cast_from(k[key_at * d + c]);
+            y = F::cast_from(v[key_at * d + c]);
         }
         kr[c] = x;
         vr[c] = y;
@@ -374,8 +379,8 @@ pub(super) fn dkv_kernel<F: Float, I: Numeric>(
         // The query tiles from this cube's first key on: earlier rows see none of its keys.
         for qt in CUBE_POS_X as usize..tiles {
             let q0 = qt * rows;
-            load_tile::<F>(q, head_rows * d, q0, t, scale, &mut qs, rows, d);
-            load_tile::<F>(dout, head_rows * d, q0, t, F::new(1.0), &mut gs, rows, d);
+            load_tile::<E, F>(q, head_rows * d, q0, t, scale, &mut qs, rows, d);
+            load_tile::<E, F>(dout, head_rows * d, q0, t, F::new(1.0), &mut gs, rows, d);
             sync_cube();
             if live {
                 let mut i = q0;
@@ -427,8 +432,8 @@ pub(super) fn dkv_kernel<F: Float, I: Numeric>(
     if live {
         #[unroll]
         for c in 0..d {
-            dk[key_at * d + c] = gk[c];
-            dv[key_at * d + c] = gv[c];
+            dk[key_at * d + c] = E::cast_from(gk[c]);
+            dv[key_at * d + c] = E::cast_from(gv[c]);
         }
     }
 }

@@ -18,17 +18,20 @@
 //!
 //! Query heads may be a multiple of the key/value heads (grouped-query attention): a query head
 //! `h` reads key head `h / (H / KV)`, nothing repeated in memory. `starts` restricts each row to
-//! its packed document, as the CPU's kernel does. Each unit computes in its tensors' float type.
+//! its packed document, as the CPU's kernel does.
+//!
+//! The tensors may be f32, bf16 or f16; the units compute in f32 whatever they hold (the tiles
+//! in shared memory, the running sums, each row's log-sum-exp and `δ` are f32), so that under
+//! `bf16-mixed` the softmax is as exact as in f32 and only the loads and stores are 16-bit.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::fusion::custom::TensorSpec;
-use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_extension};
-use burn::tensor::Shape;
+use burn::tensor::{DType, Shape};
 use burn_backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
@@ -49,6 +52,12 @@ pub const MOST_HEAD_WIDTH: usize = 256;
 /// (WebGPU's least workgroup storage).
 pub fn tile_rows(width: usize) -> usize {
     (2048 / width.max(1)).clamp(8, 64)
+}
+
+/// [`tile_rows`] on a device whose cubes hold at most `most_units` units (CubeCL's CPU runtime
+/// runs a cube's units as threads that spin at each barrier, as many as the host's cores).
+fn rows_on(width: usize, most_units: u32) -> usize {
+    tile_rows(width).min(most_units as usize).max(1)
 }
 
 /// Dropout on the attention weights, drawn by the kernels themselves: whether the weight of
@@ -115,14 +124,14 @@ impl AttentionDropout {
 /// Causal attention on a CubeCL device.
 #[backend_extension(Cube, Fusion, Autodiff)]
 pub trait CubeAttentionOps: Backend {
-    /// The output (`[B, H, T, D]`) and each row's log-sum-exp of its scaled scores
-    /// (`[B, H, T]`) of causal attention of `q` (`[B, H, T, D]`) over `k` and `v`
+    /// The output (`[B, H, T, D]`, `q`'s dtype) and each row's log-sum-exp of its scaled
+    /// scores (`[B, H, T]`, f32) of causal attention of `q` (`[B, H, T, D]`) over `k` and `v`
     /// (`[B, KV, T, D]`, `H` a multiple of `KV`), scaled by `scale`, the weights through
     /// `drop`; `starts`: each row's first key (`[B, T]`), or empty (every row from 0). Not
     /// differentiated.
     #[fusion(meta = |q, _k, _v, _starts, _scale, _drop| (
         q.clone(),
-        TensorSpec::new(Shape::new([q.shape[0], q.shape[1], q.shape[2]]), q.dtype),
+        TensorSpec::new(Shape::new([q.shape[0], q.shape[1], q.shape[2]]), DType::F32),
     ))]
     fn kiln_attention_forward(
         q: FloatTensor<Self>,
@@ -215,8 +224,8 @@ impl CubeAttentionOps for CubeBackend {
         let (starts, within) = starts_arg(starts, &q);
         let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
         let out = empty_device_dtype(client.clone(), device.clone(), q.shape(), dtype);
-        let lse = empty_device_dtype(client.clone(), device, Shape::new([b, h, t]), dtype);
-        let rows = tile_rows(d);
+        let lse = empty_device_dtype(client.clone(), device, Shape::new([b, h, t]), DType::F32);
+        let rows = rows_on(d, client.properties().hardware.max_units_per_cube);
         let index_dtype = starts.dtype;
         forward_kernel::launch(
             &client,
@@ -236,6 +245,7 @@ impl CubeAttentionOps for CubeBackend {
             drop.prob > 0.0,
             [
                 dtype_to_storage_type(dtype),
+                dtype_to_storage_type(DType::F32),
                 dtype_to_storage_type(index_dtype),
             ],
         );
@@ -253,22 +263,24 @@ impl CubeAttentionOps for CubeBackend {
         scale: f32,
         drop: AttentionDropout,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
-        type Ops = CubeBackend;
-        let [q, k, v, dout, lse] = [q, k, v, dout, lse].map(into_contiguous);
+        let [q, k, v, out, dout, lse] = [q, k, v, out, dout, lse].map(into_contiguous);
         let [b, h, kv, t, d] = dims(&q, &k, &v);
-        // δ_i = dout_i · out_i, a float per row.
-        let delta = <Ops as FloatTensorOps<Ops>>::float_sum_dim(
-            <Ops as FloatTensorOps<Ops>>::float_mul(dout.clone(), out),
-            3,
-        );
-        let delta = into_contiguous(delta);
         let (starts, within) = starts_arg(starts, &q);
         let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
-        let empty = |shape: Shape| empty_device_dtype(client.clone(), device.clone(), shape, dtype);
-        let (dq, dk, dv) = (empty(q.shape()), empty(k.shape()), empty(k.shape()));
-        let rows = tile_rows(d);
+        let empty =
+            |shape: Shape, dtype| empty_device_dtype(client.clone(), device.clone(), shape, dtype);
+        let (dq, dk, dv) = (
+            empty(q.shape(), dtype),
+            empty(k.shape(), dtype),
+            empty(k.shape(), dtype),
+        );
+        // δ_i = dout_i · out_i, a float per row: the dq kernel computes it and writes it here
+        // for the dk/dv kernel, which runs after it.
+        let delta = empty(Shape::new([b, h, t]), DType::F32);
+        let rows = rows_on(d, client.properties().hardware.max_units_per_cube);
         let dtypes = [
             dtype_to_storage_type(dtype),
+            dtype_to_storage_type(DType::F32),
             dtype_to_storage_type(starts.dtype),
         ];
         dq_kernel::launch(
@@ -278,6 +290,7 @@ impl CubeAttentionOps for CubeBackend {
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
             v.clone().into_tensor_arg(),
+            out.into_tensor_arg(),
             dout.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
@@ -449,6 +462,9 @@ mod tests {
             );
         }
         assert_eq!(tile_rows(64), 32);
+        assert_eq!(rows_on(64, 1024), 32);
+        assert_eq!(rows_on(64, 2), 2);
+        assert_eq!(rows_on(64, 0), 1);
         assert_eq!(tile_rows(128), 16);
     }
 }

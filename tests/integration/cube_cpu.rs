@@ -1,0 +1,177 @@
+//! The GPU kernels in bf16 and f16, on CubeCL's CPU runtime (the `cube-cpu` feature: Burn's
+//! `cpu` backend, kernels compiled through LLVM for the host). WGPU's software adapter computes
+//! in neither 16-bit type, so this is where the kernels that `bf16-mixed` runs on a GPU are
+//! shown: their tensors in the low type, their arithmetic in f32 — within a rounding of the low
+//! type of the same computation in f32 on the same (rounded) inputs.
+
+use burn::tensor::DType;
+
+use crate::kernels::{
+    F32, Floats, SWITCH, Way, assert_attention_close, attention_and_grads, embedding_and_grad,
+};
+
+/// The relative difference allowed between the GPT's `bf16-mixed` losses here and on the CPU:
+/// both round the same ops' outputs to bf16, but in other orders and, in attention and the
+/// embedding's gradient, not at all here (4.9e-5 measured over 12 steps; the CPU's own
+/// `bf16-mixed` is 5.8e-5 from its f32).
+const BF16_TOLERANCE: f64 = 1e-3;
+
+/// CubeCL's CPU device (called with [`SWITCH`] held).
+fn cube_cpu() -> burn::prelude::Device {
+    let device = burn::prelude::Device::enumerate(burn::tensor::DeviceType::Cpu)
+        .into_iter()
+        .next()
+        .expect("CubeCL's CPU device");
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        assert!(
+            kiln_models::cube::kernels_here(dtype, &device),
+            "the GPU kernels do not take {dtype:?} on {device:?}"
+        );
+    }
+    device
+}
+
+/// The low types and the bound on a kernel's error in each, relative to a tensor's largest
+/// value: one unit in the last place (8 bits of bf16's mantissa, 11 of f16's). A result
+/// computed in f32 and rounded once is within half of it; arithmetic in the low type is not.
+const LOW: [(DType, f32); 2] = [(DType::BF16, 1.0 / 256.0), (DType::F16, 1.0 / 1024.0)];
+
+/// The inputs rounded to `low`, held in `low` (the kernels' tensors).
+fn held_in(low: DType) -> Floats {
+    Floats {
+        round: low,
+        compute: low,
+    }
+}
+
+/// The inputs rounded to `low`, computed in f32 (the reference).
+fn rounded_to(low: DType) -> Floats {
+    Floats {
+        round: low,
+        compute: DType::F32,
+    }
+}
+
+/// The attention kernels with q, k, v and the output's gradient in bf16 and in f16 against
+/// Burn's composed ops in f32 on the CPU given the same rounded values: the output and the
+/// gradients of q, k and v within one unit in the low type's last place of each tensor's
+/// largest value; in f32 on this runtime within 1e-5 as on WGPU. The cases: a time that is no
+/// whole number of tiles, grouped-query heads, rows within packed documents, a head of 64, and
+/// dropout on the weights (the composed ops given the kernels' mask).
+#[test]
+fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
+    use kiln_models::cube::AttentionDropout;
+    use kiln_models::draw::{DropoutPart, kernel_draw, keyed};
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let cube = cube_cpu();
+    let cpu = burn::prelude::Device::flex();
+    // Two documents in the first row (from 0 and from 20), three in the second. Odd times:
+    // a cube here holds as many rows as the host has cores.
+    let packed: Vec<i64> = (0..69)
+        .map(|i| if i < 20 { 0 } else { 20 })
+        .chain((0..69).map(|i| [0, 9, 41][usize::from(i >= 9) + usize::from(i >= 41)]))
+        .collect();
+    let cases: [([usize; 5], Option<&[i64]>); 3] = [
+        ([2, 4, 2, 69, 24], None),
+        ([2, 4, 2, 69, 24], Some(&packed)),
+        ([1, 2, 1, 45, 64], None),
+    ];
+    for (dims, starts) in cases {
+        let case = format!("{dims:?} starts {}", starts.is_some());
+        let f32_kernel = attention_and_grads(&cube, dims, starts, Way::Kernels(None), F32);
+        let f32_composed = attention_and_grads(&cpu, dims, starts, Way::Composed(None), F32);
+        let name = "Burn's composed ops in f32";
+        assert_attention_close(&case, &f32_kernel, name, &f32_composed, 1e-5);
+        for (low, ulp) in LOW {
+            let kernel = attention_and_grads(&cube, dims, starts, Way::Kernels(None), held_in(low));
+            let composed =
+                attention_and_grads(&cpu, dims, starts, Way::Composed(None), rounded_to(low));
+            let case = format!("{case} in {low:?}");
+            assert_attention_close(&case, &kernel, name, &composed, ulp);
+        }
+    }
+    // Dropout: the forward's first draw under KEY is the kernels' seed.
+    let dropout = burn::nn::DropoutConfig::new(0.25).init();
+    let seed = keyed(crate::kernels::KEY, || {
+        kernel_draw(DropoutPart::whole(&dropout))
+    })
+    .expect("a keyed forward's draw")
+    .seed;
+    let (dims, heads) = ([2, 4, 2, 69, 24], 4);
+    let drop = AttentionDropout {
+        seed,
+        prob: 0.25,
+        first_head: 0,
+        heads,
+    };
+    for (low, ulp) in LOW {
+        let way = Way::Kernels(Some((&dropout, None)));
+        let kernel = attention_and_grads(&cube, dims, Some(&packed), way, held_in(low));
+        let way = Way::Composed(Some(drop));
+        let composed = attention_and_grads(&cpu, dims, Some(&packed), way, rounded_to(low));
+        let name = "Burn's composed ops in f32 with the mask";
+        assert_attention_close(
+            &format!("dropout in {low:?}"),
+            &kernel,
+            name,
+            &composed,
+            ulp,
+        );
+    }
+}
+
+/// The embedding's kernel with the table and the output's gradient in bf16 and in f16 against
+/// Burn's embedding in f32 on the CPU given the same rounded values: the lookup the same, the
+/// table's gradient — the sum of 247 rows for the token that repeats — within one unit in the
+/// low type's last place of its largest value (the parts add in f32 and round once).
+#[test]
+fn the_embedding_kernel_in_bf16_and_f16_is_within_a_rounding_of_f32() {
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let cube = cube_cpu();
+    let cpu = burn::prelude::Device::flex();
+    let (vocab, width, batch, t) = (37, 24, 3, 411);
+    let tokens: Vec<i64> = (0..batch * t)
+        .map(|i| if i % 5 == 0 { 0 } else { (i * 7 % 31) as i64 })
+        .collect();
+    assert!(kiln_models::cube::parts(batch * t, vocab, width) > 1);
+    for (low, ulp) in LOW {
+        let (y, grad) = embedding_and_grad(&cube, (vocab, width), &tokens, batch, held_in(low));
+        let (ref_y, ref_grad) =
+            embedding_and_grad(&cpu, (vocab, width), &tokens, batch, rounded_to(low));
+        assert_eq!(y, ref_y, "{low:?}: the lookup differs from the CPU's");
+        let scale = ref_grad.iter().fold(0f32, |m, g| m.max(g.abs()));
+        for (i, (a, b)) in grad.iter().zip(&ref_grad).enumerate() {
+            assert!(
+                (a - b).abs() <= ulp * scale,
+                "{low:?}: gradient element {i} (row {}): kernel {a}, the CPU's in f32 {b}",
+                i / width
+            );
+        }
+        assert!(grad[31 * width..].iter().all(|g| *g == 0.0));
+    }
+}
+
+/// The small GPT of the WGPU tests on `--accelerator cube-cpu`, from the CPU's weights, for 12
+/// steps: in f32 the CPU's losses within 1e-5 (Burn's fused ops and kiln's kernels on this
+/// runtime), and in `bf16-mixed` — which no software adapter runs — within 1e-3 of the CPU's
+/// `bf16-mixed` losses (4.9e-5 measured), through the kernels in bf16 (the embedding's
+/// gradient and attention; AdamW's on the f32 master weights).
+#[test]
+fn the_gpt_on_cubecl_cpu_gives_the_cpus_losses_in_f32_and_bf16_mixed() {
+    use crate::wgpu::{F32_TOLERANCE, cpu_and_device_agree, small_gpt, train};
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let cwd = crate::common::temp_dir("cube-cpu");
+    let gpt = small_gpt(&cwd);
+    let gpt: Vec<&str> = gpt.iter().map(String::as_str).collect();
+    let init = cwd.join("gpt-init");
+    let init_arg = init.display().to_string();
+    let mut first = vec!["--max-steps", "1", "--run-dir", &init_arg];
+    first.extend(&gpt);
+    train(&cwd, &first);
+    let from = format!("init.from={:?}", init.display().to_string());
+    let mut steps = vec!["--max-steps", "12", "--set", &from];
+    steps.extend(&gpt);
+    for (precision, tolerance) in [("32", F32_TOLERANCE), ("bf16-mixed", BF16_TOLERANCE)] {
+        cpu_and_device_agree(&cwd, "gpt", &steps, (precision, tolerance), "cube-cpu");
+    }
+}

@@ -1,0 +1,240 @@
+//! What the GPU kernels' tests share, on WGPU (`wgpu`) and on CubeCL's CPU runtime
+//! (`cube_cpu`): the switch that turns the kernels off, inputs from a seed, and the embedding
+//! and attention computed by the kernels or by Burn's ops, in a float type of the test's.
+
+use burn::prelude::*;
+use burn::tensor::{DType, FloatDType};
+
+/// Held by a test while it turns the GPU kernels off and on (the switch is the process's).
+pub(crate) static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The GPU kernels off while it lives, on again when it goes (a failing test included).
+pub(crate) struct KernelsOff;
+
+impl KernelsOff {
+    pub(crate) fn new() -> Self {
+        kiln_models::cube::set_enabled(false);
+        Self
+    }
+}
+
+impl Drop for KernelsOff {
+    fn drop(&mut self) {
+        kiln_models::cube::set_enabled(true);
+    }
+}
+
+/// Values in [-1, 1) from a seed, the same on every device.
+pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// The float types of a kernel test's tensors: the inputs' values rounded to `round` (so that
+/// every way of computing is given the same numbers) and held in `compute`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Floats {
+    pub(crate) round: DType,
+    pub(crate) compute: DType,
+}
+
+/// f32 throughout.
+pub(crate) const F32: Floats = Floats {
+    round: DType::F32,
+    compute: DType::F32,
+};
+
+/// `values(n, seed)` as a `dims` tensor on `device`, rounded and held as `kinds` says.
+fn input<const D: usize>(seed: u64, dims: [usize; D], device: &Device, kinds: Floats) -> Tensor<D> {
+    let n = dims.iter().product();
+    let data = TensorData::new(values(n, seed), dims)
+        .convert_dtype(kinds.round)
+        .convert_dtype(DType::F32);
+    Tensor::<D>::from_data(data, device).cast(FloatDType::from(kinds.compute))
+}
+
+/// A tensor's values as f32.
+pub(crate) fn floats(data: TensorData) -> Vec<f32> {
+    data.convert::<f32>().try_to_vec::<f32>().unwrap()
+}
+
+/// The embedding's lookup and its table's gradient through `upstream`, on `device`, the table
+/// and the upstream gradient in `kinds`.
+pub(crate) fn embedding_and_grad(
+    device: &Device,
+    (vocab, width): (usize, usize),
+    tokens: &[i64],
+    batch: usize,
+    kinds: Floats,
+) -> (Vec<f32>, Vec<f32>) {
+    let device = device.clone().autodiff();
+    let mut table = burn::nn::EmbeddingConfig::new(vocab, width).init(&device);
+    table.weight = burn::module::Param::from_tensor(input(7, [vocab, width], &device, kinds));
+    let t = tokens.len() / batch;
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(tokens.to_vec(), [batch, t]), &device);
+    let y = kiln_models::cube::embedding(&table, ids);
+    let upstream = input(11, [batch, t, width], &device, kinds);
+    let grads = (y.clone() * upstream).sum().backward();
+    let grad = table.weight.grad(&grads).expect("the table's gradient");
+    (floats(y.into_data()), floats(grad.into_data()))
+}
+
+/// How [`attention_and_grads`] computes: the GPU's kernels through `fused::attention_within`
+/// (a keyed forward's dropout when given), Burn's composed ops written out here (scores, mask,
+/// softmax, the given dropout mask, the product), or the CPU's fused kernel.
+#[derive(Clone, Copy)]
+pub(crate) enum Way<'a> {
+    Kernels(Option<(&'a burn::nn::Dropout, Option<kiln_models::draw::Part>)>),
+    /// The kernels through the packed projection's attention (`fused::packed_within`, the
+    /// GPT's), q, k and v put side by side first (query heads as many as key/value heads).
+    Packed(Option<&'a burn::nn::Dropout>),
+    Composed(Option<kiln_models::cube::AttentionDropout>),
+    CpuFused,
+}
+
+/// The forward key of the dropout cases.
+pub(crate) const KEY: u64 = 0x5EED;
+
+/// Attention's output and the gradients of q, k and v through `upstream` on `device`, by
+/// `way`: q `[b, h, t, d]`, k and v `[b, kv, t, d]`, each row's first key from `starts` when
+/// given; the inputs and the upstream gradient in `kinds`.
+pub(crate) fn attention_and_grads(
+    device: &Device,
+    [b, h, kv, t, d]: [usize; 5],
+    starts: Option<&[i64]>,
+    way: Way<'_>,
+    kinds: Floats,
+) -> [Vec<f32>; 4] {
+    let device = device.clone().autodiff();
+    let tensor = |dims: [usize; 4], seed: u64| input(seed, dims, &device, kinds).require_grad();
+    let (q, k, v) = (
+        tensor([b, h, t, d], 3),
+        tensor([b, kv, t, d], 5),
+        tensor([b, kv, t, d], 9),
+    );
+    let first = |bi: usize, i: usize| starts.map_or(0, |s| s[bi * t + i] as usize);
+    let y = match way {
+        Way::Kernels(dropout) => {
+            let starts = starts
+                .map(|s| Tensor::<2, Int>::from_data(TensorData::new(s.to_vec(), [b, t]), &device));
+            assert!(
+                kiln_models::cube::attention_takes(&q, &k, &v),
+                "the kernels do not take {:?}",
+                [b, h, kv, t, d]
+            );
+            let dropout =
+                dropout.map(|(dropout, part)| kiln_models::draw::DropoutPart { dropout, part });
+            kiln_models::draw::keyed(KEY, || {
+                kiln_models::fused::attention_within(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    starts.as_ref(),
+                    dropout,
+                )
+            })
+        }
+        Way::Packed(dropout) => {
+            assert_eq!(
+                h, kv,
+                "a packed projection has as many key/value heads as query heads"
+            );
+            let side = |x: &Tensor<4>| x.clone().swap_dims(1, 2).reshape([b, t, h * d]);
+            let qkv = Tensor::cat(vec![side(&q), side(&k), side(&v)], 2);
+            let dropout = dropout.map(kiln_models::draw::DropoutPart::whole);
+            kiln_models::draw::keyed(KEY, || {
+                kiln_models::fused::packed_within(qkv, h, None, dropout)
+            })
+            .reshape([b, t, h, d])
+            .swap_dims(1, 2)
+        }
+        Way::CpuFused => {
+            let starts = starts
+                .map(|s| Tensor::<2, Int>::from_data(TensorData::new(s.to_vec(), [b, t]), &device));
+            kiln_models::fused::attention_within(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                starts.as_ref(),
+                None,
+            )
+        }
+        Way::Composed(drop) => {
+            let repeat = |x: Tensor<4>| {
+                x.reshape([b, kv, 1, t, d])
+                    .expand([b, kv, h / kv, t, d])
+                    .reshape([b, h, t, d])
+            };
+            let scores = q
+                .clone()
+                .matmul(repeat(k.clone()).swap_dims(2, 3))
+                .mul_scalar(1.0 / (d as f64).sqrt());
+            let hidden: Vec<bool> = (0..b * t * t)
+                .map(|n| {
+                    let (bi, i, j) = (n / (t * t), n / t % t, n % t);
+                    j > i || j < first(bi, i)
+                })
+                .collect();
+            let hidden =
+                Tensor::<4, Bool>::from_data(TensorData::new(hidden, [b, 1, t, t]), &device);
+            let mut weights = burn::tensor::activation::softmax(
+                scores.mask_fill(hidden.expand([b, h, t, t]), f32::NEG_INFINITY),
+                3,
+            );
+            if let Some(drop) = drop {
+                let kept: Vec<f32> = (0..b * h * t * t)
+                    .map(|n| {
+                        let (bi, hi, i, j) = (n / (h * t * t), n / (t * t) % h, n / t % t, n % t);
+                        f32::from(u8::from(drop.keeps(bi, hi, i, j)))
+                    })
+                    .collect();
+                let kept = Tensor::<4>::from_data(TensorData::new(kept, [b, h, t, t]), &device)
+                    .cast(FloatDType::from(kinds.compute));
+                weights = weights * kept * (1.0 / (1.0 - f64::from(drop.prob)));
+            }
+            weights.matmul(repeat(v.clone()))
+        }
+    };
+    let upstream = input(13, [b, h, t, d], &device, kinds);
+    let grads = (y.clone() * upstream).sum().backward();
+    let grad = |x: &Tensor<4>| floats(x.grad(&grads).expect("a gradient").into_data());
+    [floats(y.into_data()), grad(&q), grad(&k), grad(&v)]
+}
+
+/// `kernel`'s output and gradients within `tolerance` times each of `other`'s tensor's largest
+/// value.
+pub(crate) fn assert_attention_close(
+    case: &str,
+    kernel: &[Vec<f32>; 4],
+    name: &str,
+    other: &[Vec<f32>; 4],
+    tolerance: f32,
+) {
+    for (which, (a, b)) in ["output", "dq", "dk", "dv"]
+        .iter()
+        .zip(kernel.iter().zip(other))
+    {
+        assert_eq!(
+            a.len(),
+            b.len(),
+            "{case} {which}: {} values against {name}'s {}",
+            a.len(),
+            b.len()
+        );
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(scale > 0.0, "{case} {which}: all zeros");
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= tolerance * scale,
+                "{case}: {which} element {i}: kernel {x}, {name} {y}"
+            );
+        }
+    }
+}
