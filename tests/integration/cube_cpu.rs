@@ -32,9 +32,11 @@ fn cube_cpu() -> burn::prelude::Device {
 }
 
 /// The low types and the bound on a kernel's error in each, relative to a tensor's largest
-/// value: one unit in the last place (8 bits of bf16's mantissa, 11 of f16's). A result
-/// computed in f32 and rounded once is within half of it; arithmetic in the low type is not.
-const LOW: [(DType, f32); 2] = [(DType::BF16, 1.0 / 256.0), (DType::F16, 1.0 / 1024.0)];
+/// value: one unit in the last place of that value at most (bf16 keeps 8 significant bits,
+/// so its spacing there is 2⁻⁸ to 2⁻⁷ of it; f16 11, 2⁻¹¹ to 2⁻¹⁰). A result computed in
+/// f32 and rounded once is within half of that; the gradients' `δ` is taken from the rounded
+/// output, a second rounding. Arithmetic in the low type is not within it (BENCHMARKS.md).
+const LOW: [(DType, f32); 2] = [(DType::BF16, 1.0 / 128.0), (DType::F16, 1.0 / 1024.0)];
 
 /// The inputs rounded to `low`, held in `low` (the kernels' tensors).
 fn held_in(low: DType) -> Floats {
@@ -54,10 +56,11 @@ fn rounded_to(low: DType) -> Floats {
 
 /// The attention kernels with q, k, v and the output's gradient in bf16 and in f16 against
 /// Burn's composed ops in f32 on the CPU given the same rounded values: the output and the
-/// gradients of q, k and v within one unit in the low type's last place of each tensor's
-/// largest value; in f32 on this runtime within 1e-5 as on WGPU. The cases: a time that is no
-/// whole number of tiles, grouped-query heads, rows within packed documents, a head of 64, and
-/// dropout on the weights (the composed ops given the kernels' mask).
+/// gradients of q, k and v in the low type, within one unit in its last place of each
+/// tensor's largest value; in f32 on this runtime within 1e-5 as on WGPU. The cases: prime
+/// times (no whole number of tiles, whatever the host's cores make a tile here), grouped-query
+/// heads, rows within packed documents, a head of 64, dropout on the weights (the composed ops
+/// given the kernels' mask), and the packed projection the GPT attends through.
 #[test]
 fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
     use kiln_models::cube::AttentionDropout;
@@ -65,17 +68,18 @@ fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
     let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let cube = cube_cpu();
     let cpu = burn::prelude::Device::flex();
-    // Two documents in the first row (from 0 and from 20), three in the second. Odd times:
-    // a cube here holds as many rows as the host has cores.
-    let packed: Vec<i64> = (0..69)
+    // Two documents in the first row (from 0 and from 20), three in the second. Prime times:
+    // a cube here holds as many rows as the host has cores (64 at most).
+    let packed: Vec<i64> = (0..67)
         .map(|i| if i < 20 { 0 } else { 20 })
-        .chain((0..69).map(|i| [0, 9, 41][usize::from(i >= 9) + usize::from(i >= 41)]))
+        .chain((0..67).map(|i| [0, 9, 41][usize::from(i >= 9) + usize::from(i >= 41)]))
         .collect();
     let cases: [([usize; 5], Option<&[i64]>); 3] = [
-        ([2, 4, 2, 69, 24], None),
-        ([2, 4, 2, 69, 24], Some(&packed)),
-        ([1, 2, 1, 45, 64], None),
+        ([2, 4, 2, 67, 24], None),
+        ([2, 4, 2, 67, 24], Some(&packed)),
+        ([1, 2, 1, 47, 64], None),
     ];
+    let mut worst = [0f32; 2];
     for (dims, starts) in cases {
         let case = format!("{dims:?} starts {}", starts.is_some());
         let f32_kernel = attention_and_grads(&cube, dims, starts, Way::Kernels(None), F32);
@@ -87,8 +91,21 @@ fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
             let composed =
                 attention_and_grads(&cpu, dims, starts, Way::Composed(None), rounded_to(low));
             let case = format!("{case} in {low:?}");
-            assert_attention_close(&case, &kernel, name, &composed, ulp);
+            let w = assert_attention_close(&case, &kernel, name, &composed, ulp);
+            let at = usize::from(low == DType::F16);
+            worst[at] = worst[at].max(w);
         }
+    }
+    // The GPT's way in: q, k and v side by side in one projection.
+    let dims = [2, 3, 3, 67, 16];
+    for (low, ulp) in LOW {
+        let kernel = attention_and_grads(&cube, dims, None, Way::Packed(None), held_in(low));
+        let composed = attention_and_grads(&cpu, dims, None, Way::Composed(None), rounded_to(low));
+        let case = format!("packed in {low:?}");
+        let w =
+            assert_attention_close(&case, &kernel, "Burn's composed ops in f32", &composed, ulp);
+        let at = usize::from(low == DType::F16);
+        worst[at] = worst[at].max(w);
     }
     // Dropout: the forward's first draw under KEY is the kernels' seed.
     let dropout = burn::nn::DropoutConfig::new(0.25).init();
@@ -97,7 +114,7 @@ fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
     })
     .expect("a keyed forward's draw")
     .seed;
-    let (dims, heads) = ([2, 4, 2, 69, 24], 4);
+    let (dims, heads) = ([2, 4, 2, 67, 24], 4);
     let drop = AttentionDropout {
         seed,
         prob: 0.25,
@@ -110,20 +127,21 @@ fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
         let way = Way::Composed(Some(drop));
         let composed = attention_and_grads(&cpu, dims, Some(&packed), way, rounded_to(low));
         let name = "Burn's composed ops in f32 with the mask";
-        assert_attention_close(
-            &format!("dropout in {low:?}"),
-            &kernel,
-            name,
-            &composed,
-            ulp,
-        );
+        let case = format!("dropout in {low:?}");
+        let w = assert_attention_close(&case, &kernel, name, &composed, ulp);
+        let at = usize::from(low == DType::F16);
+        worst[at] = worst[at].max(w);
     }
+    eprintln!(
+        "largest difference from f32, of each tensor's largest value: bf16 {:.2e}, f16 {:.2e}",
+        worst[0], worst[1]
+    );
 }
 
 /// The embedding's kernel with the table and the output's gradient in bf16 and in f16 against
 /// Burn's embedding in f32 on the CPU given the same rounded values: the lookup the same, the
-/// table's gradient — the sum of 247 rows for the token that repeats — within one unit in the
-/// low type's last place of its largest value (the parts add in f32 and round once).
+/// table's gradient in the low type — the sum of 247 rows for the token that repeats — within
+/// one unit in its last place of the largest value (the parts add in f32 and round once).
 #[test]
 fn the_embedding_kernel_in_bf16_and_f16_is_within_a_rounding_of_f32() {
     let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
@@ -154,8 +172,10 @@ fn the_embedding_kernel_in_bf16_and_f16_is_within_a_rounding_of_f32() {
 /// The small GPT of the WGPU tests on `--accelerator cube-cpu`, from the CPU's weights, for 12
 /// steps: in f32 the CPU's losses within 1e-5 (Burn's fused ops and kiln's kernels on this
 /// runtime), and in `bf16-mixed` — which no software adapter runs — within 1e-3 of the CPU's
-/// `bf16-mixed` losses (4.9e-5 measured), through the kernels in bf16 (the embedding's
-/// gradient and attention; AdamW's on the f32 master weights).
+/// `bf16-mixed` losses (4.9e-5 measured). The kernels are on (the tests above show them in
+/// bf16, through the GPT's packed attention too); the run shows the rest of the GPU path in
+/// bf16 beside them: fusion, the casts of mixed precision, AdamW's kernel on the f32 master
+/// weights.
 #[test]
 fn the_gpt_on_cubecl_cpu_gives_the_cpus_losses_in_f32_and_bf16_mixed() {
     use crate::wgpu::{F32_TOLERANCE, cpu_and_device_agree, small_gpt, train};

@@ -83,6 +83,8 @@ pub(crate) fn embedding_and_grad(
     let upstream = input(11, [batch, t, width], &device, kinds);
     let grads = (y.clone() * upstream).sum().backward();
     let grad = table.weight.grad(&grads).expect("the table's gradient");
+    // The lookup and the gradient come back in the table's type.
+    assert_eq!((y.dtype(), grad.dtype()), (kinds.compute, kinds.compute));
     (floats(y.into_data()), floats(grad.into_data()))
 }
 
@@ -204,19 +206,26 @@ pub(crate) fn attention_and_grads(
     };
     let upstream = input(13, [b, h, t, d], &device, kinds);
     let grads = (y.clone() * upstream).sum().backward();
-    let grad = |x: &Tensor<4>| floats(x.grad(&grads).expect("a gradient").into_data());
+    let grad = |x: &Tensor<4>| {
+        let g = x.grad(&grads).expect("a gradient");
+        // Every gradient comes back in its input's type.
+        assert_eq!(g.dtype(), kinds.compute);
+        floats(g.into_data())
+    };
+    assert_eq!(y.dtype(), kinds.compute);
     [floats(y.into_data()), grad(&q), grad(&k), grad(&v)]
 }
 
 /// `kernel`'s output and gradients within `tolerance` times each of `other`'s tensor's largest
-/// value.
+/// value; the largest difference found, in those units.
 pub(crate) fn assert_attention_close(
     case: &str,
     kernel: &[Vec<f32>; 4],
     name: &str,
     other: &[Vec<f32>; 4],
     tolerance: f32,
-) {
+) -> f32 {
+    let mut worst = 0f32;
     for (which, (a, b)) in ["output", "dq", "dk", "dv"]
         .iter()
         .zip(kernel.iter().zip(other))
@@ -235,6 +244,8 @@ pub(crate) fn assert_attention_close(
                 (x - y).abs() <= tolerance * scale,
                 "{case}: {which} element {i}: kernel {x}, {name} {y}"
             );
+            worst = worst.max((x - y).abs() / scale);
         }
     }
+    worst
 }

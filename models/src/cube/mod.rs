@@ -13,9 +13,10 @@
 //!   the scores, their mask, softmax and products.
 //!
 //! Each kernel equals the Burn ops it replaces within 1e-5 relative (forward and gradient) on
-//! WGPU with the software adapter (the integration tests' `wgpu` module); in bf16 and f16,
-//! which that adapter cannot compute in, on CubeCL's CPU runtime (`cube_cpu`, the `cube-cpu`
-//! feature).
+//! WGPU with the software adapter (the integration tests' `wgpu` module). In bf16 and f16,
+//! which that adapter cannot compute in, CubeCL's CPU runtime shows the embedding's and
+//! attention's within a rounding of the low type of the same computation in f32 (`cube_cpu`,
+//! the `cube-cpu` feature).
 
 mod adamw;
 mod attention;
@@ -67,8 +68,8 @@ pub fn adamw_here(dtype: DType, device: &Device) -> bool {
     dtype == DType::F32 && kernels_here(dtype, device)
 }
 
-/// `table`'s rows for `tokens` (`[B, T]` → `[B, T, C]`), as [`Embedding::forward`]; on a
-/// CubeCL device in f32 its gradient is the kernel's.
+/// `table`'s rows for `tokens` (`[B, T]` → `[B, T, C]`), as [`Embedding::forward`]; where
+/// [`kernels_here`] its gradient is the kernel's.
 pub fn embedding(table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
     let weights = table.weight.val();
     if !kernels_here(weights.dtype(), &weights.device()) {

@@ -27,7 +27,9 @@ pub enum Accelerator {
     /// CubeCL's CPU runtime (needs the `cube-cpu` feature): the GPU path — kiln's GPU kernels,
     /// Burn's fusion, the device's memory pool — compiled for the host through LLVM, in every
     /// float type (WGPU's software adapter computes in neither bf16 nor f16). For trying a GPU
-    /// recipe without a GPU; slow. N devices are N replicas of the one runtime.
+    /// recipe without a GPU; slow. N devices are N replicas of the one runtime. kiln treats it
+    /// as a GPU: its pool, in host memory, is outside what `memory_limit_mib` holds the process
+    /// to, and CubeCL sizes its own threads (`cpu_cores` and `cpu_split` do nothing there).
     CubeCpu,
 }
 

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 pub struct Chosen {
     /// One device per configured index.
     pub devices: Vec<Device>,
-    /// `cpu (flex)`, `wgpu` or `cuda`.
+    /// `cpu (flex)`, `wgpu`, `cuda` or `cube-cpu`.
     pub name: String,
     /// Why `auto` chose it; `None` for an accelerator named in the config.
     pub why: Option<String>,

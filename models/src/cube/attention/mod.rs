@@ -265,6 +265,15 @@ impl CubeAttentionOps for CubeBackend {
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
         let [q, k, v, out, dout, lse] = [q, k, v, out, dout, lse].map(into_contiguous);
         let [b, h, kv, t, d] = dims(&q, &k, &v);
+        // The kernels read the six in two types: q, k, v, the output and its gradient in one.
+        let stored = [&k, &v, &out, &dout].map(|x| x.dtype);
+        assert!(
+            stored.iter().all(|&x| x == q.dtype) && lse.dtype == DType::F32,
+            "attention's backward: q is {:?}, k, v, the output and its gradient {stored:?}, the \
+             log-sum-exp {:?} (f32)",
+            q.dtype,
+            lse.dtype
+        );
         let (starts, within) = starts_arg(starts, &q);
         let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
         let empty =
