@@ -8,6 +8,7 @@ use burn::tensor::DType;
 
 use crate::kernels::{
     F32, Floats, SWITCH, Way, assert_attention_close, attention_and_grads, embedding_and_grad,
+    kernels_mask, packed_starts,
 };
 
 /// The relative difference allowed between the GPT's `bf16-mixed` losses here and on the CPU:
@@ -63,23 +64,22 @@ fn rounded_to(low: DType) -> Floats {
 /// given the kernels' mask), and the packed projection the GPT attends through.
 #[test]
 fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
-    use kiln_models::cube::AttentionDropout;
-    use kiln_models::draw::{DropoutPart, kernel_draw, keyed};
     let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let cube = cube_cpu();
     let cpu = burn::prelude::Device::flex();
-    // Two documents in the first row (from 0 and from 20), three in the second. Prime times:
-    // a cube here holds as many rows as the host has cores (64 at most).
-    let packed: Vec<i64> = (0..67)
-        .map(|i| if i < 20 { 0 } else { 20 })
-        .chain((0..67).map(|i| [0, 9, 41][usize::from(i >= 9) + usize::from(i >= 41)]))
-        .collect();
+    // Prime times: a cube here holds as many rows as the host has cores (64 at most).
+    let packed = packed_starts(67);
     let cases: [([usize; 5], Option<&[i64]>); 3] = [
         ([2, 4, 2, 67, 24], None),
         ([2, 4, 2, 67, 24], Some(&packed)),
         ([1, 2, 1, 47, 64], None),
     ];
+    // The largest difference found in each low type, of a tensor's largest value.
     let mut worst = [0f32; 2];
+    let mut note = |low: DType, w: f32| {
+        let at = usize::from(low == DType::F16);
+        worst[at] = worst[at].max(w);
+    };
     for (dims, starts) in cases {
         let case = format!("{dims:?} starts {}", starts.is_some());
         let f32_kernel = attention_and_grads(&cube, dims, starts, Way::Kernels(None), F32);
@@ -91,9 +91,10 @@ fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
             let composed =
                 attention_and_grads(&cpu, dims, starts, Way::Composed(None), rounded_to(low));
             let case = format!("{case} in {low:?}");
-            let w = assert_attention_close(&case, &kernel, name, &composed, ulp);
-            let at = usize::from(low == DType::F16);
-            worst[at] = worst[at].max(w);
+            note(
+                low,
+                assert_attention_close(&case, &kernel, name, &composed, ulp),
+            );
         }
     }
     // The GPT's way in: q, k and v side by side in one projection.
@@ -102,25 +103,16 @@ fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
         let kernel = attention_and_grads(&cube, dims, None, Way::Packed(None), held_in(low));
         let composed = attention_and_grads(&cpu, dims, None, Way::Composed(None), rounded_to(low));
         let case = format!("packed in {low:?}");
-        let w =
-            assert_attention_close(&case, &kernel, "Burn's composed ops in f32", &composed, ulp);
-        let at = usize::from(low == DType::F16);
-        worst[at] = worst[at].max(w);
+        let name = "Burn's composed ops in f32";
+        note(
+            low,
+            assert_attention_close(&case, &kernel, name, &composed, ulp),
+        );
     }
     // Dropout: the forward's first draw under KEY is the kernels' seed.
     let dropout = burn::nn::DropoutConfig::new(0.25).init();
-    let seed = keyed(crate::kernels::KEY, || {
-        kernel_draw(DropoutPart::whole(&dropout))
-    })
-    .expect("a keyed forward's draw")
-    .seed;
-    let (dims, heads) = ([2, 4, 2, 67, 24], 4);
-    let drop = AttentionDropout {
-        seed,
-        prob: 0.25,
-        first_head: 0,
-        heads,
-    };
+    let dims = [2, 4, 2, 67, 24];
+    let drop = kernels_mask(&dropout, None, dims[1]);
     for (low, ulp) in LOW {
         let way = Way::Kernels(Some((&dropout, None)));
         let kernel = attention_and_grads(&cube, dims, Some(&packed), way, held_in(low));
@@ -128,9 +120,10 @@ fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
         let composed = attention_and_grads(&cpu, dims, Some(&packed), way, rounded_to(low));
         let name = "Burn's composed ops in f32 with the mask";
         let case = format!("dropout in {low:?}");
-        let w = assert_attention_close(&case, &kernel, name, &composed, ulp);
-        let at = usize::from(low == DType::F16);
-        worst[at] = worst[at].max(w);
+        note(
+            low,
+            assert_attention_close(&case, &kernel, name, &composed, ulp),
+        );
     }
     eprintln!(
         "largest difference from f32, of each tensor's largest value: bf16 {:.2e}, f16 {:.2e}",

@@ -104,6 +104,35 @@ pub(crate) enum Way<'a> {
 /// The forward key of the dropout cases.
 pub(crate) const KEY: u64 = 0x5EED;
 
+/// Each position's first key in two batch rows of `t` positions: two documents in the first
+/// (from 0 and from 20), three in the second (from 0, 9 and 41).
+pub(crate) fn packed_starts(t: usize) -> Vec<i64> {
+    (0..t)
+        .map(|i| if i < 20 { 0 } else { 20 })
+        .chain((0..t).map(|i| [0, 9, 41][usize::from(i >= 9) + usize::from(i >= 41)]))
+        .collect()
+}
+
+/// The mask the kernels draw for `dropout` on `heads` local heads (`part` of the whole's, when
+/// given) in a forward keyed by [`KEY`]: its first draw's seed — what the composed ops are
+/// given to compare with.
+pub(crate) fn kernels_mask(
+    dropout: &burn::nn::Dropout,
+    part: Option<kiln_models::draw::Part>,
+    heads: usize,
+) -> kiln_models::cube::AttentionDropout {
+    use kiln_models::draw::{DropoutPart, kernel_draw, keyed};
+    let seed = keyed(KEY, || kernel_draw(DropoutPart { dropout, part }))
+        .expect("a keyed forward's draw")
+        .seed;
+    kiln_models::cube::AttentionDropout {
+        seed,
+        prob: dropout.prob as f32,
+        first_head: part.map_or(0, |p| p.index * heads),
+        heads: part.map_or(heads, |p| p.of * heads),
+    }
+}
+
 /// Attention's output and the gradients of q, k and v through `upstream` on `device`, by
 /// `way`: q `[b, h, t, d]`, k and v `[b, kv, t, d]`, each row's first key from `starts` when
 /// given; the inputs and the upstream gradient in `kinds`.

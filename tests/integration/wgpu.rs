@@ -10,8 +10,8 @@ use std::process::Output;
 
 use crate::common::{assert_one_line_error, temp_dir, train_bin_kept, train_losses};
 use crate::kernels::{
-    F32, KEY, KernelsOff, SWITCH, Way, assert_attention_close, attention_and_grads,
-    embedding_and_grad, values,
+    F32, KernelsOff, SWITCH, Way, assert_attention_close, attention_and_grads, embedding_and_grad,
+    kernels_mask, packed_starts, values,
 };
 
 /// The relative difference allowed between a WGPU loss and the CPU's at the same step, in f32:
@@ -563,16 +563,11 @@ fn assert_close(kernel: &Named, others: &[(&str, &Named)], decay: f64) {
 #[test]
 #[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
 fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
-    use kiln_models::cube::AttentionDropout;
-    use kiln_models::draw::{DropoutPart, Part, kernel_draw, keyed};
+    use kiln_models::draw::Part;
     let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let wgpu = wgpu_device();
     let cpu = burn::prelude::Device::flex();
-    // Two documents in the first row (from 0 and from 20), three in the second.
-    let packed: Vec<i64> = (0..70)
-        .map(|i| if i < 20 { 0 } else { 20 })
-        .chain((0..70).map(|i| [0, 9, 41][usize::from(i >= 9) + usize::from(i >= 41)]))
-        .collect();
+    let packed = packed_starts(70);
     let cases: [([usize; 5], Option<&[i64]>); 6] = [
         ([2, 3, 3, 70, 16], None),
         ([2, 4, 2, 70, 24], None),
@@ -607,21 +602,7 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
         ([2, 4, 2, 70, 24], Some(packed.as_slice()), None),
         ([1, 2, 1, 45, 64], None, half),
     ] {
-        let seed = keyed(KEY, || {
-            kernel_draw(DropoutPart {
-                dropout: &dropout,
-                part,
-            })
-        })
-        .expect("a keyed forward's draw")
-        .seed;
-        let heads = dims[1];
-        let drop = AttentionDropout {
-            seed,
-            prob: 0.25,
-            first_head: part.map_or(0, |p| p.index * heads),
-            heads: part.map_or(heads, |p| p.of * heads),
-        };
+        let drop = kernels_mask(&dropout, part, dims[1]);
         let case = format!("{dims:?} with dropout, part {part:?}");
         let kernel = attention_and_grads(
             &wgpu,
@@ -650,15 +631,7 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
     }
     // The GPT's way in, the packed projection, with dropout: the same mask.
     let dims = [2, 3, 3, 70, 16];
-    let seed = keyed(KEY, || kernel_draw(DropoutPart::whole(&dropout)))
-        .expect("a keyed forward's draw")
-        .seed;
-    let drop = AttentionDropout {
-        seed,
-        prob: 0.25,
-        first_head: 0,
-        heads: 3,
-    };
+    let drop = kernels_mask(&dropout, None, dims[1]);
     let kernel = attention_and_grads(&wgpu, dims, None, Way::Packed(Some(&dropout)), F32);
     let composed = attention_and_grads(&cpu, dims, None, Way::Composed(Some(drop)), F32);
     assert_attention_close(
