@@ -123,6 +123,17 @@ fn train_devices_lists_what_is_there() {
             }
         }
     }
+    // CubeCL's CPU runtime: one line, saying whether this build has it.
+    let cube: Vec<&str> = report
+        .lines()
+        .filter(|l| l.starts_with("cube-cpu "))
+        .collect();
+    assert_eq!(cube.len(), 1, "{report}");
+    assert_eq!(
+        cube[0].contains("lacks the `cube-cpu` feature"),
+        !cfg!(feature = "cube-cpu"),
+        "{report}"
+    );
     assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
 }
 

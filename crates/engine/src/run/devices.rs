@@ -386,6 +386,15 @@ pub fn devices_report() -> Vec<String> {
             "cuda   none: this build lacks the `cuda` feature; and here, {why}"
         )),
     }
+    lines.push(if cfg!(feature = "cube-cpu") {
+        "cube-cpu  CubeCL's CPU runtime: the GPU path (kiln's kernels, Burn's fusion) on this \
+         CPU in every float type; slow, for testing it (auto never picks it)"
+            .to_string()
+    } else {
+        "cube-cpu  none: this build lacks the `cube-cpu` feature (CubeCL's CPU runtime, the GPU \
+         path on this CPU for testing)"
+            .to_string()
+    });
     let p = crate::comm::Processes::from_env();
     if p.count > 1 {
         lines.push(format!(

@@ -1,0 +1,296 @@
+#!/usr/bin/env python3
+"""The Llama recipe's step time in plain PyTorch, for machines without `transformers`.
+
+The model of `transformers`' `LlamaForCausalLM` written out in PyTorch alone (RMSNorm computed
+in float32, rotary positions with the halves rotated, grouped-query attention through
+`scaled_dot_product_attention` with `is_causal`, SwiGLU, the head tied to the token embedding
+where the configuration says so), with its parameter names, so that a lent GPU with PyTorch
+and nothing else can time kiln's Llama recipe beside kiln. The architecture comes from a Hugging
+Face `config.json` (kiln writes one into `RUN/hf/` when a run of configs/llama-text*.toml ends);
+without one, configs/llama-text-gpu.toml's shape (8 × 512, 8 query and 4 key/value heads,
+SwiGLU 1376, a vocabulary of 1,024). The token ids are drawn uniformly from the vocabulary (the
+step's work does not depend on them). AdamW (0.9, 0.99), weight decay 0.1 on rank>=2
+parameters, gradients clipped to norm 1.0. Prints one line of JSON: the median milliseconds per
+step after a warm-up, tokens per second, and the card's peak memory.
+
+`--check` (needs `transformers`) builds `LlamaForCausalLM` from the same configuration, loads
+this model's parameters into it and compares the logits and every parameter's gradient of the
+loss on one batch, in float32 on the CPU: the largest difference relative to each tensor's
+largest value must be at most 1e-5.
+
+Usage:
+    python3 xtask/reference/llama_torch.py [--config RUN/hf/config.json] --batch 32 \
+        --context 256 --device cuda --precision bf16-mixed [--compile]
+    python3 xtask/reference/llama_torch.py --check [--config RUN/hf/config.json]
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# configs/llama-text-gpu.toml's model, as kiln's Hugging Face export names it.
+GPU_SHAPE = {
+    "vocab_size": 1024,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+
+
+def settings(path):
+    """The model's settings from a Hugging Face config.json (or the GPU shape without one)."""
+    if path is None:
+        s = dict(GPU_SHAPE)
+        s["head_dim"] = s["hidden_size"] // s["num_attention_heads"]
+        return s
+    with open(path, encoding="utf-8") as f:
+        c = json.load(f)
+    rope = c.get("rope_parameters") or {}
+    s = {k: c[k] for k in GPU_SHAPE if k in c}
+    s["rope_theta"] = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    s.setdefault("rms_norm_eps", 1e-6)
+    s.setdefault("tie_word_embeddings", False)
+    kind = rope.get("rope_type", (c.get("rope_scaling") or {}).get("rope_type", "default"))
+    if kind != "default":
+        raise SystemExit(f"{path}: rope type {kind!r}: this twin computes the default rotary only")
+    s["head_dim"] = c.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]
+    return s
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        d, hd = s["hidden_size"], s["head_dim"]
+        self.heads, self.kv_heads, self.head_dim = s["num_attention_heads"], s["num_key_value_heads"], hd
+        self.q_proj = nn.Linear(d, self.heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.heads * hd, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.kv_heads != self.heads:
+            # Each key/value head serves heads // kv_heads query heads, as transformers' repeat_kv.
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Mlp(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        d, f = s["hidden_size"], s["intermediate_size"]
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s["hidden_size"], s["rms_norm_eps"])
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = RMSNorm(s["hidden_size"], s["rms_norm_eps"])
+        self.mlp = Mlp(s)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s["vocab_size"], s["hidden_size"])
+        self.layers = nn.ModuleList(Layer(s) for _ in range(s["num_hidden_layers"]))
+        self.norm = RMSNorm(s["hidden_size"], s["rms_norm_eps"])
+        hd = s["head_dim"]
+        inv = 1.0 / (s["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        # The rotary angles in float32 whatever the autocast, then in the embedding's type
+        # (float32 under autocast too), as transformers' LlamaRotaryEmbedding returns them.
+        with torch.autocast(ids.device.type, enabled=False):
+            pos = torch.arange(ids.shape[1], device=ids.device, dtype=torch.float32)
+            angles = torch.outer(pos, self.inv_freq)
+            angles = torch.cat((angles, angles), dim=-1)
+            cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class Llama(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.model = Body(s)
+        self.lm_head = nn.Linear(s["hidden_size"], s["vocab_size"], bias=False)
+        if s["tie_word_embeddings"]:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+def loss_of(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def check(s, config_path, seed):
+    """This model against transformers' LlamaForCausalLM with the same parameters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    twin = Llama(s)
+    if config_path:
+        config = LlamaConfig.from_pretrained(config_path.rsplit("/", 1)[0] if config_path.endswith("config.json") else config_path)
+    else:
+        config = LlamaConfig(**{k: v for k, v in s.items() if k != "head_dim"}, head_dim=s["head_dim"])
+    config._attn_implementation = "sdpa"
+    hf = LlamaForCausalLM(config).float()
+    missing, unexpected = hf.load_state_dict(twin.state_dict(), strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and s["tie_word_embeddings"])]
+    if missing or unexpected:
+        raise SystemExit(f"parameter names differ: missing {missing}, unexpected {unexpected}")
+    ids = torch.randint(0, s["vocab_size"], (3, 37))
+    worst = {}
+    for name, model in (("twin", twin), ("transformers", hf)):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        logits = model(ids[:, :-1])
+        logits = logits.logits if hasattr(logits, "logits") else logits
+        loss_of(logits, ids[:, 1:]).backward()
+        worst[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (a, ga), (b, gb) = worst["twin"], worst["transformers"]
+
+    def rel(x, y):
+        return ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
+
+    diffs = {"logits": rel(a, b)}
+    for n, g in ga.items():
+        diffs[n] = rel(g, gb[n])
+    name, largest = max(diffs.items(), key=lambda kv: kv[1])
+    import transformers
+
+    print(json.dumps({
+        "check": "pass" if largest <= 1e-5 else "FAIL",
+        "largest_relative_difference": largest,
+        "where": name,
+        "tensors_compared": len(diffs),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }))
+    if largest > 1e-5:
+        raise SystemExit(1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", help="a Hugging Face config.json (kiln's RUN/hf/config.json)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="0: PyTorch's default")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--precision", choices=["f32", "bf16-mixed"], default="f32")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--check", action="store_true", help="compare with transformers' Llama")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    s = settings(args.config)
+    if args.check:
+        return check(s, args.config, args.seed)
+
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    model = Llama(s).to(device)
+    parameters = sum(p.numel() for p in model.parameters())
+    step_model = torch.compile(model) if args.compile else model
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=6e-4, betas=(0.9, 0.99), eps=1e-8,
+    )
+    cuda = device.type == "cuda"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
+    times = []
+    for step in range(args.warmup + args.steps):
+        windows = torch.randint(0, s["vocab_size"], (args.batch, args.context + 1))
+        t0 = time.perf_counter()
+        windows = windows.to(device)
+        with autocast:
+            loss = loss_of(step_model(windows[:, :-1]), windows[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    ms = 1e3 * statistics.median(times)
+    print(json.dumps({
+        "ms_per_step": ms,
+        "tokens_per_s": args.batch * args.context * 1e3 / ms,
+        "batch": args.batch,
+        "context": args.context,
+        "parameters": parameters,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "precision": args.precision,
+        "compiled": args.compile,
+        "threads": torch.get_num_threads(),
+        "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+        "reserved_memory_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
+        "torch": torch.__version__,
+        "final_loss": loss.item(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
