@@ -331,7 +331,7 @@ fn gan_resume_with_two_optimizers_and_two_schedules_is_bit_for_bit() {
     assert!(scalars.iter().any(|s| s.tag == "train/d_real"));
     assert!(scalars.iter().any(|s| s.tag == "val/g_loss"));
     let plots = kiln::cli::plot(&kiln::cli::PlotArgs {
-        run: full.clone(),
+        run: kiln::cli::RunDir::new(full.clone()),
         out: None,
         width: 400,
         height: 300,

@@ -159,6 +159,23 @@ fn train_checkpoints_lists_each_with_its_state() {
     let out = train_bin(&base, &["checkpoints", "run"]);
     ok(&out);
     let stdout = String::from_utf8_lossy(&out.stdout);
+    // `--run DIR`, as `sample` and `eval` take a run, says the same; neither, or both, is
+    // refused by the command line in one line.
+    let by_flag = train_bin(&base, &["checkpoints", "--run", "run"]);
+    ok(&by_flag);
+    assert_eq!(String::from_utf8_lossy(&by_flag.stdout), stdout);
+    for args in [
+        &["checkpoints"][..],
+        &["checkpoints", "run", "--run", "run"],
+    ] {
+        let out = train_bin(&base, args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.starts_with("error: ") && stderr.contains("RUN_DIR"),
+            "{args:?}: {stderr}"
+        );
+    }
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 4, "{stdout}");
     assert!(lines[..3].iter().all(|l| l.contains("whole")), "{stdout}");

@@ -494,7 +494,9 @@ impl<'a> App<'a> {
             Some(AppCommand::Devices) => return crate::cli::print_devices(),
             Some(AppCommand::Plot(plot)) => return crate::cli::print_plot(plot),
             Some(AppCommand::Flight(flight)) => return crate::cli::print_flight(flight),
-            Some(AppCommand::Checkpoints(run)) => return crate::cli::print_checkpoints(&run.run),
+            Some(AppCommand::Checkpoints(run)) => {
+                return crate::cli::print_checkpoints(run.run.path());
+            }
             Some(AppCommand::Launch(launch)) => return crate::launcher::run(launch),
             Some(AppCommand::Completions { shell }) => {
                 return self.print_completions(*shell);

@@ -74,8 +74,8 @@ pub struct Flags {
 #[derive(Debug, clap::Args)]
 pub struct PlotArgs {
     /// The run directory.
-    #[arg(value_name = "RUN_DIR")]
-    pub run: PathBuf,
+    #[command(flatten)]
+    pub run: RunDir,
     /// Where the PNGs go (default: RUN_DIR/plots).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -176,14 +176,50 @@ pub struct PlanArgs {
 #[derive(Debug, clap::Args)]
 pub struct FlightArgs {
     /// The run directory.
-    #[arg(value_name = "RUN_DIR")]
-    pub run: PathBuf,
+    #[command(flatten)]
+    pub run: RunDir,
+}
+
+/// A run directory, given as `RUN_DIR` or as `--run RUN_DIR` (as `sample`, `chat`, `answer`
+/// and `eval` take it).
+#[derive(Debug, clap::Args)]
+pub struct RunDir {
+    /// The run directory.
+    #[arg(value_name = "RUN_DIR", required_unless_present = "run_flag")]
+    run: Option<PathBuf>,
+    /// The run directory (the same as RUN_DIR).
+    #[arg(
+        long = "run",
+        id = "run_flag",
+        value_name = "RUN_DIR",
+        conflicts_with = "run"
+    )]
+    flag: Option<PathBuf>,
+}
+
+impl RunDir {
+    /// `dir`, as if given as RUN_DIR.
+    pub fn new(dir: PathBuf) -> Self {
+        Self {
+            run: Some(dir),
+            flag: None,
+        }
+    }
+
+    /// The directory, however it was given.
+    pub fn path(&self) -> &std::path::Path {
+        self.run
+            .as_deref()
+            .or(self.flag.as_deref())
+            .expect("clap requires RUN_DIR or --run")
+    }
 }
 
 /// Runs `train plot`: one line per chart, written or skipped.
 pub fn plot(args: &PlotArgs) -> Result<Vec<String>> {
-    let out = args.out.clone().unwrap_or_else(|| args.run.join("plots"));
-    let outcomes = crate::plot::plot_run(&args.run, &out, args.width, args.height, args.log_y)?;
+    let run = args.run.path();
+    let out = args.out.clone().unwrap_or_else(|| run.join("plots"));
+    let outcomes = crate::plot::plot_run(run, &out, args.width, args.height, args.log_y)?;
     Ok(outcomes
         .into_iter()
         .map(|o| match o {
@@ -448,7 +484,7 @@ pub(crate) fn print_plot(args: &PlotArgs) -> i32 {
 
 /// `flight`: prints where each rank was and which is behind; returns the exit code.
 pub(crate) fn print_flight(args: &FlightArgs) -> i32 {
-    match kiln_engine::flight::report(&args.run) {
+    match kiln_engine::flight::report(args.run.path()) {
         Ok(lines) => {
             for line in lines {
                 println!("{line}");

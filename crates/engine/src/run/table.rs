@@ -169,11 +169,13 @@ pub(super) fn print_table<W: Workload>(
 fn lr_rows(s: &TrainerSettings, groups: &[String]) -> Vec<(String, String)> {
     let (replicas, micros) = (s.data_world(), s.micro_batches());
     let lr_line = |optim: &crate::config::OptimConfig, schedule: &crate::config::ScheduleConfig| {
+        let scaled = match optim.scale_lr {
+            crate::config::LrScaling::None => String::new(),
+            ref how => format!(" ({} scaling of {:.3e})", name_of(how), optim.lr),
+        };
         format!(
-            "{:.3e} ({} scaling of {:.3e}), {} schedule",
+            "{:.3e}{scaled}, {} schedule",
             scaled_lr(optim, replicas, micros),
-            name_of(&optim.scale_lr),
-            optim.lr,
             name_of(&schedule.kind)
         )
     };
