@@ -80,7 +80,13 @@ where
             }
         }
         let loader: LoaderConfig = section(toml::Value::Table(loader), "data", origin)?;
-        let mut kiln = RootConfig::from_source(table, origin)?;
+        let mut kiln = RootConfig::from_source(table, origin).map_err(|e| match e {
+            // An unknown section: kiln's are listed, and the program's two are sections too.
+            Error::Config(m) if m.contains("expected one of `run`") => {
+                Error::Config(format!("{m}, and the program's `data`, `model`"))
+            }
+            e => e,
+        })?;
         loader.check().map_err(|e| origin.name(e))?;
         kiln.loader = loader;
         Ok(Self {
