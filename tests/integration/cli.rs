@@ -18,6 +18,8 @@ fn unknown_config_key_in_a_file_names_file_and_key() {
     std::fs::write(&path, "[optim]\nlearning_rate = 0.1\n").unwrap();
     let out = train_bin(&dir, &["--config", "bad.toml"]);
     assert_one_line_error(&out, &["bad.toml", "optim.learning_rate"]);
+    // A key inside a section is not a section: no list of sections.
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("the program's"));
     // A section misspelt: the sections a config has are listed, the program's among them.
     std::fs::write(&path, "[dta]\npath = \"x\"\n").unwrap();
     let out = train_bin(&dir, &["--config", "bad.toml"]);

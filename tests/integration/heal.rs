@@ -160,7 +160,7 @@ fn train_checkpoints_lists_each_with_its_state() {
     ok(&out);
     let stdout = String::from_utf8_lossy(&out.stdout);
     // `--run DIR`, as `sample` and `eval` take a run, says the same; neither, or both, is
-    // refused by the command line in one line.
+    // refused by the command line, naming RUN_DIR.
     let by_flag = train_bin(&base, &["checkpoints", "--run", "run"]);
     ok(&by_flag);
     assert_eq!(String::from_utf8_lossy(&by_flag.stdout), stdout);

@@ -8,7 +8,8 @@ gradients clipped to norm 1.0. It times optimizer steps on random windows of the
 prints one line of JSON: the median milliseconds per step over the steps after a warm-up.
 `--shape gpu` times configs/gpt-text-gpu.toml's model instead (6 layers, d=384, 6 heads,
 context 256), `--device cuda` on a GPU (synchronised at each step's end), `--precision
-bf16-mixed` under bf16 autocast, `--dropout` with nanoGPT's dropouts (embeddings, attention
+bf16-mixed` under bf16 autocast (`--tf32`: f32 products in TF32 on a card, as CubeCL's tuner
+computes kiln's; PyTorch's default does not), `--dropout` with nanoGPT's dropouts (embeddings, attention
 weights, both residual branches), where kiln's GPT applies them, `--compile` with the model
 under `torch.compile` (one process; its compilation falls in the warm-up steps).
 
@@ -103,6 +104,8 @@ def parse():
     ap.add_argument("--device", default="cpu", help="cpu or cuda (one process)")
     ap.add_argument("--precision", choices=["f32", "bf16-mixed"], default="f32")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (one process)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="a card's f32 products in TF32 (as CubeCL's tuner picks them for kiln)")
     args = ap.parse_args()
     if args.device != "cpu" and args.world > 1:
         ap.error("--device cuda runs one process (--world 1)")
@@ -113,6 +116,8 @@ def parse():
 
 def train(rank, args):
     dist = join(rank, args)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
     torch.manual_seed(args.seed)
     with open(args.data, encoding="utf-8") as f:
         text = f.read()
@@ -181,6 +186,7 @@ def train(rank, args):
         "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
         "reserved_memory_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
         "compiled": args.compile,
+        "tf32": args.tf32,
         "torch": torch.__version__,
         "final_loss": loss.item(),
     }))

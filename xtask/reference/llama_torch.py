@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
 """The Llama recipe's step time in plain PyTorch, for machines without `transformers`.
 
-The model of `transformers`' `LlamaForCausalLM` written out in PyTorch alone (RMSNorm computed
-in float32, rotary positions with the halves rotated, grouped-query attention through
-`scaled_dot_product_attention` with `is_causal`, SwiGLU, the head tied to the token embedding
-where the configuration says so), with its parameter names, so that a lent GPU with PyTorch
-and nothing else can time kiln's Llama recipe beside kiln. The architecture comes from a Hugging
-Face `config.json` (kiln writes one into `RUN/hf/` when a run of configs/llama-text*.toml ends);
-without one, configs/llama-text-gpu.toml's shape (8 × 512, 8 query and 4 key/value heads,
-SwiGLU 1376, a vocabulary of 1,024). The token ids are drawn uniformly from the vocabulary (the
-step's work does not depend on them). AdamW (0.9, 0.99), weight decay 0.1 on rank>=2
-parameters, gradients clipped to norm 1.0. Prints one line of JSON: the median milliseconds per
-step after a warm-up, tokens per second, and the card's peak memory.
+The model of `transformers`' `LlamaForCausalLM` written out in PyTorch alone, with its
+parameter names: RMSNorm computed in float32, rotary positions with the halves rotated,
+grouped-query attention through `scaled_dot_product_attention` with `is_causal` and
+`enable_gqa` (as transformers 5 calls it), SwiGLU, the head tied to the token embedding where
+the configuration says so. A lent GPU with PyTorch and nothing else can then time kiln's Llama
+recipe beside kiln. The architecture comes from a Hugging Face `config.json` (kiln writes one
+into `RUN/hf/` when a run of configs/llama-text*.toml ends); without one, it is
+configs/llama-text-gpu.toml's shape (8 × 512, 8 query and 4 key/value heads, SwiGLU 1376, a
+vocabulary of 1,024). What the twin does not compute (biases, a sliding window, another rotary,
+another family) is refused. The token ids are drawn uniformly from the vocabulary (the step's
+work does not depend on them). AdamW (0.9, 0.99), weight decay 0.1 on rank>=2 parameters,
+gradients clipped to norm 1.0. Prints one line of JSON: the median milliseconds per step after
+a warm-up, tokens per second, and the card's peak memory. `--tf32` lets a card compute f32
+products in TF32, as CubeCL's tuner does for kiln (PyTorch's default does not).
 
 `--check` (needs `transformers`) builds `LlamaForCausalLM` from the same configuration, loads
 this model's parameters into it and compares the logits and every parameter's gradient of the
@@ -31,6 +34,9 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# SDPA's own grouped-query attention (PyTorch 2.5 and later), which transformers 5 uses.
+GQA_IN_SDPA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 # configs/llama-text-gpu.toml's model, as kiln's Hugging Face export names it.
 GPU_SHAPE = {
@@ -55,14 +61,29 @@ def settings(path):
         return s
     with open(path, encoding="utf-8") as f:
         c = json.load(f)
+    # What this twin does not compute is refused, not ignored.
+    if c.get("model_type", "llama") != "llama":
+        raise SystemExit(f"{path}: model_type {c['model_type']!r}: this twin is a Llama only")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise SystemExit(f"{path}: {key} = true: this twin has no biases")
+    if c.get("sliding_window") is not None:
+        raise SystemExit(f"{path}: sliding_window: this twin attends to every earlier position")
     rope = c.get("rope_parameters") or {}
-    s = {k: c[k] for k in GPU_SHAPE if k in c}
-    s["rope_theta"] = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-    s.setdefault("rms_norm_eps", 1e-6)
-    s.setdefault("tie_word_embeddings", False)
-    kind = rope.get("rope_type", (c.get("rope_scaling") or {}).get("rope_type", "default"))
+    scaling = c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if kind != "default":
         raise SystemExit(f"{path}: rope type {kind!r}: this twin computes the default rotary only")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in c]
+    if missing:
+        raise SystemExit(f"{path}: no {', '.join(missing)}")
+    s = {k: c[k] for k in GPU_SHAPE if k in c}
+    s["rope_theta"] = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    s.setdefault("num_key_value_heads", s["num_attention_heads"])
+    s.setdefault("max_position_embeddings", 2048)
+    s.setdefault("rms_norm_eps", 1e-6)
+    s.setdefault("tie_word_embeddings", False)
     s["head_dim"] = c.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]
     return s
 
@@ -102,11 +123,17 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        gqa = {}
         if self.kv_heads != self.heads:
-            # Each key/value head serves heads // kv_heads query heads, as transformers' repeat_kv.
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if GQA_IN_SDPA:
+                # As transformers 5 calls it without a mask: SDPA pairs each key/value head
+                # with its heads // kv_heads query heads itself.
+                gqa = {"enable_gqa": True}
+            else:
+                # Older PyTorch: each key/value head repeated for its query heads (repeat_kv).
+                k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+                v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -185,13 +212,12 @@ def check(s, config_path, seed):
     torch.manual_seed(seed)
     twin = Llama(s)
     if config_path:
-        config = LlamaConfig.from_pretrained(config_path.rsplit("/", 1)[0] if config_path.endswith("config.json") else config_path)
+        config = LlamaConfig.from_json_file(config_path)
     else:
         config = LlamaConfig(**{k: v for k, v in s.items() if k != "head_dim"}, head_dim=s["head_dim"])
     config._attn_implementation = "sdpa"
     hf = LlamaForCausalLM(config).float()
     missing, unexpected = hf.load_state_dict(twin.state_dict(), strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and s["tie_word_embeddings"])]
     if missing or unexpected:
         raise SystemExit(f"parameter names differ: missing {missing}, unexpected {unexpected}")
     ids = torch.randint(0, s["vocab_size"], (3, 37))
@@ -238,6 +264,8 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--precision", choices=["f32", "bf16-mixed"], default="f32")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--tf32", action="store_true",
+                    help="a card's f32 products in TF32 (as CubeCL's tuner picks them for kiln)")
     ap.add_argument("--check", action="store_true", help="compare with transformers' Llama")
     args = ap.parse_args()
     if args.threads:
@@ -245,6 +273,8 @@ def main():
     s = settings(args.config)
     if args.check:
         return check(s, args.config, args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
@@ -258,6 +288,7 @@ def main():
         lr=6e-4, betas=(0.9, 0.99), eps=1e-8,
     )
     cuda = device.type == "cuda"
+    gqa = s["num_key_value_heads"] != s["num_attention_heads"]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
     times = []
     for step in range(args.warmup + args.steps):
@@ -284,6 +315,9 @@ def main():
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "precision": args.precision,
         "compiled": args.compile,
+        "tf32": args.tf32,
+        "attention": "sdpa, enable_gqa" if GQA_IN_SDPA and gqa else "sdpa",
+        "adamw": "foreach" if cuda else "for-loop",  # PyTorch's default on each device
         "threads": torch.get_num_threads(),
         "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
         "reserved_memory_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,

@@ -42,6 +42,15 @@ pub struct UserConfig<M, D> {
     pub kiln: RootConfig,
 }
 
+/// Whether `message` refuses an unknown top-level key (`…: key `name`: unknown field …`, a key
+/// without a dot): a section the config does not have.
+fn unknown_section(message: &str) -> bool {
+    message
+        .split_once(": key `")
+        .and_then(|(_, rest)| rest.split_once("`: unknown field `"))
+        .is_some_and(|(key, _)| !key.contains('.'))
+}
+
 impl<M, D> UserConfig<M, D>
 where
     M: Serialize + DeserializeOwned,
@@ -81,8 +90,9 @@ where
         }
         let loader: LoaderConfig = section(toml::Value::Table(loader), "data", origin)?;
         let mut kiln = RootConfig::from_source(table, origin).map_err(|e| match e {
-            // An unknown section: kiln's are listed, and the program's two are sections too.
-            Error::Config(m) if m.contains("expected one of `run`") => {
+            // An unknown section (a key of no dot): kiln's are listed, and the program's two
+            // are sections too.
+            Error::Config(m) if unknown_section(&m) => {
                 Error::Config(format!("{m}, and the program's `data`, `model`"))
             }
             e => e,

@@ -183,17 +183,13 @@ pub struct FlightArgs {
 /// A run directory, given as `RUN_DIR` or as `--run RUN_DIR` (as `sample`, `chat`, `answer`
 /// and `eval` take it).
 #[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
 pub struct RunDir {
     /// The run directory.
-    #[arg(value_name = "RUN_DIR", required_unless_present = "run_flag")]
+    #[arg(value_name = "RUN_DIR")]
     run: Option<PathBuf>,
     /// The run directory (the same as RUN_DIR).
-    #[arg(
-        long = "run",
-        id = "run_flag",
-        value_name = "RUN_DIR",
-        conflicts_with = "run"
-    )]
+    #[arg(long = "run", id = "run_flag", value_name = "RUN_DIR")]
     flag: Option<PathBuf>,
 }
 
