@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_ranks import add_world_args, join, launch, leave, slowest
+from torch_ranks import add_world_args, join, launch, leave, recipe_adamw, slowest
 
 # (context, width, heads, layers): `cpu` is configs/gpt-text.toml's, `gpu` configs/gpt-text-gpu.toml's.
 SHAPES = {"cpu": (64, 128, 4, 4), "gpu": (256, 384, 6, 6)}
@@ -143,12 +143,7 @@ def train(rank, args):
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.99), eps=1e-8,
-    )
+    opt = recipe_adamw(model, lr=1e-3)
     cuda = device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")
     torch.manual_seed(args.seed + rank)  # each rank its own windows

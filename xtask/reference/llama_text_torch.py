@@ -27,7 +27,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from torch_ranks import add_world_args, join, launch, leave, slowest
+from torch_ranks import add_world_args, join, launch, leave, recipe_adamw, slowest
 
 
 def main():
@@ -62,12 +62,7 @@ def train_run(rank, args):
         model = DistributedDataParallel(model)
         torch.manual_seed(args.seed + rank)  # each rank its own windows
     local = args.batch // args.world
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.99), eps=1e-8,
-    )
+    opt = recipe_adamw(model, lr=1e-3)
     times = []
     for step in range(args.warmup + args.steps):
         starts = torch.randint(0, len(train) - args.context - 1, (local,))

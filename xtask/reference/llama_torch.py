@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch_ranks import recipe_adamw
+
 # SDPA's own grouped-query attention (PyTorch 2.5 and later), which transformers 5 uses.
 GQA_IN_SDPA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -193,7 +195,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(s["hidden_size"], s["vocab_size"], bias=False)
         if s["tie_word_embeddings"]:
             self.lm_head.weight = self.model.embed_tokens.weight
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() >= 2:
                 nn.init.normal_(p, std=0.02)
 
@@ -205,8 +207,13 @@ def loss_of(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+# `--check`'s bound: the largest difference relative to each tensor's largest value.
+CHECK_TOLERANCE = 1e-5
+
+
 def check(s, config_path, seed):
     """This model against transformers' LlamaForCausalLM with the same parameters."""
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -214,22 +221,22 @@ def check(s, config_path, seed):
     if config_path:
         config = LlamaConfig.from_json_file(config_path)
     else:
-        config = LlamaConfig(**{k: v for k, v in s.items() if k != "head_dim"}, head_dim=s["head_dim"])
+        config = LlamaConfig(**s)
     config._attn_implementation = "sdpa"
     hf = LlamaForCausalLM(config).float()
     missing, unexpected = hf.load_state_dict(twin.state_dict(), strict=False)
     if missing or unexpected:
         raise SystemExit(f"parameter names differ: missing {missing}, unexpected {unexpected}")
     ids = torch.randint(0, s["vocab_size"], (3, 37))
-    worst = {}
+    runs = {}
     for name, model in (("twin", twin), ("transformers", hf)):
         model.train()
         model.zero_grad(set_to_none=True)
         logits = model(ids[:, :-1])
         logits = logits.logits if hasattr(logits, "logits") else logits
         loss_of(logits, ids[:, 1:]).backward()
-        worst[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    (a, ga), (b, gb) = worst["twin"], worst["transformers"]
+        runs[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (a, ga), (b, gb) = runs["twin"], runs["transformers"]
 
     def rel(x, y):
         return ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
@@ -238,17 +245,15 @@ def check(s, config_path, seed):
     for n, g in ga.items():
         diffs[n] = rel(g, gb[n])
     name, largest = max(diffs.items(), key=lambda kv: kv[1])
-    import transformers
-
     print(json.dumps({
-        "check": "pass" if largest <= 1e-5 else "FAIL",
+        "check": "pass" if largest <= CHECK_TOLERANCE else "FAIL",
         "largest_relative_difference": largest,
         "where": name,
         "tensors_compared": len(diffs),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
     }))
-    if largest > 1e-5:
+    if largest > CHECK_TOLERANCE:
         raise SystemExit(1)
 
 
@@ -281,12 +286,7 @@ def main():
     model = Llama(s).to(device)
     parameters = sum(p.numel() for p in model.parameters())
     step_model = torch.compile(model) if args.compile else model
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-        lr=6e-4, betas=(0.9, 0.99), eps=1e-8,
-    )
+    opt = recipe_adamw(model, lr=6e-4)
     cuda = device.type == "cuda"
     gqa = s["num_key_value_heads"] != s["num_attention_heads"]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed")

@@ -1,14 +1,25 @@
-"""The rank plumbing the reference scripts share: `--world N` runs a step function on N
+"""What the reference scripts share: the recipes' AdamW (`recipe_adamw`), and the rank
+plumbing: `--world N` runs a step function on N
 processes of one thread each, joined by torch.distributed over gloo on this machine, and a
 step's time is the slowest rank's. With `--rank R` this process is rank R alone, the others
 started by hand (one per machine: MASTER_ADDR and MASTER_PORT name rank 0's, and
 GLOO_SOCKET_IFNAME the interface to talk on), as `cargo xtask bench links` starts them.
 
-    from torch_ranks import add_world_args, launch, join, slowest, leave
+    from torch_ranks import add_world_args, launch, join, slowest, leave, recipe_adamw
 """
 import os
 
 import torch
+
+
+def recipe_adamw(model, lr):
+    """kiln's recipes' AdamW: (0.9, 0.99), eps 1e-8, weight decay 0.1 on rank>=2 parameters."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.99), eps=1e-8,
+    )
 
 
 def add_world_args(ap, port):
