@@ -246,6 +246,11 @@ pub struct Summary {
     /// the monitor.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_memory_peak: Option<Vec<DeviceMemoryPeak>>,
+    /// The pools that carve the first device's memory into pages, as its allocator reports
+    /// them at the run's end (CubeCL's, on a GPU: every thread's stream has its own): what
+    /// `pool_reserved_mib` is made of. `None` where the backend reports none (the CPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_pools: Option<Vec<PoolPages>>,
     /// What the planner predicted for this run's settings before it started, beside the
     /// measured `peak_rss_mib` and `step_seconds`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -281,6 +286,38 @@ impl DeviceMemoryPeak {
         self.pool_in_use_mib.is_none()
             && self.pool_reserved_mib.is_none()
             && self.gpu_mem_used_mib.is_none()
+    }
+}
+
+/// One pool of a device's allocator that carves its memory into pages of one size.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PoolPages {
+    /// The size of each page, MiB.
+    pub page_mib: f64,
+    /// Pages held at the run's end.
+    pub pages: u64,
+    /// The most pages held at once.
+    pub pages_peak: u64,
+    /// The largest single allocation the pool served, MiB.
+    pub largest_alloc_mib: f64,
+}
+
+impl PoolPages {
+    /// The pools of `device`'s allocator, `None` where it reports none.
+    pub fn of(device: &burn::tensor::Device) -> Option<Vec<PoolPages>> {
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let pools = device.memory_pool_report()?;
+        (!pools.is_empty()).then(|| {
+            pools
+                .iter()
+                .map(|p| PoolPages {
+                    page_mib: mib(p.page_size),
+                    pages: p.pages,
+                    pages_peak: p.pages_peak,
+                    largest_alloc_mib: mib(p.largest_alloc),
+                })
+                .collect()
+        })
     }
 }
 

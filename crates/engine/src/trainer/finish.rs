@@ -90,6 +90,7 @@ impl<W: Workload> Worker<'_, W> {
                 .monitor
                 .map(|m| m.memory_peaks())
                 .filter(|p| p.iter().any(|d| !d.is_empty())),
+            device_pools: crate::metrics::PoolPages::of(&self.place.device),
             plan: None,
             checkpoint_stall_s: ran.checkpoint_stalls,
             peak_heap_before_checkpoints_mib: ran
