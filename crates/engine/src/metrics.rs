@@ -302,25 +302,6 @@ pub struct PoolPages {
     pub largest_alloc_mib: f64,
 }
 
-impl PoolPages {
-    /// The pools of `device`'s allocator, `None` where it reports none.
-    pub fn of(device: &burn::tensor::Device) -> Option<Vec<PoolPages>> {
-        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-        let pools = device.memory_pool_report()?;
-        (!pools.is_empty()).then(|| {
-            pools
-                .iter()
-                .map(|p| PoolPages {
-                    page_mib: mib(p.page_size),
-                    pages: p.pages,
-                    pages_peak: p.pages_peak,
-                    largest_alloc_mib: mib(p.largest_alloc),
-                })
-                .collect()
-        })
-    }
-}
-
 /// The planner's figures for a run's own settings, kept in its `summary.json` beside what
 /// happened.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

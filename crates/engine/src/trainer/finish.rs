@@ -7,7 +7,7 @@ use super::workload::Workload;
 use crate::comm::pack;
 use crate::config::name_of;
 use crate::error::Result;
-use crate::metrics::Summary;
+use crate::metrics::{PoolPages, Summary};
 use crate::monitor::process_memory_mib;
 use crate::state::LoopState;
 use crate::strategy::Strategy;
@@ -90,7 +90,7 @@ impl<W: Workload> Worker<'_, W> {
                 .monitor
                 .map(|m| m.memory_peaks())
                 .filter(|p| p.iter().any(|d| !d.is_empty())),
-            device_pools: crate::metrics::PoolPages::of(&self.place.device),
+            device_pools: pools_of(&self.place.device),
             plan: None,
             checkpoint_stall_s: ran.checkpoint_stalls,
             peak_heap_before_checkpoints_mib: ran
@@ -106,6 +106,23 @@ impl<W: Workload> Worker<'_, W> {
             lead: Some((summary, model.valid())),
         })
     }
+}
+
+/// The pools of `device`'s allocator at this moment, `None` where it reports none.
+fn pools_of(device: &burn::tensor::Device) -> Option<Vec<PoolPages>> {
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let pools = device.memory_pool_report()?;
+    (!pools.is_empty()).then(|| {
+        pools
+            .iter()
+            .map(|p| PoolPages {
+                page_mib: mib(p.page_size),
+                pages: p.pages,
+                pages_peak: p.pages_peak,
+                largest_alloc_mib: mib(p.largest_alloc),
+            })
+            .collect()
+    })
 }
 
 /// The median of `values` (sorted in place), `None` when empty.

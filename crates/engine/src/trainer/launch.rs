@@ -119,7 +119,8 @@ fn release_device_pages(devices: &[burn::tensor::Device]) {
         if devices[..i].contains(device) || device.memory_pool_usage().is_none() {
             continue;
         }
-        // Every thread's queued work done first, so that what it dropped is free.
+        // This thread's queued work done first (Burn syncs the calling thread's stream); a
+        // page that work another thread left queued still holds stays.
         if device.sync().is_ok() {
             device.memory_cleanup();
         }
