@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::process::Output;
 
-use crate::common::{assert_one_line_error, temp_dir, train_bin_kept, train_losses};
+use crate::common::{assert_one_line_error, summary, temp_dir, train_bin_kept, train_losses};
 use crate::kernels::{
     F32, KernelsOff, SWITCH, Way, assert_attention_close, attention_and_grads, embedding_and_grad,
     kernels_mask, packed_starts, values,
@@ -108,8 +108,7 @@ pub(crate) fn cpu_and_device_agree(
         all.extend(args);
         train(cwd, &all);
         runs.push(losses(&dir));
-        let summary: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
+        let summary = summary(&dir);
         let peak = &summary["device_memory_peak"];
         if accelerator == "cpu" {
             assert!(
@@ -254,8 +253,7 @@ fn two_replicas_on_one_adapter_give_one_replicas_losses() {
         stdout.contains("2 replicas of 4 samples per device"),
         "{stdout}"
     );
-    let summary: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(two.join("summary.json")).unwrap()).unwrap();
+    let summary = summary(&two);
     assert_eq!(
         (
             &summary["devices"],
@@ -314,8 +312,7 @@ fn at_a_runs_end_only_the_ranks_thread_holds_pages_on_wgpu() {
     all.extend(small_gpt(&cwd));
     let all: Vec<&str> = all.iter().map(String::as_str).collect();
     train(&cwd, &all);
-    let summary: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap();
+    let summary = summary(&dir);
     let pools = summary["device_pools"]
         .as_array()
         .unwrap_or_else(|| panic!("no device_pools in {summary}"));
