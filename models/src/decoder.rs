@@ -120,9 +120,7 @@ pub(crate) fn head<D: Decoder>(d: &D, x: Tensor<3>) -> Tensor<3> {
             let [b, t, c] = x.dims();
             let weight = d.embed_tokens().weight.val();
             let vocab = weight.dims()[0];
-            x.reshape([b * t, c])
-                .matmul(weight.transpose())
-                .reshape([b, t, vocab])
+            crate::cube::product(x.reshape([b * t, c]), weight.transpose()).reshape([b, t, vocab])
         }
     }
 }

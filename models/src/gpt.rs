@@ -291,7 +291,7 @@ impl Gpt {
         let x = crate::tp::vocab::to_head(x, self.vocab_start());
         let weight = self.wte.weight.val();
         let vocab = weight.dims()[0];
-        x.matmul(weight.transpose()).reshape([b, t, vocab])
+        crate::cube::product(x, weight.transpose()).reshape([b, t, vocab])
     }
 
     /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.

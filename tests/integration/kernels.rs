@@ -88,6 +88,40 @@ pub(crate) fn embedding_and_grad(
     (floats(y.into_data()), floats(grad.into_data()))
 }
 
+/// The Linear's output and the gradients of its input, weight and bias through `upstream`, on
+/// `device` in f32, by `kiln_models::cube::linear` (`[rows, in]` by `[in, out]`); `tied`: by
+/// `cube::product` with a `[out, in]` table seen transposed, as a tied head's (no bias).
+pub(crate) fn linear_and_grads(
+    device: &Device,
+    (rows, inputs, outputs): (usize, usize, usize),
+    tied: bool,
+) -> [Vec<f32>; 4] {
+    let device = device.clone().autodiff();
+    let x = input(21, [rows, inputs], &device, F32).require_grad();
+    let (w, b) = (
+        input(22, [inputs, outputs], &device, F32).require_grad(),
+        input(23, [outputs], &device, F32).require_grad(),
+    );
+    let table = input(24, [outputs, inputs], &device, F32).require_grad();
+    let y = if tied {
+        kiln_models::cube::product(x.clone(), table.clone().transpose())
+    } else {
+        kiln_models::cube::linear(x.clone(), w.clone(), Some(b.clone()))
+    };
+    let upstream = input(25, [rows, outputs], &device, F32);
+    let grads = (y.clone() * upstream).sum().backward();
+    let grad = |t: &Tensor<2>| floats(t.grad(&grads).expect("a gradient").into_data());
+    let (dw, db) = if tied {
+        (grad(&table), Vec::new())
+    } else {
+        (
+            grad(&w),
+            floats(b.grad(&grads).expect("the bias's gradient").into_data()),
+        )
+    };
+    [floats(y.into_data()), grad(&x), dw, db]
+}
+
 /// How [`attention_and_grads`] computes: the GPU's kernels through `fused::attention_within`
 /// (a keyed forward's dropout when given), Burn's composed ops written out here (scores, mask,
 /// softmax, the given dropout mask, the product), or the CPU's fused kernel.

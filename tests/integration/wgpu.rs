@@ -11,7 +11,7 @@ use std::process::Output;
 use crate::common::{assert_one_line_error, summary, temp_dir, train_bin_kept, train_losses};
 use crate::kernels::{
     F32, KernelsOff, SWITCH, Way, assert_attention_close, attention_and_grads, embedding_and_grad,
-    kernels_mask, packed_starts, values,
+    kernels_mask, linear_and_grads, packed_starts, values,
 };
 
 /// The relative difference allowed between a WGPU loss and the CPU's at the same step, in f32:
@@ -159,8 +159,11 @@ fn the_convnet_and_the_gpt_on_wgpu_give_the_cpus_losses() {
     steps.extend(convnet);
     cpu_and_wgpu_agree(&cwd, "convnet", &steps, "32", F32_TOLERANCE);
 
-    // A two-layer GPT on a text of its own.
-    let gpt = small_gpt(&cwd);
+    // A two-layer GPT on a text of its own, 8 × 64 rows a step: on WGPU its Linears' weight
+    // gradients are summed by two parts of the rows (`cube::weight_parts`).
+    let mut gpt = small_gpt(&cwd);
+    gpt.extend(["--set", "model.gpt.block_size=64"].map(String::from));
+    assert_eq!(kiln_models::cube::weight_parts(8 * 64, 32, 96), 2);
     let gpt: Vec<&str> = gpt.iter().map(String::as_str).collect();
     let gpt_init = cwd.join("gpt-init");
     let gpt_init_arg = gpt_init.display().to_string();
@@ -679,4 +682,60 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
         &composed,
         1e-5,
     );
+}
+
+/// The Linear on WGPU, its weight's gradient summed by parts of the rows
+/// (`kiln_models::cube::linear`, `product` for a tied head's transposed table), against Burn's
+/// on the CPU: the output and the gradients of the input, weight and bias within 1e-5
+/// relative; turned off alone (`set_kernels`), one product again.
+#[test]
+#[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
+fn the_linear_by_parts_gives_burns_output_and_gradients_on_wgpu() {
+    use burn::prelude::*;
+    use kiln_models::cube::{GpuKernel, linear_parts, set_kernels};
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let wgpu = wgpu_device();
+    let cpu = burn::prelude::Device::flex();
+    for (shape, tied) in [((1_024, 24, 40), false), ((1_024, 24, 37), true)] {
+        let (rows, inputs, outputs) = shape;
+        let device = wgpu.clone().autodiff();
+        let x = Tensor::<2>::zeros([rows, inputs], &device);
+        let w = Tensor::<2>::zeros([inputs, outputs], &device);
+        let parts = linear_parts(&x, &w);
+        assert!(parts > 1, "{shape:?}: {parts} part");
+        let on_cpu = cpu.clone().autodiff();
+        let cpu_parts = linear_parts(
+            &Tensor::<2>::zeros([rows, inputs], &on_cpu),
+            &Tensor::<2>::zeros([inputs, outputs], &on_cpu),
+        );
+        assert_eq!(cpu_parts, 1, "the CPU's Linear is cut");
+        let split = linear_and_grads(&wgpu, shape, tied);
+        let burn = linear_and_grads(&cpu, shape, tied);
+        for (name, (a, b)) in ["output", "dx", "dweight", "dbias"]
+            .iter()
+            .zip(split.iter().zip(&burn))
+        {
+            assert_eq!(a.len(), b.len(), "{shape:?} {name}");
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (i, (p, q)) in a.iter().zip(b).enumerate() {
+                assert!(
+                    (p - q).abs() <= 1e-5 * scale,
+                    "{shape:?} tied {tied} in {parts} parts, {name} element {i}: {p} against the CPU's {q}"
+                );
+            }
+        }
+    }
+    let all_but = |k| {
+        GpuKernel::ALL
+            .into_iter()
+            .filter(|x| *x != k)
+            .collect::<Vec<_>>()
+    };
+    set_kernels(&all_but(GpuKernel::Linear));
+    let device = wgpu.clone().autodiff();
+    let x = Tensor::<2>::zeros([1_024, 24], &device);
+    let w = Tensor::<2>::zeros([24, 40], &device);
+    let off = linear_parts(&x, &w);
+    set_kernels(&GpuKernel::ALL);
+    assert_eq!(off, 1, "the Linear's path turned off still cuts");
 }

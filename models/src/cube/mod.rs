@@ -11,6 +11,11 @@
 //! - [`attention`]: causal attention forward and backward by tiles in shared memory, the rows'
 //!   log-sum-exp kept instead of the `T × T` scores (`attention/`), where Burn's composes
 //!   the scores, their mask, softmax and products.
+//! - [`linear`]: not a kernel of its own but Burn's products arranged so that the weight's
+//!   gradient is summed by parts of the rows (`linear.rs`), where Burn's is one product with
+//!   few output tiles walking every row.
+//!
+//! Each may be turned off alone ([`set_kernels`], `hardware.gpu_kernels`).
 //!
 //! Each kernel equals the Burn ops it replaces within 1e-5 relative (forward and gradient) on
 //! WGPU with the software adapter (the integration tests' `wgpu` module). In bf16 and f16,
@@ -21,29 +26,72 @@
 mod adamw;
 mod attention;
 mod embedding;
+mod linear;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::nn::Embedding;
 use burn::prelude::*;
 use burn::tensor::{DType, TensorData};
+use serde::{Deserialize, Serialize};
 
 pub use adamw::{AdamStep, CubeAdamWOps};
 pub use attention::{AttentionDropout, CubeAttentionOps, MOST_HEAD_WIDTH, tile_rows};
 pub use embedding::{CubeEmbeddingOps, ROWS_PER_PART, parts};
+pub use linear::{LEAST_PART_ROWS, linear_by_parts, weight_parts};
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-
-/// Turns the GPU kernels on or off for the whole process (on by default). Off, every function
-/// of this module runs the Burn ops it replaces: the switch compares the two.
-pub fn set_enabled(on: bool) {
-    ENABLED.store(on, Ordering::Relaxed);
+/// One of this module's GPU paths, each of which may be turned off alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GpuKernel {
+    /// The embedding table's gradient summed by parts of the batch ([`embedding`]).
+    Embedding,
+    /// Causal attention forward and backward ([`attention`]).
+    Attention,
+    /// AdamW's update of a flat shard ([`adamw`]).
+    Adamw,
+    /// The Linear's weight gradient summed by parts of the rows ([`linear`]).
+    Linear,
 }
 
-/// Whether the GPU kernels are on (see [`set_enabled`]).
+impl GpuKernel {
+    /// Every one, in the order of the enum.
+    pub const ALL: [GpuKernel; 4] = [
+        GpuKernel::Embedding,
+        GpuKernel::Attention,
+        GpuKernel::Adamw,
+        GpuKernel::Linear,
+    ];
+
+    fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
+/// The kernels on, a bit each ([`GpuKernel::bit`]).
+static KERNELS: AtomicU8 = AtomicU8::new(0b1111);
+
+/// Turns every GPU kernel on or off for the whole process (on by default). Off, every function
+/// of this module runs the Burn ops it replaces: the switch compares the two.
+pub fn set_enabled(on: bool) {
+    set_kernels(if on { &GpuKernel::ALL } else { &[] });
+}
+
+/// Turns on `kernels` and off the others, for the whole process.
+pub fn set_kernels(kernels: &[GpuKernel]) {
+    let bits = kernels.iter().fold(0, |b, k| b | k.bit());
+    KERNELS.store(bits, Ordering::Relaxed);
+}
+
+/// Whether any GPU kernel is on (see [`set_enabled`]).
 pub fn enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed)
+    KERNELS.load(Ordering::Relaxed) != 0
+}
+
+/// Whether `kernel` is on (see [`set_kernels`]).
+pub fn kernel_on(kernel: GpuKernel) -> bool {
+    KERNELS.load(Ordering::Relaxed) & kernel.bit() != 0
 }
 
 /// Whether `device` is a CubeCL device, with or without autodiff.
@@ -65,14 +113,14 @@ pub fn kernels_here(dtype: DType, device: &Device) -> bool {
 /// Whether [`adamw`] steps a shard of this dtype on this device: f32 (the master weights of
 /// every precision but the `-true` ones) where [`kernels_here`].
 pub fn adamw_here(dtype: DType, device: &Device) -> bool {
-    dtype == DType::F32 && kernels_here(dtype, device)
+    dtype == DType::F32 && kernel_on(GpuKernel::Adamw) && kernels_here(dtype, device)
 }
 
 /// `table`'s rows for `tokens` (`[B, T]` → `[B, T, C]`), as [`Embedding::forward`]; where
 /// [`kernels_here`] its gradient is the kernel's.
 pub fn embedding(table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
     let weights = table.weight.val();
-    if !kernels_here(weights.dtype(), &weights.device()) {
+    if !(kernel_on(GpuKernel::Embedding) && kernels_here(weights.dtype(), &weights.device())) {
         return table.forward(tokens);
     }
     Tensor::from_dispatch(<Dispatch as CubeEmbeddingOps>::kiln_embedding(
@@ -130,7 +178,8 @@ pub fn adamw(
 pub fn attention_takes(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) -> bool {
     let ([b, h, t, d], kd) = (q.dims(), k.dims());
     let dtypes = [q.dtype(), k.dtype(), v.dtype()];
-    kernels_here(q.dtype(), &q.device())
+    kernel_on(GpuKernel::Attention)
+        && kernels_here(q.dtype(), &q.device())
         && dtypes.iter().all(|&x| x == q.dtype())
         && kd == v.dims()
         && kd[0] == b
@@ -176,4 +225,35 @@ pub fn attention(
         scale,
         drop,
     ))
+}
+
+/// The parts [`linear`] sums the gradient of `weight` (`[in, out]`) by for `x` (`[rows, in]`):
+/// [`weight_parts`] where the Linear's path is on, on a CubeCL device; else 1 (one product, as
+/// Burn's). A forward without gradients is cut the same way, so that validation runs the
+/// products training tuned.
+pub fn linear_parts(x: &Tensor<2>, weight: &Tensor<2>) -> usize {
+    if !(kernel_on(GpuKernel::Linear) && kernels_here(x.dtype(), &x.device())) {
+        return 1;
+    }
+    let ([rows, inputs], outputs) = (x.dims(), weight.dims()[1]);
+    weight_parts(rows, inputs, outputs)
+}
+
+/// `x · weight + bias` over the rows of `x` (`[rows, in]`, `weight` `[in, out]`): where
+/// [`linear_parts`] splits, [`linear_by_parts`]; else Burn's `linear`.
+pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<2> {
+    match linear_parts(&x, &weight) {
+        1 => burn::tensor::module::linear(x, weight, bias),
+        parts => linear_by_parts(x, weight, bias, parts),
+    }
+}
+
+/// `x · weight` (`x` `[rows, in]`, `weight` `[in, out]`, a view such as a tied head's
+/// transposed table): where [`linear_parts`] splits, [`linear_by_parts`]; else Burn's
+/// `matmul`.
+pub fn product(x: Tensor<2>, weight: Tensor<2>) -> Tensor<2> {
+    match linear_parts(&x, &weight) {
+        1 => x.matmul(weight),
+        parts => linear_by_parts(x, weight, None, parts),
+    }
 }

@@ -557,12 +557,13 @@ fn packed_heads(qkv: Tensor<3>, heads: usize) -> [Tensor<4>; 3] {
 /// `x · weight + bias` over the rows of `x` (`[rows, in]`; `weight` `[in, out]` as Burn's
 /// Linear keeps it): Burn's `linear`, fused on the CPU into one product that writes its
 /// output's own buffer, the bias its starting value, with a backward of two products and a
-/// column sum.
+/// column sum; on a GPU [`crate::cube::linear`], the weight's gradient summed by parts.
 pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<2> {
     let f32_params =
         weight.dtype() == DType::F32 && bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
     if !(fused_here(x.dtype(), &x.device()) && f32_params) {
-        return burn::tensor::module::linear(x, weight, bias);
+        // On a GPU, the weight's gradient summed by parts of the rows.
+        return crate::cube::linear(x, weight, bias);
     }
     let [_, k] = x.dims();
     let [k2, _] = weight.dims();

@@ -1,5 +1,6 @@
 //! `[hardware]` and `[monitor]`: the accelerator, its devices and cores, and where metrics go.
 
+use kiln_models::cube::GpuKernel;
 use serde::{Deserialize, Serialize};
 
 use super::names::{bad, switch};
@@ -92,6 +93,12 @@ pub struct HardwareConfig {
     /// everywhere.
     /// Default `true`.
     pub fused_kernels: bool,
+    /// With `fused_kernels` on, which of the GPU's paths run (`kiln_models::cube::GpuKernel`):
+    /// `"embedding"` (the table's gradient by parts of the batch), `"attention"` (causal
+    /// attention forward and backward as kernels), `"adamw"` (the update of a flat shard in
+    /// one pass), `"linear"` (a Linear's weight gradient summed by parts of the rows). One
+    /// left out runs Burn's composed ops, so that each is measured alone. Default: all four.
+    pub gpu_kernels: Vec<GpuKernel>,
     /// Keep the planner's measurements (the probe's steps, the collectives' seconds) in the
     /// cache folder (`$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`) and
     /// read them back on the next launch of the same model, settings, machine and build, so
@@ -148,6 +155,7 @@ impl Default for HardwareConfig {
             memory_limit_mib: None,
             memory_limit_force: false,
             fused_kernels: true,
+            gpu_kernels: GpuKernel::ALL.to_vec(),
             plan_cache: true,
         }
     }

@@ -35,6 +35,9 @@ where
 {
     kiln_models::fused::set_enabled(config.hardware.fused_kernels);
     kiln_models::cube::set_enabled(config.hardware.fused_kernels);
+    if config.hardware.fused_kernels {
+        kiln_models::cube::set_kernels(&config.hardware.gpu_kernels);
+    }
     crate::heap::pages_for_a_run(config.hardware.memory_limit_mib.is_some());
     let chosen = resolve_devices(&config.hardware)?;
     let (devices, accelerator) = (chosen.devices, chosen.name);
