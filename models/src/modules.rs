@@ -12,7 +12,8 @@ pub use crate::draw::with_rng;
 /// element sums over C in the same order either way.
 ///
 /// The product is [`crate::fused::linear`]: on the CPU in f32, one kernel that writes its
-/// output's own buffer; elsewhere Burn's `linear`.
+/// output's own buffer; on a GPU [`crate::cube::linear`], the rows cut into parts so that the
+/// weight's gradient is summed by parts; elsewhere Burn's `linear`.
 pub fn linear_rows(linear: &burn::nn::Linear, x: Tensor<3>) -> Tensor<3> {
     on_rows(x, |rows| {
         let bias = linear.bias.as_ref().map(|b| b.val());

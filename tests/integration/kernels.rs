@@ -24,6 +24,23 @@ impl Drop for KernelsOff {
     }
 }
 
+/// Only `kernels` of the GPU's paths on while it lives, all on again when it goes (a failing
+/// test included).
+pub(crate) struct KernelsOnly;
+
+impl KernelsOnly {
+    pub(crate) fn new(kernels: &[kiln_models::cube::GpuKernel]) -> Self {
+        kiln_models::cube::set_kernels(kernels);
+        Self
+    }
+}
+
+impl Drop for KernelsOnly {
+    fn drop(&mut self) {
+        kiln_models::cube::set_enabled(true);
+    }
+}
+
 /// Values in [-1, 1) from a seed, the same on every device.
 pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

@@ -10,8 +10,8 @@ use std::process::Output;
 
 use crate::common::{assert_one_line_error, summary, temp_dir, train_bin_kept, train_losses};
 use crate::kernels::{
-    F32, KernelsOff, SWITCH, Way, assert_attention_close, attention_and_grads, embedding_and_grad,
-    kernels_mask, linear_and_grads, packed_starts, values,
+    F32, KernelsOff, KernelsOnly, SWITCH, Way, assert_attention_close, attention_and_grads,
+    embedding_and_grad, kernels_mask, linear_and_grads, packed_starts, values,
 };
 
 /// The relative difference allowed between a WGPU loss and the CPU's at the same step, in f32:
@@ -687,12 +687,13 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
 /// The Linear on WGPU, its weight's gradient summed by parts of the rows
 /// (`kiln_models::cube::linear`, `product` for a tied head's transposed table), against Burn's
 /// on the CPU: the output and the gradients of the input, weight and bias within 1e-5
-/// relative; turned off alone (`set_kernels`), one product again.
+/// relative; turned off alone (`set_kernels`), or for a quantized weight, one product again,
+/// and on with another path turned off.
 #[test]
 #[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
 fn the_linear_by_parts_gives_burns_output_and_gradients_on_wgpu() {
     use burn::prelude::*;
-    use kiln_models::cube::{GpuKernel, linear_parts, set_kernels};
+    use kiln_models::cube::{GpuKernel, linear_parts};
     let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let wgpu = wgpu_device();
     let cpu = burn::prelude::Device::flex();
@@ -731,11 +732,22 @@ fn the_linear_by_parts_gives_burns_output_and_gradients_on_wgpu() {
             .filter(|x| *x != k)
             .collect::<Vec<_>>()
     };
-    set_kernels(&all_but(GpuKernel::Linear));
     let device = wgpu.clone().autodiff();
     let x = Tensor::<2>::zeros([1_024, 24], &device);
     let w = Tensor::<2>::zeros([24, 40], &device);
-    let off = linear_parts(&x, &w);
-    set_kernels(&GpuKernel::ALL);
-    assert_eq!(off, 1, "the Linear's path turned off still cuts");
+    {
+        let _only = KernelsOnly::new(&all_but(GpuKernel::Linear));
+        let off = linear_parts(&x, &w);
+        assert_eq!(off, 1, "the Linear's path turned off still cuts");
+    }
+    {
+        // Another path off leaves the Linear's on.
+        let _only = KernelsOnly::new(&all_but(GpuKernel::Attention));
+        let on = linear_parts(&x, &w);
+        assert!(on > 1, "the attention's switch turned the Linear's off");
+    }
+    // A quantized weight stays one product (Burn's keeps it packed).
+    let scheme = burn::tensor::quantization::QuantScheme::default();
+    let packed = Tensor::<2>::ones([24, 40], &device).quantize_dynamic(&scheme);
+    assert_eq!(linear_parts(&x, &packed), 1, "a quantized weight is cut");
 }

@@ -104,8 +104,8 @@ fn on_cube(device: &Device) -> bool {
     }
 }
 
-/// Whether the embedding's and attention's GPU kernels take tensors of this dtype on this
-/// device: f32, bf16 or f16 on a CubeCL device, the kernels on.
+/// Whether this module's GPU paths may take tensors of this dtype on this device: f32, bf16 or
+/// f16 on a CubeCL device, one of the paths on (each checks its own switch besides).
 pub fn kernels_here(dtype: DType, device: &Device) -> bool {
     enabled() && matches!(dtype, DType::F32 | DType::BF16 | DType::F16) && on_cube(device)
 }
@@ -228,11 +228,12 @@ pub fn attention(
 }
 
 /// The parts [`linear`] sums the gradient of `weight` (`[in, out]`) by for `x` (`[rows, in]`):
-/// [`weight_parts`] where the Linear's path is on, on a CubeCL device; else 1 (one product, as
-/// Burn's). A forward without gradients is cut the same way, so that validation runs the
-/// products training tuned.
+/// [`weight_parts`] where the Linear's path is on, on a CubeCL device, for a float weight; else
+/// 1 (one product, as Burn's, which keeps a quantized weight packed). A forward without
+/// gradients is cut the same way, so that validation runs the products training tuned.
 pub fn linear_parts(x: &Tensor<2>, weight: &Tensor<2>) -> usize {
-    if !(kernel_on(GpuKernel::Linear) && kernels_here(x.dtype(), &x.device())) {
+    let float = matches!(weight.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    if !(float && kernel_on(GpuKernel::Linear) && kernels_here(x.dtype(), &x.device())) {
         return 1;
     }
     let ([rows, inputs], outputs) = (x.dims(), weight.dims()[1]);

@@ -399,8 +399,7 @@ impl Gpt2 {
                 let [b, t, c] = x.dims();
                 let weight = self.transformer.wte.weight.val();
                 let vocab = weight.dims()[0];
-                x.reshape([b * t, c])
-                    .matmul(weight.transpose())
+                crate::cube::product(x.reshape([b * t, c]), weight.transpose())
                     .reshape([b, t, vocab])
             }
         }

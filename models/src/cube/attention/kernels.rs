@@ -66,13 +66,15 @@ fn first_key<I: Numeric>(
     first
 }
 
-/// Rows `row0 ..` of a `[t, d]` slab at `base` into `tile` (`rows × d`, in the arithmetic's
-/// float type), zeros past `t`; every unit of the cube takes part, consecutive units
-/// consecutive floats.
+/// Rows `row0 ..` of a `[t, d]` slab at `base`, its rows `stride` apart, into `tile` (`rows ×
+/// d`, in the arithmetic's float type), zeros past `t`; every unit of the cube takes part,
+/// consecutive units consecutive floats.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn load_tile<E: Float, F: Float>(
     from: &Tensor<E>,
     base: usize,
+    stride: usize,
     row0: usize,
     t: usize,
     scale: F,
@@ -85,11 +87,18 @@ fn load_tile<E: Float, F: Float>(
         let row = row0 + idx / d;
         let mut x = F::new(0.0);
         if row < t {
-            x = F::cast_from(from[base + row * d + idx % d]) * scale;
+            x = F::cast_from(from[base + row * stride + idx % d]) * scale;
         }
         tile[idx] = x;
         idx += rows;
     }
+}
+
+/// Where row `i` of head `h` of batch row `b` starts in `x` (`[B, H, T, D]` in any layout whose
+/// last dimension is contiguous).
+#[cube]
+fn row_start<E: Float>(x: &Tensor<E>, b: usize, h: usize, i: usize) -> usize {
+    b * x.stride(0) + h * x.stride(1) + i * x.stride(2)
 }
 
 /// A cube per (query tile, head, batch row), a unit per query row: the online softmax over
@@ -118,7 +127,8 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
     let i = row0 + UNIT_POS_X as usize;
     let live = i < t;
     let row_at = (b * heads + h) * t + i;
-    let kv_base = (b * kv_heads + hk) * t * d;
+    let q_at = row_start::<E>(q, b, h, i);
+    let (k_base, v_base) = (row_start::<E>(k, b, hk, 0), row_start::<E>(v, b, hk, 0));
     let scale = F::cast_from(scale);
     let mut qr = Array::<F>::new(d);
     let mut acc = Array::<F>::new(d);
@@ -126,7 +136,7 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
     for c in 0..d {
         let mut x = F::new(0.0);
         if live {
-            x = F::cast_from(q[row_at * d + c]) * scale;
+            x = F::cast_from(q[q_at + c]) * scale;
         }
         qr[c] = x;
         acc[c] = F::new(0.0);
@@ -149,8 +159,28 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
     let tiles = last.div_ceil(rows);
     for kt in 0..tiles {
         let key0 = kt * rows;
-        load_tile::<E, F>(k, kv_base, key0, t, F::new(1.0), &mut ks, rows, d);
-        load_tile::<E, F>(v, kv_base, key0, t, F::new(1.0), &mut vs, rows, d);
+        load_tile::<E, F>(
+            k,
+            k_base,
+            k.stride(2),
+            key0,
+            t,
+            F::new(1.0),
+            &mut ks,
+            rows,
+            d,
+        );
+        load_tile::<E, F>(
+            v,
+            v_base,
+            v.stride(2),
+            key0,
+            t,
+            F::new(1.0),
+            &mut vs,
+            rows,
+            d,
+        );
         sync_cube();
         if live {
             let mut j = key0;
@@ -195,9 +225,10 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
     }
     if live {
         let inv = F::new(1.0) / l;
+        let out_at = b * out.stride(0) + h * out.stride(1) + i * out.stride(2);
         #[unroll]
         for c in 0..d {
-            out[row_at * d + c] = E::cast_from(acc[c] * inv);
+            out[out_at + c] = E::cast_from(acc[c] * inv);
         }
         lse[row_at] = m + l.ln();
     }
@@ -233,7 +264,12 @@ pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
     let i = row0 + UNIT_POS_X as usize;
     let live = i < t;
     let row_at = (b * heads + h) * t + i;
-    let kv_base = (b * kv_heads + hk) * t * d;
+    let (q_at, o_at, g_at) = (
+        row_start::<E>(q, b, h, i),
+        row_start::<E>(out, b, h, i),
+        row_start::<E>(dout, b, h, i),
+    );
+    let (k_base, v_base) = (row_start::<E>(k, b, hk, 0), row_start::<E>(v, b, hk, 0));
     let scale = F::cast_from(scale);
     let mut qr = Array::<F>::new(d);
     let mut gr = Array::<F>::new(d);
@@ -248,9 +284,9 @@ pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
         let mut x = F::new(0.0);
         let mut g = F::new(0.0);
         if live {
-            x = F::cast_from(q[row_at * d + c]) * scale;
-            g = F::cast_from(dout[row_at * d + c]);
-            di += g * F::cast_from(out[row_at * d + c]);
+            x = F::cast_from(q[q_at + c]) * scale;
+            g = F::cast_from(dout[g_at + c]);
+            di += g * F::cast_from(out[o_at + c]);
         }
         qr[c] = x;
         gr[c] = g;
@@ -274,8 +310,28 @@ pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
     let tiles = last.div_ceil(rows);
     for kt in 0..tiles {
         let key0 = kt * rows;
-        load_tile::<E, F>(k, kv_base, key0, t, F::new(1.0), &mut ks, rows, d);
-        load_tile::<E, F>(v, kv_base, key0, t, F::new(1.0), &mut vs, rows, d);
+        load_tile::<E, F>(
+            k,
+            k_base,
+            k.stride(2),
+            key0,
+            t,
+            F::new(1.0),
+            &mut ks,
+            rows,
+            d,
+        );
+        load_tile::<E, F>(
+            v,
+            v_base,
+            v.stride(2),
+            key0,
+            t,
+            F::new(1.0),
+            &mut vs,
+            rows,
+            d,
+        );
         sync_cube();
         if live {
             let mut j = key0;
@@ -309,9 +365,10 @@ pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
         sync_cube();
     }
     if live {
+        let dq_at = b * dq.stride(0) + h * dq.stride(1) + i * dq.stride(2);
         #[unroll]
         for c in 0..d {
-            dq[row_at * d + c] = E::cast_from(acc[c] * scale);
+            dq[dq_at + c] = E::cast_from(acc[c] * scale);
         }
     }
 }
@@ -345,7 +402,7 @@ pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
     let key0 = CUBE_POS_X as usize * rows;
     let j = key0 + UNIT_POS_X as usize;
     let live = j < t;
-    let key_at = (b * kv_heads + hk) * t + j;
+    let (k_at, v_at) = (row_start::<E>(k, b, hk, j), row_start::<E>(v, b, hk, j));
     let scale = F::cast_from(scale);
     let mut kr = Array::<F>::new(d);
     let mut vr = Array::<F>::new(d);
@@ -356,8 +413,8 @@ pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
         let mut x = F::new(0.0);
         let mut y = F::new(0.0);
         if live {
-            x = F::cast_from(k[key_at * d + c]);
-            y = F::cast_from(v[key_at * d + c]);
+            x = F::cast_from(k[k_at + c]);
+            y = F::cast_from(v[v_at + c]);
         }
         kr[c] = x;
         vr[c] = y;
@@ -372,6 +429,7 @@ pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
     for g in 0..group {
         let h = hk * group + g;
         let head_rows = (b * heads + h) * t;
+        let (q_base, g_base) = (row_start::<E>(q, b, h, 0), row_start::<E>(dout, b, h, 0));
         let mut hash = 0u32;
         if dropping {
             hash = head_hash(&drop, b, h);
@@ -379,8 +437,9 @@ pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
         // The query tiles from this cube's first key on: earlier rows see none of its keys.
         for qt in CUBE_POS_X as usize..tiles {
             let q0 = qt * rows;
-            load_tile::<E, F>(q, head_rows * d, q0, t, scale, &mut qs, rows, d);
-            load_tile::<E, F>(dout, head_rows * d, q0, t, F::new(1.0), &mut gs, rows, d);
+            load_tile::<E, F>(q, q_base, q.stride(2), q0, t, scale, &mut qs, rows, d);
+            let one = F::new(1.0);
+            load_tile::<E, F>(dout, g_base, dout.stride(2), q0, t, one, &mut gs, rows, d);
             sync_cube();
             if live {
                 let mut i = q0;
@@ -430,10 +489,12 @@ pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
         }
     }
     if live {
+        let dk_at = b * dk.stride(0) + hk * dk.stride(1) + j * dk.stride(2);
+        let dv_at = b * dv.stride(0) + hk * dv.stride(1) + j * dv.stride(2);
         #[unroll]
         for c in 0..d {
-            dk[key_at * d + c] = E::cast_from(gk[c]);
-            dv[key_at * d + c] = E::cast_from(gv[c]);
+            dk[dk_at + c] = E::cast_from(gk[c]);
+            dv[dv_at + c] = E::cast_from(gv[c]);
         }
     }
 }

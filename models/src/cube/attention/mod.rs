@@ -16,6 +16,13 @@
 //!   attention — summed in the unit). Every gradient element is written once by one unit: no
 //!   atomics, the result independent of timing.
 //!
+//! The kernels read q, k, v, the output and its gradient where they lie: any layout whose last
+//! dimension is contiguous (the GPT's q, k and v are views of its packed `[B, T, 3C]`
+//! projection). They write the output and the three gradients with each position's heads side
+//! by side (`[B, T, H, D]` seen as `[B, H, T, D]`), the layout the models put the heads back into:
+//! on an H200 the GPT GPU recipe's copies into and out of `[B, H, T, D]` were eleven kernels a
+//! layer, 0.44 ms of it (BENCHMARKS.md).
+//!
 //! Query heads may be a multiple of the key/value heads (grouped-query attention): a query head
 //! `h` reads key head `h / (H / KV)`, nothing repeated in memory. `starts` restricts each row to
 //! its packed document, as the CPU's kernel does.
@@ -34,7 +41,7 @@ use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_
 use burn::tensor::{DType, Shape};
 use burn_backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::CubeBackend;
-use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::kernel::{into_contiguous, untile};
 use burn_cubecl::ops::numeric::{empty_device_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
@@ -194,6 +201,29 @@ fn dims(q: &CubeTensor, k: &CubeTensor, v: &CubeTensor) -> [usize; 5] {
     [b, h, kv, t, d]
 }
 
+/// `x` as the kernels read it: as it is where its last dimension is contiguous (a head's rows
+/// may lie any distance apart: a view of the GPT's packed projection, a transposed output), else
+/// a contiguous copy.
+fn rows_contiguous(x: CubeTensor) -> CubeTensor {
+    let x = untile(x);
+    let strides = x.meta.strides();
+    if strides[strides.len() - 1] == 1 {
+        x
+    } else {
+        into_contiguous(x)
+    }
+}
+
+/// An uninitialised `[B, H, T, D]` tensor laid out as `[B, T, H, D]`, each position's heads side
+/// by side: the models' `swap_dims(1, 2)` and reshape to `[B, T, H·D]` then read it as it is,
+/// and a gradient of q, k or v goes back into the packed projection's layout without a copy.
+fn heads_in_rows(like: &CubeTensor, [b, h, t, d]: [usize; 4]) -> CubeTensor {
+    let (client, device) = (like.client.clone(), like.device.clone());
+    let mut x = empty_device_dtype(client, device, Shape::new([b, t, h, d]), like.dtype);
+    x.meta.swap(1, 2);
+    x
+}
+
 /// `starts` as the kernels read it, and whether it restricts the rows: an empty tensor becomes
 /// one element (a binding may not be empty) that the kernels do not read.
 fn starts_arg(starts: CubeTensor, like: &CubeTensor) -> (CubeTensor, bool) {
@@ -219,11 +249,11 @@ impl CubeAttentionOps for CubeBackend {
         scale: f32,
         drop: AttentionDropout,
     ) -> (CubeTensor, CubeTensor) {
-        let [q, k, v] = [q, k, v].map(into_contiguous);
+        let [q, k, v] = [q, k, v].map(rows_contiguous);
         let [b, h, _, t, d] = dims(&q, &k, &v);
         let (starts, within) = starts_arg(starts, &q);
         let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
-        let out = empty_device_dtype(client.clone(), device.clone(), q.shape(), dtype);
+        let out = heads_in_rows(&q, [b, h, t, d]);
         let lse = empty_device_dtype(client.clone(), device, Shape::new([b, h, t]), DType::F32);
         let rows = rows_on(d, client.properties().hardware.max_units_per_cube);
         let index_dtype = starts.dtype;
@@ -263,7 +293,8 @@ impl CubeAttentionOps for CubeBackend {
         scale: f32,
         drop: AttentionDropout,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
-        let [q, k, v, out, dout, lse] = [q, k, v, out, dout, lse].map(into_contiguous);
+        let [q, k, v, out, dout] = [q, k, v, out, dout].map(rows_contiguous);
+        let lse = into_contiguous(lse);
         let [b, h, kv, t, d] = dims(&q, &k, &v);
         // The kernels read the six in two types: q, k, v, the output and its gradient in one.
         let stored = [&k, &v, &out, &dout].map(|x| x.dtype);
@@ -279,9 +310,9 @@ impl CubeAttentionOps for CubeBackend {
         let empty =
             |shape: Shape, dtype| empty_device_dtype(client.clone(), device.clone(), shape, dtype);
         let (dq, dk, dv) = (
-            empty(q.shape(), dtype),
-            empty(k.shape(), dtype),
-            empty(k.shape(), dtype),
+            heads_in_rows(&q, [b, h, t, d]),
+            heads_in_rows(&q, [b, kv, t, d]),
+            heads_in_rows(&q, [b, kv, t, d]),
         );
         // δ_i = dout_i · out_i, a float per row: the dq kernel computes it and writes it here
         // for the dk/dv kernel, which runs after it.
