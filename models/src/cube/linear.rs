@@ -33,9 +33,9 @@ const TILE: usize = 128;
 const TILES_AIMED: usize = 512;
 
 /// The parts a weight's gradient over `rows` rows of `inputs` → `outputs` is summed by: the
-/// fewest powers of two that give [`TILES_AIMED`] output tiles of `TILE` × `TILE`, each part
-/// [`LEAST_PART_ROWS`] rows at least and dividing `rows`, [`MOST_PARTIAL`] partial elements at
-/// most. 1: one product, as Burn's.
+/// fewest powers of two that give 512 output tiles of 128 × 128 together, each part
+/// [`LEAST_PART_ROWS`] rows at least and dividing `rows`, 2²³ partial elements at most.
+/// 1: one product, as Burn's.
 pub fn weight_parts(rows: usize, inputs: usize, outputs: usize) -> usize {
     let tiles = inputs.div_ceil(TILE) * outputs.div_ceil(TILE);
     let aimed = TILES_AIMED.div_ceil(tiles.max(1));
