@@ -8,24 +8,8 @@ use burn::tensor::{DType, FloatDType};
 /// Held by a test while it turns the GPU kernels off and on (the switch is the process's).
 pub(crate) static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// The GPU kernels off while it lives, on again when it goes (a failing test included).
-pub(crate) struct KernelsOff;
-
-impl KernelsOff {
-    pub(crate) fn new() -> Self {
-        kiln_models::cube::set_enabled(false);
-        Self
-    }
-}
-
-impl Drop for KernelsOff {
-    fn drop(&mut self) {
-        kiln_models::cube::set_enabled(true);
-    }
-}
-
-/// Only `kernels` of the GPU's paths on while it lives, all on again when it goes (a failing
-/// test included).
+/// Only `kernels` of the GPU's paths on while it lives (none: Burn's ops throughout), all on
+/// again when it goes (a failing test included).
 pub(crate) struct KernelsOnly;
 
 impl KernelsOnly {
@@ -107,12 +91,13 @@ pub(crate) fn embedding_and_grad(
 
 /// The Linear's output and the gradients of its input, weight and bias through `upstream`, on
 /// `device` in f32, by `kiln_models::cube::linear` (`[rows, in]` by `[in, out]`); `tied`: by
-/// `cube::product` with a `[out, in]` table seen transposed, as a tied head's (no bias).
+/// `cube::product` with a `[out, in]` table seen transposed, as a tied head's: the output and
+/// the gradients of the input and the table (no bias).
 pub(crate) fn linear_and_grads(
     device: &Device,
     (rows, inputs, outputs): (usize, usize, usize),
     tied: bool,
-) -> [Vec<f32>; 4] {
+) -> Vec<Vec<f32>> {
     let device = device.clone().autodiff();
     let x = input(21, [rows, inputs], &device, F32).require_grad();
     let (w, b) = (
@@ -128,15 +113,16 @@ pub(crate) fn linear_and_grads(
     let upstream = input(25, [rows, outputs], &device, F32);
     let grads = (y.clone() * upstream).sum().backward();
     let grad = |t: &Tensor<2>| floats(t.grad(&grads).expect("a gradient").into_data());
-    let (dw, db) = if tied {
-        (grad(&table), Vec::new())
+    let mut out = vec![floats(y.into_data()), grad(&x)];
+    if tied {
+        out.push(grad(&table));
     } else {
-        (
-            grad(&w),
-            floats(b.grad(&grads).expect("the bias's gradient").into_data()),
-        )
-    };
-    [floats(y.into_data()), grad(&x), dw, db]
+        out.push(grad(&w));
+        out.push(floats(
+            b.grad(&grads).expect("the bias's gradient").into_data(),
+        ));
+    }
+    out
 }
 
 /// How [`attention_and_grads`] computes: the GPU's kernels through `fused::attention_within`
@@ -305,11 +291,27 @@ pub(crate) fn assert_attention_close(
     other: &[Vec<f32>; 4],
     tolerance: f32,
 ) -> f32 {
+    let which = ["output", "dq", "dk", "dv"];
+    assert_all_close(case, &which, kernel, name, other, tolerance)
+}
+
+/// Each of `kernel`'s tensors (named by `which`) within `tolerance` times the largest value of
+/// `other`'s tensor of that name, none all zeros; the largest difference found, in those units.
+pub(crate) fn assert_all_close(
+    case: &str,
+    which: &[&str],
+    kernel: &[Vec<f32>],
+    name: &str,
+    other: &[Vec<f32>],
+    tolerance: f32,
+) -> f32 {
+    assert_eq!(
+        (kernel.len(), other.len()),
+        (which.len(), which.len()),
+        "{case}: tensors against names"
+    );
     let mut worst = 0f32;
-    for (which, (a, b)) in ["output", "dq", "dk", "dv"]
-        .iter()
-        .zip(kernel.iter().zip(other))
-    {
+    for (which, (a, b)) in which.iter().zip(kernel.iter().zip(other)) {
         assert_eq!(
             a.len(),
             b.len(),

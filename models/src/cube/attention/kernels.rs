@@ -66,15 +66,13 @@ fn first_key<I: Numeric>(
     first
 }
 
-/// Rows `row0 ..` of a `[t, d]` slab at `base`, its rows `stride` apart, into `tile` (`rows ×
-/// d`, in the arithmetic's float type), zeros past `t`; every unit of the cube takes part,
-/// consecutive units consecutive floats.
+/// Rows `row0 ..` of a `[t, d]` slab at `base` (a head's rows, `from.stride(2)` apart) into
+/// `tile` (`rows × d`, in the arithmetic's float type), zeros past `t`; every unit of the cube
+/// takes part, consecutive units consecutive floats.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn load_tile<E: Float, F: Float>(
     from: &Tensor<E>,
     base: usize,
-    stride: usize,
     row0: usize,
     t: usize,
     scale: F,
@@ -82,6 +80,7 @@ fn load_tile<E: Float, F: Float>(
     #[comptime] rows: usize,
     #[comptime] d: usize,
 ) {
+    let stride = from.stride(2);
     let mut idx = UNIT_POS_X as usize;
     while idx < rows * d {
         let row = row0 + idx / d;
@@ -159,28 +158,8 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
     let tiles = last.div_ceil(rows);
     for kt in 0..tiles {
         let key0 = kt * rows;
-        load_tile::<E, F>(
-            k,
-            k_base,
-            k.stride(2),
-            key0,
-            t,
-            F::new(1.0),
-            &mut ks,
-            rows,
-            d,
-        );
-        load_tile::<E, F>(
-            v,
-            v_base,
-            v.stride(2),
-            key0,
-            t,
-            F::new(1.0),
-            &mut vs,
-            rows,
-            d,
-        );
+        load_tile::<E, F>(k, k_base, key0, t, F::new(1.0), &mut ks, rows, d);
+        load_tile::<E, F>(v, v_base, key0, t, F::new(1.0), &mut vs, rows, d);
         sync_cube();
         if live {
             let mut j = key0;
@@ -310,28 +289,8 @@ pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
     let tiles = last.div_ceil(rows);
     for kt in 0..tiles {
         let key0 = kt * rows;
-        load_tile::<E, F>(
-            k,
-            k_base,
-            k.stride(2),
-            key0,
-            t,
-            F::new(1.0),
-            &mut ks,
-            rows,
-            d,
-        );
-        load_tile::<E, F>(
-            v,
-            v_base,
-            v.stride(2),
-            key0,
-            t,
-            F::new(1.0),
-            &mut vs,
-            rows,
-            d,
-        );
+        load_tile::<E, F>(k, k_base, key0, t, F::new(1.0), &mut ks, rows, d);
+        load_tile::<E, F>(v, v_base, key0, t, F::new(1.0), &mut vs, rows, d);
         sync_cube();
         if live {
             let mut j = key0;
@@ -437,9 +396,8 @@ pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
         // The query tiles from this cube's first key on: earlier rows see none of its keys.
         for qt in CUBE_POS_X as usize..tiles {
             let q0 = qt * rows;
-            load_tile::<E, F>(q, q_base, q.stride(2), q0, t, scale, &mut qs, rows, d);
-            let one = F::new(1.0);
-            load_tile::<E, F>(dout, g_base, dout.stride(2), q0, t, one, &mut gs, rows, d);
+            load_tile::<E, F>(q, q_base, q0, t, scale, &mut qs, rows, d);
+            load_tile::<E, F>(dout, g_base, q0, t, F::new(1.0), &mut gs, rows, d);
             sync_cube();
             if live {
                 let mut i = q0;
