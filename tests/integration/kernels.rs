@@ -125,6 +125,55 @@ pub(crate) fn linear_and_grads(
     out
 }
 
+/// A LayerNorm (with its shift) or an RMSNorm over `[b, t, c]` through the models' path
+/// (`fused::layer_norm`/`rms_norm`: on a GPU the scale by parts of the rows) or through Burn's
+/// module (`burn`): the output and the gradients of x, γ (and β) under a weighted sum.
+pub(crate) fn norm_and_grads(
+    device: &Device,
+    [b, t, c]: [usize; 3],
+    rms: bool,
+    burn: bool,
+) -> Vec<Vec<f32>> {
+    use burn::module::Param;
+    let device = device.clone().autodiff();
+    let x = input(31, [b, t, c], &device, F32).require_grad();
+    let gamma = Param::from_tensor(input(32, [c], &device, F32) + 1.0);
+    let beta = Param::from_tensor(input(33, [c], &device, F32));
+    let upstream = input(34, [b, t, c], &device, F32);
+    let (y, params) = if rms {
+        let mut norm = burn::nn::RmsNormConfig::new(c).init(&device);
+        norm.gamma = gamma;
+        let y = if burn {
+            norm.forward(x.clone())
+        } else {
+            kiln_models::fused::rms_norm(&norm, x.clone())
+        };
+        (y, vec![norm.gamma.val()])
+    } else {
+        let mut norm = burn::nn::LayerNormConfig::new(c).init(&device);
+        norm.gamma = gamma;
+        norm.beta = Some(beta);
+        let y = if burn {
+            norm.forward(x.clone())
+        } else {
+            kiln_models::fused::layer_norm(&norm, 1e-5, x.clone())
+        };
+        let beta = norm.beta.as_ref().expect("a shift").val();
+        (y, vec![norm.gamma.val(), beta])
+    };
+    let grads = (y.clone() * upstream).sum().backward();
+    let mut out = vec![
+        floats(y.into_data()),
+        floats(x.grad(&grads).expect("x's gradient").into_data()),
+    ];
+    for p in params {
+        out.push(floats(
+            p.grad(&grads).expect("a parameter's gradient").into_data(),
+        ));
+    }
+    out
+}
+
 /// How [`attention_and_grads`] computes: the GPU's kernels through `fused::attention_within`
 /// (a keyed forward's dropout when given), Burn's composed ops written out here (scores, mask,
 /// softmax, the given dropout mask, the product), or the CPU's fused kernel.

@@ -11,7 +11,7 @@ use std::process::Output;
 use crate::common::{assert_one_line_error, summary, temp_dir, train_bin_kept, train_losses};
 use crate::kernels::{
     F32, KernelsOnly, SWITCH, Way, assert_all_close, assert_attention_close, attention_and_grads,
-    embedding_and_grad, kernels_mask, linear_and_grads, packed_starts, values,
+    embedding_and_grad, kernels_mask, linear_and_grads, norm_and_grads, packed_starts, values,
 };
 
 /// The relative difference allowed between a WGPU loss and the CPU's at the same step, in f32:
@@ -594,11 +594,12 @@ fn assert_close(kernel: &Named, others: &[(&str, &Named)], decay: f64) {
 /// the scores from each row's log-sum-exp, dropout's mask from its seed) against Burn's
 /// composed ops on the CPU and the CPU's fused kernel: the output and the gradients of q, k
 /// and v within 1e-5 of each tensor's largest value. The cases: a time that is no whole number
-/// of tiles (70 rows in tiles of 64, 45 in tiles of 32, 37 in tiles of 16, 20 in one of 64),
-/// grouped-query heads (4 query heads on 2 key/value heads), rows restricted to their packed
-/// documents, head widths of 16, 24, 64 and 128; dropout on the weights of a keyed forward (the
-/// composed ops given the kernels' mask), of all heads, of a tensor-parallel rank's half of them
-/// and through the packed projection the GPT attends with. (Burn's composed ops on the adapter
+/// of tiles (70 rows in tiles of 64, 45 in tiles of 64 and of 32, 37 in tiles of 16, 20 in one
+/// of 64), grouped-query heads (4 query heads on 2 key/value heads), rows restricted to their
+/// packed documents, head widths of 6 (no whole number of the kernels' vectors of four), 16,
+/// 24, 64 and 128; dropout on the weights of a keyed forward (the composed ops given the
+/// kernels' mask), of all heads, of a tensor-parallel rank's half of them and through the
+/// packed projection the GPT attends with. (Burn's composed ops on the adapter
 /// itself are left out: their matrix products' autotuning in a test process has hung on
 /// llvmpipe; the GPT's run on WGPU in `the_convnet_and_the_gpt_on_wgpu_…` takes them.)
 #[test]
@@ -609,8 +610,10 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
     let wgpu = wgpu_device();
     let cpu = burn::prelude::Device::flex();
     let packed = packed_starts(70);
-    let cases: [([usize; 5], Option<&[i64]>); 6] = [
+    let cases: [([usize; 5], Option<&[i64]>); 7] = [
         ([2, 3, 3, 70, 16], None),
+        // A head of 6 floats: the kernels' rows are vectors of four, the last one padded.
+        ([1, 2, 1, 45, 6], None),
         ([2, 4, 2, 70, 24], None),
         ([2, 4, 2, 70, 24], Some(&packed)),
         ([1, 2, 1, 45, 64], None),
@@ -682,6 +685,39 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
         &composed,
         1e-5,
     );
+}
+
+/// LayerNorm and RMSNorm on WGPU through the models' path, their scale's (and shift's)
+/// gradient summed by parts of the rows (`kiln_models::cube::layer_norm_by_parts`,
+/// `rms_norm_by_parts`), against Burn's modules on the CPU: the output and the gradients of
+/// x, γ and β within 1e-5 relative; turned off alone, Burn's norm again.
+#[test]
+#[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
+fn the_norms_by_parts_give_burns_output_and_gradients_on_wgpu() {
+    use burn::prelude::*;
+    use kiln_models::cube::{GpuKernel, norm_parts};
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let wgpu = wgpu_device();
+    let cpu = burn::prelude::Device::flex();
+    let dims = [4, 256, 24];
+    let x = Tensor::<3>::zeros(dims, &wgpu.clone().autodiff());
+    let parts = norm_parts(&x);
+    assert_eq!(parts, 4, "{dims:?}: {parts} parts");
+    for (rms, which) in [
+        (false, &["output", "dx", "dgamma", "dbeta"][..]),
+        (true, &["output", "dx", "dgamma"][..]),
+    ] {
+        let split = norm_and_grads(&wgpu, dims, rms, false);
+        let burn = norm_and_grads(&cpu, dims, rms, true);
+        let case = format!("{dims:?} rms {rms} in {parts} parts");
+        assert_all_close(&case, which, &split, "Burn's on the CPU", &burn, 1e-5);
+    }
+    let all_but_norm: Vec<_> = GpuKernel::ALL
+        .into_iter()
+        .filter(|x| *x != GpuKernel::Norm)
+        .collect();
+    let _only = KernelsOnly::new(&all_but_norm);
+    assert_eq!(norm_parts(&x), 1, "the norms' path turned off still cuts");
 }
 
 /// The Linear on WGPU, its weight's gradient summed by parts of the rows

@@ -14,6 +14,9 @@
 //! - [`linear`]: not a kernel of its own but Burn's products arranged so that the weight's
 //!   gradient is summed by parts of the rows (`linear.rs`), where Burn's is one product with
 //!   few output tiles walking every row.
+//! - [`layer_norm_by_parts`], [`rms_norm_by_parts`]: not kernels either but Burn's norms with
+//!   the scale's gradient summed by parts of the rows (`norm.rs`), where Burn's is one column
+//!   sum over every row.
 //!
 //! Each may be turned off alone ([`set_kernels`], `hardware.gpu_kernels`).
 //!
@@ -27,6 +30,7 @@ mod adamw;
 mod attention;
 mod embedding;
 mod linear;
+mod norm;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -40,6 +44,7 @@ pub use adamw::{AdamStep, CubeAdamWOps};
 pub use attention::{AttentionDropout, CubeAttentionOps, MOST_HEAD_WIDTH, tile_rows};
 pub use embedding::{CubeEmbeddingOps, ROWS_PER_PART, parts};
 pub use linear::{LEAST_PART_ROWS, linear_by_parts, weight_parts};
+pub use norm::{layer_norm_by_parts, norm_row_parts, rms_norm_by_parts, scale_by_parts};
 
 /// One of this module's GPU paths, each of which may be turned off alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -53,15 +58,18 @@ pub enum GpuKernel {
     Adamw,
     /// The Linear's weight gradient summed by parts of the rows ([`linear`]).
     Linear,
+    /// The norms' scale gradient summed by parts of the rows ([`norm_parts`]).
+    Norm,
 }
 
 impl GpuKernel {
     /// Every one, in the order of the enum.
-    pub const ALL: [GpuKernel; 4] = [
+    pub const ALL: [GpuKernel; 5] = [
         GpuKernel::Embedding,
         GpuKernel::Attention,
         GpuKernel::Adamw,
         GpuKernel::Linear,
+        GpuKernel::Norm,
     ];
 
     fn bit(self) -> u8 {
@@ -70,7 +78,7 @@ impl GpuKernel {
 }
 
 /// The kernels on, a bit each ([`GpuKernel::bit`]).
-static KERNELS: AtomicU8 = AtomicU8::new(0b1111);
+static KERNELS: AtomicU8 = AtomicU8::new(0b1_1111);
 
 /// Turns every GPU kernel on or off for the whole process (on by default). Off, every function
 /// of this module runs the Burn ops it replaces: the switch compares the two.
@@ -238,6 +246,16 @@ pub fn linear_parts(x: &Tensor<2>, weight: &Tensor<2>) -> usize {
     }
     let ([rows, inputs], outputs) = (x.dims(), weight.dims()[1]);
     weight_parts(rows, inputs, outputs)
+}
+
+/// The parts a norm over `x`'s last dimension sums its scale's gradient by:
+/// [`norm_row_parts`] where the norms' path is on, on a CubeCL device; else 1 (Burn's norm).
+pub fn norm_parts<const D: usize>(x: &Tensor<D>) -> usize {
+    if !(kernel_on(GpuKernel::Norm) && kernels_here(x.dtype(), &x.device())) {
+        return 1;
+    }
+    let c = x.dims()[D - 1].max(1);
+    norm_row_parts(x.shape().num_elements() / c)
 }
 
 /// `x · weight + bias` over the rows of `x` (`[rows, in]`, `weight` `[in, out]`): where

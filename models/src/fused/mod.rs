@@ -89,7 +89,10 @@ pub fn layer_norm<const D: usize>(norm: &LayerNorm, epsilon: f64, x: Tensor<D>) 
             .as_ref()
             .is_none_or(|b| b.val().dtype() == DType::F32);
     if !(fused_here(x.dtype(), &x.device()) && f32_params) {
-        return norm.forward(x);
+        return match crate::cube::norm_parts(&x) {
+            1 => norm.forward(x),
+            parts => crate::cube::layer_norm_by_parts(norm, epsilon, x, parts),
+        };
     }
     layer_norm_fused(x, gamma, norm.beta.as_ref().map(|b| b.val()), epsilon)
 }
@@ -114,7 +117,10 @@ fn layer_norm_fused<const D: usize>(
 pub fn rms_norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
     let gamma = norm.gamma.val();
     if !(fused_here(x.dtype(), &x.device()) && gamma.dtype() == DType::F32) {
-        return norm.forward(x);
+        return match crate::cube::norm_parts(&x) {
+            1 => norm.forward(x),
+            parts => crate::cube::rms_norm_by_parts(norm, x, parts),
+        };
     }
     Tensor::from_dispatch(<Dispatch as FusedOps>::fused_rms_norm(
         x.into_dispatch(),

@@ -96,8 +96,9 @@ pub struct HardwareConfig {
     /// With `fused_kernels` on, which of the GPU's paths run (`kiln_models::cube::GpuKernel`):
     /// `"embedding"` (the table's gradient by parts of the batch), `"attention"` (causal
     /// attention forward and backward as kernels), `"adamw"` (the update of a flat shard in
-    /// one pass), `"linear"` (a Linear's weight gradient summed by parts of the rows). One
-    /// left out runs Burn's composed ops, so that each is measured alone. Default: all four.
+    /// one pass), `"linear"` (a Linear's weight gradient summed by parts of the rows),
+    /// `"norm"` (LayerNorm's and RMSNorm's scale gradient summed by parts of the rows). One
+    /// left out runs Burn's composed ops, so that each is measured alone. Default: all five.
     pub gpu_kernels: Vec<GpuKernel>,
     /// Keep the planner's measurements (the probe's steps, the collectives' seconds) in the
     /// cache folder (`$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`) and
