@@ -85,6 +85,7 @@ pub fn linear_by_parts(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cube::test_values::{assert_close, numbers, values};
     use burn::tensor::TensorData;
 
     #[test]
@@ -105,20 +106,6 @@ mod tests {
         assert_eq!(weight_parts(rows, 4_096, 4_096), 1);
         // Where the tiles ask for more, the rows stop it (256 a part at least).
         assert_eq!(weight_parts(2_048, 64, 64), 8);
-    }
-
-    /// `n` numbers in [-1, 1) from `seed`.
-    fn numbers(n: usize, seed: u32) -> Vec<f32> {
-        (0..n as u32)
-            .map(|i| {
-                let x = (i ^ seed.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x85eb_ca6b);
-                ((x >> 8) as f32 / (1u32 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-        t.into_data().iter::<f32>().collect()
     }
 
     /// The output and the gradients of x, the weight and the bias of `f` under a weighted sum.
@@ -163,13 +150,7 @@ mod tests {
                 .iter()
                 .zip(split.iter().zip(&burn))
             {
-                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-                for (i, (p, q)) in a.iter().zip(b).enumerate() {
-                    assert!(
-                        (p - q).abs() <= 1e-5 * scale,
-                        "{shape:?} in {parts} parts, {name} element {i}: {p} against Burn's {q}"
-                    );
-                }
+                assert_close(&format!("{shape:?} in {parts} parts, {name}"), a, b);
             }
         }
     }

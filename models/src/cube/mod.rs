@@ -32,6 +32,9 @@ mod embedding;
 mod linear;
 mod norm;
 
+#[cfg(test)]
+mod test_values;
+
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use burn::backend::{Dispatch, DispatchDevice};

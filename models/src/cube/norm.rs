@@ -100,6 +100,7 @@ pub fn rms_norm_by_parts<const D: usize>(norm: &RmsNorm, x: Tensor<D>, parts: us
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cube::test_values::{assert_close, numbers, values};
     use burn::module::Param;
     use burn::nn::{LayerNormConfig, RmsNormConfig};
     use burn::tensor::TensorData;
@@ -113,32 +114,6 @@ mod tests {
         assert_eq!(norm_row_parts(768), 2);
         assert_eq!(norm_row_parts(257 * 2), 2);
         assert_eq!(norm_row_parts(1 << 20), 1024);
-    }
-
-    /// `n` numbers in [-1, 1) from `seed`.
-    fn numbers(n: usize, seed: u32) -> Vec<f32> {
-        (0..n as u32)
-            .map(|i| {
-                let x = (i ^ seed.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x85eb_ca6b);
-                ((x >> 8) as f32 / (1u32 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-        t.into_data().iter::<f32>().collect()
-    }
-
-    fn assert_close(case: &str, a: &[f32], b: &[f32]) {
-        assert_eq!(a.len(), b.len(), "{case}");
-        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-        assert!(scale > 0.0, "{case}: all zeros");
-        for (i, (p, q)) in a.iter().zip(b).enumerate() {
-            assert!(
-                (p - q).abs() <= 1e-5 * scale,
-                "{case}, element {i}: {p} against Burn's {q}"
-            );
-        }
     }
 
     /// Both norms by parts against Burn's modules on the CPU: the output and the gradients of
