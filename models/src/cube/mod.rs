@@ -44,7 +44,7 @@ use burn::tensor::{DType, TensorData};
 use serde::{Deserialize, Serialize};
 
 pub use adamw::{AdamStep, CubeAdamWOps};
-pub use attention::{AttentionDropout, CubeAttentionOps, MOST_HEAD_WIDTH, tile_rows};
+pub use attention::{AttentionDropout, CubeAttentionOps, MOST_HEAD_WIDTH};
 pub use embedding::{CubeEmbeddingOps, ROWS_PER_PART, parts};
 pub use linear::{LEAST_PART_ROWS, linear_by_parts, weight_parts};
 pub use norm::{layer_norm_by_parts, norm_row_parts, rms_norm_by_parts, scale_by_parts};

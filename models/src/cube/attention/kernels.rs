@@ -1,11 +1,13 @@
 //! The attention kernels themselves (see the module's page for what each computes): the
-//! forward's online softmax, `dq` by query rows, `dk` and `dv` by key rows, and the dropout mask
-//! each recomputes from its seed.
+//! forward's online softmax, `dq` by query tiles, `dk` and `dv` by key tiles, and the dropout
+//! mask each recomputes from its seed.
 //!
-//! A unit's rows and the cube's tiles are held as vectors of four floats ([`V`]): a row of `d`
-//! floats is `d / 4` vectors (rounded up, the last padded with zeros), and every read of a tile
-//! from shared memory — the same address for every unit of the cube — feeds four multiply-adds,
-//! where a float at a time fed one and shared memory's reads were what a step waited on.
+//! Each kernel's work is matrix products on tiles in shared memory, cut in blocks of 4 × 4: a
+//! unit computes 16 scores (4 rows × 4 keys, [`block_dots`]) and adds to 16 outputs (4 rows ×
+//! 4 columns, [`block_product`]). A block's rows are `rows / 4` apart, not side by side, so that
+//! the units of a warp read rows that lie in different banks of shared memory; a tile's row is
+//! padded by one vector for the same reason. Rows and sums are vectors of four floats ([`V`]):
+//! a row of `d` floats is `d / 4` vectors, rounded up, the last padded with zeros.
 
 use cubecl::prelude::*;
 
@@ -80,71 +82,19 @@ fn lanes<F: Float>(x: V<F>) -> F {
     (x.extract(0usize) + x.extract(1usize)) + (x.extract(2usize) + x.extract(3usize))
 }
 
-/// Zeros.
+/// A `[rows, d]` tile of a head's rows in shared memory, `d / 4` vectors a row (rounded up) and
+/// one more: rows a vector apart in memory's banks, so that units reading the same column of
+/// different rows do not wait on each other.
 #[cube]
-fn zeros<F: Float>(row: &mut Array<V<F>>, #[comptime] d: usize) {
-    #[unroll]
-    for c in 0..comptime!(d.div_ceil(4)) {
-        row[c] = V::<F>::new(F::new(0.0));
-    }
-}
-
-/// The `d` floats of `from` at `at`, times `scale`, into `row` (`d / 4` vectors rounded up);
-/// zeros past `d`, and all zeros where `!live`. (The two conditions stay apart: the first is
-/// decided as the kernel is expanded, the second as it runs.)
-#[cube]
-#[allow(clippy::collapsible_if)]
-fn load_row<E: Float, F: Float>(
-    from: &Tensor<E>,
-    at: usize,
-    live: bool,
-    scale: F,
-    row: &mut Array<V<F>>,
-    #[comptime] d: usize,
-) {
-    #[unroll]
-    for c4 in 0..comptime!(d.div_ceil(4)) {
-        let mut x = V::<F>::empty();
-        #[unroll]
-        for lane in 0..4 {
-            let mut y = F::new(0.0);
-            if comptime!(c4 * 4 + lane < d) {
-                if live {
-                    y = F::cast_from(from[at + comptime!(c4 * 4 + lane)]) * scale;
-                }
-            }
-            x.insert(lane, y);
-        }
-        row[c4] = x;
-    }
-}
-
-/// `row`'s `d` floats (`scale` times) to `to` at `at`.
-#[cube]
-fn store_row<E: Float, F: Float>(
-    row: &Array<V<F>>,
-    scale: F,
-    to: &mut Tensor<E>,
-    at: usize,
-    #[comptime] d: usize,
-) {
-    #[unroll]
-    for c4 in 0..comptime!(d.div_ceil(4)) {
-        let x = row[c4];
-        #[unroll]
-        for lane in 0..4 {
-            if comptime!(c4 * 4 + lane < d) {
-                to[at + comptime!(c4 * 4 + lane)] = E::cast_from(x.extract(lane) * scale);
-            }
-        }
-    }
+fn tile_at(row: usize, c4: usize, #[comptime] d: usize) -> usize {
+    row * comptime!(d.div_ceil(4) + 1) + c4
 }
 
 /// Rows `row0 ..` of a `[t, d]` slab at `base` (a head's rows, `from.stride(2)` apart) into
-/// `tile` (`rows` rows of `d / 4` vectors rounded up, in the arithmetic's float type), times
-/// `scale`, zeros past `t` and past `d`; every unit of the cube takes part, consecutive units
-/// consecutive vectors.
+/// `tile` ([`tile_at`]'s layout, in the arithmetic's float type), times `scale`, zeros past `t`
+/// and past `d`; the cube's `units` units take consecutive vectors.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn load_tile<E: Float, F: Float>(
     from: &Tensor<E>,
     base: usize,
@@ -154,52 +104,125 @@ fn load_tile<E: Float, F: Float>(
     tile: &mut [V<F>],
     #[comptime] rows: usize,
     #[comptime] d: usize,
+    #[comptime] units: usize,
 ) {
     let d4 = comptime!(d.div_ceil(4));
     let stride = from.stride(2);
     let mut idx = UNIT_POS_X as usize;
-    while idx < rows * d4 {
-        let row = row0 + idx / d4;
-        let c0 = (idx % d4) * 4;
-        let at = base + row * stride + c0;
+    while idx < comptime!(rows * d4) {
+        let row = idx / d4;
+        let c4 = idx % d4;
+        let at = base + (row0 + row) * stride + c4 * 4;
+        let live = row0 + row < t;
         let mut x = V::<F>::empty();
         #[unroll]
         for lane in 0..4 {
             let mut y = F::new(0.0);
-            if row < t && c0 + lane < d {
+            if live && c4 * 4 + lane < d {
                 y = F::cast_from(from[at + lane]) * scale;
             }
             x.insert(lane, y);
         }
-        tile[idx] = x;
-        idx += rows;
+        tile[tile_at(row, c4, d)] = x;
+        idx += units;
     }
 }
 
-/// The dot product of `row` with row `r` of `tile`.
+/// The 16 dot products of rows `r + nb·a` of tile `x` with rows `c + nb·e` of tile `y`
+/// (`a`, `e` < 4) into `s[4a + e]`: eight reads of shared memory feed 64 multiply-adds.
+/// (Rows `nb` apart rather than side by side: the units of a warp then read rows of `y` in
+/// different banks.)
 #[cube]
-fn dot<F: Float>(row: &Array<V<F>>, tile: &[V<F>], r: usize, #[comptime] d: usize) -> F {
-    let mut s = V::<F>::new(F::new(0.0));
-    #[unroll]
-    for c in 0..comptime!(d.div_ceil(4)) {
-        s += row[c] * tile[r + c];
-    }
-    lanes::<F>(s)
-}
-
-/// `acc += x · (row r of tile)`.
-#[cube]
-fn add_scaled<F: Float>(
-    acc: &mut Array<V<F>>,
-    x: F,
-    tile: &[V<F>],
+fn block_dots<F: Float>(
+    x: &[V<F>],
+    y: &[V<F>],
     r: usize,
+    c: usize,
+    s: &mut Array<F>,
+    #[comptime] nb: usize,
     #[comptime] d: usize,
 ) {
-    let xv = V::<F>::new(x);
+    let d4 = comptime!(d.div_ceil(4));
+    let (xr, yr) = (tile_at(r, 0, d), tile_at(c, 0, d));
+    let mut acc = Array::<V<F>>::new(16usize);
     #[unroll]
-    for c in 0..comptime!(d.div_ceil(4)) {
-        acc[c] += xv * tile[r + c];
+    for z in 0..16 {
+        acc[z] = V::<F>::new(F::new(0.0));
+    }
+    let mut xa = Array::<V<F>>::new(4usize);
+    for c4 in 0..d4 {
+        #[unroll]
+        for a in 0..4 {
+            xa[a] = x[xr + comptime!(nb * a * (d4 + 1)) + c4];
+        }
+        #[unroll]
+        for e in 0..4 {
+            let ye = y[yr + comptime!(nb * e * (d4 + 1)) + c4];
+            #[unroll]
+            for a in 0..4 {
+                acc[comptime!(a * 4 + e)] += xa[a] * ye;
+            }
+        }
+    }
+    #[unroll]
+    for z in 0..16 {
+        s[z] = lanes::<F>(acc[z]);
+    }
+}
+
+/// `acc[4n + a] += Σ_c Σ_e w[r + nb·a][c].e · tile[c + nb·e][cv]`: a block of 4 rows of weights
+/// (`w`, `[rows, nb + 1]` vectors, lane `e` of vector `c` the weight of row `c + nb·e`) times a
+/// vector column `cv` of a tile ([`tile_at`]'s layout).
+#[cube]
+fn block_product<F: Float>(
+    acc: &mut Array<V<F>>,
+    w: &[V<F>],
+    tile: &[V<F>],
+    r: usize,
+    cv: usize,
+    #[comptime] n: usize,
+    #[comptime] nb: usize,
+    #[comptime] d: usize,
+) {
+    let pw = comptime!(nb + 1);
+    let sv = comptime!(d.div_ceil(4) + 1);
+    let mut wa = Array::<V<F>>::new(4usize);
+    for c in 0..nb {
+        #[unroll]
+        for a in 0..4 {
+            wa[a] = w[(r + comptime!(nb * a)) * pw + c];
+        }
+        #[unroll]
+        for e in 0..4 {
+            let y = tile[(c + comptime!(nb * e)) * sv + cv];
+            #[unroll]
+            for a in 0..4 {
+                acc[comptime!(n * 4 + a)] += V::<F>::new(wa[a].extract(e)) * y;
+            }
+        }
+    }
+}
+
+/// The 16 values `s[4a + e]` as four vectors, row `r + nb·a` of `w` at column vector `c`.
+#[cube]
+fn put_block<F: Float>(w: &mut [V<F>], s: &Array<F>, r: usize, c: usize, #[comptime] nb: usize) {
+    #[unroll]
+    for a in 0..4usize {
+        let mut x = V::<F>::empty();
+        #[unroll]
+        for e in 0..4usize {
+            x.insert(e, s[comptime!(a * 4 + e)]);
+        }
+        w[(r + comptime!(nb * a)) * comptime!(nb + 1) + c] = x;
+    }
+}
+
+/// Zeros.
+#[cube]
+fn zeros<F: Float>(acc: &mut Array<V<F>>, #[comptime] len: usize) {
+    #[unroll]
+    for z in 0..len {
+        acc[z] = V::<F>::new(F::new(0.0));
     }
 }
 
@@ -210,8 +233,30 @@ fn row_start<E: Float>(x: &Tensor<E>, b: usize, h: usize, i: usize) -> usize {
     b * x.stride(0) + h * x.stride(1) + i * x.stride(2)
 }
 
-/// A cube per (query tile, head, batch row), a unit per query row: the online softmax over
-/// the keys `first ..= i`, loaded a tile at a time.
+/// Column vector `cv` of `acc[at]` (times `scale`) to `to` at `row` (a row's start), the columns
+/// past `d` left out.
+#[cube]
+fn store_vector<E: Float, F: Float>(
+    to: &mut Tensor<E>,
+    row: usize,
+    cv: usize,
+    x: V<F>,
+    scale: F,
+    #[comptime] d: usize,
+) {
+    #[unroll]
+    for lane in 0..4 {
+        if cv * 4 + lane < d {
+            to[row + cv * 4 + lane] = E::cast_from(x.extract(lane) * scale);
+        }
+    }
+}
+
+/// A cube per (tile of `rows` query rows, head, batch row) of `units` units. For each tile of
+/// keys up to the diagonal: the scores, a 4 × 4 block a unit, into shared memory; each row's
+/// online softmax (its largest score, weights and sum) by a unit a row; then the output, 4 rows
+/// × 4 columns a unit, rescaled and added the weights times the values. Writes the output and
+/// each row's log-sum-exp.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
@@ -225,34 +270,53 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
     drop: DropArgs,
     #[comptime] d: usize,
     #[comptime] rows: usize,
+    #[comptime] units: usize,
     #[comptime] within: bool,
     #[comptime] dropping: bool,
     #[define(E, F, I)] _dtypes: [ElemType; 3],
 ) {
     let d4 = comptime!(d.div_ceil(4));
+    let nb = comptime!(rows / 4);
+    let pw = comptime!(nb + 1);
     let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
     let (b, h) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
     let hk = h / (heads / kv_heads);
     let row0 = CUBE_POS_X as usize * rows;
-    let i = row0 + UNIT_POS_X as usize;
-    let live = i < t;
-    let row_at = (b * heads + h) * t + i;
-    let (k_base, v_base) = (row_start::<E>(k, b, hk, 0), row_start::<E>(v, b, hk, 0));
-    let scale = F::cast_from(scale);
-    let mut qr = Array::<V<F>>::new(d4);
-    let mut acc = Array::<V<F>>::new(d4);
-    load_row::<E, F>(q, row_start::<E>(q, b, h, i), live, scale, &mut qr, d);
-    zeros::<F>(&mut acc, d);
-    let first = first_key::<I>(starts, b * t + i, live, within);
-    let inv_keep = F::cast_from(drop.inv_keep);
-    let mut row_hash = 0u32;
-    if dropping {
-        row_hash = mix_in(head_hash(&drop, b, h) ^ i as u32);
+    let u = UNIT_POS_X as usize;
+    let mut qs = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut ks = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut vs = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut ps = Shared::<[V<F>]>::new_slice(comptime!(rows * (nb + 1)));
+    let mut ms = Shared::<[F]>::new_slice(rows);
+    let mut ls = Shared::<[F]>::new_slice(rows);
+    let mut cs = Shared::<[F]>::new_slice(rows);
+    let q_base = row_start::<E>(q, b, h, 0);
+    load_tile::<E, F>(
+        q,
+        q_base,
+        row0,
+        t,
+        F::cast_from(scale),
+        &mut qs,
+        rows,
+        d,
+        units,
+    );
+    let mut r = u;
+    while r < rows {
+        ms[r] = F::new(-1.0e30);
+        ls[r] = F::new(0.0);
+        r += units;
     }
-    let mut m = F::new(-1.0e30);
-    let mut l = F::new(0.0);
-    let mut ks = Shared::<[V<F>]>::new_slice(rows * d4);
-    let mut vs = Shared::<[V<F>]>::new_slice(rows * d4);
+    let mut acc = Array::<V<F>>::new(comptime!((nb * d4).div_ceil(units) * 4));
+    zeros::<F>(&mut acc, comptime!((nb * d4).div_ceil(units) * 4));
+    let mut s = Array::<F>::new(16usize);
+    let mut hash = 0u32;
+    if dropping {
+        hash = head_hash(&drop, b, h);
+    }
+    let inv_keep = F::cast_from(drop.inv_keep);
+    let (k_base, v_base) = (row_start::<E>(k, b, hk, 0), row_start::<E>(v, b, hk, 0));
     // The keys any row of this cube sees end before its last row + 1.
     let mut last = row0 + rows;
     if last > t {
@@ -261,54 +325,112 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
     let tiles = last.div_ceil(rows);
     for kt in 0..tiles {
         let key0 = kt * rows;
-        load_tile::<E, F>(k, k_base, key0, t, F::new(1.0), &mut ks, rows, d);
-        load_tile::<E, F>(v, v_base, key0, t, F::new(1.0), &mut vs, rows, d);
+        load_tile::<E, F>(k, k_base, key0, t, F::new(1.0), &mut ks, rows, d, units);
+        load_tile::<E, F>(v, v_base, key0, t, F::new(1.0), &mut vs, rows, d, units);
         sync_cube();
-        if live {
-            let mut j = key0;
-            if j < first {
-                j = first;
-            }
-            let mut end = key0 + rows;
-            if end > i + 1 {
-                end = i + 1;
-            }
-            while j < end {
-                let r = (j - key0) * d4;
-                let s = dot::<F>(&qr, &ks, r, d);
-                // A new largest score: what was summed so far is rescaled to it once.
-                if s > m {
-                    let corr = (m - s).exp();
-                    l *= corr;
-                    let cv = V::<F>::new(corr);
-                    #[unroll]
-                    for c in 0..d4 {
-                        acc[c] *= cv;
+        #[unroll]
+        for n in 0..comptime!(nb * nb / units) {
+            let blk = u + comptime!(n * units);
+            let (br, bc) = (blk / nb, blk % nb);
+            block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
+            put_block::<F>(&mut ps, &s, br, bc, nb);
+        }
+        sync_cube();
+        // Each row's largest score so far, its weights (through the dropout) and their sum.
+        let mut r = u;
+        while r < rows {
+            let i = row0 + r;
+            let first = first_key::<I>(starts, b * t + i, i < t, within);
+            let m_old = ms[r];
+            let mut m = m_old;
+            for c in 0..nb {
+                let x = ps[r * pw + c];
+                #[unroll]
+                for e in 0..4 {
+                    let j = key0 + c + comptime!(nb * e);
+                    let xe = x.extract(e);
+                    if j <= i && j >= first && xe > m {
+                        m = xe;
                     }
-                    m = s;
                 }
-                let p = (s - m).exp();
-                l += p;
-                let mut pz = p;
-                if dropping {
-                    pz = p * kept_factor::<F>(row_hash, mix_in(j as u32), drop.threshold, inv_keep);
+            }
+            let mut row_hash = 0u32;
+            if dropping {
+                row_hash = mix_in(hash ^ i as u32);
+            }
+            let mut sum = F::new(0.0);
+            for c in 0..nb {
+                let x = ps[r * pw + c];
+                let mut p = V::<F>::empty();
+                #[unroll]
+                for e in 0..4 {
+                    let j = key0 + c + comptime!(nb * e);
+                    let mut pe = F::new(0.0);
+                    if j <= i && j >= first {
+                        pe = (x.extract(e) - m).exp();
+                    }
+                    sum += pe;
+                    if dropping {
+                        pe *=
+                            kept_factor::<F>(row_hash, mix_in(j as u32), drop.threshold, inv_keep);
+                    }
+                    p.insert(e, pe);
                 }
-                add_scaled::<F>(&mut acc, pz, &vs, r, d);
-                j += 1;
+                ps[r * pw + c] = p;
+            }
+            let corr = (m_old - m).exp();
+            ls[r] = ls[r] * corr + sum;
+            ms[r] = m;
+            cs[r] = corr;
+            r += units;
+        }
+        sync_cube();
+        #[unroll]
+        for n in 0..comptime!((nb * d4).div_ceil(units)) {
+            let blk = u + comptime!(n * units);
+            if blk < comptime!(nb * d4) {
+                let (br, cv) = (blk / d4, blk % d4);
+                #[unroll]
+                for a in 0..4 {
+                    acc[comptime!(n * 4 + a)] *= V::<F>::new(cs[br + comptime!(nb * a)]);
+                }
+                block_product::<F>(&mut acc, &ps, &vs, br, cv, n, nb, d);
             }
         }
         sync_cube();
     }
-    if live {
-        let out_at = b * out.stride(0) + h * out.stride(1) + i * out.stride(2);
-        store_row::<E, F>(&acc, F::new(1.0) / l, out, out_at, d);
-        lse[row_at] = m + l.ln();
+    let mut r = u;
+    while r < rows {
+        let i = row0 + r;
+        if i < t {
+            lse[(b * heads + h) * t + i] = ms[r] + ls[r].ln();
+        }
+        r += units;
+    }
+    #[unroll]
+    for n in 0..comptime!((nb * d4).div_ceil(units)) {
+        let blk = u + comptime!(n * units);
+        if blk < comptime!(nb * d4) {
+            let (br, cv) = (blk / d4, blk % d4);
+            #[unroll]
+            for a in 0..4 {
+                let r = br + comptime!(nb * a);
+                let i = row0 + r;
+                if i < t {
+                    let at = b * out.stride(0) + h * out.stride(1) + i * out.stride(2);
+                    let x = acc[comptime!(n * 4 + a)];
+                    store_vector::<E, F>(out, at, cv, x, F::new(1.0) / ls[r], d);
+                }
+            }
+        }
     }
 }
 
-/// A cube per (query tile, head, batch row), a unit per query row:
-/// `dq_i = scale · Σ_j p_ij (dout_i·v_j − δ_i) k_j`, `p_ij = exp(scale·q_i·k_j − lse_i)`,
-/// `δ_i = dout_i·out_i`, which it writes to `delta` for [`dk_kernel`].
+/// A cube per (tile of query rows, head, batch row): `dq_i = scale · Σ_j p_ij (dout_i·v_j − δ_i)
+/// k_j`, `p_ij = exp(scale·q_i·k_j − lse_i)`, `δ_i = dout_i·out_i`, which it writes to `delta`
+/// for [`dkv_kernel`]. For each key tile up to the diagonal: the scores and `dout·vᵀ`, a 4 × 4
+/// block a unit, give `p (dp − δ)` in shared memory; then `dq`'s blocks of 4 rows × 4 columns
+/// add it times the keys.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
@@ -325,61 +447,57 @@ pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
     drop: DropArgs,
     #[comptime] d: usize,
     #[comptime] rows: usize,
+    #[comptime] units: usize,
     #[comptime] within: bool,
     #[comptime] dropping: bool,
     #[define(E, F, I)] _dtypes: [ElemType; 3],
 ) {
     let d4 = comptime!(d.div_ceil(4));
+    let nb = comptime!(rows / 4);
     let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
     let (b, h) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
     let hk = h / (heads / kv_heads);
     let row0 = CUBE_POS_X as usize * rows;
-    let i = row0 + UNIT_POS_X as usize;
-    let live = i < t;
-    let row_at = (b * heads + h) * t + i;
-    let (k_base, v_base) = (row_start::<E>(k, b, hk, 0), row_start::<E>(v, b, hk, 0));
+    let u = UNIT_POS_X as usize;
+    let head_rows = (b * heads + h) * t;
     let scale = F::cast_from(scale);
-    let mut qr = Array::<V<F>>::new(d4);
-    let mut gr = Array::<V<F>>::new(d4);
-    let mut acc = Array::<V<F>>::new(d4);
-    load_row::<E, F>(q, row_start::<E>(q, b, h, i), live, scale, &mut qr, d);
-    load_row::<E, F>(
-        dout,
-        row_start::<E>(dout, b, h, i),
-        live,
-        F::new(1.0),
-        &mut gr,
-        d,
-    );
-    // δ_i: the output's row read as the gradient's, into acc before it sums.
-    load_row::<E, F>(
-        out,
-        row_start::<E>(out, b, h, i),
-        live,
-        F::new(1.0),
-        &mut acc,
-        d,
-    );
-    let mut dd = V::<F>::new(F::new(0.0));
-    #[unroll]
-    for c in 0..d4 {
-        dd += gr[c] * acc[c];
+    let mut qs = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut gs = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut ks = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut vs = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut dss = Shared::<[V<F>]>::new_slice(comptime!(rows * (nb + 1)));
+    let mut lrow = Shared::<[F]>::new_slice(rows);
+    let mut drow = Shared::<[F]>::new_slice(rows);
+    let (q_base, g_base) = (row_start::<E>(q, b, h, 0), row_start::<E>(dout, b, h, 0));
+    load_tile::<E, F>(q, q_base, row0, t, scale, &mut qs, rows, d, units);
+    load_tile::<E, F>(dout, g_base, row0, t, F::new(1.0), &mut gs, rows, d, units);
+    let mut r = u;
+    while r < rows {
+        let i = row0 + r;
+        let mut li = F::new(0.0);
+        let mut di = F::new(0.0);
+        if i < t {
+            li = lse[head_rows + i];
+            let (o_at, g_at) = (row_start::<E>(out, b, h, i), row_start::<E>(dout, b, h, i));
+            for c in 0..d {
+                di += F::cast_from(out[o_at + c]) * F::cast_from(dout[g_at + c]);
+            }
+            delta[head_rows + i] = di;
+        }
+        lrow[r] = li;
+        drow[r] = di;
+        r += units;
     }
-    let di = lanes::<F>(dd);
-    zeros::<F>(&mut acc, d);
-    let mut li = F::new(0.0);
-    if live {
-        li = lse[row_at];
-        delta[row_at] = di;
-    }
-    let first = first_key::<I>(starts, b * t + i, live, within);
-    let inv_keep = F::cast_from(drop.inv_keep);
-    let mut row_hash = 0u32;
+    let mut acc = Array::<V<F>>::new(comptime!((nb * d4).div_ceil(units) * 4));
+    zeros::<F>(&mut acc, comptime!((nb * d4).div_ceil(units) * 4));
+    let mut s = Array::<F>::new(16usize);
+    let mut dp = Array::<F>::new(16usize);
+    let mut hash = 0u32;
     if dropping {
-        row_hash = mix_in(head_hash(&drop, b, h) ^ i as u32);
+        hash = head_hash(&drop, b, h);
     }
-    let mut ks = Shared::<[V<F>]>::new_slice(rows * d4);
-    let mut vs = Shared::<[V<F>]>::new_slice(rows * d4);
+    let inv_keep = F::cast_from(drop.inv_keep);
+    let (k_base, v_base) = (row_start::<E>(k, b, hk, 0), row_start::<E>(v, b, hk, 0));
     let mut last = row0 + rows;
     if last > t {
         last = t;
@@ -387,51 +505,84 @@ pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
     let tiles = last.div_ceil(rows);
     for kt in 0..tiles {
         let key0 = kt * rows;
-        load_tile::<E, F>(k, k_base, key0, t, F::new(1.0), &mut ks, rows, d);
-        load_tile::<E, F>(v, v_base, key0, t, F::new(1.0), &mut vs, rows, d);
+        load_tile::<E, F>(k, k_base, key0, t, F::new(1.0), &mut ks, rows, d, units);
+        load_tile::<E, F>(v, v_base, key0, t, F::new(1.0), &mut vs, rows, d, units);
         sync_cube();
-        if live {
-            let mut j = key0;
-            if j < first {
-                j = first;
-            }
-            let mut end = key0 + rows;
-            if end > i + 1 {
-                end = i + 1;
-            }
-            while j < end {
-                let r = (j - key0) * d4;
-                let mut sv = V::<F>::new(F::new(0.0));
-                let mut pv = V::<F>::new(F::new(0.0));
-                #[unroll]
-                for c in 0..d4 {
-                    sv += qr[c] * ks[r + c];
-                    pv += gr[c] * vs[r + c];
-                }
-                let s = lanes::<F>(sv);
-                let mut dp = lanes::<F>(pv);
+        #[unroll]
+        for n in 0..comptime!(nb * nb / units) {
+            let blk = u + comptime!(n * units);
+            let (br, bc) = (blk / nb, blk % nb);
+            block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
+            block_dots::<F>(&gs, &vs, br, bc, &mut dp, nb, d);
+            #[unroll]
+            for a in 0..4 {
+                let r = br + comptime!(nb * a);
+                let i = row0 + r;
+                let first = first_key::<I>(starts, b * t + i, i < t, within);
+                let (li, di) = (lrow[r], drow[r]);
+                let mut row_hash = 0u32;
                 if dropping {
-                    dp *= kept_factor::<F>(row_hash, mix_in(j as u32), drop.threshold, inv_keep);
+                    row_hash = mix_in(hash ^ i as u32);
                 }
-                let ds = (s - li).exp() * (dp - di);
-                add_scaled::<F>(&mut acc, ds, &ks, r, d);
-                j += 1;
+                #[unroll]
+                for e in 0..4 {
+                    let j = key0 + bc + comptime!(nb * e);
+                    let z = comptime!(a * 4 + e);
+                    let mut g = F::new(0.0);
+                    if i < t && j <= i && j >= first {
+                        let mut dpe = dp[z];
+                        if dropping {
+                            dpe *= kept_factor::<F>(
+                                row_hash,
+                                mix_in(j as u32),
+                                drop.threshold,
+                                inv_keep,
+                            );
+                        }
+                        g = (s[z] - li).exp() * (dpe - di);
+                    }
+                    s[z] = g;
+                }
+            }
+            put_block::<F>(&mut dss, &s, br, bc, nb);
+        }
+        sync_cube();
+        #[unroll]
+        for n in 0..comptime!((nb * d4).div_ceil(units)) {
+            let blk = u + comptime!(n * units);
+            if blk < comptime!(nb * d4) {
+                let (br, cv) = (blk / d4, blk % d4);
+                block_product::<F>(&mut acc, &dss, &ks, br, cv, n, nb, d);
             }
         }
         sync_cube();
     }
-    if live {
-        let dq_at = b * dq.stride(0) + h * dq.stride(1) + i * dq.stride(2);
-        store_row::<E, F>(&acc, scale, dq, dq_at, d);
+    #[unroll]
+    for n in 0..comptime!((nb * d4).div_ceil(units)) {
+        let blk = u + comptime!(n * units);
+        if blk < comptime!(nb * d4) {
+            let (br, cv) = (blk / d4, blk % d4);
+            #[unroll]
+            for a in 0..4 {
+                let i = row0 + br + comptime!(nb * a);
+                if i < t {
+                    let at = b * dq.stride(0) + h * dq.stride(1) + i * dq.stride(2);
+                    store_vector::<E, F>(dq, at, cv, acc[comptime!(n * 4 + a)], scale, d);
+                }
+            }
+        }
     }
 }
 
-/// A cube per (key tile, key/value head, batch row), a unit per key row `j`, over every query
-/// head that reads it and every query row `i ≥ j` that sees it:
-/// `dk_j = scale · Σ p_ij (dout_i·v_j − δ_i) q_i` (`δ` from [`dq_kernel`]).
+/// A cube per (tile of key rows, key/value head, batch row), over every query head that reads
+/// it and every query tile from the diagonal on: `dk_j = scale · Σ_i p_ij (dout_i·v_j − δ_i)
+/// q_i` and `dv_j = Σ_i p_ij dout_i` (the weights through the dropout's mask; `δ` from
+/// [`dq_kernel`]). For each query tile: the scores and `dout·vᵀ`, a 4 × 4 block a unit, give
+/// the weights and `p (dp − δ)` in shared memory; then `dk`'s and `dv`'s blocks of 4 keys × 4
+/// columns add them times the query rows and the output's gradient.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn dk_kernel<E: Float, F: Float, I: Numeric>(
+pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
@@ -440,46 +591,45 @@ pub(super) fn dk_kernel<E: Float, F: Float, I: Numeric>(
     delta: &Tensor<F>,
     starts: &Tensor<I>,
     dk: &mut Tensor<E>,
+    dv: &mut Tensor<E>,
     scale: f32,
     drop: DropArgs,
     #[comptime] d: usize,
     #[comptime] rows: usize,
+    #[comptime] units: usize,
     #[comptime] within: bool,
     #[comptime] dropping: bool,
     #[define(E, F, I)] _dtypes: [ElemType; 3],
 ) {
     let d4 = comptime!(d.div_ceil(4));
+    let nb = comptime!(rows / 4);
+    let pw = comptime!(nb + 1);
+    let sv = comptime!(d4 + 1);
     let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
     let group = heads / kv_heads;
     let (b, hk) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
-    let j = CUBE_POS_X as usize * rows + UNIT_POS_X as usize;
-    let live = j < t;
+    let key0 = CUBE_POS_X as usize * rows;
+    let u = UNIT_POS_X as usize;
     let scale = F::cast_from(scale);
-    let mut kr = Array::<V<F>>::new(d4);
-    let mut vr = Array::<V<F>>::new(d4);
-    let mut gk = Array::<V<F>>::new(d4);
-    load_row::<E, F>(
-        k,
-        row_start::<E>(k, b, hk, j),
-        live,
-        F::new(1.0),
-        &mut kr,
-        d,
-    );
-    load_row::<E, F>(
-        v,
-        row_start::<E>(v, b, hk, j),
-        live,
-        F::new(1.0),
-        &mut vr,
-        d,
-    );
-    zeros::<F>(&mut gk, d);
-    let mut qs = Shared::<[V<F>]>::new_slice(rows * d4);
-    let mut gs = Shared::<[V<F>]>::new_slice(rows * d4);
+    let mut ks = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut vs = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut qs = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut gs = Shared::<[V<F>]>::new_slice(comptime!(rows * (d4 + 1)));
+    let mut ps = Shared::<[V<F>]>::new_slice(comptime!(rows * (nb + 1)));
+    let mut dss = Shared::<[V<F>]>::new_slice(comptime!(rows * (nb + 1)));
+    let mut lrow = Shared::<[F]>::new_slice(rows);
+    let mut drow = Shared::<[F]>::new_slice(rows);
+    let (k_base, v_base) = (row_start::<E>(k, b, hk, 0), row_start::<E>(v, b, hk, 0));
+    load_tile::<E, F>(k, k_base, key0, t, F::new(1.0), &mut ks, rows, d, units);
+    load_tile::<E, F>(v, v_base, key0, t, F::new(1.0), &mut vs, rows, d, units);
+    let mut gk = Array::<V<F>>::new(comptime!((nb * d4).div_ceil(units) * 4));
+    let mut gv = Array::<V<F>>::new(comptime!((nb * d4).div_ceil(units) * 4));
+    zeros::<F>(&mut gk, comptime!((nb * d4).div_ceil(units) * 4));
+    zeros::<F>(&mut gv, comptime!((nb * d4).div_ceil(units) * 4));
+    let mut s = Array::<F>::new(16usize);
+    let mut dp = Array::<F>::new(16usize);
     let tiles = t.div_ceil(rows);
     let inv_keep = F::cast_from(drop.inv_keep);
-    let key_hash = mix_in(j as u32);
     for g in 0..group {
         let h = hk * group + g;
         let head_rows = (b * heads + h) * t;
@@ -491,143 +641,100 @@ pub(super) fn dk_kernel<E: Float, F: Float, I: Numeric>(
         // The query tiles from this cube's first key on: earlier rows see none of its keys.
         for qt in CUBE_POS_X as usize..tiles {
             let q0 = qt * rows;
-            load_tile::<E, F>(q, q_base, q0, t, scale, &mut qs, rows, d);
-            load_tile::<E, F>(dout, g_base, q0, t, F::new(1.0), &mut gs, rows, d);
+            load_tile::<E, F>(q, q_base, q0, t, scale, &mut qs, rows, d, units);
+            load_tile::<E, F>(dout, g_base, q0, t, F::new(1.0), &mut gs, rows, d, units);
+            let mut r = u;
+            while r < rows {
+                let i = q0 + r;
+                let mut li = F::new(0.0);
+                let mut di = F::new(0.0);
+                if i < t {
+                    li = lse[head_rows + i];
+                    di = delta[head_rows + i];
+                }
+                lrow[r] = li;
+                drow[r] = di;
+                r += units;
+            }
             sync_cube();
-            if live {
-                let mut i = q0;
-                if j > q0 {
-                    i = j;
-                }
-                let mut end = q0 + rows;
-                if end > t {
-                    end = t;
-                }
-                // A row's log-sum-exp, δ and first key are read where they are: every unit
-                // reads the same row at once (shared memory holds the two tiles alone).
-                while i < end {
-                    let ii = i - q0;
-                    let mut sees = true;
-                    if within {
-                        sees = u32::cast_from(starts[b * t + i]) as usize <= j;
+            #[unroll]
+            for n in 0..comptime!(nb * nb / units) {
+                let blk = u + comptime!(n * units);
+                let (br, bc) = (blk / nb, blk % nb);
+                block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
+                block_dots::<F>(&gs, &vs, br, bc, &mut dp, nb, d);
+                #[unroll]
+                for a in 0..4 {
+                    let r = br + comptime!(nb * a);
+                    let i = q0 + r;
+                    let first = first_key::<I>(starts, b * t + i, i < t, within);
+                    let (li, di) = (lrow[r], drow[r]);
+                    let mut row_hash = 0u32;
+                    if dropping {
+                        row_hash = mix_in(hash ^ i as u32);
                     }
-                    if sees {
-                        let r = ii * d4;
-                        let mut sv = V::<F>::new(F::new(0.0));
-                        let mut pv = V::<F>::new(F::new(0.0));
+                    #[unroll]
+                    for e in 0..4 {
+                        let j = key0 + bc + comptime!(nb * e);
+                        let z = comptime!(a * 4 + e);
+                        let mut pz = F::new(0.0);
+                        let mut gz = F::new(0.0);
+                        if i < t && j <= i && j >= first {
+                            let p = (s[z] - li).exp();
+                            let mut f = F::new(1.0);
+                            if dropping {
+                                f = kept_factor::<F>(
+                                    row_hash,
+                                    mix_in(j as u32),
+                                    drop.threshold,
+                                    inv_keep,
+                                );
+                            }
+                            pz = p * f;
+                            gz = p * (dp[z] * f - di);
+                        }
+                        s[z] = pz;
+                        dp[z] = gz;
+                    }
+                }
+                put_block::<F>(&mut ps, &s, br, bc, nb);
+                put_block::<F>(&mut dss, &dp, br, bc, nb);
+            }
+            sync_cube();
+            #[unroll]
+            for n in 0..comptime!((nb * d4).div_ceil(units)) {
+                let blk = u + comptime!(n * units);
+                if blk < comptime!(nb * d4) {
+                    let (bk, cv) = (blk / d4, blk % d4);
+                    for r in 0..rows {
+                        let (pz, gz) = (ps[r * pw + bk], dss[r * pw + bk]);
+                        let (dr, qr) = (gs[r * sv + cv], qs[r * sv + cv]);
                         #[unroll]
-                        for c in 0..d4 {
-                            sv += qs[r + c] * kr[c];
-                            pv += gs[r + c] * vr[c];
+                        for e in 0..4 {
+                            gv[comptime!(n * 4 + e)] += V::<F>::new(pz.extract(e)) * dr;
+                            gk[comptime!(n * 4 + e)] += V::<F>::new(gz.extract(e)) * qr;
                         }
-                        let p = (lanes::<F>(sv) - lse[head_rows + i]).exp();
-                        let mut dp = lanes::<F>(pv);
-                        if dropping {
-                            let row_hash = mix_in(hash ^ i as u32);
-                            dp *= kept_factor::<F>(row_hash, key_hash, drop.threshold, inv_keep);
-                        }
-                        add_scaled::<F>(&mut gk, p * (dp - delta[head_rows + i]), &qs, r, d);
                     }
-                    i += 1;
                 }
             }
             sync_cube();
         }
     }
-    if live {
-        let dk_at = b * dk.stride(0) + hk * dk.stride(1) + j * dk.stride(2);
-        store_row::<E, F>(&gk, F::new(1.0), dk, dk_at, d);
-    }
-}
-
-/// A cube per (key tile, key/value head, batch row), a unit per key row `j`, over every query
-/// head that reads it and every query row `i ≥ j` that sees it: `dv_j = Σ p_ij dout_i` (the
-/// weights through the dropout's mask).
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-pub(super) fn dv_kernel<E: Float, F: Float, I: Numeric>(
-    q: &Tensor<E>,
-    k: &Tensor<E>,
-    dout: &Tensor<E>,
-    lse: &Tensor<F>,
-    starts: &Tensor<I>,
-    dv: &mut Tensor<E>,
-    scale: f32,
-    drop: DropArgs,
-    #[comptime] d: usize,
-    #[comptime] rows: usize,
-    #[comptime] within: bool,
-    #[comptime] dropping: bool,
-    #[define(E, F, I)] _dtypes: [ElemType; 3],
-) {
-    let d4 = comptime!(d.div_ceil(4));
-    let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
-    let group = heads / kv_heads;
-    let (b, hk) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
-    let j = CUBE_POS_X as usize * rows + UNIT_POS_X as usize;
-    let live = j < t;
-    let scale = F::cast_from(scale);
-    let mut kr = Array::<V<F>>::new(d4);
-    let mut gv = Array::<V<F>>::new(d4);
-    load_row::<E, F>(
-        k,
-        row_start::<E>(k, b, hk, j),
-        live,
-        F::new(1.0),
-        &mut kr,
-        d,
-    );
-    zeros::<F>(&mut gv, d);
-    let mut qs = Shared::<[V<F>]>::new_slice(rows * d4);
-    let mut gs = Shared::<[V<F>]>::new_slice(rows * d4);
-    let tiles = t.div_ceil(rows);
-    let inv_keep = F::cast_from(drop.inv_keep);
-    let key_hash = mix_in(j as u32);
-    for g in 0..group {
-        let h = hk * group + g;
-        let head_rows = (b * heads + h) * t;
-        let (q_base, g_base) = (row_start::<E>(q, b, h, 0), row_start::<E>(dout, b, h, 0));
-        let mut hash = 0u32;
-        if dropping {
-            hash = head_hash(&drop, b, h);
-        }
-        for qt in CUBE_POS_X as usize..tiles {
-            let q0 = qt * rows;
-            load_tile::<E, F>(q, q_base, q0, t, scale, &mut qs, rows, d);
-            load_tile::<E, F>(dout, g_base, q0, t, F::new(1.0), &mut gs, rows, d);
-            sync_cube();
-            if live {
-                let mut i = q0;
-                if j > q0 {
-                    i = j;
-                }
-                let mut end = q0 + rows;
-                if end > t {
-                    end = t;
-                }
-                while i < end {
-                    let ii = i - q0;
-                    let mut sees = true;
-                    if within {
-                        sees = u32::cast_from(starts[b * t + i]) as usize <= j;
-                    }
-                    if sees {
-                        let r = ii * d4;
-                        let mut pz = (dot::<F>(&kr, &qs, r, d) - lse[head_rows + i]).exp();
-                        if dropping {
-                            let row_hash = mix_in(hash ^ i as u32);
-                            pz *= kept_factor::<F>(row_hash, key_hash, drop.threshold, inv_keep);
-                        }
-                        add_scaled::<F>(&mut gv, pz, &gs, r, d);
-                    }
-                    i += 1;
+    #[unroll]
+    for n in 0..comptime!((nb * d4).div_ceil(units)) {
+        let blk = u + comptime!(n * units);
+        if blk < comptime!(nb * d4) {
+            let (bk, cv) = (blk / d4, blk % d4);
+            #[unroll]
+            for e in 0..4 {
+                let j = key0 + bk + comptime!(nb * e);
+                if j < t {
+                    let k_at = b * dk.stride(0) + hk * dk.stride(1) + j * dk.stride(2);
+                    let v_at = b * dv.stride(0) + hk * dv.stride(1) + j * dv.stride(2);
+                    store_vector::<E, F>(dk, k_at, cv, gk[comptime!(n * 4 + e)], F::new(1.0), d);
+                    store_vector::<E, F>(dv, v_at, cv, gv[comptime!(n * 4 + e)], F::new(1.0), d);
                 }
             }
-            sync_cube();
         }
-    }
-    if live {
-        let dv_at = b * dv.stride(0) + hk * dv.stride(1) + j * dv.stride(2);
-        store_row::<E, F>(&gv, F::new(1.0), dv, dv_at, d);
     }
 }

@@ -6,19 +6,25 @@
 //! their element-wise kernels and reductions were most of the step's non-product time,
 //! BENCHMARKS.md). Here, as FlashAttention-2 does:
 //!
-//! - **Forward**: a cube per tile of query rows of one head, a unit per row. The cube loads the
-//!   keys and values a tile at a time into shared memory; each unit keeps its row's running
-//!   maximum, sum and weighted sum of values in registers (the online softmax) and writes the
-//!   output row and the row's log-sum-exp — `T` floats a head, not `T × T`.
+//! - **Blocks of 4 × 4, as a matrix product is cut**: a cube takes a tile of 32 query rows
+//!   (16 or 8 where shared memory or the units are fewer, [`tiling`]) against tiles of as many
+//!   keys in shared memory; each unit computes a block of 4 rows × 4 keys of the scores, and
+//!   later a block of 4 rows × 4 columns of a product with them. Eight reads of shared memory
+//!   feed 64 multiply-adds, where a unit per row, reading a key's vector for one row, fed 16
+//!   with four; and the 64 units of a cube are two warps of independent sums.
+//! - **Forward**: for each tile of keys up to the diagonal, the scores into shared memory; a
+//!   unit per row takes the row's largest score, its weights and their sum (the online
+//!   softmax); the output's blocks are rescaled and added the weights times the values. It
+//!   writes the output and each row's log-sum-exp — `T` floats a head, not `T × T`.
 //! - **Backward**: the scores recomputed from q, k and the log-sum-exp. One kernel gives `dq`
-//!   (a unit per query row, keys by tiles as in the forward); two more `dk` and `dv` (a unit
-//!   per key row, queries by tiles, the query heads that share the key head — grouped-query
-//!   attention — summed in the unit). They are two kernels, each recomputing the scores:
-//!   one kernel held four rows a unit, 256 floats at a head of 64, past the 255 registers an
-//!   NVIDIA card gives a unit. Every gradient element is written once by one unit: no
-//!   atomics, the result independent of timing.
-//! - **Vectors of four**: a unit's rows and the cube's tiles are held as four floats each, so
-//!   that one read of shared memory feeds four multiply-adds (see the kernels' module).
+//!   (by query tiles, keys by tiles as in the forward: the scores and `dout·vᵀ` give
+//!   `p (dp − δ)`, times the keys); one more `dk` and `dv` together (by key tiles, the query
+//!   tiles from the diagonal on and every query head that shares the key head — grouped-query
+//!   attention: the weights and `p (dp − δ)`, times the output's gradient and the query rows).
+//!   Every gradient element is written once by one unit: no atomics, the result independent of
+//!   timing.
+//! - Units hold their sums and the tiles their rows as vectors of four floats (see the
+//!   kernels' module).
 //!
 //! The kernels read q, k, v, the output and its gradient where they lie: any layout whose last
 //! dimension is contiguous (the GPT's q, k and v are views of its packed `[B, T, 3C]`
@@ -50,26 +56,71 @@ use burn_cubecl::ops::numeric::{empty_device_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use kernels::{DropArgsLaunch, dk_kernel, dq_kernel, dv_kernel, forward_kernel};
+use kernels::{DropArgsLaunch, dkv_kernel, dq_kernel, forward_kernel};
 
 mod kernels;
 
-/// The widest head the kernels take: a unit holds three rows of this many floats in registers
-/// (the `dq` kernel's query row, the output's gradient and their sum; the `dk` kernel's key,
-/// value and gradient).
-pub const MOST_HEAD_WIDTH: usize = 256;
+/// The widest head the kernels take: at this width the backward's smallest tiles (4 rows)
+/// take 8.7 KiB of shared memory, within WebGPU's least (16 KiB).
+pub const MOST_HEAD_WIDTH: usize = 128;
 
-/// Rows a cube handles at once (its units), and rows of a tile in shared memory: each kernel's
-/// two tiles of `tile × width` floats (the width rounded up to the kernels' vectors of four)
-/// are all the shared memory it takes, 16 KiB at most (WebGPU's least workgroup storage).
-pub fn tile_rows(width: usize) -> usize {
-    (2048 / width.max(1).next_multiple_of(4)).clamp(8, 64)
+/// The most shared memory a cube of the kernels takes: more would leave a multiprocessor fewer
+/// cubes at once.
+const MOST_SHARED: usize = 48 * 1024;
+
+/// Which kernel a tiling is for: each keeps its own tiles in shared memory.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Pass {
+    /// q, k and v's tiles, the weights, each row's largest score, sum and rescale.
+    Forward,
+    /// q, dout, k and v's tiles, `p (dp − δ)`, each row's log-sum-exp and δ.
+    Dq,
+    /// k, v, q and dout's tiles, the weights and `p (dp − δ)`, each row's log-sum-exp and δ.
+    Dkv,
 }
 
-/// [`tile_rows`] on a device whose cubes hold at most `most_units` units (CubeCL's CPU runtime
-/// runs a cube's units as threads that spin at each barrier, as many as the host's cores).
-fn rows_on(width: usize, most_units: u32) -> usize {
-    tile_rows(width).min(most_units as usize).max(1)
+impl Pass {
+    /// Bytes of shared memory at tiles of `rows` rows of `width` floats: a tile's row is
+    /// `width / 4` vectors of four floats (rounded up) and one more, the weights' rows `rows / 4`
+    /// vectors and one more.
+    fn shared_bytes(self, rows: usize, width: usize) -> usize {
+        let (tiles, weights, floats) = match self {
+            Pass::Forward => (3, 1, 3),
+            Pass::Dq => (4, 1, 2),
+            Pass::Dkv => (4, 2, 2),
+        };
+        let vectors = tiles * rows * (width.div_ceil(4) + 1) + weights * rows * (rows / 4 + 1);
+        vectors * 16 + floats * rows * 4
+    }
+}
+
+/// The rows of `pass`'s tiles and the units of its cubes at heads of `width` floats, on a device
+/// whose cubes take `most_units` units and `shared` bytes of shared memory: the largest of 32,
+/// 16 and 8 rows whose tiles fit (and [`MOST_SHARED`]) and whose `(rows / 4)²` blocks of 4 × 4
+/// scores come to 4 a unit at most, else 4 rows on one unit; the units a power of two that
+/// divides the blocks. (CubeCL's CPU runtime runs a cube's units as threads, as many as the
+/// host's cores.)
+fn tiling(pass: Pass, width: usize, most_units: u32, shared: usize) -> (usize, usize) {
+    let units = 1usize << (most_units.max(1).ilog2());
+    let budget = shared.min(MOST_SHARED);
+    for rows in [32, 16, 8] {
+        let blocks = (rows / 4) * (rows / 4);
+        if pass.shared_bytes(rows, width) <= budget && blocks <= 4 * units {
+            return (rows, blocks.min(units));
+        }
+    }
+    (4, 1)
+}
+
+/// [`tiling`] on `client`'s device.
+fn tiling_on(pass: Pass, width: usize, client: &cubecl::client::Client) -> (usize, usize) {
+    let hardware = &client.properties().hardware;
+    tiling(
+        pass,
+        width,
+        hardware.max_units_per_cube,
+        hardware.max_shared_memory_size,
+    )
 }
 
 /// Dropout on the attention weights, drawn by the kernels themselves: whether the weight of
@@ -260,12 +311,12 @@ impl CubeAttentionOps for CubeBackend {
         let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
         let out = heads_in_rows(&q, [b, h, t, d]);
         let lse = empty_device_dtype(client.clone(), device, Shape::new([b, h, t]), DType::F32);
-        let rows = rows_on(d, client.properties().hardware.max_units_per_cube);
+        let (rows, units) = tiling_on(Pass::Forward, d, &client);
         let index_dtype = starts.dtype;
         forward_kernel::launch(
             &client,
             CubeCount::Static(t.div_ceil(rows) as u32, h as u32, b as u32),
-            CubeDim::new_1d(rows as u32),
+            CubeDim::new_1d(units as u32),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),
@@ -276,6 +327,7 @@ impl CubeAttentionOps for CubeBackend {
             drop.args(),
             d,
             rows,
+            units,
             within,
             drop.prob > 0.0,
             [
@@ -322,16 +374,16 @@ impl CubeAttentionOps for CubeBackend {
         // δ_i = dout_i · out_i, a float per row: the dq kernel computes it and writes it here
         // for the dk/dv kernel, which runs after it.
         let delta = empty(Shape::new([b, h, t]), DType::F32);
-        let rows = rows_on(d, client.properties().hardware.max_units_per_cube);
         let dtypes = [
             dtype_to_storage_type(dtype),
             dtype_to_storage_type(DType::F32),
             dtype_to_storage_type(starts.dtype),
         ];
+        let (rows, units) = tiling_on(Pass::Dq, d, &client);
         dq_kernel::launch(
             &client,
             CubeCount::Static(t.div_ceil(rows) as u32, h as u32, b as u32),
-            CubeDim::new_1d(rows as u32),
+            CubeDim::new_1d(units as u32),
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
             v.clone().into_tensor_arg(),
@@ -345,45 +397,30 @@ impl CubeAttentionOps for CubeBackend {
             drop.args(),
             d,
             rows,
+            units,
             within,
             drop.prob > 0.0,
             dtypes,
         );
-        let keys = CubeCount::Static(t.div_ceil(rows) as u32, kv as u32, b as u32);
-        dk_kernel::launch(
+        let (rows, units) = tiling_on(Pass::Dkv, d, &client);
+        dkv_kernel::launch(
             &client,
-            keys.clone(),
-            CubeDim::new_1d(rows as u32),
-            q.clone().into_tensor_arg(),
-            k.clone().into_tensor_arg(),
-            v.into_tensor_arg(),
-            dout.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            delta.into_tensor_arg(),
-            starts.clone().into_tensor_arg(),
-            dk.clone().into_tensor_arg(),
-            scale,
-            drop.args(),
-            d,
-            rows,
-            within,
-            drop.prob > 0.0,
-            dtypes,
-        );
-        dv_kernel::launch(
-            &client,
-            keys,
-            CubeDim::new_1d(rows as u32),
+            CubeCount::Static(t.div_ceil(rows) as u32, kv as u32, b as u32),
+            CubeDim::new_1d(units as u32),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
+            v.into_tensor_arg(),
             dout.into_tensor_arg(),
             lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
             starts.into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
             dv.clone().into_tensor_arg(),
             scale,
             drop.args(),
             d,
             rows,
+            units,
             within,
             drop.prob > 0.0,
             dtypes,
@@ -515,19 +552,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn two_tiles_of_a_head_fit_sixteen_kib() {
-        for width in [1, 6, 8, 16, 24, 32, 34, 64, 96, 128, 250, 256] {
-            let rows = tile_rows(width);
-            assert!((8..=64).contains(&rows));
-            assert!(
-                2 * rows * width.next_multiple_of(4) * 4 <= 16 * 1024,
-                "width {width}"
-            );
+    fn each_pass_tiles_within_its_device_s_shared_memory_and_units() {
+        let devices = [
+            (1024, 227 * 1024),
+            (1024, 32 * 1024),
+            (256, 16 * 1024),
+            (2, 48 * 1024),
+        ];
+        for pass in [Pass::Forward, Pass::Dq, Pass::Dkv] {
+            for width in [1, 6, 16, 24, 64, 96, 128] {
+                for (most_units, shared) in devices {
+                    let (rows, units) = tiling(pass, width, most_units, shared);
+                    let blocks = (rows / 4) * (rows / 4);
+                    let case = format!("{pass:?} width {width} on {most_units} units, {shared} B");
+                    assert!([4, 8, 16, 32].contains(&rows), "{case}: {rows} rows");
+                    assert!(
+                        pass.shared_bytes(rows, width) <= shared.min(MOST_SHARED),
+                        "{case}"
+                    );
+                    assert!(
+                        units <= most_units as usize && blocks.is_multiple_of(units),
+                        "{case}"
+                    );
+                }
+            }
         }
-        assert_eq!(tile_rows(64), 32);
-        assert_eq!(rows_on(64, 1024), 32);
-        assert_eq!(rows_on(64, 2), 2);
-        assert_eq!(rows_on(64, 0), 1);
-        assert_eq!(tile_rows(128), 16);
+        // A GPU: tiles of 32 rows on two warps, 44 KiB for the dk/dv kernel's six tiles.
+        assert_eq!(tiling(Pass::Dkv, 64, 1024, 227 * 1024), (32, 64));
+        assert_eq!(Pass::Dkv.shared_bytes(32, 64), 44_288);
+        // 32 KiB (llvmpipe): the forward's three tiles fit 32 rows, the backward's four 16.
+        assert_eq!(tiling(Pass::Forward, 64, 1024, 32 * 1024), (32, 64));
+        assert_eq!(tiling(Pass::Dq, 64, 1024, 32 * 1024), (16, 16));
+        // Two cores of the CPU runtime: 4 blocks of 4 × 4 on two units.
+        assert_eq!(tiling(Pass::Forward, 64, 2, 48 * 1024), (8, 2));
+        assert_eq!(tiling(Pass::Dkv, 64, 1, 48 * 1024), (8, 1));
+        assert_eq!(tiling(Pass::Dkv, 128, 256, 16 * 1024), (4, 1));
+        // The widest head on WebGPU's least shared memory.
+        assert!(Pass::Dkv.shared_bytes(4, MOST_HEAD_WIDTH) <= 16 * 1024);
     }
 }
