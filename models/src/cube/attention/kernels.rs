@@ -252,6 +252,80 @@ fn store_vector<E: Float, F: Float>(
     }
 }
 
+/// The forward's rows after a tile of scores (`ps`, [`put_block`]'s layout): each row's
+/// largest score so far (`ms`), its weights through the dropout (into `ps`), their sum (`ls`,
+/// the earlier sum rescaled) and the rescale of what was summed before (`cs`), a unit a row.
+/// `b`: the batch row; `row0`, `key0`: the tile's first row and its first key.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn softmax_rows<F: Float, I: Numeric>(
+    ps: &mut [V<F>],
+    ms: &mut [F],
+    ls: &mut [F],
+    cs: &mut [F],
+    starts: &Tensor<I>,
+    drop: &DropArgs,
+    hash: u32,
+    b: usize,
+    t: usize,
+    row0: usize,
+    key0: usize,
+    #[comptime] rows: usize,
+    #[comptime] units: usize,
+    #[comptime] within: bool,
+    #[comptime] dropping: bool,
+) {
+    let nb = comptime!(rows / 4);
+    let pw = comptime!(nb + 1);
+    let inv_keep = F::cast_from(drop.inv_keep);
+    let mut r = UNIT_POS_X as usize;
+    while r < rows {
+        let i = row0 + r;
+        let first = first_key::<I>(starts, b * t + i, i < t, within);
+        let m_old = ms[r];
+        let mut m = m_old;
+        for c in 0..nb {
+            let x = ps[r * pw + c];
+            #[unroll]
+            for e in 0..4 {
+                let j = key0 + c + comptime!(nb * e);
+                let xe = x.extract(e);
+                if j <= i && j >= first && xe > m {
+                    m = xe;
+                }
+            }
+        }
+        let mut row_hash = 0u32;
+        if dropping {
+            row_hash = mix_in(hash ^ i as u32);
+        }
+        let mut sum = F::new(0.0);
+        for c in 0..nb {
+            let x = ps[r * pw + c];
+            let mut p = V::<F>::empty();
+            #[unroll]
+            for e in 0..4 {
+                let j = key0 + c + comptime!(nb * e);
+                let mut pe = F::new(0.0);
+                if j <= i && j >= first {
+                    pe = (x.extract(e) - m).exp();
+                }
+                sum += pe;
+                if dropping {
+                    pe *= kept_factor::<F>(row_hash, mix_in(j as u32), drop.threshold, inv_keep);
+                }
+                p.insert(e, pe);
+            }
+            ps[r * pw + c] = p;
+        }
+        let corr = (m_old - m).exp();
+        ls[r] = ls[r] * corr + sum;
+        ms[r] = m;
+        cs[r] = corr;
+        r += units;
+    }
+}
+
 /// A cube per (tile of `rows` query rows, head, batch row) of `units` units. For each tile of
 /// keys up to the diagonal: the scores, a 4 × 4 block a unit, into shared memory; each row's
 /// online softmax (its largest score, weights and sum) by a unit a row; then the output, 4 rows
@@ -277,7 +351,6 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
 ) {
     let d4 = comptime!(d.div_ceil(4));
     let nb = comptime!(rows / 4);
-    let pw = comptime!(nb + 1);
     let (heads, t, kv_heads) = (q.shape(1), q.shape(2), k.shape(1));
     let (b, h) = (CUBE_POS_Z as usize, CUBE_POS_Y as usize);
     let hk = h / (heads / kv_heads);
@@ -315,7 +388,6 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
     if dropping {
         hash = head_hash(&drop, b, h);
     }
-    let inv_keep = F::cast_from(drop.inv_keep);
     let (k_base, v_base) = (row_start::<E>(k, b, hk, 0), row_start::<E>(v, b, hk, 0));
     // The keys any row of this cube sees end before its last row + 1.
     let mut last = row0 + rows;
@@ -336,54 +408,10 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
             put_block::<F>(&mut ps, &s, br, bc, nb);
         }
         sync_cube();
-        // Each row's largest score so far, its weights (through the dropout) and their sum.
-        let mut r = u;
-        while r < rows {
-            let i = row0 + r;
-            let first = first_key::<I>(starts, b * t + i, i < t, within);
-            let m_old = ms[r];
-            let mut m = m_old;
-            for c in 0..nb {
-                let x = ps[r * pw + c];
-                #[unroll]
-                for e in 0..4 {
-                    let j = key0 + c + comptime!(nb * e);
-                    let xe = x.extract(e);
-                    if j <= i && j >= first && xe > m {
-                        m = xe;
-                    }
-                }
-            }
-            let mut row_hash = 0u32;
-            if dropping {
-                row_hash = mix_in(hash ^ i as u32);
-            }
-            let mut sum = F::new(0.0);
-            for c in 0..nb {
-                let x = ps[r * pw + c];
-                let mut p = V::<F>::empty();
-                #[unroll]
-                for e in 0..4 {
-                    let j = key0 + c + comptime!(nb * e);
-                    let mut pe = F::new(0.0);
-                    if j <= i && j >= first {
-                        pe = (x.extract(e) - m).exp();
-                    }
-                    sum += pe;
-                    if dropping {
-                        pe *=
-                            kept_factor::<F>(row_hash, mix_in(j as u32), drop.threshold, inv_keep);
-                    }
-                    p.insert(e, pe);
-                }
-                ps[r * pw + c] = p;
-            }
-            let corr = (m_old - m).exp();
-            ls[r] = ls[r] * corr + sum;
-            ms[r] = m;
-            cs[r] = corr;
-            r += units;
-        }
+        softmax_rows::<F, I>(
+            &mut ps, &mut ms, &mut ls, &mut cs, starts, &drop, hash, b, t, row0, key0, rows, units,
+            within, dropping,
+        );
         sync_cube();
         #[unroll]
         for n in 0..comptime!((nb * d4).div_ceil(units)) {
@@ -422,6 +450,63 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
                     store_vector::<E, F>(out, at, cv, x, F::new(1.0) / ls[r], d);
                 }
             }
+        }
+    }
+}
+
+/// A block of 4 query rows (`br + nb·a` of the tile from row `q0`) × 4 keys (`bc + nb·e` of
+/// the tile from `key0`) of batch row `b`, given its scores `s` and `dout·vᵀ` `dp`: the weights
+/// through the dropout into `s` and `p (dp − δ)` into `dp` (`p` the weight before the
+/// dropout), zeros where a row does not see a key; `lrow` and `drow` the query tile's rows'
+/// log-sum-exp and δ.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn block_grads<F: Float, I: Numeric>(
+    s: &mut Array<F>,
+    dp: &mut Array<F>,
+    lrow: &[F],
+    drow: &[F],
+    starts: &Tensor<I>,
+    drop: &DropArgs,
+    hash: u32,
+    b: usize,
+    t: usize,
+    q0: usize,
+    key0: usize,
+    br: usize,
+    bc: usize,
+    #[comptime] nb: usize,
+    #[comptime] within: bool,
+    #[comptime] dropping: bool,
+) {
+    let inv_keep = F::cast_from(drop.inv_keep);
+    #[unroll]
+    for a in 0..4 {
+        let r = br + comptime!(nb * a);
+        let i = q0 + r;
+        let first = first_key::<I>(starts, b * t + i, i < t, within);
+        let (li, di) = (lrow[r], drow[r]);
+        let mut row_hash = 0u32;
+        if dropping {
+            row_hash = mix_in(hash ^ i as u32);
+        }
+        #[unroll]
+        for e in 0..4 {
+            let j = key0 + bc + comptime!(nb * e);
+            let z = comptime!(a * 4 + e);
+            let mut pz = F::new(0.0);
+            let mut gz = F::new(0.0);
+            if i < t && j <= i && j >= first {
+                let p = (s[z] - li).exp();
+                let mut f = F::new(1.0);
+                if dropping {
+                    f = kept_factor::<F>(row_hash, mix_in(j as u32), drop.threshold, inv_keep);
+                }
+                pz = p * f;
+                gz = p * (dp[z] * f - di);
+            }
+            s[z] = pz;
+            dp[z] = gz;
         }
     }
 }
@@ -496,7 +581,6 @@ pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
     if dropping {
         hash = head_hash(&drop, b, h);
     }
-    let inv_keep = F::cast_from(drop.inv_keep);
     let (k_base, v_base) = (row_start::<E>(k, b, hk, 0), row_start::<E>(v, b, hk, 0));
     let mut last = row0 + rows;
     if last > t {
@@ -514,37 +598,11 @@ pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
             let (br, bc) = (blk / nb, blk % nb);
             block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
             block_dots::<F>(&gs, &vs, br, bc, &mut dp, nb, d);
-            #[unroll]
-            for a in 0..4 {
-                let r = br + comptime!(nb * a);
-                let i = row0 + r;
-                let first = first_key::<I>(starts, b * t + i, i < t, within);
-                let (li, di) = (lrow[r], drow[r]);
-                let mut row_hash = 0u32;
-                if dropping {
-                    row_hash = mix_in(hash ^ i as u32);
-                }
-                #[unroll]
-                for e in 0..4 {
-                    let j = key0 + bc + comptime!(nb * e);
-                    let z = comptime!(a * 4 + e);
-                    let mut g = F::new(0.0);
-                    if i < t && j <= i && j >= first {
-                        let mut dpe = dp[z];
-                        if dropping {
-                            dpe *= kept_factor::<F>(
-                                row_hash,
-                                mix_in(j as u32),
-                                drop.threshold,
-                                inv_keep,
-                            );
-                        }
-                        g = (s[z] - li).exp() * (dpe - di);
-                    }
-                    s[z] = g;
-                }
-            }
-            put_block::<F>(&mut dss, &s, br, bc, nb);
+            block_grads::<F, I>(
+                &mut s, &mut dp, &lrow, &drow, starts, &drop, hash, b, t, row0, key0, br, bc, nb,
+                within, dropping,
+            );
+            put_block::<F>(&mut dss, &dp, br, bc, nb);
         }
         sync_cube();
         #[unroll]
@@ -629,7 +687,6 @@ pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
     let mut s = Array::<F>::new(16usize);
     let mut dp = Array::<F>::new(16usize);
     let tiles = t.div_ceil(rows);
-    let inv_keep = F::cast_from(drop.inv_keep);
     for g in 0..group {
         let h = hk * group + g;
         let head_rows = (b * heads + h) * t;
@@ -663,40 +720,10 @@ pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
                 let (br, bc) = (blk / nb, blk % nb);
                 block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
                 block_dots::<F>(&gs, &vs, br, bc, &mut dp, nb, d);
-                #[unroll]
-                for a in 0..4 {
-                    let r = br + comptime!(nb * a);
-                    let i = q0 + r;
-                    let first = first_key::<I>(starts, b * t + i, i < t, within);
-                    let (li, di) = (lrow[r], drow[r]);
-                    let mut row_hash = 0u32;
-                    if dropping {
-                        row_hash = mix_in(hash ^ i as u32);
-                    }
-                    #[unroll]
-                    for e in 0..4 {
-                        let j = key0 + bc + comptime!(nb * e);
-                        let z = comptime!(a * 4 + e);
-                        let mut pz = F::new(0.0);
-                        let mut gz = F::new(0.0);
-                        if i < t && j <= i && j >= first {
-                            let p = (s[z] - li).exp();
-                            let mut f = F::new(1.0);
-                            if dropping {
-                                f = kept_factor::<F>(
-                                    row_hash,
-                                    mix_in(j as u32),
-                                    drop.threshold,
-                                    inv_keep,
-                                );
-                            }
-                            pz = p * f;
-                            gz = p * (dp[z] * f - di);
-                        }
-                        s[z] = pz;
-                        dp[z] = gz;
-                    }
-                }
+                block_grads::<F, I>(
+                    &mut s, &mut dp, &lrow, &drow, starts, &drop, hash, b, t, q0, key0, br, bc, nb,
+                    within, dropping,
+                );
                 put_block::<F>(&mut ps, &s, br, bc, nb);
                 put_block::<F>(&mut dss, &dp, br, bc, nb);
             }
