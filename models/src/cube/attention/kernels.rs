@@ -73,7 +73,7 @@ fn first_key<I: Numeric>(
     first
 }
 
-/// Four floats: a unit's rows and the cube's tiles in shared memory are held as these.
+/// Four floats: the cube's tiles in shared memory and a unit's sums are held as these.
 type V<F> = Vector<F, Const<4>>;
 
 /// The sum of a vector's four lanes.
@@ -233,8 +233,8 @@ fn row_start<E: Float>(x: &Tensor<E>, b: usize, h: usize, i: usize) -> usize {
     b * x.stride(0) + h * x.stride(1) + i * x.stride(2)
 }
 
-/// Column vector `cv` of `acc[at]` (times `scale`) to `to` at `row` (a row's start), the columns
-/// past `d` left out.
+/// `x` (times `scale`), column vector `cv` of a row, to `to` at `row` (the row's start), the
+/// columns past `d` left out.
 #[cube]
 fn store_vector<E: Float, F: Float>(
     to: &mut Tensor<E>,
