@@ -401,11 +401,13 @@ pub(super) fn forward_kernel<E: Float, F: Float, I: Numeric>(
         load_tile::<E, F>(v, v_base, key0, t, F::new(1.0), &mut vs, rows, d, units);
         sync_cube();
         #[unroll]
-        for n in 0..comptime!(nb * nb / units) {
+        for n in 0..comptime!((nb * nb).div_ceil(units)) {
             let blk = u + comptime!(n * units);
-            let (br, bc) = (blk / nb, blk % nb);
-            block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
-            put_block::<F>(&mut ps, &s, br, bc, nb);
+            if blk < comptime!(nb * nb) {
+                let (br, bc) = (blk / nb, blk % nb);
+                block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
+                put_block::<F>(&mut ps, &s, br, bc, nb);
+            }
         }
         sync_cube();
         softmax_rows::<F, I>(
@@ -593,16 +595,18 @@ pub(super) fn dq_kernel<E: Float, F: Float, I: Numeric>(
         load_tile::<E, F>(v, v_base, key0, t, F::new(1.0), &mut vs, rows, d, units);
         sync_cube();
         #[unroll]
-        for n in 0..comptime!(nb * nb / units) {
+        for n in 0..comptime!((nb * nb).div_ceil(units)) {
             let blk = u + comptime!(n * units);
-            let (br, bc) = (blk / nb, blk % nb);
-            block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
-            block_dots::<F>(&gs, &vs, br, bc, &mut dp, nb, d);
-            block_grads::<F, I>(
-                &mut s, &mut dp, &lrow, &drow, starts, &drop, hash, b, t, row0, key0, br, bc, nb,
-                within, dropping,
-            );
-            put_block::<F>(&mut dss, &dp, br, bc, nb);
+            if blk < comptime!(nb * nb) {
+                let (br, bc) = (blk / nb, blk % nb);
+                block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
+                block_dots::<F>(&gs, &vs, br, bc, &mut dp, nb, d);
+                block_grads::<F, I>(
+                    &mut s, &mut dp, &lrow, &drow, starts, &drop, hash, b, t, row0, key0, br, bc,
+                    nb, within, dropping,
+                );
+                put_block::<F>(&mut dss, &dp, br, bc, nb);
+            }
         }
         sync_cube();
         #[unroll]
@@ -715,17 +719,19 @@ pub(super) fn dkv_kernel<E: Float, F: Float, I: Numeric>(
             }
             sync_cube();
             #[unroll]
-            for n in 0..comptime!(nb * nb / units) {
+            for n in 0..comptime!((nb * nb).div_ceil(units)) {
                 let blk = u + comptime!(n * units);
-                let (br, bc) = (blk / nb, blk % nb);
-                block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
-                block_dots::<F>(&gs, &vs, br, bc, &mut dp, nb, d);
-                block_grads::<F, I>(
-                    &mut s, &mut dp, &lrow, &drow, starts, &drop, hash, b, t, q0, key0, br, bc, nb,
-                    within, dropping,
-                );
-                put_block::<F>(&mut ps, &s, br, bc, nb);
-                put_block::<F>(&mut dss, &dp, br, bc, nb);
+                if blk < comptime!(nb * nb) {
+                    let (br, bc) = (blk / nb, blk % nb);
+                    block_dots::<F>(&qs, &ks, br, bc, &mut s, nb, d);
+                    block_dots::<F>(&gs, &vs, br, bc, &mut dp, nb, d);
+                    block_grads::<F, I>(
+                        &mut s, &mut dp, &lrow, &drow, starts, &drop, hash, b, t, q0, key0, br, bc,
+                        nb, within, dropping,
+                    );
+                    put_block::<F>(&mut ps, &s, br, bc, nb);
+                    put_block::<F>(&mut dss, &dp, br, bc, nb);
+                }
             }
             sync_cube();
             #[unroll]

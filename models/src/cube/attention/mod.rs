@@ -94,22 +94,27 @@ impl Pass {
     }
 }
 
+/// The units of a cube the kernels aim for: two warps of an NVIDIA card.
+const UNITS: usize = 64;
+
 /// The rows of `pass`'s tiles and the units of its cubes at heads of `width` floats, on a device
 /// whose cubes take `most_units` units and `shared` bytes of shared memory: the largest of 32,
 /// 16 and 8 rows whose tiles fit (and [`MOST_SHARED`]) and whose `(rows / 4)²` blocks of 4 × 4
-/// scores come to 4 a unit at most, else 4 rows on one unit; the units a power of two that
-/// divides the blocks. (CubeCL's CPU runtime runs a cube's units as threads, as many as the
-/// host's cores.)
+/// scores come to 4 a unit at most, else 4 rows; the units [`UNITS`], or the largest power of
+/// two the device's cubes take. Where the units outnumber the blocks of scores (tiles of 16
+/// rows have 16), the spare units wait while the others compute them, and all take part in the
+/// products, whose blocks are `rows / 4 × width / 4`. (CubeCL's CPU runtime runs a cube's units
+/// as threads, as many as the host's cores.)
 fn tiling(pass: Pass, width: usize, most_units: u32, shared: usize) -> (usize, usize) {
-    let units = 1usize << (most_units.max(1).ilog2());
+    let units = (1usize << most_units.max(1).ilog2()).min(UNITS);
     let budget = shared.min(MOST_SHARED);
     for rows in [32, 16, 8] {
         let blocks = (rows / 4) * (rows / 4);
         if pass.shared_bytes(rows, width) <= budget && blocks <= 4 * units {
-            return (rows, blocks.min(units));
+            return (rows, units);
         }
     }
-    (4, 1)
+    (4, units)
 }
 
 /// [`tiling`] on `client`'s device.
@@ -571,22 +576,27 @@ mod tests {
                         "{case}"
                     );
                     assert!(
-                        units <= most_units as usize && blocks.is_multiple_of(units),
+                        units.is_power_of_two() && units <= most_units as usize,
                         "{case}"
                     );
+                    assert!(units <= UNITS && blocks <= 4 * units, "{case}");
                 }
             }
         }
         // A GPU: tiles of 32 rows on two warps, 44 KiB for the dk/dv kernel's six tiles.
         assert_eq!(tiling(Pass::Dkv, 64, 1024, 227 * 1024), (32, 64));
         assert_eq!(Pass::Dkv.shared_bytes(32, 64), 44_288);
+        // Heads of 128: tiles of 16 rows, still on two warps (16 blocks of scores, 128 of
+        // each product).
+        assert_eq!(tiling(Pass::Forward, 128, 1024, 227 * 1024), (16, 64));
+        assert_eq!(tiling(Pass::Dkv, 128, 1024, 227 * 1024), (16, 64));
         // 32 KiB (llvmpipe): the forward's three tiles fit 32 rows, the backward's four 16.
         assert_eq!(tiling(Pass::Forward, 64, 1024, 32 * 1024), (32, 64));
-        assert_eq!(tiling(Pass::Dq, 64, 1024, 32 * 1024), (16, 16));
+        assert_eq!(tiling(Pass::Dq, 64, 1024, 32 * 1024), (16, 64));
         // Two cores of the CPU runtime: 4 blocks of 4 × 4 on two units.
         assert_eq!(tiling(Pass::Forward, 64, 2, 48 * 1024), (8, 2));
         assert_eq!(tiling(Pass::Dkv, 64, 1, 48 * 1024), (8, 1));
-        assert_eq!(tiling(Pass::Dkv, 128, 256, 16 * 1024), (4, 1));
+        assert_eq!(tiling(Pass::Dkv, 128, 256, 16 * 1024), (4, 64));
         // The widest head on WebGPU's least shared memory.
         assert!(Pass::Dkv.shared_bytes(4, MOST_HEAD_WIDTH) <= 16 * 1024);
     }
