@@ -131,6 +131,84 @@ fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
     );
 }
 
+/// Attention's kernels for the matrix units (`kiln_models::cube::emulate_matrix_units`: this
+/// runtime has none, so each 16 × 16 product is summed by the plane's units; the rest — tiles
+/// of 16 rows a plane, the softmax and masks by a unit a row, the weights and `p (dp − δ)`
+/// rounded to the tensors' type before their products — as on a card's tensor cores) against
+/// Burn's composed ops on the CPU: in f32 within 1e-5 of each tensor's largest value; in bf16
+/// and f16, against the same computation in f32 on the same rounded values, within two units in
+/// the low type's last place (attention's other kernels, which round once, are within one). The
+/// cases: prime times and one shorter than a tile, grouped-query heads, packed documents, heads
+/// of 16, 32, 64 and 128, dropout, the GPT's packed projection. (WGPU's llvmpipe compiles these
+/// kernels' barriers as coroutines, tens of minutes a kernel: they are checked here.)
+#[test]
+fn the_matrix_units_attention_kernels_give_burns_output_and_gradients() {
+    use kiln_models::cube::{attention_on_matrix_units, emulate_matrix_units};
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let cube = cube_cpu();
+    let cpu = burn::prelude::Device::flex();
+    assert!(!attention_on_matrix_units(DType::BF16, 64, &cube));
+    emulate_matrix_units(true);
+    struct Off;
+    impl Drop for Off {
+        fn drop(&mut self) {
+            kiln_models::cube::emulate_matrix_units(false);
+        }
+    }
+    let _off = Off;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        assert!(attention_on_matrix_units(dtype, 64, &cube), "{dtype:?}");
+        assert!(!attention_on_matrix_units(dtype, 24, &cube), "{dtype:?}");
+    }
+    let packed = packed_starts(67);
+    let cases: [([usize; 5], Option<&[i64]>, Way); 6] = [
+        ([2, 4, 2, 67, 32], None, Way::Kernels(None)),
+        ([2, 4, 2, 67, 16], Some(&packed), Way::Kernels(None)),
+        ([1, 2, 1, 47, 64], None, Way::Kernels(None)),
+        ([1, 2, 2, 37, 128], None, Way::Kernels(None)),
+        ([2, 2, 1, 13, 16], None, Way::Kernels(None)),
+        ([2, 3, 3, 67, 16], None, Way::Packed(None)),
+    ];
+    let mut worst = [0f32; 2];
+    let name = "Burn's composed ops in f32";
+    for (dims, starts, way) in cases {
+        let case = format!("{dims:?} starts {}", starts.is_some());
+        let kernel = attention_and_grads(&cube, dims, starts, way, F32);
+        let composed = attention_and_grads(&cpu, dims, starts, Way::Composed(None), F32);
+        assert_attention_close(&case, &kernel, name, &composed, 1e-5);
+        for (low, ulp) in LOW {
+            let kernel = attention_and_grads(&cube, dims, starts, way, held_in(low));
+            let composed =
+                attention_and_grads(&cpu, dims, starts, Way::Composed(None), rounded_to(low));
+            let case = format!("{case} in {low:?}");
+            let w = assert_attention_close(&case, &kernel, name, &composed, 2.0 * ulp);
+            let at = usize::from(low == DType::F16);
+            worst[at] = worst[at].max(w);
+        }
+    }
+    let dropout = burn::nn::DropoutConfig::new(0.25).init();
+    let dims = [2, 4, 2, 67, 32];
+    let drop = kernels_mask(&dropout, None, dims[1]);
+    let name = "Burn's composed ops in f32 with the mask";
+    let kernels = Way::Kernels(Some((&dropout, None)));
+    let kernel = attention_and_grads(&cube, dims, Some(&packed), kernels, F32);
+    let composed = attention_and_grads(&cpu, dims, Some(&packed), Way::Composed(Some(drop)), F32);
+    assert_attention_close("dropout", &kernel, name, &composed, 1e-5);
+    for (low, ulp) in LOW {
+        let kernel = attention_and_grads(&cube, dims, Some(&packed), kernels, held_in(low));
+        let way = Way::Composed(Some(drop));
+        let composed = attention_and_grads(&cpu, dims, Some(&packed), way, rounded_to(low));
+        let case = format!("dropout in {low:?}");
+        let w = assert_attention_close(&case, &kernel, name, &composed, 2.0 * ulp);
+        let at = usize::from(low == DType::F16);
+        worst[at] = worst[at].max(w);
+    }
+    eprintln!(
+        "largest difference from f32, of each tensor's largest value: bf16 {:.2e}, f16 {:.2e}",
+        worst[0], worst[1]
+    );
+}
+
 /// The embedding's kernel with the table and the output's gradient in bf16 and in f16 against
 /// Burn's embedding in f32 on the CPU given the same rounded values: the lookup the same, the
 /// table's gradient in the low type — the sum of 247 rows for the token that repeats — within

@@ -605,10 +605,18 @@ fn assert_close(kernel: &Named, others: &[(&str, &Named)], decay: f64) {
 #[test]
 #[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
 fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
+    use burn::tensor::DType;
     use kiln_models::draw::Part;
     let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let wgpu = wgpu_device();
     let cpu = burn::prelude::Device::flex();
+    // llvmpipe has no matrix units: these kernels, not the `mma` ones, run in every type.
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        assert!(
+            !kiln_models::cube::attention_on_matrix_units(dtype, 64, &wgpu),
+            "{dtype:?} on the matrix units"
+        );
+    }
     let packed = packed_starts(70);
     let cases: [([usize; 5], Option<&[i64]>); 7] = [
         ([2, 3, 3, 70, 16], None),

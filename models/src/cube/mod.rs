@@ -10,7 +10,8 @@
 //!   dozen whole-vector ops.
 //! - [`attention`]: causal attention forward and backward by tiles in shared memory, the rows'
 //!   log-sum-exp kept instead of the `T × T` scores (`attention/`), where Burn's composes
-//!   the scores, their mask, softmax and products.
+//!   the scores, their mask, softmax and products; for bf16 and f16 on a device with matrix
+//!   units (tensor cores), the products on them ([`attention_on_matrix_units`]).
 //! - [`linear`]: not a kernel of its own but Burn's products arranged so that the weight's
 //!   gradient is summed by parts of the rows (`linear.rs`), where Burn's is one product with
 //!   few output tiles walking every row.
@@ -44,7 +45,7 @@ use burn::tensor::{DType, TensorData};
 use serde::{Deserialize, Serialize};
 
 pub use adamw::{AdamStep, CubeAdamWOps};
-pub use attention::{AttentionDropout, CubeAttentionOps, MOST_HEAD_WIDTH};
+pub use attention::{AttentionDropout, CubeAttentionOps, MOST_HEAD_WIDTH, emulate_matrix_units};
 pub use embedding::{CubeEmbeddingOps, ROWS_PER_PART, parts};
 pub use linear::{LEAST_PART_ROWS, linear_by_parts, weight_parts};
 pub use norm::{layer_norm_by_parts, norm_row_parts, rms_norm_by_parts, scale_by_parts};
@@ -63,16 +64,21 @@ pub enum GpuKernel {
     Linear,
     /// The norms' scale gradient summed by parts of the rows ([`norm_parts`]).
     Norm,
+    /// Attention's kernels on the matrix units (a card's tensor cores, Vulkan's cooperative
+    /// matrices) for bf16 and f16 tensors where the device has them ([`attention`]'s `mma`);
+    /// off, or elsewhere, attention's kernels compute in f32 on the ordinary units.
+    MatrixUnits,
 }
 
 impl GpuKernel {
     /// Every one, in the order of the enum.
-    pub const ALL: [GpuKernel; 5] = [
+    pub const ALL: [GpuKernel; 6] = [
         GpuKernel::Embedding,
         GpuKernel::Attention,
         GpuKernel::Adamw,
         GpuKernel::Linear,
         GpuKernel::Norm,
+        GpuKernel::MatrixUnits,
     ];
 
     fn bit(self) -> u8 {
@@ -81,7 +87,7 @@ impl GpuKernel {
 }
 
 /// The kernels on, a bit each ([`GpuKernel::bit`]).
-static KERNELS: AtomicU8 = AtomicU8::new(0b1_1111);
+static KERNELS: AtomicU8 = AtomicU8::new(0b11_1111);
 
 /// Turns every GPU kernel on or off for the whole process (on by default). Off, every function
 /// of this module runs the Burn ops it replaces: the switch compares the two.
@@ -180,6 +186,28 @@ pub fn adamw(
         Tensor::from_dispatch(m),
         Tensor::from_dispatch(v),
     )
+}
+
+/// Whether [`attention`]'s kernels run on the matrix units (a card's tensor cores, Vulkan's
+/// cooperative matrices) for tensors of `dtype` with heads of `width` on `device`: the
+/// attention kernels and `"matrix-units"` on ([`set_kernels`]), bf16 or f16, heads a multiple
+/// of 16 wide, and a device that multiplies 16 × 16 × 16 blocks of that type into f32. Where
+/// this is false and [`attention_takes`], the kernels compute in f32 on the ordinary units.
+pub fn attention_on_matrix_units(dtype: DType, width: usize, device: &Device) -> bool {
+    let cube = match device.as_dispatch() {
+        DispatchDevice::Cube(cube) => cube,
+        DispatchDevice::Autodiff(inner) => match &**inner {
+            DispatchDevice::Cube(cube) => cube,
+            #[allow(unreachable_patterns)]
+            _ => return false,
+        },
+        #[allow(unreachable_patterns)]
+        _ => return false,
+    };
+    kernel_on(GpuKernel::Attention)
+        && kernels_here(dtype, device)
+        && width <= MOST_HEAD_WIDTH
+        && attention::on_matrix_units(dtype, width, &cube.client())
 }
 
 /// Whether [`attention`] runs the kernels for these tensors: one float type of

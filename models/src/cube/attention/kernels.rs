@@ -13,7 +13,7 @@ use cubecl::prelude::*;
 
 /// [`mix`] in a kernel.
 #[cube]
-fn mix_in(x: u32) -> u32 {
+pub(super) fn mix_in(x: u32) -> u32 {
     let mut x = x;
     x ^= x >> 16;
     x *= 0x7feb_352d;
@@ -25,7 +25,7 @@ fn mix_in(x: u32) -> u32 {
 /// The hash of local head `h` of batch row `b` under the draw's seed, by its place in the whole
 /// (`b · heads + first_head + h`).
 #[cube]
-fn head_hash(drop: &DropArgs, b: usize, h: usize) -> u32 {
+pub(super) fn head_hash(drop: &DropArgs, b: usize, h: usize) -> u32 {
     let bh = (b * drop.heads as usize + drop.first_head as usize + h) as u32;
     mix_in(drop.seed_a ^ mix_in(drop.seed_b ^ bh))
 }
@@ -33,7 +33,7 @@ fn head_hash(drop: &DropArgs, b: usize, h: usize) -> u32 {
 /// The factor of the weight of the row hashed `row` on the key hashed `key` (`mix_in(j)`):
 /// `inv_keep` kept, 0 dropped.
 #[cube]
-fn kept_factor<F: Float>(row: u32, key: u32, threshold: u32, inv_keep: F) -> F {
+pub(super) fn kept_factor<F: Float>(row: u32, key: u32, threshold: u32, inv_keep: F) -> F {
     let mut z = inv_keep;
     if (mix_in(row ^ key) >> 8) < threshold {
         z = F::new(0.0);
@@ -60,7 +60,7 @@ pub struct DropArgs {
 
 /// The start of each row's keys: `starts[b, i]` within documents, else 0.
 #[cube]
-fn first_key<I: Numeric>(
+pub(super) fn first_key<I: Numeric>(
     starts: &Tensor<I>,
     at: usize,
     live: bool,
@@ -229,7 +229,7 @@ fn zeros<F: Float>(acc: &mut Array<V<F>>, #[comptime] len: usize) {
 /// Where row `i` of head `h` of batch row `b` starts in `x` (`[B, H, T, D]` in any layout whose
 /// last dimension is contiguous).
 #[cube]
-fn row_start<E: Float>(x: &Tensor<E>, b: usize, h: usize, i: usize) -> usize {
+pub(super) fn row_start<E: Float>(x: &Tensor<E>, b: usize, h: usize, i: usize) -> usize {
     b * x.stride(0) + h * x.stride(1) + i * x.stride(2)
 }
 

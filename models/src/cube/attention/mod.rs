@@ -40,6 +40,12 @@
 //! The tensors may be f32, bf16 or f16; the units compute in f32 whatever they hold (the tiles
 //! in shared memory, the running sums, each row's log-sum-exp and `δ` are f32), so that under
 //! `bf16-mixed` the softmax is as exact as in f32 and only the loads and stores are 16-bit.
+//!
+//! For bf16 and f16 on a device with matrix units (a card's tensor cores: planes that multiply
+//! 16 × 16 × 16 blocks of the type into f32), the same three passes run as the `mma` module's
+//! kernels instead: the products on the matrix units, the softmax and the masks in f32 by a unit
+//! a row, the weights and `p (dp − δ)` rounded to the tensors' type before their products.
+//! [`emulate_matrix_units`] runs those kernels where no device has matrix units, for tests.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -55,10 +61,13 @@ use burn_cubecl::kernel::{into_contiguous, untile};
 use burn_cubecl::ops::numeric::{empty_device_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use kernels::{DropArgsLaunch, dkv_kernel, dq_kernel, forward_kernel};
+use mma::{dkv_mma, dq_mma, forward_mma};
 
 mod kernels;
+mod mma;
 
 /// The widest head the kernels take: at this width the backward's smallest tiles (4 rows)
 /// take 8.7 KiB of shared memory, within WebGPU's least (16 KiB).
@@ -115,6 +124,161 @@ fn tiling(pass: Pass, width: usize, most_units: u32, shared: usize) -> (usize, u
         }
     }
     (4, units)
+}
+
+/// How the matrix units' kernels ([`mma`]) cut a pass: `planes` planes a cube of `plane` units
+/// each, 16 of the cube's rows a plane, the other side's tile `16 · chunks` rows; `lanes`: the
+/// products summed by the planes' units ([`emulate_matrix_units`]), not the matrix units.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct MmaTiling {
+    planes: usize,
+    chunks: usize,
+    plane: usize,
+    lanes: bool,
+}
+
+/// Whether [`emulate_matrix_units`] is on.
+static EMULATED: AtomicBool = AtomicBool::new(false);
+
+/// The units of a plane where the matrix units' kernels run without them.
+const EMULATED_PLANE: usize = 16;
+
+/// Runs attention's matrix-unit kernels ([`mma`]) where the device has no matrix units, or for
+/// f32 tensors, for the whole process: each 16 × 16 product is summed by the plane's units from
+/// the same tiles in shared memory, all else (tiles, masks, the softmax, the roundings to the
+/// tensors' type) as on the matrix units. Slower than attention's other kernels; it is how the
+/// matrix units' kernels are checked where no device has them (CubeCL's CPU runtime, in the
+/// integration tests' `cube_cpu` module). Off by default.
+pub fn emulate_matrix_units(on: bool) {
+    EMULATED.store(on, Ordering::Relaxed);
+}
+
+impl MmaTiling {
+    /// The cube's units.
+    fn units(&self) -> usize {
+        self.planes * self.plane
+    }
+
+    /// The cube's rows: the query rows of the forward's and `dq`'s cubes, the key rows of
+    /// `dk`/`dv`'s.
+    fn rows(&self) -> usize {
+        16 * self.planes
+    }
+}
+
+impl Pass {
+    /// Bytes of shared memory of the matrix units' kernel of this pass at `planes` planes and
+    /// the other side's tile of `16 · chunks` rows, heads of `width` values of `elem` bytes:
+    /// the tiles of rows in the tensors' type, the scores (and `dout·vᵀ`) in f32, the weights
+    /// (and `p (dp − δ)`) in the tensors' type, the forward's output in f32, the rows' numbers,
+    /// and up to 32 bytes before each of the eight tiles that align them.
+    fn mma_shared_bytes(self, planes: usize, chunks: usize, width: usize, elem: usize) -> usize {
+        let (rows, other) = (16 * planes, 16 * chunks);
+        8 * 32
+            + match self {
+                Pass::Forward => {
+                    elem * (rows * width + 2 * other * width + rows * other)
+                        + 4 * (rows * other + rows * width + 2 * rows)
+                }
+                Pass::Dq => {
+                    elem * (2 * rows * width + 2 * other * width + 2 * rows * other)
+                        + 4 * (2 * rows * other + 3 * rows)
+                }
+                Pass::Dkv => {
+                    elem * (2 * rows * width + 2 * other * width + 2 * rows * other)
+                        + 4 * (2 * rows * other + 3 * other)
+                }
+            }
+    }
+}
+
+/// The matrix units' tiling of `pass` at heads of `width` values of `elem` bytes, on a device
+/// of planes of `plane` units, `most_units` a cube and `shared` bytes of shared memory: the most
+/// planes (4, 2, 1) and then the widest other tile (32 rows, 16) that fit; none where the width
+/// is not a multiple of 16 or nothing fits.
+fn mma_tiling(
+    pass: Pass,
+    width: usize,
+    elem: usize,
+    plane: usize,
+    most_units: usize,
+    shared: usize,
+) -> Option<MmaTiling> {
+    if width == 0 || !width.is_multiple_of(16) || plane == 0 {
+        return None;
+    }
+    let budget = shared.min(MOST_SHARED);
+    for planes in [4, 2, 1] {
+        for chunks in [2, 1] {
+            if planes * plane <= most_units
+                && pass.mma_shared_bytes(planes, chunks, width, elem) <= budget
+            {
+                return Some(MmaTiling {
+                    planes,
+                    chunks,
+                    plane,
+                    lanes: false,
+                });
+            }
+        }
+    }
+    None
+}
+
+/// Whether attention's kernels run on the matrix units on `client`'s device for tensors of
+/// `dtype` (and how): `hardware.gpu_kernels`' `"matrix-units"` on, a 16-bit float type, heads
+/// a multiple of 16 wide, planes of one size, the device multiplying 16 × 16 × 16 blocks of
+/// that type into f32 (a card's tensor cores, Vulkan's cooperative matrices); or, with
+/// [`emulate_matrix_units`], f32, bf16 or f16 on any device, on planes of up to 16 units.
+fn mma_on(
+    pass: Pass,
+    width: usize,
+    dtype: DType,
+    client: &cubecl::client::Client,
+) -> Option<MmaTiling> {
+    if !super::kernel_on(super::GpuKernel::MatrixUnits) {
+        return None;
+    }
+    let props = client.properties();
+    let hardware = &props.hardware;
+    let most_units = hardware.max_units_per_cube as usize;
+    let (elem, plane, lanes) = if EMULATED.load(Ordering::Relaxed) {
+        let elem = match dtype {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            _ => return None,
+        };
+        let plane = (1usize << most_units.max(1).ilog2()).min(EMULATED_PLANE);
+        (elem, plane, true)
+    } else {
+        if !matches!(dtype, DType::F16 | DType::BF16) {
+            return None;
+        }
+        let elem = dtype_to_storage_type(dtype);
+        let config = cubecl::features::MmaConfig {
+            a_type: elem,
+            b_type: elem,
+            cd_type: dtype_to_storage_type(DType::F32),
+            m: 16,
+            n: 16,
+            k: 16,
+        };
+        if hardware.plane_size_min != hardware.plane_size_max
+            || !props.features.matmul.cmma.contains(&config)
+        {
+            return None;
+        }
+        (2, hardware.plane_size_max as usize, false)
+    };
+    let shared = hardware.max_shared_memory_size;
+    mma_tiling(pass, width, elem, plane, most_units, shared).map(|m| MmaTiling { lanes, ..m })
+}
+
+/// Whether all three of attention's passes run on the matrix units ([`mma_on`]).
+pub(super) fn on_matrix_units(dtype: DType, width: usize, client: &cubecl::client::Client) -> bool {
+    [Pass::Forward, Pass::Dq, Pass::Dkv]
+        .into_iter()
+        .all(|pass| mma_on(pass, width, dtype, client).is_some())
 }
 
 /// [`tiling`] on `client`'s device.
@@ -316,8 +480,36 @@ impl CubeAttentionOps for CubeBackend {
         let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
         let out = heads_in_rows(&q, [b, h, t, d]);
         let lse = empty_device_dtype(client.clone(), device, Shape::new([b, h, t]), DType::F32);
+        let dtypes = [
+            dtype_to_storage_type(dtype),
+            dtype_to_storage_type(DType::F32),
+            dtype_to_storage_type(starts.dtype),
+        ];
+        if let Some(m) = mma_on(Pass::Forward, d, dtype, &client) {
+            forward_mma::launch(
+                &client,
+                CubeCount::Static(t.div_ceil(m.rows()) as u32, h as u32, b as u32),
+                CubeDim::new_2d(m.plane as u32, m.planes as u32),
+                q.into_tensor_arg(),
+                k.into_tensor_arg(),
+                v.into_tensor_arg(),
+                starts.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                scale,
+                drop.args(),
+                d,
+                m.planes,
+                m.chunks,
+                m.units(),
+                m.lanes,
+                within,
+                drop.prob > 0.0,
+                dtypes,
+            );
+            return (out, lse);
+        }
         let (rows, units) = tiling_on(Pass::Forward, d, &client);
-        let index_dtype = starts.dtype;
         forward_kernel::launch(
             &client,
             CubeCount::Static(t.div_ceil(rows) as u32, h as u32, b as u32),
@@ -335,11 +527,7 @@ impl CubeAttentionOps for CubeBackend {
             units,
             within,
             drop.prob > 0.0,
-            [
-                dtype_to_storage_type(dtype),
-                dtype_to_storage_type(DType::F32),
-                dtype_to_storage_type(index_dtype),
-            ],
+            dtypes,
         );
         (out, lse)
     }
@@ -384,6 +572,61 @@ impl CubeAttentionOps for CubeBackend {
             dtype_to_storage_type(DType::F32),
             dtype_to_storage_type(starts.dtype),
         ];
+        let mma = (
+            mma_on(Pass::Dq, d, dtype, &client),
+            mma_on(Pass::Dkv, d, dtype, &client),
+        );
+        if let (Some(mq), Some(mkv)) = mma {
+            dq_mma::launch(
+                &client,
+                CubeCount::Static(t.div_ceil(mq.rows()) as u32, h as u32, b as u32),
+                CubeDim::new_2d(mq.plane as u32, mq.planes as u32),
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                out.into_tensor_arg(),
+                dout.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                starts.clone().into_tensor_arg(),
+                dq.clone().into_tensor_arg(),
+                scale,
+                drop.args(),
+                d,
+                mq.planes,
+                mq.chunks,
+                mq.units(),
+                mq.lanes,
+                within,
+                drop.prob > 0.0,
+                dtypes,
+            );
+            dkv_mma::launch(
+                &client,
+                CubeCount::Static(t.div_ceil(mkv.rows()) as u32, kv as u32, b as u32),
+                CubeDim::new_2d(mkv.plane as u32, mkv.planes as u32),
+                q.into_tensor_arg(),
+                k.into_tensor_arg(),
+                v.into_tensor_arg(),
+                dout.into_tensor_arg(),
+                lse.into_tensor_arg(),
+                delta.into_tensor_arg(),
+                starts.into_tensor_arg(),
+                dk.clone().into_tensor_arg(),
+                dv.clone().into_tensor_arg(),
+                scale,
+                drop.args(),
+                d,
+                mkv.planes,
+                mkv.chunks,
+                mkv.units(),
+                mkv.lanes,
+                within,
+                drop.prob > 0.0,
+                dtypes,
+            );
+            return (dq, dk, dv);
+        }
         let (rows, units) = tiling_on(Pass::Dq, d, &client);
         dq_kernel::launch(
             &client,
@@ -555,6 +798,41 @@ impl<B: Backend + CubeAttentionOps, C: CheckpointStrategy> CubeAttentionOps for 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_matrix_units_tiles_fit_their_device_and_take_heads_of_16s() {
+        // (plane, units a cube, shared bytes): a card's, and the emulation's on two cores of
+        // CubeCL's CPU runtime.
+        let devices = [(32, 1024, 227 * 1024), (2, 2, 48 * 1024)];
+        for pass in [Pass::Forward, Pass::Dq, Pass::Dkv] {
+            for (plane, units, shared) in devices {
+                for width in [16, 32, 64, 128] {
+                    for elem in [2, 4] {
+                        let case = format!("{pass:?} width {width}×{elem} B on {plane}/{units}");
+                        let m = mma_tiling(pass, width, elem, plane, units, shared)
+                            .unwrap_or_else(|| panic!("{case}: no tiling"));
+                        assert!(m.units() <= units && m.plane == plane, "{case}");
+                        let bytes = pass.mma_shared_bytes(m.planes, m.chunks, width, elem);
+                        assert!(bytes <= shared.min(MOST_SHARED), "{case}: {bytes} B");
+                    }
+                }
+                for width in [0, 6, 24, 72] {
+                    assert_eq!(mma_tiling(pass, width, 2, plane, units, shared), None);
+                }
+            }
+        }
+        // A card in bf16 at the recipes' heads of 64: four warps of 16 query rows against 32
+        // keys in the forward, 16 in the backward; heads of 128 on two warps.
+        let card = |pass, width| {
+            mma_tiling(pass, width, 2, 32, 1024, 227 * 1024).map(|m| (m.planes, m.chunks))
+        };
+        assert_eq!(card(Pass::Forward, 64), Some((4, 2)));
+        assert_eq!(card(Pass::Dq, 64), Some((4, 1)));
+        assert_eq!(card(Pass::Dkv, 64), Some((4, 1)));
+        assert_eq!(card(Pass::Forward, 128), Some((2, 2)));
+        // Where not even one plane's tiles fit, none: attention's other kernels run.
+        assert_eq!(mma_tiling(Pass::Forward, 128, 4, 16, 1024, 32 * 1024), None);
+    }
 
     #[test]
     fn each_pass_tiles_within_its_device_s_shared_memory_and_units() {
