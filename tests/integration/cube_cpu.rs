@@ -161,7 +161,9 @@ fn the_matrix_units_attention_kernels_give_burns_output_and_gradients() {
         assert!(!attention_on_matrix_units(dtype, 24, &cube), "{dtype:?}");
     }
     let packed = packed_starts(67);
-    let cases: [([usize; 5], Option<&[i64]>, Way); 6] = [
+    // Dimensions [B, H, KV, T, D], each row's first key, how the kernels are reached.
+    type Case<'a> = ([usize; 5], Option<&'a [i64]>, Way<'a>);
+    let cases: [Case; 6] = [
         ([2, 4, 2, 67, 32], None, Way::Kernels(None)),
         ([2, 4, 2, 67, 16], Some(&packed), Way::Kernels(None)),
         ([1, 2, 1, 47, 64], None, Way::Kernels(None)),
