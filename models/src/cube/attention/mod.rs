@@ -143,9 +143,9 @@ static EMULATED: AtomicBool = AtomicBool::new(false);
 /// The units of a plane where the matrix units' kernels run without them.
 const EMULATED_PLANE: usize = 16;
 
-/// Runs attention's matrix-unit kernels ([`mma`]) where the device has no matrix units, or for
-/// f32 tensors, for the whole process: each 16 × 16 product is summed by the plane's units from
-/// the same tiles in shared memory, all else (tiles, masks, the softmax, the roundings to the
+/// Runs attention's matrix-unit kernels where the device has no matrix units, or for f32
+/// tensors, for the whole process: each 16 × 16 product is summed by the plane's units from the
+/// same tiles in shared memory, all else (tiles, masks, the softmax, the roundings to the
 /// tensors' type) as on the matrix units. Slower than attention's other kernels; it is how the
 /// matrix units' kernels are checked where no device has them (CubeCL's CPU runtime, in the
 /// integration tests' `cube_cpu` module). Off by default.
