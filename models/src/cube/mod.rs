@@ -99,6 +99,7 @@ pub fn set_enabled(on: bool) {
 pub fn set_kernels(kernels: &[GpuKernel]) {
     let bits = kernels.iter().fold(0, |b, k| b | k.bit());
     KERNELS.store(bits, Ordering::Relaxed);
+    attention::allow_matrix_units(kernels.contains(&GpuKernel::MatrixUnits));
 }
 
 /// Whether any GPU kernel is on (see [`set_enabled`]).
