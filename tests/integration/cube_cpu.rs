@@ -139,8 +139,8 @@ fn the_attention_kernels_in_bf16_and_f16_are_within_a_rounding_of_f32() {
 /// and f16, against the same computation in f32 on the same rounded values, within two units in
 /// the low type's last place (attention's other kernels, which round once, are within one). The
 /// cases: prime times and one shorter than a tile, grouped-query heads, packed documents, heads
-/// of 16, 32, 64 and 128, dropout, the GPT's packed projection. (WGPU's llvmpipe compiles these
-/// kernels' barriers as coroutines, tens of minutes a kernel: they are checked here.)
+/// of 16, 32, 64 and 128, dropout, the GPT's packed projection. (WGPU's llvmpipe compiles a
+/// kernel's barriers as coroutines: a test of these kernels there ran past fifteen minutes.)
 #[test]
 fn the_matrix_units_attention_kernels_give_burns_output_and_gradients() {
     use kiln_models::cube::{attention_on_matrix_units, emulate_matrix_units};
