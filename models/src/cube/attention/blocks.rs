@@ -86,6 +86,36 @@ pub(super) fn lane_element(z: usize, #[comptime] plane: usize) -> (usize, usize)
     (e / M, e % M)
 }
 
+/// `acc += a · b` on the matrix units: the 16 × 16 block of `a` from `a_at` (row-major, rows
+/// `lda` apart) times that of `b` from `b_at` (rows or, `ColMajor`, columns `ldb` apart).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_product<E: Float, F: Float>(
+    acc: &mut Matrix<F>,
+    a: &[E],
+    a_at: usize,
+    #[comptime] lda: usize,
+    b: &[E],
+    b_at: usize,
+    #[comptime] ldb: usize,
+    #[comptime] b_layout: MatrixLayout,
+) {
+    let mut fa =
+        unsafe { Matrix::<E>::uninitialized(MatrixIdent::A, M, M, M, MatrixLayout::RowMajor) };
+    let mut fb = unsafe { Matrix::<E>::uninitialized(MatrixIdent::B, M, M, M, b_layout) };
+    cmma::load(
+        &mut fa,
+        &a[a_at..a_at + comptime!((M - 1) * lda + M)],
+        lda as u32,
+    );
+    cmma::load(
+        &mut fb,
+        &b[b_at..b_at + comptime!((M - 1) * ldb + M)],
+        ldb as u32,
+    );
+    cmma::execute(&fa, &fb, &*acc, &*acc);
+}
+
 /// `acc = x[x0 .. x0 + 16 rows] · y[y0 .. y0 + 16 rows]ᵀ`: 16 rows of `x` against 16 of `y`,
 /// both row-major tiles of `d` columns.
 #[cube]
@@ -103,28 +133,8 @@ pub(super) fn rows_by_rows<E: Float, F: Float>(
             cmma::fill(m, F::new(0.0));
             #[unroll]
             for c in 0..comptime!(d / M) {
-                let mut a = unsafe {
-                    cmma::Matrix::<E>::uninitialized(
-                        MatrixIdent::A,
-                        M,
-                        M,
-                        M,
-                        MatrixLayout::RowMajor,
-                    )
-                };
-                let mut b = unsafe {
-                    cmma::Matrix::<E>::uninitialized(
-                        MatrixIdent::B,
-                        M,
-                        M,
-                        M,
-                        MatrixLayout::ColMajor,
-                    )
-                };
                 let (xs, ys) = (x0 * d + c * M, y0 * d + c * M);
-                cmma::load(&mut a, &x[xs..xs + comptime!((M - 1) * d + M)], d as u32);
-                cmma::load(&mut b, &y[ys..ys + comptime!((M - 1) * d + M)], d as u32);
-                cmma::execute(&a, &b, &*m, &*m);
+                add_product::<E, F>(m, x, xs, d, y, ys, d, MatrixLayout::ColMajor);
             }
         }
         Block::Lanes(sums) => {
@@ -160,28 +170,8 @@ pub(super) fn weights_by_tile<E: Float, F: Float>(
         {
             #[unroll]
             for j in 0..comptime!(n / M) {
-                let mut a = unsafe {
-                    cmma::Matrix::<E>::uninitialized(
-                        MatrixIdent::A,
-                        M,
-                        M,
-                        M,
-                        MatrixLayout::RowMajor,
-                    )
-                };
-                let mut b = unsafe {
-                    cmma::Matrix::<E>::uninitialized(
-                        MatrixIdent::B,
-                        M,
-                        M,
-                        M,
-                        MatrixLayout::RowMajor,
-                    )
-                };
                 let (ws, ys) = (w0 * n + j * M, j * M * d + c0);
-                cmma::load(&mut a, &w[ws..ws + comptime!((M - 1) * n + M)], n as u32);
-                cmma::load(&mut b, &y[ys..ys + comptime!((M - 1) * d + M)], d as u32);
-                cmma::execute(&a, &b, &*m, &*m);
+                add_product::<E, F>(m, w, ws, n, y, ys, d, MatrixLayout::RowMajor);
             }
         }
         Block::Lanes(sums) => {
