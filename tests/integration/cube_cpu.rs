@@ -7,8 +7,8 @@
 use burn::tensor::DType;
 
 use crate::kernels::{
-    F32, Floats, SWITCH, Way, assert_attention_close, attention_and_grads, embedding_and_grad,
-    kernels_mask, packed_starts,
+    F32, Floats, SWITCH, Way, assert_all_close, assert_attention_close, attention_and_grads,
+    embedding_and_grad, kernels_mask, norm_and_grads, packed_starts,
 };
 
 /// The relative difference allowed between the GPT's `bf16-mixed` losses here and on the CPU:
@@ -239,6 +239,36 @@ fn the_embedding_kernel_in_bf16_and_f16_is_within_a_rounding_of_f32() {
             );
         }
         assert!(grad[31 * width..].iter().all(|g| *g == 0.0));
+    }
+}
+
+/// LayerNorm and RMSNorm through the models' path (`kiln_models::cube::norm`: Burn's ops
+/// forward, the backward as one kernel) on this runtime: in f32 Burn's modules on the CPU
+/// within 1e-5 relative (output, dx, dγ, dβ); with x, γ, β and the output's gradient in bf16
+/// and f16, Burn's in f32 on the same rounded values within one unit in the low type's last
+/// place of each tensor's largest value (the kernel computes in f32 and rounds once). 111 rows
+/// of 40: cubes of 32 rows, the last one short.
+#[test]
+fn the_norm_kernel_gives_burns_output_and_gradients_in_f32_bf16_and_f16() {
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let cube = cube_cpu();
+    let cpu = burn::prelude::Device::flex();
+    let dims = [3, 37, 40];
+    for (rms, which) in [
+        (false, &["output", "dx", "dgamma", "dbeta"][..]),
+        (true, &["output", "dx", "dgamma"][..]),
+    ] {
+        let kernel = norm_and_grads(&cube, dims, rms, false, F32);
+        let burn = norm_and_grads(&cpu, dims, rms, true, F32);
+        let case = format!("{dims:?} rms {rms} in f32");
+        assert_all_close(&case, which, &kernel, "Burn's on the CPU", &burn, 1e-5);
+        for (low, ulp) in LOW {
+            let kernel = norm_and_grads(&cube, dims, rms, false, held_in(low));
+            let reference = norm_and_grads(&cpu, dims, rms, true, rounded_to(low));
+            let case = format!("{dims:?} rms {rms} in {low:?}");
+            let worst = assert_all_close(&case, which, &kernel, "Burn's in f32", &reference, ulp);
+            eprintln!("{case}: largest difference {worst:.2e} of a tensor's largest value");
+        }
     }
 }
 

@@ -126,20 +126,28 @@ pub(crate) fn linear_and_grads(
 }
 
 /// A LayerNorm (with its shift) or an RMSNorm over `[b, t, c]` through the models' path
-/// (`fused::layer_norm`/`rms_norm`: on a GPU the scale by parts of the rows) or through Burn's
-/// module (`burn`): the output and the gradients of x, γ (and β) under a weighted sum.
+/// (`fused::layer_norm`/`rms_norm`: on a GPU Burn's ops forward and kiln's kernel backward) or
+/// through Burn's module (`burn`), every float given rounded and held as `kinds` says: the
+/// output and the gradients of x, γ (and β) under a weighted sum.
 pub(crate) fn norm_and_grads(
     device: &Device,
     [b, t, c]: [usize; 3],
     rms: bool,
     burn: bool,
+    kinds: Floats,
 ) -> Vec<Vec<f32>> {
     use burn::module::Param;
     let device = device.clone().autodiff();
-    let x = input(31, [b, t, c], &device, F32).require_grad();
-    let gamma = Param::from_tensor(input(32, [c], &device, F32) + 1.0);
-    let beta = Param::from_tensor(input(33, [c], &device, F32));
-    let upstream = input(34, [b, t, c], &device, F32);
+    let x = input(31, [b, t, c], &device, kinds).require_grad();
+    // γ about 1, rounded and held as `kinds` says.
+    let about_one: Vec<f32> = values(c, 32).iter().map(|v| v + 1.0).collect();
+    let gamma = TensorData::new(about_one, [c])
+        .convert_dtype(kinds.round)
+        .convert_dtype(DType::F32);
+    let gamma = Tensor::<1>::from_data(gamma, &device).cast(FloatDType::from(kinds.compute));
+    let gamma = Param::from_tensor(gamma);
+    let beta = Param::from_tensor(input(33, [c], &device, kinds));
+    let upstream = input(34, [b, t, c], &device, kinds);
     let (y, params) = if rms {
         let mut norm = burn::nn::RmsNormConfig::new(c).init(&device);
         norm.gamma = gamma;

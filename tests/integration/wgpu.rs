@@ -695,37 +695,47 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
     );
 }
 
-/// LayerNorm and RMSNorm on WGPU through the models' path, their scale's (and shift's)
-/// gradient summed by parts of the rows (`kiln_models::cube::layer_norm_by_parts`,
-/// `rms_norm_by_parts`), against Burn's modules on the CPU: the output and the gradients of
-/// x, γ and β within 1e-5 relative; turned off alone, Burn's norm again.
+/// LayerNorm and RMSNorm on WGPU through the models' path (`kiln_models::cube::norm`: Burn's
+/// ops forward, the backward as one kernel), against Burn's modules on the CPU: the output and
+/// the gradients of x, γ and β within 1e-5 relative — rows that fill no whole number of the
+/// backward's cubes, rows narrower than a cube's units, rows of six columns a unit; turned off
+/// alone, Burn's norm again.
 #[test]
 #[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
-fn the_norms_by_parts_give_burns_output_and_gradients_on_wgpu() {
+fn the_norms_give_burns_output_and_gradients_on_wgpu() {
     use burn::prelude::*;
-    use kiln_models::cube::{GpuKernel, norm_parts};
+    use kiln_models::cube::{GpuKernel, NormTiling, norm_takes};
     let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let wgpu = wgpu_device();
     let cpu = burn::prelude::Device::flex();
-    let dims = [4, 256, 24];
-    let x = Tensor::<3>::zeros(dims, &wgpu.clone().autodiff());
-    let parts = norm_parts(&x);
-    assert_eq!(parts, 4, "{dims:?}: {parts} parts");
-    for (rms, which) in [
-        (false, &["output", "dx", "dgamma", "dbeta"][..]),
-        (true, &["output", "dx", "dgamma"][..]),
-    ] {
-        let split = norm_and_grads(&wgpu, dims, rms, false);
-        let burn = norm_and_grads(&cpu, dims, rms, true);
-        let case = format!("{dims:?} rms {rms} in {parts} parts");
-        assert_all_close(&case, which, &split, "Burn's on the CPU", &burn, 1e-5);
+    let x = Tensor::<3>::zeros([2, 3, 24], &wgpu.clone().autodiff());
+    let gamma = Tensor::<1>::ones([24], &wgpu.clone().autodiff());
+    assert!(
+        norm_takes(&x, &gamma),
+        "the norms' kernel is not taken on WGPU"
+    );
+    for dims in [[4, 97, 24], [2, 81, 384]] {
+        let tiling = NormTiling::new(dims[0] * dims[1], dims[2], 256);
+        assert!(tiling.cubes > 1 && (dims[0] * dims[1]) % tiling.rows != 0);
+        for (rms, which) in [
+            (false, &["output", "dx", "dgamma", "dbeta"][..]),
+            (true, &["output", "dx", "dgamma"][..]),
+        ] {
+            let kernel = norm_and_grads(&wgpu, dims, rms, false, F32);
+            let burn = norm_and_grads(&cpu, dims, rms, true, F32);
+            let case = format!("{dims:?} rms {rms}, {tiling:?}");
+            assert_all_close(&case, which, &kernel, "Burn's on the CPU", &burn, 1e-5);
+        }
     }
     let all_but_norm: Vec<_> = GpuKernel::ALL
         .into_iter()
         .filter(|x| *x != GpuKernel::Norm)
         .collect();
     let _only = KernelsOnly::new(&all_but_norm);
-    assert_eq!(norm_parts(&x), 1, "the norms' path turned off still cuts");
+    assert!(
+        !norm_takes(&x, &gamma),
+        "the norms' path turned off still runs the kernel"
+    );
 }
 
 /// The Linear on WGPU, its weight's gradient summed by parts of the rows

@@ -15,9 +15,8 @@
 //! - [`linear`]: not a kernel of its own but Burn's products arranged so that the weight's
 //!   gradient is summed by parts of the rows (`linear.rs`), where Burn's is one product with
 //!   few output tiles walking every row.
-//! - [`layer_norm_by_parts`], [`rms_norm_by_parts`]: not kernels either but Burn's norms with
-//!   the scale's gradient summed by parts of the rows (`norm.rs`), where Burn's is one column
-//!   sum over every row.
+//! - [`norm()`]: LayerNorm and RMSNorm, the forward in Burn's ops and the backward as one
+//!   kernel (`norm.rs`), where Burn differentiates a dozen ops one by one.
 //!
 //! Each may be turned off alone ([`set_kernels`], `hardware.gpu_kernels`).
 //!
@@ -48,7 +47,7 @@ pub use adamw::{AdamStep, CubeAdamWOps};
 pub use attention::{AttentionDropout, CubeAttentionOps, MOST_HEAD_WIDTH, emulate_matrix_units};
 pub use embedding::{CubeEmbeddingOps, ROWS_PER_PART, parts};
 pub use linear::{LEAST_PART_ROWS, linear_by_parts, weight_parts};
-pub use norm::{layer_norm_by_parts, norm_row_parts, rms_norm_by_parts, scale_by_parts};
+pub use norm::{CubeNormOps, NormTiling};
 
 /// One of this module's GPU paths, each of which may be turned off alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -62,7 +61,7 @@ pub enum GpuKernel {
     Adamw,
     /// The Linear's weight gradient summed by parts of the rows ([`linear`]).
     Linear,
-    /// The norms' scale gradient summed by parts of the rows ([`norm_parts`]).
+    /// LayerNorm's and RMSNorm's backward as one kernel ([`norm()`]).
     Norm,
     /// Attention's kernels on the matrix units (a card's tensor cores, Vulkan's cooperative
     /// matrices) for bf16 and f16 tensors where the device has them ([`attention`]'s `mma`);
@@ -280,14 +279,41 @@ pub fn linear_parts(x: &Tensor<2>, weight: &Tensor<2>) -> usize {
     weight_parts(rows, inputs, outputs)
 }
 
-/// The parts a norm over `x`'s last dimension sums its scale's gradient by:
-/// [`norm_row_parts`] where the norms' path is on, on a CubeCL device; else 1 (Burn's norm).
-pub fn norm_parts<const D: usize>(x: &Tensor<D>) -> usize {
-    if !(kernel_on(GpuKernel::Norm) && kernels_here(x.dtype(), &x.device())) {
-        return 1;
-    }
-    let c = x.dims()[D - 1].max(1);
-    norm_row_parts(x.shape().num_elements() / c)
+/// Whether [`norm()`] runs its kernel for `x` and a scale `gamma`: the norms' path on, `x` of
+/// one of [`kernels_here`]'s types on a CubeCL device, a float scale as wide as `x`'s last
+/// dimension, no dimension empty.
+pub fn norm_takes<const D: usize>(x: &Tensor<D>, gamma: &Tensor<1>) -> bool {
+    let c = x.dims()[D - 1];
+    kernel_on(GpuKernel::Norm)
+        && kernels_here(x.dtype(), &x.device())
+        && matches!(gamma.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && gamma.dims()[0] == c
+        && x.shape().num_elements() > 0
+}
+
+/// LayerNorm (`rms` false) or RMSNorm of `x` over its last dimension with `epsilon`, scaled by
+/// `gamma` and shifted by `beta`, as Burn's modules compute them (in f32 for every float type):
+/// the forward in Burn's ops, the backward as one kernel ([`CubeNormOps`]). The caller checks
+/// [`norm_takes`].
+pub fn norm<const D: usize>(
+    x: Tensor<D>,
+    gamma: Tensor<1>,
+    beta: Option<Tensor<1>>,
+    epsilon: f64,
+    rms: bool,
+) -> Tensor<D> {
+    let shift = beta.is_some();
+    // Without a shift the op's third tensor is γ again, unread. `x` keeps its shape: a
+    // reshape that lowers the rank would end the fused block of the ops before the norm.
+    let beta = beta.unwrap_or_else(|| gamma.clone());
+    Tensor::from_dispatch(<Dispatch as CubeNormOps>::kiln_norm(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        beta.into_dispatch(),
+        epsilon,
+        rms,
+        shift,
+    ))
 }
 
 /// `x · weight + bias` over the rows of `x` (`[rows, in]`, `weight` `[in, out]`): where

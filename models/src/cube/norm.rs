@@ -1,189 +1,489 @@
-//! LayerNorm and RMSNorm on a GPU with the scale's (and shift's) gradient summed by parts of
-//! the rows.
+//! LayerNorm and RMSNorm on a GPU: the forward in Burn's ops (which its fusion compiles into a
+//! reduction kernel with the element-wise ops around it), the backward as one kernel.
 //!
-//! Burn composes both norms and ends with `x̂ · γ (+ β)`, `γ` and `β` broadcast over every row.
-//! Their gradients are column sums over all the rows, which Burn's autodiff gives as one
-//! reduction with the rows' dimensions folded into one: on an H200 the GPT GPU recipe's 13
-//! LayerNorms' took 0.14 ms each, 1.8 ms of the f32 step, to read 25 MB each (BENCHMARKS.md),
-//! a few columns of units each walking 16,384 rows. Here the rows are cut into `P` parts and
-//! `γ` and `β` expanded over them (`[P, 1, C]`): Burn differentiates the product as a sum over
-//! each part's rows, every part's columns at once, and the expansion as a sum over the `P`
-//! parts. Only Burn's ops, in Burn's order otherwise: the normalisation is Burn's own
-//! composition (f16 widened to f32 for it, as Burn's LayerNorm does).
+//! Burn composes both norms from a dozen tensor ops, and its autodiff differentiates each:
+//! `mean_dim`'s backward alone is a fill, a scaling, a sum over a dimension of one and a
+//! product. Fusion compiles the forward, but the backward's chain of about twenty ops,
+//! reductions among them, ran op by op: CubeCL's profile of the small GPT on CubeCL's CPU
+//! runtime showed each LayerNorm's backward as about twenty launches (BENCHMARKS.md). Here the
+//! backward is [`CubeNormOps::kiln_norm_backward`]: a cube of units per [`NormTiling::rows`]
+//! rows; for each row the cube sums, in shared memory, `Σ x` and `Σ (x − mean)²` (the forward's
+//! statistics again, RMSNorm's `Σ x²`) and then `Σ g` and `Σ g·x̂` (`g = dy·γ`), and writes
+//! `dx = (g − mean(g) − x̂·mean(g·x̂)) / σ` (RMSNorm: without `mean(g)`); over its rows each
+//! unit adds up its columns' `dy·x̂` and `dy`, the cube's row of sums that one reduction over
+//! the cubes makes `dγ` and `dβ`. Nothing is kept from the forward but `x` and `γ`. The
+//! arithmetic is f32 for every float type (the forward's too); `x`, `dy` and `dx` stay in
+//! theirs.
 
-use burn::nn::{LayerNorm, RmsNorm};
-use burn::prelude::*;
-use burn::tensor::DType;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_extension};
+use burn::tensor::{DType, FloatDType, Shape};
+use burn_backend::Scalar;
+use burn_backend::cubecl::dtype_to_storage_type;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
 
-/// The rows each part of a norm's scale gradient sums at least.
-const LEAST_NORM_PART_ROWS: usize = 256;
+/// The rows a cube of the backward takes at least.
+const LEAST_ROWS: usize = 32;
 
-/// The parts a norm's scale gradient over `rows` rows is summed by: the most powers of two
-/// that divide `rows` with 256 rows a part at least, 1024 at most.
-pub fn norm_row_parts(rows: usize) -> usize {
-    let mut parts = 1;
-    while parts < 1024
-        && rows.is_multiple_of(parts * 2)
-        && rows / (parts * 2) >= LEAST_NORM_PART_ROWS
-    {
-        parts *= 2;
-    }
-    parts
+/// The most cubes the backward launches (WGPU's limit on a dimension of the cube count).
+const MOST_CUBES: usize = 65_535;
+
+/// How the backward covers `x` as `[N, C]` (its last dimension, N rows the others): cubes of `units` units (a power of two), each unit
+/// `per_unit` columns of a row (`u`, `u + units`, …), each cube `rows` rows in turn; `cubes`
+/// cubes, whose sums of `dy·x̂` and `dy` are `cubes` rows to add up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NormTiling {
+    /// Rows a cube takes, one after another.
+    pub rows: usize,
+    /// Units in a cube.
+    pub units: usize,
+    /// Columns a unit takes in each row.
+    pub per_unit: usize,
+    /// Cubes launched.
+    pub cubes: usize,
 }
 
-/// `x · γ + β` over `x`'s last dimension (`γ`, `β` `[C]`), `γ` and `β` expanded over `parts`
-/// parts of the rows (see the module's page). `parts` must divide the rows.
-pub fn scale_by_parts<const D: usize>(
-    x: Tensor<D>,
-    gamma: Tensor<1>,
-    beta: Option<Tensor<1>>,
-    parts: usize,
-) -> Tensor<D> {
-    let dims = x.dims();
-    let c = dims[D - 1];
-    let rows = x.shape().num_elements() / c.max(1);
-    assert!(
-        parts > 0 && rows.is_multiple_of(parts),
-        "a norm's scale by parts: {rows} rows in {parts} parts"
-    );
-    let over_parts = |p: Tensor<1>| p.reshape([1, 1, c]).expand([parts, 1, c]);
-    let y = x.reshape([parts, rows / parts, c]) * over_parts(gamma);
+impl NormTiling {
+    /// The tiling for `n` rows of `c` columns (both at least one) on a device whose cubes hold
+    /// `most_units` units: about eight columns a unit, 32 to 256 units (fewer where the device
+    /// holds fewer: CubeCL's CPU runtime, a unit a core); 32 rows a cube, more where the cubes
+    /// would pass 65,535 (WGPU's limit on a dimension of the cube count).
+    pub fn new(n: usize, c: usize, most_units: usize) -> Self {
+        let fit = 1 << most_units.max(1).ilog2();
+        let units = c.div_ceil(8).next_power_of_two().clamp(32, 256).min(fit);
+        let (rows, cubes) = Self::cubes(n);
+        Self {
+            rows,
+            units,
+            per_unit: c.div_ceil(units).max(1),
+            cubes,
+        }
+    }
+
+    /// The rows a cube takes and the cubes for `n` rows (whatever the units).
+    fn cubes(n: usize) -> (usize, usize) {
+        let mut rows = LEAST_ROWS;
+        while n.div_ceil(rows) > MOST_CUBES {
+            rows *= 2;
+        }
+        (rows, n.div_ceil(rows).max(1))
+    }
+}
+
+/// The norms on a CubeCL device.
+#[backend_extension(Cube, Fusion, Autodiff)]
+pub trait CubeNormOps: Backend {
+    /// The gradients of a norm with `epsilon` over the rows of `x` (`[…, C]`) from the
+    /// output's `dy` and the scale `gamma` (`[C]`): `dx` (`x`'s dtype) and each cube's sums of
+    /// `dy·x̂` and of `dy` over its rows (`[cubes, C]`, f32, [`NormTiling`]). Not
+    /// differentiated.
+    #[fusion(meta = |_dy, x, _gamma, _epsilon, _rms| {
+        let c = x.shape[x.shape.num_dims() - 1];
+        let cubes = NormTiling::cubes(x.shape.num_elements() / c.max(1)).1;
+        let sums = TensorSpec::new(Shape::new([cubes, c]), DType::F32);
+        (x.clone(), sums.clone(), sums)
+    })]
+    fn kiln_norm_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+        rms: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// LayerNorm (`rms` false) or RMSNorm over the rows of `x` (`[…, C]`), scaled by `gamma`
+    /// and, where `shift`, shifted by `beta` (`[C]`; unread otherwise), differentiated in
+    /// `x`, `gamma` and `beta` through [`CubeNormOps::kiln_norm_backward`].
+    #[fusion(default)]
+    fn kiln_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        rms: bool,
+        shift: bool,
+    ) -> FloatTensor<Self> {
+        forward::<Self>(x, gamma, shift.then_some(beta), epsilon, rms)
+    }
+}
+
+/// `t` in f32.
+fn wide<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
+    if t.dtype() == DType::F32 {
+        t
+    } else {
+        B::float_cast(t, FloatDType::F32)
+    }
+}
+
+/// The norm's output, in `x`'s dtype: Burn's ops in Burn's order (`x − mean`, its squares'
+/// mean, the division by `√(var + ε)`), in f32 whatever `x`'s type, as Burn's LayerNorm
+/// computes f16.
+fn forward<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: Option<FloatTensor<B>>,
+    epsilon: f64,
+    rms: bool,
+) -> FloatTensor<B> {
+    let (dtype, dims) = (x.dtype(), x.shape());
+    let last = dims.num_dims() - 1;
+    let x = wide::<B>(x);
+    let centered = if rms {
+        x
+    } else {
+        let mean = B::float_mean_dim(x.clone(), last);
+        B::float_sub(x, mean)
+    };
+    let var = B::float_mean_dim(B::float_mul(centered.clone(), centered.clone()), last);
+    let std = B::float_sqrt(B::float_add_scalar(var, Scalar::from(epsilon)));
+    // γ and β as `[1, …, 1, C]`.
+    let mut row_dims = vec![1; last];
+    row_dims.push(dims[last]);
+    let row = |p: FloatTensor<B>| B::float_reshape(wide::<B>(p), Shape::from(row_dims.clone()));
+    let y = B::float_mul(B::float_div(centered, std), row(gamma));
     let y = match beta {
-        Some(b) => y + over_parts(b),
+        Some(b) => B::float_add(y, row(b)),
         None => y,
     };
-    y.reshape(dims)
-}
-
-/// Burn's LayerNorm (`norm`, whose epsilon is `epsilon`) with its scale and shift by
-/// [`scale_by_parts`].
-pub fn layer_norm_by_parts<const D: usize>(
-    norm: &LayerNorm,
-    epsilon: f64,
-    x: Tensor<D>,
-    parts: usize,
-) -> Tensor<D> {
-    let dtype = x.dtype();
-    let wide = |t: Tensor<1>| {
-        if dtype == DType::F16 {
-            t.cast(DType::F32)
-        } else {
-            t
-        }
-    };
-    let x = if dtype == DType::F16 {
-        x.cast(DType::F32)
-    } else {
-        x
-    };
-    let mean = x.clone().mean_dim(D - 1);
-    let centered = x - mean;
-    let var = (centered.clone() * centered.clone()).mean_dim(D - 1);
-    let normalized = centered / (var + epsilon).sqrt();
-    let gamma = wide(norm.gamma.val());
-    let beta = norm.beta.as_ref().map(|b| wide(b.val()));
-    let y = scale_by_parts(normalized, gamma, beta, parts);
-    if dtype == DType::F16 {
-        y.cast(dtype)
-    } else {
+    if dtype == DType::F32 {
         y
+    } else {
+        B::float_cast(y, dtype.into())
     }
 }
 
-/// Burn's RMSNorm with its scale by [`scale_by_parts`].
-pub fn rms_norm_by_parts<const D: usize>(norm: &RmsNorm, x: Tensor<D>, parts: usize) -> Tensor<D> {
-    let dtype = x.dtype();
-    let rms = (x.clone().cast(DType::F32).square().mean_dim(D - 1) + norm.epsilon).sqrt();
-    scale_by_parts(x / rms.cast(dtype), norm.gamma.val(), None, parts)
+/// `a` and `b` summed over the cube's units (`sums`: `2·units` places), every unit given the
+/// two sums.
+#[cube]
+fn cube_sums<F: Float>(sums: &mut [F], a: F, b: F, u: usize, #[comptime] units: usize) -> (F, F) {
+    sums[u] = a;
+    sums[units + u] = b;
+    sync_cube();
+    fold(sums, u, units, 128usize);
+    fold(sums, u, units, 64usize);
+    fold(sums, u, units, 32usize);
+    fold(sums, u, units, 16usize);
+    fold(sums, u, units, 8usize);
+    fold(sums, u, units, 4usize);
+    fold(sums, u, units, 2usize);
+    fold(sums, u, units, 1usize);
+    let totals = (sums[0], sums[units]);
+    // Every unit has read the sums before they are written again.
+    sync_cube();
+    totals
+}
+
+/// The cube's two sums (`sums[..units]`, `sums[units..]`) folded from `2·half` units' places
+/// into `half`'s, where the cube has more than `half` units.
+#[cube]
+fn fold<F: Float>(sums: &mut [F], u: usize, #[comptime] units: usize, #[comptime] half: usize) {
+    if comptime!(units > half) {
+        if u < half {
+            let a = sums[u + half];
+            let b = sums[units + u + half];
+            sums[u] += a;
+            sums[units + u] += b;
+        }
+        sync_cube();
+    }
+}
+
+/// A cube of `units` units per `rows` rows of `x` (`N` rows of `C`, contiguous), each unit
+/// `per_unit` columns of a row. For each row: the mean and reciprocal standard deviation from
+/// the cube's sums of `x` and of `(x − mean)²` (RMSNorm: of `x²`), then `x̂`, `g = dy·γ`, the
+/// cube's sums of `g` and `g·x̂`, and `dx`; over the rows, each unit its columns' sums of `dy·x̂`
+/// and `dy` in registers, written at the end as the cube's row of `dgamma` and `dbeta`
+/// (`[cubes, C]`).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn norm_backward_kernel<E: Float, G: Float, F: Float>(
+    dy: &Tensor<E>,
+    x: &Tensor<E>,
+    gamma: &Tensor<G>,
+    dx: &mut Tensor<E>,
+    dgamma: &mut Tensor<F>,
+    dbeta: &mut Tensor<F>,
+    n: u32,
+    c: u32,
+    epsilon: f32,
+    #[comptime] rows: usize,
+    #[comptime] units: usize,
+    #[comptime] per_unit: usize,
+    #[comptime] rms: bool,
+    #[define(E, G, F)] _dtypes: [ElemType; 3],
+) {
+    let c = c as usize;
+    let n = n as usize;
+    let u = UNIT_POS_X as usize;
+    let cube = CUBE_POS_X as usize;
+    let inv_c = F::new(1.0) / F::cast_from(c as u32);
+    let zero = F::new(0.0);
+    let mut sums = Shared::<[F]>::new_slice(comptime!(2 * units));
+    let mut acc_g = Array::<F>::new(per_unit);
+    let mut acc_b = Array::<F>::new(per_unit);
+    let mut xh = Array::<F>::new(per_unit);
+    let mut g = Array::<F>::new(per_unit);
+    #[unroll]
+    for k in 0..per_unit {
+        acc_g[k] = zero;
+        acc_b[k] = zero;
+    }
+    for r in 0..rows {
+        // Every unit goes through every row (the cube meets at its barriers); a row past the
+        // end reads and writes nothing.
+        let row = cube * rows + r;
+        let live = row < n;
+        // The row's x (in `xh` for now) and the mean.
+        let mut s = zero;
+        #[unroll]
+        for k in 0..per_unit {
+            let col = u + k * units;
+            xh[k] = zero;
+            if live && col < c {
+                xh[k] = F::cast_from(x[row * c + col]);
+                s += xh[k];
+            }
+        }
+        let mut m = zero;
+        if !rms {
+            let (total, _) = cube_sums(&mut sums, s, zero, u, units);
+            m = total * inv_c;
+        }
+        // The squares' mean about it, and the reciprocal standard deviation.
+        let mut q = zero;
+        #[unroll]
+        for k in 0..per_unit {
+            let col = u + k * units;
+            if live && col < c {
+                let d = xh[k] - m;
+                q += d * d;
+            }
+        }
+        let (squares, _) = cube_sums(&mut sums, q, zero, u, units);
+        let rs = F::new(1.0) / (squares * inv_c + F::cast_from(epsilon)).sqrt();
+        let mut s1 = zero;
+        let mut s2 = zero;
+        #[unroll]
+        for k in 0..per_unit {
+            let col = u + k * units;
+            g[k] = zero;
+            if live && col < c {
+                let d = F::cast_from(dy[row * c + col]);
+                let h = (xh[k] - m) * rs;
+                let gv = d * F::cast_from(gamma[col]);
+                xh[k] = h;
+                g[k] = gv;
+                s1 += gv;
+                s2 += gv * h;
+                acc_g[k] += d * h;
+                acc_b[k] += d;
+            }
+        }
+        let (sum_g, sum_gh) = cube_sums(&mut sums, s1, s2, u, units);
+        let mean_g = sum_g * inv_c;
+        let mean_gh = sum_gh * inv_c;
+        #[unroll]
+        for k in 0..per_unit {
+            let col = u + k * units;
+            if live && col < c {
+                let mut v = g[k] - xh[k] * mean_gh;
+                if !rms {
+                    v -= mean_g;
+                }
+                dx[row * c + col] = E::cast_from(v * rs);
+            }
+        }
+    }
+    #[unroll]
+    for k in 0..per_unit {
+        let col = u + k * units;
+        if col < c {
+            dgamma[cube * c + col] = acc_g[k];
+            dbeta[cube * c + col] = acc_b[k];
+        }
+    }
+}
+
+/// The most units a cube of `x`'s device holds.
+fn client_units(x: &CubeTensor) -> usize {
+    x.client.properties().hardware.max_units_per_cube as usize
+}
+
+impl CubeNormOps for CubeBackend {
+    fn kiln_norm_backward(
+        dy: CubeTensor,
+        x: CubeTensor,
+        gamma: CubeTensor,
+        epsilon: f64,
+        rms: bool,
+    ) -> (CubeTensor, CubeTensor, CubeTensor) {
+        let [dy, x, gamma] = [dy, x, gamma].map(into_contiguous);
+        let shape = x.shape();
+        let c = shape[shape.num_dims() - 1];
+        let n = shape.num_elements() / c.max(1);
+        assert!(
+            dy.shape() == shape && gamma.shape().num_elements() == c && c > 0,
+            "a norm's backward of dy {:?} over x {:?} with γ {:?}: dy and x must be [.., C], γ \
+             [C]",
+            dy.shape(),
+            x.shape(),
+            gamma.shape()
+        );
+        let tiling = NormTiling::new(n, c, client_units(&x));
+        let (client, device) = (x.client.clone(), x.device.clone());
+        let dx = empty_device_dtype(client.clone(), device.clone(), x.shape(), x.dtype);
+        let sums = || {
+            empty_device_dtype(
+                client.clone(),
+                device.clone(),
+                Shape::new([tiling.cubes, c]),
+                DType::F32,
+            )
+        };
+        let (dgamma, dbeta) = (sums(), sums());
+        let dtypes = [x.dtype, gamma.dtype, DType::F32].map(dtype_to_storage_type);
+        norm_backward_kernel::launch(
+            &client,
+            CubeCount::Static(tiling.cubes as u32, 1, 1),
+            CubeDim::new_1d(tiling.units as u32),
+            dy.into_tensor_arg(),
+            x.into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            dgamma.clone().into_tensor_arg(),
+            dbeta.clone().into_tensor_arg(),
+            n as u32,
+            c as u32,
+            epsilon as f32,
+            tiling.rows,
+            tiling.units,
+            tiling.per_unit,
+            rms,
+            dtypes,
+        );
+        (dx, dgamma, dbeta)
+    }
+}
+
+#[derive(Debug)]
+struct NormBackward;
+
+impl<B: Backend + CubeNormOps> Backward<B, 3> for NormBackward {
+    /// x, γ, ε, RMSNorm or not, shifted or not.
+    type State = (FloatTensor<B>, FloatTensor<B>, f64, bool, bool);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_gamma, node_beta] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, gamma, epsilon, rms, shift) = ops.state;
+        let (c, dtype) = (gamma.shape().num_elements(), gamma.dtype());
+        let (dx, dgamma, dbeta) = B::kiln_norm_backward(dy, x, gamma, epsilon, rms);
+        // The cubes' sums added up, in the parameter's dtype.
+        let total = |sums: FloatTensor<B>| {
+            let t = B::float_reshape(B::float_sum_dim(sums, 0), Shape::new([c]));
+            if dtype == DType::F32 {
+                t
+            } else {
+                B::float_cast(t, dtype.into())
+            }
+        };
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = node_gamma {
+            grads.register::<B>(node.id, total(dgamma));
+        }
+        // Without a shift the third parent is γ again, whose gradient is in.
+        if shift && let Some(node) = node_beta {
+            grads.register::<B>(node.id, total(dbeta));
+        }
+    }
+}
+
+impl<B: Backend + CubeNormOps, C: CheckpointStrategy> CubeNormOps for Autodiff<B, C> {
+    fn kiln_norm_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+        rms: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dgamma, dbeta) = B::kiln_norm_backward(
+            Self::inner(dy),
+            Self::inner(x),
+            Self::inner(gamma),
+            epsilon,
+            rms,
+        );
+        (
+            Self::from_inner(dx),
+            Self::from_inner(dgamma),
+            Self::from_inner(dbeta),
+        )
+    }
+
+    fn kiln_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        rms: bool,
+        shift: bool,
+    ) -> FloatTensor<Self> {
+        let (xp, gp, bp) = (x.primitive(), gamma.primitive(), beta.primitive());
+        let y = forward::<B>(
+            xp.clone(),
+            gp.clone(),
+            shift.then(|| bp.clone()),
+            epsilon,
+            rms,
+        );
+        match NormBackward
+            .prepare::<C>([x.node(), gamma.node(), beta.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((xp.clone(), gp.clone(), epsilon, rms, shift), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cube::test_values::{assert_close, numbers, values};
-    use burn::module::Param;
-    use burn::nn::{LayerNormConfig, RmsNormConfig};
-    use burn::tensor::TensorData;
 
     #[test]
-    fn the_rows_are_cut_in_powers_of_two_of_256_rows_at_least() {
-        assert_eq!(norm_row_parts(16_384), 64);
-        assert_eq!(norm_row_parts(8_192), 32);
-        assert_eq!(norm_row_parts(511), 1);
-        assert_eq!(norm_row_parts(512), 2);
-        assert_eq!(norm_row_parts(768), 2);
-        assert_eq!(norm_row_parts(257 * 2), 2);
-        assert_eq!(norm_row_parts(1 << 20), 1024);
-    }
-
-    /// Both norms by parts against Burn's modules on the CPU: the output and the gradients of
-    /// x, γ and β within 1e-5 of each tensor's largest value.
-    #[test]
-    fn by_parts_the_norms_give_burns_output_and_gradients() {
-        let device = Device::flex().autodiff();
-        let [b, t, c] = [4, 96, 24];
-        for parts in [1, 3, 8] {
-            let x = || {
-                Tensor::<3>::from_data(TensorData::new(numbers(b * t * c, 1), [b, t, c]), &device)
-                    .require_grad()
-            };
-            let weights =
-                Tensor::<3>::from_data(TensorData::new(numbers(b * t * c, 4), [b, t, c]), &device);
-            let mut layer = LayerNormConfig::new(c).init(&device);
-            let scale = |seed| {
-                let t = Tensor::<1>::from_data(TensorData::new(numbers(c, seed), [c]), &device);
-                Param::from_tensor(t + 1.0)
-            };
-            layer.gamma = scale(2);
-            layer.beta = Some(Param::from_tensor(Tensor::from_data(
-                TensorData::new(numbers(c, 3), [c]),
-                &device,
-            )));
-            let mut rms = RmsNormConfig::new(c).init(&device);
-            rms.gamma = scale(5);
-            // Output, dx, dγ (and dβ) of one way.
-            let layer_way = |split: bool| {
-                let x = x();
-                let y = if split {
-                    layer_norm_by_parts(&layer, 1e-5, x.clone(), parts)
-                } else {
-                    layer.forward(x.clone())
-                };
-                let grads = (y.clone() * weights.clone()).sum().backward();
-                let beta = layer.beta.as_ref().unwrap();
-                [
-                    values(y),
-                    values(x.grad(&grads).unwrap()),
-                    values(layer.gamma.val().grad(&grads).unwrap()),
-                    values(beta.val().grad(&grads).unwrap()),
-                ]
-            };
-            let rms_way = |split: bool| {
-                let x = x();
-                let y = if split {
-                    rms_norm_by_parts(&rms, x.clone(), parts)
-                } else {
-                    rms.forward(x.clone())
-                };
-                let grads = (y.clone() * weights.clone()).sum().backward();
-                [
-                    values(y),
-                    values(x.grad(&grads).unwrap()),
-                    values(rms.gamma.val().grad(&grads).unwrap()),
-                ]
-            };
-            for (name, (a, b)) in ["output", "dx", "dgamma", "dbeta"]
-                .iter()
-                .zip(layer_way(true).iter().zip(&layer_way(false)))
-            {
-                assert_close(&format!("LayerNorm in {parts} parts, {name}"), a, b);
-            }
-            for (name, (a, b)) in ["output", "dx", "dgamma"]
-                .iter()
-                .zip(rms_way(true).iter().zip(&rms_way(false)))
-            {
-                assert_close(&format!("RMSNorm in {parts} parts, {name}"), a, b);
-            }
+    fn the_backwards_cubes_cover_the_rows_and_columns_within_the_launch_limits() {
+        // The GPT GPU recipe on a card (1,024 units a cube): 16,384 rows of 384.
+        let t = NormTiling::new(16_384, 384, 1_024);
+        assert_eq!((t.rows, t.units, t.per_unit, t.cubes), (32, 64, 6, 512));
+        // A remainder of rows is a cube of its own; narrow rows take the least units.
+        let t = NormTiling::new(4 * 97, 24, 1_024);
+        assert_eq!((t.rows, t.units, t.per_unit, t.cubes), (32, 32, 1, 13));
+        // Wide rows take more units, then more columns a unit.
+        assert_eq!(NormTiling::new(8, 4_096, 1_024).units, 256);
+        assert_eq!(NormTiling::new(8, 5_000, 1_024).per_unit, 20);
+        // A device of few units a cube (CubeCL's CPU runtime: its cores): a power of two
+        // within them, more columns a unit.
+        let t = NormTiling::new(111, 40, 2);
+        assert_eq!((t.units, t.per_unit, t.cubes), (2, 20, 4));
+        assert_eq!(NormTiling::new(111, 40, 6).units, 4);
+        // Many rows: more a cube, never past the limit.
+        for n in [1, 31, 33, 1 << 21, (1 << 21) + 1, 1 << 26] {
+            let t = NormTiling::new(n, 100, 256);
+            assert!(t.cubes <= MOST_CUBES && t.cubes * t.rows >= n, "{n}: {t:?}");
+            assert!(t.units.is_power_of_two() && t.units * t.per_unit >= 100);
         }
     }
 }

@@ -89,10 +89,11 @@ pub fn layer_norm<const D: usize>(norm: &LayerNorm, epsilon: f64, x: Tensor<D>) 
             .as_ref()
             .is_none_or(|b| b.val().dtype() == DType::F32);
     if !(fused_here(x.dtype(), &x.device()) && f32_params) {
-        return match crate::cube::norm_parts(&x) {
-            1 => norm.forward(x),
-            parts => crate::cube::layer_norm_by_parts(norm, epsilon, x, parts),
-        };
+        if crate::cube::norm_takes(&x, &gamma) {
+            let beta = norm.beta.as_ref().map(|b| b.val());
+            return crate::cube::norm(x, gamma, beta, epsilon, false);
+        }
+        return norm.forward(x);
     }
     layer_norm_fused(x, gamma, norm.beta.as_ref().map(|b| b.val()), epsilon)
 }
@@ -117,10 +118,10 @@ fn layer_norm_fused<const D: usize>(
 pub fn rms_norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
     let gamma = norm.gamma.val();
     if !(fused_here(x.dtype(), &x.device()) && gamma.dtype() == DType::F32) {
-        return match crate::cube::norm_parts(&x) {
-            1 => norm.forward(x),
-            parts => crate::cube::rms_norm_by_parts(norm, x, parts),
-        };
+        if crate::cube::norm_takes(&x, &gamma) {
+            return crate::cube::norm(x, gamma, None, norm.epsilon, true);
+        }
+        return norm.forward(x);
     }
     Tensor::from_dispatch(<Dispatch as FusedOps>::fused_rms_norm(
         x.into_dispatch(),

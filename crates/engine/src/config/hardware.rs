@@ -97,7 +97,7 @@ pub struct HardwareConfig {
     /// `"embedding"` (the table's gradient by parts of the batch), `"attention"` (causal
     /// attention forward and backward as kernels), `"adamw"` (the update of a flat shard in
     /// one pass), `"linear"` (a Linear's weight gradient summed by parts of the rows),
-    /// `"norm"` (LayerNorm's and RMSNorm's scale gradient summed by parts of the rows),
+    /// `"norm"` (LayerNorm's and RMSNorm's backward as one kernel),
     /// `"matrix-units"` (attention's kernels on the tensor cores for bf16 and f16 tensors,
     /// where the device has them; without it they compute in f32 on the ordinary units). One
     /// left out runs Burn's composed ops (or, for `"matrix-units"`, attention's other kernels),
