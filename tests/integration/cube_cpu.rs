@@ -8,7 +8,7 @@ use burn::tensor::DType;
 
 use crate::kernels::{
     F32, Floats, SWITCH, Way, assert_all_close, assert_attention_close, attention_and_grads,
-    embedding_and_grad, kernels_mask, norm_and_grads, packed_starts,
+    embedding_and_grad, gelu_and_grad, kernels_mask, norm_and_grads, packed_starts,
 };
 
 /// The relative difference allowed between the GPT's `bf16-mixed` losses here and on the CPU:
@@ -269,6 +269,36 @@ fn the_norm_kernel_gives_burns_output_and_gradients_in_f32_bf16_and_f16() {
             let worst = assert_all_close(&case, which, &kernel, "Burn's in f32", &reference, ulp);
             eprintln!("{case}: largest difference {worst:.2e} of a tensor's largest value");
         }
+    }
+}
+
+/// The exact GELU through the models' path (`kiln_models::cube::gelu`: a kernel forward and
+/// backward) on this runtime: in f32 Burn's `gelu` on the CPU within 1e-5 relative (output
+/// and dx); in bf16 and f16, Burn's in f32 on the same rounded values within one unit in the
+/// low type's last place of each tensor's largest value (the kernels compute in f32 and round
+/// once).
+#[test]
+fn the_gelu_kernels_give_burns_output_and_gradient_in_f32_bf16_and_f16() {
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let cube = cube_cpu();
+    let cpu = burn::prelude::Device::flex();
+    let (dims, which) = ([3, 37, 41], ["output", "dx"]);
+    let kernel = gelu_and_grad(&cube, dims, false, F32);
+    let burn = gelu_and_grad(&cpu, dims, true, F32);
+    assert_all_close(
+        "GELU in f32",
+        &which,
+        &kernel,
+        "Burn's on the CPU",
+        &burn,
+        1e-5,
+    );
+    for (low, ulp) in LOW {
+        let kernel = gelu_and_grad(&cube, dims, false, held_in(low));
+        let reference = gelu_and_grad(&cpu, dims, true, rounded_to(low));
+        let case = format!("GELU in {low:?}");
+        let worst = assert_all_close(&case, &which, &kernel, "Burn's in f32", &reference, ulp);
+        eprintln!("{case}: largest difference {worst:.2e} of a tensor's largest value");
     }
 }
 

@@ -125,6 +125,31 @@ pub(crate) fn linear_and_grads(
     out
 }
 
+/// The exact GELU of a `[b, t, c]` tensor and its gradient under a weighted sum, through the
+/// models' path (`fused::gelu`: on a GPU the kernels) or Burn's `gelu` (`burn`), every float
+/// rounded and held as `kinds` says: the output and x's gradient.
+pub(crate) fn gelu_and_grad(
+    device: &Device,
+    dims: [usize; 3],
+    burn: bool,
+    kinds: Floats,
+) -> Vec<Vec<f32>> {
+    let device = device.clone().autodiff();
+    // Values about ±2, where the GELU bends.
+    let x = (input(41, dims, &device, kinds) * 4.0).require_grad();
+    let upstream = input(42, dims, &device, kinds);
+    let y = if burn {
+        burn::tensor::activation::gelu(x.clone())
+    } else {
+        kiln_models::fused::gelu(x.clone())
+    };
+    let grads = (y.clone() * upstream).sum().backward();
+    vec![
+        floats(y.into_data()),
+        floats(x.grad(&grads).expect("x's gradient").into_data()),
+    ]
+}
+
 /// A LayerNorm (with its shift) or an RMSNorm over `[b, t, c]` through the models' path
 /// (`fused::layer_norm`/`rms_norm`: on a GPU Burn's ops forward and kiln's kernel backward) or
 /// through Burn's module (`burn`), every float given rounded and held as `kinds` says: the

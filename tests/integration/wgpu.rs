@@ -11,7 +11,8 @@ use std::process::Output;
 use crate::common::{assert_one_line_error, summary, temp_dir, train_bin_kept, train_losses};
 use crate::kernels::{
     F32, KernelsOnly, SWITCH, Way, assert_all_close, assert_attention_close, attention_and_grads,
-    embedding_and_grad, kernels_mask, linear_and_grads, norm_and_grads, packed_starts, values,
+    embedding_and_grad, gelu_and_grad, kernels_mask, linear_and_grads, norm_and_grads,
+    packed_starts, values,
 };
 
 /// The relative difference allowed between a WGPU loss and the CPU's at the same step, in f32:
@@ -736,6 +737,35 @@ fn the_norms_give_burns_output_and_gradients_on_wgpu() {
         !norm_takes(&x, &gamma),
         "the norms' path turned off still runs the kernel"
     );
+}
+
+/// The exact GELU on WGPU through the models' path (`kiln_models::cube::gelu`: a kernel forward
+/// and backward) against Burn's `gelu` on the CPU: the output and the input's gradient within
+/// 1e-5 relative, over more elements than one launch's cubes cover once; turned off alone,
+/// Burn's ops again (the same values).
+#[test]
+#[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
+fn the_gelu_kernels_give_burns_output_and_gradient_on_wgpu() {
+    use kiln_models::cube::GpuKernel;
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let wgpu = wgpu_device();
+    let cpu = burn::prelude::Device::flex();
+    let which = ["output", "dx"];
+    for dims in [[3, 5, 7], [4, 1_031, 4_096]] {
+        let kernel = gelu_and_grad(&wgpu, dims, false, F32);
+        let burn = gelu_and_grad(&cpu, dims, true, F32);
+        let case = format!("GELU {dims:?}");
+        assert_all_close(&case, &which, &kernel, "Burn's on the CPU", &burn, 1e-5);
+    }
+    let all_but_gelu: Vec<_> = GpuKernel::ALL
+        .into_iter()
+        .filter(|x| *x != GpuKernel::Gelu)
+        .collect();
+    let _only = KernelsOnly::new(&all_but_gelu);
+    let dims = [3, 5, 7];
+    let off = gelu_and_grad(&wgpu, dims, false, F32);
+    let burns = gelu_and_grad(&wgpu, dims, true, F32);
+    assert_eq!(off, burns, "the GELU's path turned off is not Burn's ops");
 }
 
 /// The Linear on WGPU, its weight's gradient summed by parts of the rows

@@ -15,6 +15,8 @@
 //! - [`linear`]: not a kernel of its own but Burn's products arranged so that the weight's
 //!   gradient is summed by parts of the rows (`linear.rs`), where Burn's is one product with
 //!   few output tiles walking every row.
+//! - [`gelu`]: the exact GELU, forward and backward a kernel each (`gelu.rs`), where Burn
+//!   composes five ops that fusion leaves one by one between the MLP's products.
 //! - [`norm()`]: LayerNorm and RMSNorm, the forward in Burn's ops and the backward as one
 //!   kernel (`norm.rs`), where Burn differentiates a dozen ops one by one.
 //!
@@ -29,6 +31,7 @@
 mod adamw;
 mod attention;
 mod embedding;
+mod gelu;
 mod linear;
 mod norm;
 
@@ -46,6 +49,7 @@ use serde::{Deserialize, Serialize};
 pub use adamw::{AdamStep, CubeAdamWOps};
 pub use attention::{AttentionDropout, CubeAttentionOps, MOST_HEAD_WIDTH, emulate_matrix_units};
 pub use embedding::{CubeEmbeddingOps, ROWS_PER_PART, parts};
+pub use gelu::CubeGeluOps;
 pub use linear::{LEAST_PART_ROWS, linear_by_parts, weight_parts};
 pub use norm::{CubeNormOps, NormTiling};
 
@@ -67,17 +71,20 @@ pub enum GpuKernel {
     /// matrices) for bf16 and f16 tensors where the device has them ([`attention`]'s `mma`);
     /// off, or elsewhere, attention's kernels compute in f32 on the ordinary units.
     MatrixUnits,
+    /// The exact GELU, forward and backward ([`gelu`]).
+    Gelu,
 }
 
 impl GpuKernel {
     /// Every one, in the order of the enum.
-    pub const ALL: [GpuKernel; 6] = [
+    pub const ALL: [GpuKernel; 7] = [
         GpuKernel::Embedding,
         GpuKernel::Attention,
         GpuKernel::Adamw,
         GpuKernel::Linear,
         GpuKernel::Norm,
         GpuKernel::MatrixUnits,
+        GpuKernel::Gelu,
     ];
 
     fn bit(self) -> u8 {
@@ -86,7 +93,7 @@ impl GpuKernel {
 }
 
 /// The kernels on, a bit each ([`GpuKernel::bit`]).
-static KERNELS: AtomicU8 = AtomicU8::new(0b11_1111);
+static KERNELS: AtomicU8 = AtomicU8::new(0b111_1111);
 
 /// Turns every GPU kernel on or off for the whole process (on by default). Off, every function
 /// of this module runs the Burn ops it replaces: the switch compares the two.
@@ -277,6 +284,15 @@ pub fn linear_parts(x: &Tensor<2>, weight: &Tensor<2>) -> usize {
     }
     let ([rows, inputs], outputs) = (x.dims(), weight.dims()[1]);
     weight_parts(rows, inputs, outputs)
+}
+
+/// The exact GELU of `x`, `x · Φ(x)` (Burn's `gelu`): where the GELU's path is on and
+/// [`kernels_here`], a kernel forward and backward; else Burn's ops.
+pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    if !(kernel_on(GpuKernel::Gelu) && kernels_here(x.dtype(), &x.device())) {
+        return burn::tensor::activation::gelu(x);
+    }
+    Tensor::from_dispatch(<Dispatch as CubeGeluOps>::kiln_gelu(x.into_dispatch()))
 }
 
 /// Whether [`norm()`] runs its kernel for `x` and a scale `gamma`: the norms' path on, `x` of

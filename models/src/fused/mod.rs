@@ -340,7 +340,8 @@ pub fn dot_seed<const D: usize>(output: Tensor<D>, upstream: Tensor<D>) -> Tenso
 /// The exact GELU, `x·Φ(x)`.
 pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     if !fused_here(x.dtype(), &x.device()) {
-        return burn::tensor::activation::gelu(x);
+        // On a GPU the kernels' (`cube::gelu`), elsewhere Burn's ops.
+        return crate::cube::gelu(x);
     }
     Tensor::from_dispatch(<Dispatch as FusedOps>::fused_gelu(x.into_dispatch()))
 }

@@ -98,10 +98,11 @@ pub struct HardwareConfig {
     /// attention forward and backward as kernels), `"adamw"` (the update of a flat shard in
     /// one pass), `"linear"` (a Linear's weight gradient summed by parts of the rows),
     /// `"norm"` (LayerNorm's and RMSNorm's backward as one kernel),
+    /// `"gelu"` (the exact GELU forward and backward as a kernel each),
     /// `"matrix-units"` (attention's kernels on the tensor cores for bf16 and f16 tensors,
     /// where the device has them; without it they compute in f32 on the ordinary units). One
     /// left out runs Burn's composed ops (or, for `"matrix-units"`, attention's other kernels),
-    /// so that each is measured alone. Default: all six.
+    /// so that each is measured alone. Default: all seven.
     pub gpu_kernels: Vec<GpuKernel>,
     /// Keep the planner's measurements (the probe's steps, the collectives' seconds) in the
     /// cache folder (`$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`) and
