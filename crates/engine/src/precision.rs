@@ -106,6 +106,13 @@ impl Policy {
             .then(|| cast_params(master.clone(), self.compute, false))
     }
 
+    /// The trained parameters' flat vector `flat` (f32 masters) cast to the compute dtype in
+    /// one cast (mixed precision), from which the next compute copy's parameters are views;
+    /// `None` when the master computes itself.
+    pub fn compute_flat(&self, flat: &Tensor<1>) -> Option<Tensor<1>> {
+        self.mixed.then(|| flat.clone().cast(self.compute))
+    }
+
     /// `batch` with its float inputs in the compute dtype, `cast` doing the casting (the
     /// workload knows which of its tensors are floats).
     pub fn cast_batch<B>(&self, batch: B, cast: impl FnOnce(B, FloatDType) -> B) -> B {

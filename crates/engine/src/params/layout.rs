@@ -399,6 +399,7 @@ mod tests {
     use super::*;
     use crate::params::*;
     use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::DType;
 
     #[derive(Module, Debug)]
     struct Two {
@@ -479,6 +480,41 @@ mod tests {
         let back = layout.load_unit(released, 1, flat, FloatDType::F32, &device);
         assert_eq!(parameter_values(&back), before);
         assert!(back.blocks[0].weight.is_require_grad());
+    }
+
+    /// What a mixed-precision replica's compute copy is made of (`Replica::begin`): the units
+    /// loaded in bf16 from views of the stepped vector cast once carry each parameter's values
+    /// rounded to bf16, in bf16, with the module's ids and gradient tracking.
+    #[test]
+    fn units_loaded_from_a_vector_cast_once_are_each_parameter_rounded() {
+        let device = Device::flex().autodiff();
+        let m = model(&device);
+        let layout = FlatLayout::new(&m, &block_ids(&m), 1);
+        let inner = device.clone().without_autodiff();
+        // Values bf16 rounds (a third's steps).
+        let values: Vec<f32> = (0..layout.total()).map(|i| 1.0 + i as f32 / 3.0).collect();
+        let flat = Tensor::<1>::from_data(TensorData::new(values, [layout.total()]), &inner);
+        let low = flat.cast(FloatDType::BF16);
+        let rounded = low.clone().cast(FloatDType::F32);
+        let (mut copy, mut expected) = (m.clone(), m.clone());
+        let mut base = 0;
+        for (u, unit) in layout.units.iter().enumerate() {
+            let part = |t: &Tensor<1>| t.clone().slice(base..base + unit.len);
+            copy = layout.load_unit(copy, u, part(&low), FloatDType::BF16, &device);
+            expected = layout.load_unit(expected, u, part(&rounded), FloatDType::F32, &device);
+            base += unit.len;
+        }
+        assert_eq!(parameter_values(&copy), parameter_values(&expected));
+        for (p, q) in [
+            (&copy.first.weight, &m.first.weight),
+            (&copy.blocks[1].weight, &m.blocks[1].weight),
+        ] {
+            assert_eq!(p.val().dtype(), DType::BF16);
+            assert_eq!(p.id, q.id);
+            assert!(p.is_require_grad());
+        }
+        let bias = copy.blocks[0].bias.as_ref().expect("a bias");
+        assert_eq!(bias.val().dtype(), DType::BF16);
     }
 
     #[test]

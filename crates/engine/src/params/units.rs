@@ -74,7 +74,7 @@ impl FlatLayout {
                     return;
                 }
                 let part = match self.grads.remove::<D>(param.id) {
-                    Some(g) => g.reshape([e.numel]).cast(self.dtype),
+                    Some(g) => g.reshape([e.numel]),
                     None => Tensor::<1>::zeros([e.numel], &self.device.clone().without_autodiff())
                         .cast(self.dtype),
                 };
@@ -90,7 +90,20 @@ impl FlatLayout {
             parts: Vec::new(),
         };
         module.visit(&mut c);
-        self.padded_cat(c.parts, u, dtype, device)
+        // Gradients of one dtype (a compute copy's bf16) are put side by side in it and cast
+        // once: one cast of the unit, not one a parameter (the same values: a cast is exact
+        // element by element).
+        let first = c.parts.first().map(|p| p.dtype());
+        match first {
+            Some(low) if c.parts.iter().all(|p| p.dtype() == low) => {
+                let low = FloatDType::from(low);
+                self.padded_cat(c.parts, u, low, device).cast(dtype)
+            }
+            _ => {
+                let parts = c.parts.into_iter().map(|p| p.cast(dtype)).collect();
+                self.padded_cat(parts, u, dtype, device)
+            }
+        }
     }
 
     /// The units that have at least one gradient in `grads`, in unit order.

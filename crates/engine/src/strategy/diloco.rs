@@ -281,7 +281,8 @@ impl<'a, M: Module> Islands<'a, M> {
             }
         }
         let (kit, replica) = self.inner.parts();
-        replica.model = kit.load_canonical(replica.model.clone(), self.anchor.clone());
+        let model = kit.load_canonical(replica.model.clone(), self.anchor.clone());
+        replica.set_model(model);
         self.since = 0;
         self.outer_steps += 1;
         Ok(())
@@ -419,7 +420,8 @@ impl<'a, M: Module> Islands<'a, M> {
             let key = format!("{prefix}params");
             let params = leaves.remove(&key).ok_or_else(|| bad_state(&key))?;
             let (kit, replica) = self.inner.parts();
-            replica.model = kit.load_canonical(replica.model.clone(), params);
+            let model = kit.load_canonical(replica.model.clone(), params);
+            replica.set_model(model);
         }
         {
             let mine: Vec<(String, Vec<f32>)> = leaves

@@ -133,6 +133,7 @@ impl<B, M: BlockStack<B> + Module> Strategy<M, B> for Groups<'_, M> {
             cat_or_empty(units, FloatDType::F32, &kit.inner)
         };
         let stepped = step_whole(kit, &mut self.replica, flat, lr, scaler, clip)?;
+        self.replica.forget_compute_flat();
         self.whole.memory.grads.set(0);
         if stepped.is_some() {
             self.whole.sample_pool();

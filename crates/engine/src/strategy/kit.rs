@@ -338,13 +338,17 @@ impl<'a> RankKit<'a> {
     }
 
     /// `model` with every unit's parameters from `flat`, a canonical vector on the device.
-    pub fn load_flat<M: Module>(&self, mut model: M, flat: Tensor<1>) -> M {
+    pub fn load_flat<M: Module>(&self, model: M, flat: Tensor<1>) -> M {
+        self.load_flat_in(model, flat, self.master)
+    }
+
+    /// [`Self::load_flat`] with the parameters in `dtype` (views of `flat` where it is
+    /// already in it).
+    pub fn load_flat_in<M: Module>(&self, mut model: M, flat: Tensor<1>, dtype: FloatDType) -> M {
         let mut base = 0;
         for (u, unit) in self.layout.units.iter().enumerate() {
             let part = flat.clone().slice(base..base + unit.len);
-            model = self
-                .layout
-                .load_unit(model, u, part, self.master, &self.device);
+            model = self.layout.load_unit(model, u, part, dtype, &self.device);
             base += unit.len;
         }
         model

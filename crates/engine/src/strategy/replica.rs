@@ -25,9 +25,14 @@ use crate::precision::LossScaler;
 /// A full replica in the master dtype, with the compute copy of a lower precision cast from it
 /// once per optimizer step.
 pub(crate) struct Replica<M> {
-    /// The master parameters (and the buffers).
+    /// The master parameters (and the buffers). Replaced through [`Replica::set_model`] (or
+    /// by the step that fills `compute_flat` beside it).
     pub model: M,
     compute: Option<M>,
+    /// The trained parameters as the last step left them, in the compute dtype (mixed
+    /// precision), one vector: the next compute copy's parameters are views of it, one cast
+    /// a step where casting the model is one a parameter.
+    compute_flat: Option<Tensor<1>>,
 }
 
 impl<M: Module> Replica<M> {
@@ -38,12 +43,32 @@ impl<M: Module> Replica<M> {
         Self {
             model,
             compute: None,
+            compute_flat: None,
         }
     }
 
-    /// Casts this step's compute copy (mixed precision), counting its bytes.
+    /// `model` as the master from now on (the compute dtype's vector of the last step is
+    /// dropped: it no longer matches).
+    pub fn set_model(&mut self, model: M) {
+        self.model = model;
+        self.compute_flat = None;
+    }
+
+    /// Drops the vector the last step cast: it was another layout's (a parameter group's,
+    /// stepped by its own kit), so the next compute copy casts the model.
+    pub fn forget_compute_flat(&mut self) {
+        self.compute_flat = None;
+    }
+
+    /// Casts this step's compute copy (mixed precision), counting its bytes: the trained
+    /// parameters as views of the vector the last step cast, where there is one, and the
+    /// others (frozen ones) cast one by one.
     pub fn begin(&mut self, kit: &mut RankKit) {
-        if let Some(copy) = kit.policy.compute_copy(&self.model) {
+        let master = match self.compute_flat.take() {
+            Some(flat) => kit.load_flat_in(self.model.clone(), flat, kit.policy.compute),
+            None => self.model.clone(),
+        };
+        if let Some(copy) = kit.policy.compute_copy(&master) {
             self.compute = Some(copy);
             let bytes = kit.policy.compute_copy_bytes(kit.layout.total());
             kit.memory.params.add(bytes);
@@ -489,6 +514,7 @@ pub(crate) fn step_whole<M: Module>(
     let stepped = kit.finish(grads, params, lr, scaler, clip, Norm::Local)?;
     Ok(stepped.map(|flat| {
         // One shard: the stepped flat space is the canonical vector.
+        replica.compute_flat = kit.policy.compute_flat(&flat);
         replica.model = kit.load_flat(replica.model.clone(), flat);
     }))
 }
@@ -513,7 +539,8 @@ pub(crate) fn step_shard<M: Module>(
         return Ok(false);
     };
     let values = kit.gather_canonical(&host_f32(shard))?;
-    replica.model = kit.load_canonical(replica.model.clone(), values);
+    let model = kit.load_canonical(replica.model.clone(), values);
+    replica.set_model(model);
     kit.sample_pool();
     Ok(true)
 }
