@@ -17,6 +17,15 @@ impl KernelsOnly {
         kiln_models::cube::set_kernels(kernels);
         Self
     }
+
+    /// Every kernel on but `off`, until dropped.
+    pub(crate) fn all_but(off: kiln_models::cube::GpuKernel) -> Self {
+        let on: Vec<_> = kiln_models::cube::GpuKernel::ALL
+            .into_iter()
+            .filter(|k| *k != off)
+            .collect();
+        Self::new(&on)
+    }
 }
 
 impl Drop for KernelsOnly {

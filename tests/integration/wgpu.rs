@@ -728,11 +728,7 @@ fn the_norms_give_burns_output_and_gradients_on_wgpu() {
             assert_all_close(&case, which, &kernel, "Burn's on the CPU", &burn, 1e-5);
         }
     }
-    let all_but_norm: Vec<_> = GpuKernel::ALL
-        .into_iter()
-        .filter(|x| *x != GpuKernel::Norm)
-        .collect();
-    let _only = KernelsOnly::new(&all_but_norm);
+    let _only = KernelsOnly::all_but(GpuKernel::Norm);
     assert!(
         !norm_takes(&x, &gamma),
         "the norms' path turned off still runs the kernel"
@@ -757,11 +753,7 @@ fn the_gelu_kernels_give_burns_output_and_gradient_on_wgpu() {
         let case = format!("GELU {dims:?}");
         assert_all_close(&case, &which, &kernel, "Burn's on the CPU", &burn, 1e-5);
     }
-    let all_but_gelu: Vec<_> = GpuKernel::ALL
-        .into_iter()
-        .filter(|x| *x != GpuKernel::Gelu)
-        .collect();
-    let _only = KernelsOnly::new(&all_but_gelu);
+    let _only = KernelsOnly::all_but(GpuKernel::Gelu);
     let dims = [3, 5, 7];
     let off = gelu_and_grad(&wgpu, dims, false, F32);
     let burns = gelu_and_grad(&wgpu, dims, true, F32);
@@ -804,23 +796,17 @@ fn the_linear_by_parts_gives_burns_output_and_gradients_on_wgpu() {
         let case = format!("{shape:?} tied {tied} in {parts} parts");
         assert_all_close(&case, which, &split, "the CPU's", &burn, 1e-5);
     }
-    let all_but = |k| {
-        GpuKernel::ALL
-            .into_iter()
-            .filter(|x| *x != k)
-            .collect::<Vec<_>>()
-    };
     let device = wgpu.clone().autodiff();
     let x = Tensor::<2>::zeros([1_024, 24], &device);
     let w = Tensor::<2>::zeros([24, 40], &device);
     {
-        let _only = KernelsOnly::new(&all_but(GpuKernel::Linear));
+        let _only = KernelsOnly::all_but(GpuKernel::Linear);
         let off = linear_parts(&x, &w);
         assert_eq!(off, 1, "the Linear's path turned off still cuts");
     }
     {
         // Another path off leaves the Linear's on.
-        let _only = KernelsOnly::new(&all_but(GpuKernel::Attention));
+        let _only = KernelsOnly::all_but(GpuKernel::Attention);
         let on = linear_parts(&x, &w);
         assert!(on > 1, "the attention's switch turned the Linear's off");
     }
