@@ -153,19 +153,71 @@ pub fn kernel_draw(part: DropoutPart<'_>) -> Option<KernelDraw> {
 /// training or at probability 0; kept elements scaled by `1 / (1 - prob)`), with the mask
 /// drawn for the whole tensor of which `x` is `part` (`None`: `x` is whole) and `x`'s part of
 /// it kept. Under a key ([`keyed`]) the mask is a function of the key and the number of draws
-/// before it; without one it comes from the backend's shared state.
+/// before it; without one it comes from the backend's shared state. A keyed draw on a CubeCL
+/// device hashes its mask in a kernel instead ([`crate::cube::dropout`]; a mask of its own,
+/// not the backend's Bernoulli draw).
 pub fn dropout<const D: usize>(dropout: &Dropout, x: Tensor<D>, part: Option<Part>) -> Tensor<D> {
-    let device = x.device();
-    if !acts(dropout, &device) {
+    if !acts(dropout, &x.device()) {
         return x;
     }
+    let seed = next_seed();
+    if let Some(mask) = kernel_mask(&x, seed, dropout, part) {
+        return crate::cube::dropout(x, mask);
+    }
+    drawn(dropout, x, part, seed)
+}
+
+/// `residual + dropout(dropout, x, part)` ([`dropout()`]), the same draw: where the draw hashes
+/// its mask in a kernel and `residual` is `x`'s shape and type, the sum in the same kernel
+/// ([`crate::cube::dropout_add`]), which Burn's fusion would leave a launch of its own.
+pub fn dropout_add<const D: usize>(
+    dropout: &Dropout,
+    residual: Tensor<D>,
+    x: Tensor<D>,
+    part: Option<Part>,
+) -> Tensor<D> {
+    if !acts(dropout, &x.device()) {
+        return residual + x;
+    }
+    let seed = next_seed();
+    let alike = residual.dims() == x.dims() && residual.dtype() == x.dtype();
+    if alike && let Some(mask) = kernel_mask(&x, seed, dropout, part) {
+        return crate::cube::dropout_add(residual, x, mask);
+    }
+    residual + drawn(dropout, x, part, seed)
+}
+
+/// The mask a GPU kernel draws for `x` (`part` of the whole) with `seed`: where there is a seed
+/// (a keyed forward) and [`crate::cube::dropout_takes`] `x`; `None` otherwise.
+fn kernel_mask<const D: usize>(
+    x: &Tensor<D>,
+    seed: Option<u64>,
+    dropout: &Dropout,
+    part: Option<Part>,
+) -> Option<crate::cube::DropoutMask> {
+    let seed = seed.filter(|_| crate::cube::dropout_takes(x))?;
+    let (prob, dims) = (dropout.prob as f32, x.dims());
+    match part {
+        None => crate::cube::DropoutMask::whole(seed, prob, &dims),
+        Some(p) => crate::cube::DropoutMask::part(seed, prob, &dims, p.dim, p.index, p.of),
+    }
+}
+
+/// [`dropout()`]'s Bernoulli draw from the backend: seeded with `seed` where there is one.
+fn drawn<const D: usize>(
+    dropout: &Dropout,
+    x: Tensor<D>,
+    part: Option<Part>,
+    seed: Option<u64>,
+) -> Tensor<D> {
+    let device = x.device();
     let keep = 1.0 - dropout.prob;
     let mut shape = x.dims();
     if let Some(p) = part {
         shape[p.dim] *= p.of;
     }
     let draw = || Tensor::<D>::random(shape, Distribution::Bernoulli(keep), &device);
-    let mask = match next_seed() {
+    let mask = match seed {
         Some(seed) => with_rng(|| {
             device.seed(seed);
             draw()

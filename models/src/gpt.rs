@@ -70,6 +70,23 @@ impl CausalSelfAttention {
     /// Under tensor parallelism (`crate::tp`) the projection `qkv` is column-parallel by
     /// heads and `proj` row-parallel: a rank attends with its `n_head / size` heads.
     pub fn forward_within(&self, x: Tensor<3>, starts: Option<&Tensor<2, Int>>) -> Tensor<3> {
+        crate::draw::dropout(&self.dropout, self.projected(x, starts), None)
+    }
+
+    /// `residual + self.forward_within(x, starts)`: on a GPU the dropout and the sum are one
+    /// kernel ([`crate::draw::dropout_add`]).
+    pub fn added_within(
+        &self,
+        residual: Tensor<3>,
+        x: Tensor<3>,
+        starts: Option<&Tensor<2, Int>>,
+    ) -> Tensor<3> {
+        let y = self.projected(x, starts);
+        crate::draw::dropout_add(&self.dropout, residual, y, None)
+    }
+
+    /// The attention's output projected, before its dropout.
+    fn projected(&self, x: Tensor<3>, starts: Option<&Tensor<2, Int>>) -> Tensor<3> {
         let qkv = crate::tp::column_rows(&self.qkv, x);
         let heads = self.n_head / crate::tp::place().1;
         // Dropout on the weights of this rank's heads: their part of the whole's mask.
@@ -78,7 +95,7 @@ impl CausalSelfAttention {
             part: crate::tp::part(1),
         };
         let y = crate::fused::packed_within(qkv, heads, starts, Some(dropout));
-        crate::draw::dropout(&self.dropout, crate::tp::row_rows(&self.proj, y), None)
+        crate::tp::row_rows(&self.proj, y)
     }
 }
 
@@ -94,9 +111,20 @@ impl Mlp {
     /// Applies the MLP to every position (under tensor parallelism, `fc` column-parallel and
     /// `proj` row-parallel).
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        crate::draw::dropout(&self.dropout, self.projected(x), None)
+    }
+
+    /// `residual + self.forward(x)`: on a GPU the dropout and the sum are one kernel
+    /// ([`crate::draw::dropout_add`]).
+    pub fn added(&self, residual: Tensor<3>, x: Tensor<3>) -> Tensor<3> {
+        crate::draw::dropout_add(&self.dropout, residual, self.projected(x), None)
+    }
+
+    /// The MLP's output before its dropout.
+    fn projected(&self, x: Tensor<3>) -> Tensor<3> {
         // The exact GELU, fused on the CPU.
         let x = crate::fused::gelu(crate::tp::column_rows(&self.fc, x));
-        crate::draw::dropout(&self.dropout, crate::tp::row_rows(&self.proj, x), None)
+        crate::tp::row_rows(&self.proj, x)
     }
 }
 
@@ -118,8 +146,8 @@ impl Block {
     /// [`Block::forward`] with attention within documents (see [`TokenBatch::documents`]).
     pub fn forward_within(&self, x: Tensor<3>, starts: Option<&Tensor<2, Int>>) -> Tensor<3> {
         let ln = |norm: &LayerNorm, x: Tensor<3>| crate::fused::layer_norm(norm, LN_EPSILON, x);
-        let x = x.clone() + self.attn.forward_within(ln(&self.ln_1, x.clone()), starts);
-        x.clone() + self.mlp.forward(ln(&self.ln_2, x))
+        let x = self.attn.added_within(x.clone(), ln(&self.ln_1, x), starts);
+        self.mlp.added(x.clone(), ln(&self.ln_2, x))
     }
 }
 

@@ -8,7 +8,8 @@ use burn::tensor::DType;
 
 use crate::kernels::{
     F32, Floats, SWITCH, Way, assert_all_close, assert_attention_close, attention_and_grads,
-    embedding_and_grad, gelu_and_grad, kernels_mask, norm_and_grads, packed_starts,
+    dropout_and_grad, dropout_kernels_mask, embedding_and_grad, gelu_and_grad, kernels_mask,
+    norm_and_grads, packed_starts,
 };
 
 /// The relative difference allowed between the GPT's `bf16-mixed` losses here and on the CPU:
@@ -163,13 +164,14 @@ fn the_matrix_units_attention_kernels_give_burns_output_and_gradients() {
     let packed = packed_starts(67);
     // Dimensions [B, H, KV, T, D], each row's first key, how the kernels are reached.
     type Case<'a> = ([usize; 5], Option<&'a [i64]>, Way<'a>);
-    let cases: [Case; 6] = [
+    let cases: [Case; 7] = [
         ([2, 4, 2, 67, 32], None, Way::Kernels(None)),
         ([2, 4, 2, 67, 16], Some(&packed), Way::Kernels(None)),
         ([1, 2, 1, 47, 64], None, Way::Kernels(None)),
         ([1, 2, 2, 37, 128], None, Way::Kernels(None)),
         ([2, 2, 1, 13, 16], None, Way::Kernels(None)),
         ([2, 3, 3, 67, 16], None, Way::Packed(None)),
+        ([2, 4, 4, 67, 16], None, Way::Packed(None)),
     ];
     let mut worst = [0f32; 2];
     let name = "Burn's composed ops in f32";
@@ -299,6 +301,35 @@ fn the_gelu_kernels_give_burns_output_and_gradient_in_f32_bf16_and_f16() {
         let case = format!("GELU in {low:?}");
         let worst = assert_all_close(&case, &which, &kernel, "Burn's in f32", &reference, ulp);
         eprintln!("{case}: largest difference {worst:.2e} of a tensor's largest value");
+    }
+}
+
+/// Dropout through the models' path in a keyed forward (`kiln_models::draw::dropout` and
+/// `dropout_add`: the kernel) on this runtime against Burn's ops multiplying by the same mask:
+/// in f32 on the CPU within 1e-5 relative (output, dx and the residual's gradient); in bf16
+/// and f16, Burn's in f32 on the same rounded values within one unit in the low type's last
+/// place of each tensor's largest value.
+#[test]
+fn the_dropout_kernel_gives_burns_ops_with_its_mask_in_f32_bf16_and_f16() {
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let cube = cube_cpu();
+    let cpu = burn::prelude::Device::flex();
+    let dims = [3, 37, 41];
+    let mask = dropout_kernels_mask(dims, None);
+    for added in [false, true] {
+        let which = ["output", "dx", "dresidual"];
+        let which = &which[..if added { 3 } else { 2 }];
+        let kernel = dropout_and_grad(&cube, dims, None, None, added, F32);
+        let burn = dropout_and_grad(&cpu, dims, None, Some(&mask), added, F32);
+        let case = format!("dropout in f32, added {added}");
+        assert_all_close(&case, which, &kernel, "Burn's with its mask", &burn, 1e-5);
+        for (low, ulp) in LOW {
+            let kernel = dropout_and_grad(&cube, dims, None, None, added, held_in(low));
+            let reference = dropout_and_grad(&cpu, dims, None, Some(&mask), added, rounded_to(low));
+            let case = format!("dropout in {low:?}, added {added}");
+            let worst = assert_all_close(&case, which, &kernel, "Burn's in f32", &reference, ulp);
+            eprintln!("{case}: largest difference {worst:.2e} of a tensor's largest value");
+        }
     }
 }
 

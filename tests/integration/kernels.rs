@@ -159,6 +159,82 @@ pub(crate) fn gelu_and_grad(
     ]
 }
 
+/// The probability of the dropout cases.
+pub(crate) const DROP: f64 = 0.25;
+
+/// The mask the dropout kernel draws for the first draw of a forward keyed by [`KEY`] on a
+/// `dims` tensor (`part` of the whole when given), at [`DROP`].
+pub(crate) fn dropout_kernels_mask(
+    dims: [usize; 3],
+    part: Option<kiln_models::draw::Part>,
+) -> kiln_models::cube::DropoutMask {
+    use kiln_models::draw::{DropoutPart, kernel_draw, keyed};
+    let dropout = burn::nn::DropoutConfig::new(DROP).init();
+    let draw = keyed(KEY, || {
+        kernel_draw(DropoutPart {
+            dropout: &dropout,
+            part,
+        })
+    });
+    let seed = draw.expect("a keyed forward's draw").seed;
+    let mask = match part {
+        None => kiln_models::cube::DropoutMask::whole(seed, DROP as f32, &dims),
+        Some(p) => {
+            kiln_models::cube::DropoutMask::part(seed, DROP as f32, &dims, p.dim, p.index, p.of)
+        }
+    };
+    mask.expect("a mask")
+}
+
+/// Dropout at [`DROP`] of a `dims` tensor (`part` of the whole when given), added to a
+/// residual where `added`, and the gradients under a weighted sum, every float rounded and held
+/// as `kinds` says: through the models' path in a forward keyed by [`KEY`] (`mask` `None`; on a
+/// GPU the kernel), or as Burn's ops multiplying by `mask`'s kept elements and `1 / (1 − p)`.
+/// The output, x's gradient and (`added`) the residual's.
+pub(crate) fn dropout_and_grad(
+    device: &Device,
+    dims: [usize; 3],
+    part: Option<kiln_models::draw::Part>,
+    mask: Option<&kiln_models::cube::DropoutMask>,
+    added: bool,
+    kinds: Floats,
+) -> Vec<Vec<f32>> {
+    let device = device.clone().autodiff();
+    let x = input(51, dims, &device, kinds).require_grad();
+    let upstream = input(52, dims, &device, kinds);
+    let residual = input(53, dims, &device, kinds).require_grad();
+    let dropout = burn::nn::DropoutConfig::new(DROP).init();
+    let y = match (mask, added) {
+        (None, false) => {
+            let f = || kiln_models::draw::dropout(&dropout, x.clone(), part);
+            kiln_models::draw::keyed(KEY, f)
+        }
+        (None, true) => {
+            let f = || kiln_models::draw::dropout_add(&dropout, residual.clone(), x.clone(), part);
+            kiln_models::draw::keyed(KEY, f)
+        }
+        (Some(mask), _) => {
+            let n = dims.iter().product();
+            let kept = (0..n)
+                .map(|e| if mask.keeps(e) { 1.0 } else { 0.0 })
+                .collect();
+            let kept = Tensor::<3>::from_data(TensorData::new::<f32, _>(kept, dims), &device);
+            let y = x.clone() * kept.cast(FloatDType::from(kinds.compute)) * (1.0 / (1.0 - DROP));
+            if added { residual.clone() + y } else { y }
+        }
+    };
+    let grads = (y.clone() * upstream).sum().backward();
+    let mut out = vec![
+        floats(y.into_data()),
+        floats(x.grad(&grads).expect("x's gradient").into_data()),
+    ];
+    if added {
+        let grad = residual.grad(&grads).expect("the residual's gradient");
+        out.push(floats(grad.into_data()));
+    }
+    out
+}
+
 /// A LayerNorm (with its shift) or an RMSNorm over `[b, t, c]` through the models' path
 /// (`fused::layer_norm`/`rms_norm`: on a GPU Burn's ops forward and kiln's kernel backward) or
 /// through Burn's module (`burn`), every float given rounded and held as `kinds` says: the

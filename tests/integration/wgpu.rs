@@ -11,8 +11,8 @@ use std::process::Output;
 use crate::common::{assert_one_line_error, summary, temp_dir, train_bin_kept, train_losses};
 use crate::kernels::{
     F32, KernelsOnly, SWITCH, Way, assert_all_close, assert_attention_close, attention_and_grads,
-    embedding_and_grad, gelu_and_grad, kernels_mask, linear_and_grads, norm_and_grads,
-    packed_starts, values,
+    dropout_and_grad, dropout_kernels_mask, embedding_and_grad, gelu_and_grad, kernels_mask,
+    linear_and_grads, norm_and_grads, packed_starts, values,
 };
 
 /// The relative difference allowed between a WGPU loss and the CPU's at the same step, in f32:
@@ -682,18 +682,21 @@ fn the_attention_kernels_give_burns_output_and_gradients_on_wgpu() {
             "{case}: the same output as without dropout"
         );
     }
-    // The GPT's way in, the packed projection, with dropout: the same mask.
-    let dims = [2, 3, 3, 70, 16];
-    let drop = kernels_mask(&dropout, None, dims[1]);
-    let kernel = attention_and_grads(&wgpu, dims, None, Way::Packed(Some(&dropout)), F32);
-    let composed = attention_and_grads(&cpu, dims, None, Way::Composed(Some(drop)), F32);
-    assert_attention_close(
-        "packed with dropout",
-        &kernel,
-        "Burn's composed ops with the mask",
-        &composed,
-        1e-5,
-    );
+    // The GPT's way in, the packed projection, with dropout: the same mask. Its gradient is
+    // written in place where the parts' offsets suit the device's alignment (64 floats of a
+    // part: 256 bytes) and assembled from three tensors where they do not (15 floats).
+    for dims in [[2, 3, 3, 70, 16], [2, 4, 4, 70, 16], [2, 3, 3, 70, 5]] {
+        let drop = kernels_mask(&dropout, None, dims[1]);
+        let kernel = attention_and_grads(&wgpu, dims, None, Way::Packed(Some(&dropout)), F32);
+        let composed = attention_and_grads(&cpu, dims, None, Way::Composed(Some(drop)), F32);
+        assert_attention_close(
+            &format!("packed {dims:?} with dropout"),
+            &kernel,
+            "Burn's composed ops with the mask",
+            &composed,
+            1e-5,
+        );
+    }
 }
 
 /// LayerNorm and RMSNorm on WGPU through the models' path (`kiln_models::cube::norm`: Burn's
@@ -758,6 +761,53 @@ fn the_gelu_kernels_give_burns_output_and_gradient_on_wgpu() {
     let off = gelu_and_grad(&wgpu, dims, false, F32);
     let burns = gelu_and_grad(&wgpu, dims, true, F32);
     assert_eq!(off, burns, "the GELU's path turned off is not Burn's ops");
+}
+
+/// Dropout on WGPU through the models' path in a keyed forward (`kiln_models::draw::dropout`
+/// and `dropout_add`: on a GPU the kernel, its mask hashed from the draw's seed) against Burn's
+/// ops on the CPU multiplying by the same mask (`DropoutMask::keeps`): the output and the
+/// gradients of the input (and the residual) within 1e-5 relative — a whole tensor, one larger
+/// than a launch's cubes cover once, and a tensor-parallel rank's part of a whole, alone and
+/// added to a residual. Turned off alone, Burn's Bernoulli draw runs: another mask.
+#[test]
+#[ignore = "needs a WGPU adapter (CI: Mesa's llvmpipe); run with --ignored wgpu::"]
+fn the_dropout_kernel_gives_burns_ops_with_its_mask_on_wgpu() {
+    use kiln_models::cube::GpuKernel;
+    use kiln_models::draw::Part;
+    let _switch = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let wgpu = wgpu_device();
+    let cpu = burn::prelude::Device::flex();
+    let part = Part {
+        dim: 1,
+        index: 2,
+        of: 3,
+    };
+    for (dims, part) in [
+        ([3, 5, 7], None),
+        ([4, 1_031, 4_096], None),
+        ([2, 6, 10], Some(part)),
+    ] {
+        let mask = dropout_kernels_mask(dims, part);
+        for added in [false, true] {
+            let kernel = dropout_and_grad(&wgpu, dims, part, None, added, F32);
+            let burn = dropout_and_grad(&cpu, dims, part, Some(&mask), added, F32);
+            let which = ["output", "dx", "dresidual"];
+            let which = &which[..kernel.len()];
+            let case = format!("dropout {dims:?}, part {part:?}, added {added}");
+            assert_all_close(&case, which, &kernel, "Burn's with its mask", &burn, 1e-5);
+        }
+    }
+    let _only = KernelsOnly::all_but(GpuKernel::Dropout);
+    let dims = [3, 5, 7];
+    let mask = dropout_kernels_mask(dims, None);
+    for added in [false, true] {
+        let off = dropout_and_grad(&wgpu, dims, None, None, added, F32);
+        let kernels = dropout_and_grad(&cpu, dims, None, Some(&mask), added, F32);
+        assert_ne!(
+            off[0], kernels[0],
+            "the dropout's path turned off drew the kernel's mask"
+        );
+    }
 }
 
 /// The Linear on WGPU, its weight's gradient summed by parts of the rows

@@ -17,8 +17,12 @@
 //!   few output tiles walking every row.
 //! - [`gelu`]: the exact GELU, forward and backward a kernel each (`gelu.rs`), where Burn
 //!   composes five ops that fusion leaves one by one between the MLP's products.
-//! - [`norm()`]: LayerNorm and RMSNorm, the forward in Burn's ops and the backward as one
-//!   kernel (`norm.rs`), where Burn differentiates a dozen ops one by one.
+//! - [`dropout`], [`dropout_add`]: the mask a hash of the draw's seed and each element's place,
+//!   recomputed in the backward, a block's residual sum in the same kernel (`dropout.rs`),
+//!   where Burn draws and keeps a mask tensor and kiln's keyed draw seeds the backend for each
+//!   (which runs what the fusion queue holds).
+//! - [`norm()`]: LayerNorm and RMSNorm, forward and backward a kernel each (`norm.rs`), where
+//!   Burn differentiates a dozen ops one by one.
 //!
 //! Each may be turned off alone ([`set_kernels`], `hardware.gpu_kernels`).
 //!
@@ -30,6 +34,7 @@
 
 mod adamw;
 mod attention;
+mod dropout;
 mod embedding;
 mod gelu;
 mod linear;
@@ -43,11 +48,12 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::nn::Embedding;
 use burn::prelude::*;
-use burn::tensor::{DType, TensorData};
+use burn::tensor::{DType, FloatDType, TensorData};
 use serde::{Deserialize, Serialize};
 
 pub use adamw::{AdamStep, CubeAdamWOps};
 pub use attention::{AttentionDropout, CubeAttentionOps, MOST_HEAD_WIDTH, emulate_matrix_units};
+pub use dropout::{CubeDropoutOps, DropoutMask, MOST_ELEMENTS};
 pub use embedding::{CubeEmbeddingOps, ROWS_PER_PART, parts};
 pub use gelu::CubeGeluOps;
 pub use linear::{LEAST_PART_ROWS, linear_by_parts, weight_parts};
@@ -73,11 +79,14 @@ pub enum GpuKernel {
     MatrixUnits,
     /// The exact GELU, forward and backward ([`gelu`]).
     Gelu,
+    /// Dropout's mask hashed from the draw's seed in the kernel, forward and backward
+    /// ([`dropout`]).
+    Dropout,
 }
 
 impl GpuKernel {
     /// Every one, in the order of the enum.
-    pub const ALL: [GpuKernel; 7] = [
+    pub const ALL: [GpuKernel; 8] = [
         GpuKernel::Embedding,
         GpuKernel::Attention,
         GpuKernel::Adamw,
@@ -85,6 +94,7 @@ impl GpuKernel {
         GpuKernel::Norm,
         GpuKernel::MatrixUnits,
         GpuKernel::Gelu,
+        GpuKernel::Dropout,
     ];
 
     fn bit(self) -> u8 {
@@ -93,7 +103,7 @@ impl GpuKernel {
 }
 
 /// The kernels on, a bit each ([`GpuKernel::bit`]).
-static KERNELS: AtomicU8 = AtomicU8::new(0b111_1111);
+static KERNELS: AtomicU8 = AtomicU8::new(0b1111_1111);
 
 /// Turns every GPU kernel on or off for the whole process (on by default). Off, every function
 /// of this module runs the Burn ops it replaces: the switch compares the two.
@@ -248,10 +258,27 @@ pub fn attention(
     starts: Option<&Tensor<2, Int>>,
     drop: AttentionDropout,
 ) -> Tensor<4> {
-    let device = q.device();
     let [b, _, t, d] = q.dims();
     let scale = 1.0 / (d as f32).sqrt();
-    let starts = match starts {
+    let starts = starts_or_empty(starts, b, t, &q.device());
+    Tensor::from_dispatch(<Dispatch as CubeAttentionOps>::kiln_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        starts.into_dispatch(),
+        scale,
+        drop,
+    ))
+}
+
+/// `starts` (`[b, t]`, checked), or an empty tensor for none.
+fn starts_or_empty(
+    starts: Option<&Tensor<2, Int>>,
+    b: usize,
+    t: usize,
+    device: &Device,
+) -> Tensor<2, Int> {
+    match starts {
         Some(s) => {
             assert_eq!(
                 s.dims(),
@@ -261,13 +288,40 @@ pub fn attention(
             );
             s.clone()
         }
-        None => Tensor::<2, Int>::from_data(TensorData::new(Vec::<i64>::new(), [0, 0]), &device),
-    };
-    Tensor::from_dispatch(<Dispatch as CubeAttentionOps>::kiln_attention(
-        q.into_dispatch(),
-        k.into_dispatch(),
-        v.into_dispatch(),
+        None => Tensor::<2, Int>::from_data(TensorData::new(Vec::<i64>::new(), [0, 0]), device),
+    }
+}
+
+/// Whether [`attention_packed`] runs the kernels for a packed projection `qkv`
+/// (`[B, T, 3·heads·D]`): as [`attention_takes`] for its q, k and v.
+pub fn attention_packed_takes(qkv: &Tensor<3>, heads: usize) -> bool {
+    let c3 = qkv.dims()[2];
+    kernel_on(GpuKernel::Attention)
+        && kernels_here(qkv.dtype(), &qkv.device())
+        && heads > 0
+        && c3 > 0
+        && c3.is_multiple_of(3 * heads)
+        && c3 / 3 / heads <= MOST_HEAD_WIDTH
+}
+
+/// [`attention`] of the heads of a packed projection `qkv` (`[B, T, 3·heads·D]`: q's heads, then
+/// k's, then v's), read where they lie: the output `[B, T, heads·D]`, each position's heads side
+/// by side, and in the backward one gradient of `qkv` whose three parts the kernels write in
+/// place (where Burn's backward of three slices fills three tensors and adds them). The caller
+/// checks [`attention_packed_takes`].
+pub fn attention_packed(
+    qkv: Tensor<3>,
+    heads: usize,
+    starts: Option<&Tensor<2, Int>>,
+    drop: AttentionDropout,
+) -> Tensor<3> {
+    let [b, t, c3] = qkv.dims();
+    let scale = 1.0 / ((c3 / 3 / heads) as f32).sqrt();
+    let starts = starts_or_empty(starts, b, t, &qkv.device());
+    Tensor::from_dispatch(<Dispatch as CubeAttentionOps>::kiln_attention_packed(
+        qkv.into_dispatch(),
         starts.into_dispatch(),
+        heads,
         scale,
         drop,
     ))
@@ -295,6 +349,36 @@ pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as CubeGeluOps>::kiln_gelu(x.into_dispatch()))
 }
 
+/// Whether [`dropout`] and [`dropout_add`] run their kernel for `x`: dropout's path on, `x` of
+/// one of [`kernels_here`]'s types on a CubeCL device (the mask besides: [`DropoutMask`]).
+pub fn dropout_takes<const D: usize>(x: &Tensor<D>) -> bool {
+    kernel_on(GpuKernel::Dropout) && kernels_here(x.dtype(), &x.device())
+}
+
+/// `x` with `mask`'s dropped elements 0 and its kept ones scaled by `1 / (1 − prob)`, one
+/// kernel forward and backward, the mask recomputed from its seed in each. The caller checks
+/// [`dropout_takes`].
+pub fn dropout<const D: usize>(x: Tensor<D>, mask: DropoutMask) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CubeDropoutOps>::kiln_dropout(
+        x.into_dispatch(),
+        mask,
+    ))
+}
+
+/// `residual + dropout(x, mask)` ([`dropout`]) as one kernel: `residual`'s gradient is the
+/// output's, `x`'s the output's through the mask. `residual` is `x`'s shape and dtype.
+pub fn dropout_add<const D: usize>(
+    residual: Tensor<D>,
+    x: Tensor<D>,
+    mask: DropoutMask,
+) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CubeDropoutOps>::kiln_dropout_add(
+        residual.into_dispatch(),
+        x.into_dispatch(),
+        mask,
+    ))
+}
+
 /// Whether [`norm()`] runs its kernel for `x` and a scale `gamma`: the norms' path on, `x` of
 /// one of [`kernels_here`]'s types on a CubeCL device, a float scale as wide as `x`'s last
 /// dimension, no dimension empty.
@@ -309,8 +393,7 @@ pub fn norm_takes<const D: usize>(x: &Tensor<D>, gamma: &Tensor<1>) -> bool {
 
 /// LayerNorm (`rms` false) or RMSNorm of `x` over its last dimension with `epsilon`, scaled by
 /// `gamma` and shifted by `beta`, as Burn's modules compute them (in f32 for every float type):
-/// the forward in Burn's ops, the backward as one kernel ([`CubeNormOps`]). The caller checks
-/// [`norm_takes`].
+/// forward and backward a kernel each ([`CubeNormOps`]). The caller checks [`norm_takes`].
 pub fn norm<const D: usize>(
     x: Tensor<D>,
     gamma: Tensor<1>,
@@ -321,7 +404,11 @@ pub fn norm<const D: usize>(
     let shift = beta.is_some();
     // Without a shift the op's third tensor is γ again, unread. `x` keeps its shape: a
     // reshape that lowers the rank would end the fused block of the ops before the norm.
-    let beta = beta.unwrap_or_else(|| gamma.clone());
+    let beta = match beta {
+        Some(b) if b.dtype() != gamma.dtype() => b.cast(FloatDType::from(gamma.dtype())),
+        Some(b) => b,
+        None => gamma.clone(),
+    };
     Tensor::from_dispatch(<Dispatch as CubeNormOps>::kiln_norm(
         x.into_dispatch(),
         gamma.into_dispatch(),

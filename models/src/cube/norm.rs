@@ -1,19 +1,23 @@
-//! LayerNorm and RMSNorm on a GPU: the forward in Burn's ops (which its fusion compiles into a
-//! reduction kernel with the element-wise ops around it), the backward as one kernel.
+//! LayerNorm and RMSNorm on a GPU, forward and backward a kernel each.
 //!
 //! Burn composes both norms from a dozen tensor ops, and its autodiff differentiates each:
 //! `mean_dim`'s backward alone is a fill, a scaling, a sum over a dimension of one and a
-//! product. Fusion compiles the forward, but the backward's chain of about twenty ops,
-//! reductions among them, ran op by op: CubeCL's profile of the small GPT on CubeCL's CPU
-//! runtime showed each LayerNorm's backward as about twenty launches (BENCHMARKS.md). Here the
-//! backward is [`CubeNormOps::kiln_norm_backward`]: a cube of units per [`NormTiling::rows`]
-//! rows; for each row the cube sums, in shared memory, `Σ x` and `Σ (x − mean)²` (the forward's
-//! statistics again, RMSNorm's `Σ x²`) and then `Σ g` and `Σ g·x̂` (`g = dy·γ`), and writes
+//! product. Fusion compiles the forward (a reduction with the element-wise ops before it, and
+//! the scale by `γ` a launch of its own), but only where an element-wise op comes first: a
+//! reduction may not start a fused block, so a norm after a kernel of kiln's (the dropout's)
+//! ran op by op, eight launches. The backward's chain of about twenty ops, reductions among
+//! them, ran op by op everywhere: CubeCL's profile of the small GPT on CubeCL's CPU runtime
+//! showed each LayerNorm's backward as about twenty launches (BENCHMARKS.md).
+//!
+//! Here both are kernels tiled alike ([`NormTiling`]): a cube of units per [`NormTiling::rows`]
+//! rows, each row's statistics from the cube's sums in shared memory, `Σ x` and
+//! `Σ (x − mean)²` (RMSNorm's `Σ x²`). The forward ([`CubeNormOps::kiln_norm_forward`]) writes
+//! `(x − mean) / σ · γ + β`. The backward ([`CubeNormOps::kiln_norm_backward`]) computes the
+//! statistics again and then `Σ g` and `Σ g·x̂` (`g = dy·γ`), and writes
 //! `dx = (g − mean(g) − x̂·mean(g·x̂)) / σ` (RMSNorm: without `mean(g)`); over its rows each
 //! unit adds up its columns' `dy·x̂` and `dy`, the cube's row of sums that one reduction over
 //! the cubes makes `dγ` and `dβ`. Nothing is kept from the forward but `x` and `γ`. The
-//! arithmetic is f32 for every float type (the forward's too); `x`, `dy` and `dx` stay in
-//! theirs.
+//! arithmetic is f32 for every float type; `x`, `y`, `dy` and `dx` stay in theirs.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -22,8 +26,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::fusion::custom::TensorSpec;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_extension};
-use burn::tensor::{DType, FloatDType, Shape};
-use burn_backend::Scalar;
+use burn::tensor::{DType, Shape};
 use burn_backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
@@ -101,8 +104,20 @@ pub trait CubeNormOps: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
     /// LayerNorm (`rms` false) or RMSNorm over the rows of `x` (`[…, C]`), scaled by `gamma`
-    /// and, where `shift`, shifted by `beta` (`[C]`; unread otherwise), differentiated in
-    /// `x`, `gamma` and `beta` through [`CubeNormOps::kiln_norm_backward`].
+    /// and, where `shift`, shifted by `beta` (`[C]`, `gamma`'s dtype; unread otherwise), in
+    /// `x`'s dtype. Not differentiated.
+    #[fusion(dtype = x, shape = x)]
+    fn kiln_norm_forward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        rms: bool,
+        shift: bool,
+    ) -> FloatTensor<Self>;
+
+    /// [`CubeNormOps::kiln_norm_forward`], differentiated in `x`, `gamma` and `beta` through
+    /// [`CubeNormOps::kiln_norm_backward`].
     #[fusion(default)]
     fn kiln_norm(
         x: FloatTensor<Self>,
@@ -112,53 +127,7 @@ pub trait CubeNormOps: Backend {
         rms: bool,
         shift: bool,
     ) -> FloatTensor<Self> {
-        forward::<Self>(x, gamma, shift.then_some(beta), epsilon, rms)
-    }
-}
-
-/// `t` in f32.
-fn wide<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
-    if t.dtype() == DType::F32 {
-        t
-    } else {
-        B::float_cast(t, FloatDType::F32)
-    }
-}
-
-/// The norm's output, in `x`'s dtype: Burn's ops in Burn's order (`x − mean`, its squares'
-/// mean, the division by `√(var + ε)`), in f32 whatever `x`'s type, as Burn's LayerNorm
-/// computes f16.
-fn forward<B: Backend>(
-    x: FloatTensor<B>,
-    gamma: FloatTensor<B>,
-    beta: Option<FloatTensor<B>>,
-    epsilon: f64,
-    rms: bool,
-) -> FloatTensor<B> {
-    let (dtype, dims) = (x.dtype(), x.shape());
-    let last = dims.num_dims() - 1;
-    let x = wide::<B>(x);
-    let centered = if rms {
-        x
-    } else {
-        let mean = B::float_mean_dim(x.clone(), last);
-        B::float_sub(x, mean)
-    };
-    let var = B::float_mean_dim(B::float_mul(centered.clone(), centered.clone()), last);
-    let std = B::float_sqrt(B::float_add_scalar(var, Scalar::from(epsilon)));
-    // γ and β as `[1, …, 1, C]`.
-    let mut row_dims = vec![1; last];
-    row_dims.push(dims[last]);
-    let row = |p: FloatTensor<B>| B::float_reshape(wide::<B>(p), Shape::from(row_dims.clone()));
-    let y = B::float_mul(B::float_div(centered, std), row(gamma));
-    let y = match beta {
-        Some(b) => B::float_add(y, row(b)),
-        None => y,
-    };
-    if dtype == DType::F32 {
-        y
-    } else {
-        B::float_cast(y, dtype.into())
+        Self::kiln_norm_forward(x, gamma, beta, epsilon, rms, shift)
     }
 }
 
@@ -195,6 +164,100 @@ fn fold<F: Float>(sums: &mut [F], u: usize, #[comptime] units: usize, #[comptime
             sums[units + u] += b;
         }
         sync_cube();
+    }
+}
+
+/// Row `row` of `x` (`C` columns, contiguous) into `xh` (a unit's columns `u`, `u + units`, …;
+/// 0 where past the row or `live` is false) and its mean (0 for RMSNorm) and the mean of the
+/// squares about it, from the cube's sums in `sums`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn row_stats<E: Float, F: Float>(
+    x: &Tensor<E>,
+    xh: &mut Array<F>,
+    sums: &mut [F],
+    row: usize,
+    live: bool,
+    c: usize,
+    u: usize,
+    #[comptime] units: usize,
+    #[comptime] per_unit: usize,
+    #[comptime] rms: bool,
+) -> (F, F) {
+    let zero = F::new(0.0);
+    let inv_c = F::new(1.0) / F::cast_from(c as u32);
+    let mut s = zero;
+    #[unroll]
+    for k in 0..per_unit {
+        let col = u + k * units;
+        xh[k] = zero;
+        if live && col < c {
+            xh[k] = F::cast_from(x[row * c + col]);
+            s += xh[k];
+        }
+    }
+    let mut m = zero;
+    if !rms {
+        let (total, _) = cube_sums(sums, s, zero, u, units);
+        m = total * inv_c;
+    }
+    let mut q = zero;
+    #[unroll]
+    for k in 0..per_unit {
+        let col = u + k * units;
+        if live && col < c {
+            let d = xh[k] - m;
+            q += d * d;
+        }
+    }
+    let (squares, _) = cube_sums(sums, q, zero, u, units);
+    (m, squares * inv_c)
+}
+
+/// The forward, tiled as the backward ([`NormTiling`]): for each row, the mean and the
+/// squares' mean from the cube's sums ([`row_stats`]), then `y = (x − mean) / √(var + ε) · γ
+/// (+ β)`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn norm_forward_kernel<E: Float, G: Float, F: Float>(
+    x: &Tensor<E>,
+    gamma: &Tensor<G>,
+    beta: &Tensor<G>,
+    y: &mut Tensor<E>,
+    n: u32,
+    c: u32,
+    epsilon: f32,
+    #[comptime] rows: usize,
+    #[comptime] units: usize,
+    #[comptime] per_unit: usize,
+    #[comptime] rms: bool,
+    #[comptime] shift: bool,
+    #[define(E, G, F)] _dtypes: [ElemType; 3],
+) {
+    let c = c as usize;
+    let n = n as usize;
+    let u = UNIT_POS_X as usize;
+    let cube = CUBE_POS_X as usize;
+    let mut sums = Shared::<[F]>::new_slice(comptime!(2 * units));
+    let mut xh = Array::<F>::new(per_unit);
+    for r in 0..rows {
+        // Every unit goes through every row (the cube meets at its barriers).
+        let row = cube * rows + r;
+        let live = row < n;
+        let (m, var) =
+            row_stats::<E, F>(x, &mut xh, &mut sums, row, live, c, u, units, per_unit, rms);
+        let std = (var + F::cast_from(epsilon)).sqrt();
+        #[unroll]
+        for k in 0..per_unit {
+            let col = u + k * units;
+            if live && col < c {
+                let mut v = (xh[k] - m) / std * F::cast_from(gamma[col]);
+                if shift {
+                    v += F::cast_from(beta[col]);
+                }
+                y[row * c + col] = E::cast_from(v);
+            }
+        }
     }
 }
 
@@ -243,34 +306,9 @@ fn norm_backward_kernel<E: Float, G: Float, F: Float>(
         // end reads and writes nothing.
         let row = cube * rows + r;
         let live = row < n;
-        // The row's x (in `xh` for now) and the mean.
-        let mut s = zero;
-        #[unroll]
-        for k in 0..per_unit {
-            let col = u + k * units;
-            xh[k] = zero;
-            if live && col < c {
-                xh[k] = F::cast_from(x[row * c + col]);
-                s += xh[k];
-            }
-        }
-        let mut m = zero;
-        if !rms {
-            let (total, _) = cube_sums(&mut sums, s, zero, u, units);
-            m = total * inv_c;
-        }
-        // The squares' mean about it, and the reciprocal standard deviation.
-        let mut q = zero;
-        #[unroll]
-        for k in 0..per_unit {
-            let col = u + k * units;
-            if live && col < c {
-                let d = xh[k] - m;
-                q += d * d;
-            }
-        }
-        let (squares, _) = cube_sums(&mut sums, q, zero, u, units);
-        let rs = F::new(1.0) / (squares * inv_c + F::cast_from(epsilon)).sqrt();
+        let (m, var) =
+            row_stats::<E, F>(x, &mut xh, &mut sums, row, live, c, u, units, per_unit, rms);
+        let rs = F::new(1.0) / (var + F::cast_from(epsilon)).sqrt();
         let mut s1 = zero;
         let mut s2 = zero;
         #[unroll]
@@ -320,6 +358,55 @@ fn client_units(x: &CubeTensor) -> usize {
 }
 
 impl CubeNormOps for CubeBackend {
+    fn kiln_norm_forward(
+        x: CubeTensor,
+        gamma: CubeTensor,
+        beta: CubeTensor,
+        epsilon: f64,
+        rms: bool,
+        shift: bool,
+    ) -> CubeTensor {
+        let [x, gamma, beta] = [x, gamma, beta].map(into_contiguous);
+        let shape = x.shape();
+        let c = shape[shape.num_dims() - 1];
+        let n = shape.num_elements() / c.max(1);
+        assert!(
+            gamma.shape().num_elements() == c
+                && beta.shape().num_elements() == c
+                && beta.dtype == gamma.dtype
+                && c > 0,
+            "a norm of x {:?} with γ {:?} {:?} and β {:?} {:?}: γ and β must be [C], one dtype",
+            x.shape(),
+            gamma.shape(),
+            gamma.dtype,
+            beta.shape(),
+            beta.dtype
+        );
+        let tiling = NormTiling::new(n, c, client_units(&x));
+        let client = x.client.clone();
+        let y = empty_device_dtype(client.clone(), x.device.clone(), x.shape(), x.dtype);
+        let dtypes = [x.dtype, gamma.dtype, DType::F32].map(dtype_to_storage_type);
+        norm_forward_kernel::launch(
+            &client,
+            CubeCount::Static(tiling.cubes as u32, 1, 1),
+            CubeDim::new_1d(tiling.units as u32),
+            x.into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            beta.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            n as u32,
+            c as u32,
+            epsilon as f32,
+            tiling.rows,
+            tiling.units,
+            tiling.per_unit,
+            rms,
+            shift,
+            dtypes,
+        );
+        y
+    }
+
     fn kiln_norm_backward(
         dy: CubeTensor,
         x: CubeTensor,
@@ -411,6 +498,18 @@ impl<B: Backend + CubeNormOps> Backward<B, 3> for NormBackward {
 }
 
 impl<B: Backend + CubeNormOps, C: CheckpointStrategy> CubeNormOps for Autodiff<B, C> {
+    fn kiln_norm_forward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        rms: bool,
+        shift: bool,
+    ) -> FloatTensor<Self> {
+        let (x, gamma, beta) = (Self::inner(x), Self::inner(gamma), Self::inner(beta));
+        Self::from_inner(B::kiln_norm_forward(x, gamma, beta, epsilon, rms, shift))
+    }
+
     fn kiln_norm_backward(
         dy: FloatTensor<Self>,
         x: FloatTensor<Self>,
@@ -441,13 +540,7 @@ impl<B: Backend + CubeNormOps, C: CheckpointStrategy> CubeNormOps for Autodiff<B
         shift: bool,
     ) -> FloatTensor<Self> {
         let (xp, gp, bp) = (x.primitive(), gamma.primitive(), beta.primitive());
-        let y = forward::<B>(
-            xp.clone(),
-            gp.clone(),
-            shift.then(|| bp.clone()),
-            epsilon,
-            rms,
-        );
+        let y = B::kiln_norm_forward(xp.clone(), gp.clone(), bp.clone(), epsilon, rms, shift);
         match NormBackward
             .prepare::<C>([x.node(), gamma.node(), beta.node()])
             .compute_bound()

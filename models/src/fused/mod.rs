@@ -511,15 +511,13 @@ pub fn packed_within(
     let device = qkv.device();
     let dropout_acts = dropout.is_some_and(|d| d.dropout.prob > 0.0 && device.is_autodiff());
     if crate::cube::kernels_here(qkv.dtype(), &device) {
-        let [b, t, _] = qkv.dims();
-        let [q, k, v] = packed_heads(qkv, heads);
-        if crate::cube::attention_takes(&q, &k, &v)
+        if crate::cube::attention_packed_takes(&qkv, heads)
             && let Some(drop) = cube_dropout(dropout, heads, &device)
         {
-            return crate::cube::attention(q, k, v, starts, drop)
-                .swap_dims(1, 2)
-                .reshape([b, t, c3 / 3]);
+            return crate::cube::attention_packed(qkv, heads, starts, drop);
         }
+        let [b, t, _] = qkv.dims();
+        let [q, k, v] = packed_heads(qkv, heads);
         return causal_attention_composed(q, k, v, starts, dropout)
             .swap_dims(1, 2)
             .reshape([b, t, c3 / 3]);

@@ -97,12 +97,14 @@ pub struct HardwareConfig {
     /// `"embedding"` (the table's gradient by parts of the batch), `"attention"` (causal
     /// attention forward and backward as kernels), `"adamw"` (the update of a flat shard in
     /// one pass), `"linear"` (a Linear's weight gradient summed by parts of the rows),
-    /// `"norm"` (LayerNorm's and RMSNorm's backward as one kernel),
+    /// `"norm"` (LayerNorm's and RMSNorm's forward and backward as a kernel each),
     /// `"gelu"` (the exact GELU forward and backward as a kernel each),
+    /// `"dropout"` (dropout's mask hashed from its seed in a kernel, a block's residual sum in
+    /// the same kernel),
     /// `"matrix-units"` (attention's kernels on the tensor cores for bf16 and f16 tensors,
     /// where the device has them; without it they compute in f32 on the ordinary units). One
     /// left out runs Burn's composed ops (or, for `"matrix-units"`, attention's other kernels),
-    /// so that each is measured alone. Default: all seven.
+    /// so that each is measured alone. Default: all eight.
     pub gpu_kernels: Vec<GpuKernel>,
     /// Keep the planner's measurements (the probe's steps, the collectives' seconds) in the
     /// cache folder (`$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`) and

@@ -13,7 +13,7 @@ use cubecl::prelude::*;
 
 /// [`mix`] in a kernel.
 #[cube]
-pub(super) fn mix_in(x: u32) -> u32 {
+pub(crate) fn mix_in(x: u32) -> u32 {
     let mut x = x;
     x ^= x >> 16;
     x *= 0x7feb_352d;

@@ -33,6 +33,14 @@
 //! on an H200 the GPT GPU recipe's copies into and out of `[B, H, T, D]` were eleven kernels a
 //! layer, 0.44 ms of it (BENCHMARKS.md).
 //!
+//! The GPT's packed `[B, T, 3C]` projection is taken whole
+//! ([`CubeAttentionOps::kiln_attention_packed`], `launch.rs`): q, k and v are read in it, the
+//! output written as `[B, T, C]`, and the backward writes the three gradients in place into
+//! one `[B, T, 3C]` tensor, where Burn's backward of three slices of it filled three tensors
+//! of that size, assigned each part and added them (seven launches a layer on CubeCL's CPU
+//! runtime). Where a part's offset does not suit the device's buffer alignment the three are
+//! written apart and put side by side.
+//!
 //! Query heads may be a multiple of the key/value heads (grouped-query attention): a query head
 //! `h` reads key head `h / (H / KV)`, nothing repeated in memory. `starts` restricts each row to
 //! its packed document, as the CPU's kernel does.
@@ -53,86 +61,23 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::fusion::custom::TensorSpec;
 use burn::backend::tensor::{FloatTensor, IntTensor};
-use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_extension};
+use burn::backend::{Autodiff, AutodiffBackend, Backend, backend_extension};
 use burn::tensor::{DType, Shape};
-use burn_backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::CubeBackend;
-use burn_cubecl::kernel::{into_contiguous, untile};
-use burn_cubecl::ops::numeric::{empty_device_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::prelude::*;
 
-use kernels::{DropArgsLaunch, dkv_kernel, dq_kernel, forward_kernel};
-use mma::{dkv_mma, dq_mma, forward_mma};
+pub use drop::AttentionDropout;
+pub(crate) use drop::mix;
+pub(crate) use kernels::mix_in;
 pub use tiling::{MOST_HEAD_WIDTH, emulate_matrix_units};
-use tiling::{Pass, mma_on, tiling_on};
 pub(crate) use tiling::{allow_matrix_units, on_matrix_units};
 
 mod blocks;
+mod drop;
 mod kernels;
+mod launch;
 mod mma;
 mod tiling;
-
-/// Dropout on the attention weights, drawn by the kernels themselves: whether the weight of
-/// query row `i` on key `j` of head `h` in batch row `b` is kept is a function of the seed and
-/// that place alone ([`AttentionDropout::keeps`]), so the forward and both backward kernels
-/// recompute the same mask and none is stored. `prob = 0`: no dropout.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct AttentionDropout {
-    /// The draw's seed.
-    pub seed: u64,
-    /// The probability of dropping a weight; the kept ones are scaled by `1 / (1 − prob)`.
-    pub prob: f32,
-    /// The first of these heads in the whole (a tensor-parallel rank's heads are a part of it).
-    pub first_head: usize,
-    /// The heads of the whole.
-    pub heads: usize,
-}
-
-/// Knuth's multiplicative constant's cousins: a 32-bit integer hash (two multiply-xorshift
-/// rounds), the same on the host and in the kernels.
-fn mix(mut x: u32) -> u32 {
-    x ^= x >> 16;
-    x = x.wrapping_mul(0x7feb_352d);
-    x ^= x >> 15;
-    x = x.wrapping_mul(0x846c_a68b);
-    x ^ (x >> 16)
-}
-
-impl AttentionDropout {
-    /// The dropped fraction as the kernels compare it: 24 bits of a hash below it drop.
-    fn threshold(&self) -> u32 {
-        (f64::from(self.prob) * f64::from(1u32 << 24)).round() as u32
-    }
-
-    /// The factor of a kept weight.
-    fn inv_keep(&self) -> f32 {
-        (1.0 / (1.0 - f64::from(self.prob))) as f32
-    }
-
-    /// Whether the weight of query row `i` on key `j` of local head `h` in batch row `b` is
-    /// kept — what the kernels compute.
-    pub fn keeps(&self, b: usize, h: usize, i: usize, j: usize) -> bool {
-        let bh = (b * self.heads + self.first_head + h) as u32;
-        let head = mix((self.seed as u32) ^ mix(((self.seed >> 32) as u32) ^ bh));
-        let row = mix(head ^ i as u32);
-        (mix(row ^ mix(j as u32)) >> 8) >= self.threshold()
-    }
-}
-
-impl AttentionDropout {
-    /// The kernels' arguments.
-    fn args(&self) -> DropArgsLaunch {
-        DropArgsLaunch::new(
-            self.seed as u32,
-            (self.seed >> 32) as u32,
-            self.threshold(),
-            self.inv_keep(),
-            self.first_head as u32,
-            self.heads as u32,
-        )
-    }
-}
 
 /// Causal attention on a CubeCL device.
 #[backend_extension(Cube, Fusion, Autodiff)]
@@ -172,6 +117,55 @@ pub trait CubeAttentionOps: Backend {
         drop: AttentionDropout,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
+    /// [`CubeAttentionOps::kiln_attention_forward`] of the heads of a packed projection `qkv`
+    /// (`[B, T, 3·H·D]`: q's heads, then k's, then v's; `heads` of them each), read in place:
+    /// the output as `[B, T, H·D]` and the log-sum-exp (`[B, H, T]`, f32). Not differentiated.
+    #[fusion(meta = |qkv, _starts, heads, _scale, _drop| {
+        let [b, t, c3] = [qkv.shape[0], qkv.shape[1], qkv.shape[2]];
+        (
+            TensorSpec::new(Shape::new([b, t, c3 / 3]), qkv.dtype),
+            TensorSpec::new(Shape::new([b, *heads, t]), DType::F32),
+        )
+    })]
+    fn kiln_attention_packed_forward(
+        qkv: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        heads: usize,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradient of the packed projection `qkv` (`[B, T, 3·H·D]`, q's, k's and v's parts
+    /// written in place of one tensor) from the output's gradient `dout` (`[B, T, H·D]`), with
+    /// the forward's output and log-sum-exp (arguments as
+    /// [`CubeAttentionOps::kiln_attention_packed_forward`]'s). Not differentiated.
+    #[fusion(meta = |qkv, _out, _lse, _dout, _starts, _heads, _scale, _drop| qkv.clone())]
+    #[allow(clippy::too_many_arguments)]
+    fn kiln_attention_packed_backward(
+        qkv: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        heads: usize,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> FloatTensor<Self>;
+
+    /// Causal attention of a packed projection's heads, `[B, T, H·D]`, differentiated in
+    /// `qkv` through [`CubeAttentionOps::kiln_attention_packed_backward`]: one gradient
+    /// tensor, where Burn's backward of three views of `qkv` fills three and adds them.
+    #[fusion(default)]
+    fn kiln_attention_packed(
+        qkv: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        heads: usize,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        Self::kiln_attention_packed_forward(qkv, starts, heads, scale, drop).0
+    }
+
     /// Causal attention's output, differentiated in `q`, `k` and `v` through
     /// [`CubeAttentionOps::kiln_attention_backward`].
     #[fusion(default)]
@@ -187,65 +181,6 @@ pub trait CubeAttentionOps: Backend {
     }
 }
 
-/// The shapes the kernels take, checked: `[B, H, T, D]` and `[B, KV, T, D]` twice.
-fn dims(q: &CubeTensor, k: &CubeTensor, v: &CubeTensor) -> [usize; 5] {
-    let [b, h, t, d] = q.shape().dims::<4>();
-    let kd = k.shape().dims::<4>();
-    let kv = kd[1];
-    assert!(
-        kd == [b, kv, t, d] && v.shape().dims::<4>() == kd && kv > 0 && h.is_multiple_of(kv),
-        "attention of q {:?} over k {:?} and v {:?}: k and v must be [B, KV, T, D] with H a \
-         multiple of KV",
-        q.shape(),
-        k.shape(),
-        v.shape()
-    );
-    assert!(
-        d <= MOST_HEAD_WIDTH,
-        "attention heads of {d} floats: the kernels take {MOST_HEAD_WIDTH} at most"
-    );
-    [b, h, kv, t, d]
-}
-
-/// `x` as the kernels read it: as it is where its last dimension is contiguous (a head's rows
-/// may lie any distance apart: a view of the GPT's packed projection, a transposed output), else
-/// a contiguous copy.
-fn rows_contiguous(x: CubeTensor) -> CubeTensor {
-    let x = untile(x);
-    let strides = x.meta.strides();
-    if strides[strides.len() - 1] == 1 {
-        x
-    } else {
-        into_contiguous(x)
-    }
-}
-
-/// An uninitialised `[B, H, T, D]` tensor laid out as `[B, T, H, D]`, each position's heads side
-/// by side: the models' `swap_dims(1, 2)` and reshape to `[B, T, H·D]` then read it as it is,
-/// and a gradient of q, k or v goes back into the packed projection's layout without a copy.
-fn heads_in_rows(like: &CubeTensor, [b, h, t, d]: [usize; 4]) -> CubeTensor {
-    let (client, device) = (like.client.clone(), like.device.clone());
-    let mut x = empty_device_dtype(client, device, Shape::new([b, t, h, d]), like.dtype);
-    x.meta.swap(1, 2);
-    x
-}
-
-/// `starts` as the kernels read it, and whether it restricts the rows: an empty tensor becomes
-/// one element (a binding may not be empty) that the kernels do not read.
-fn starts_arg(starts: CubeTensor, like: &CubeTensor) -> (CubeTensor, bool) {
-    if starts.shape().num_elements() > 0 {
-        return (into_contiguous(starts), true);
-    }
-    let dtype = starts.dtype;
-    let one = zeros_client(
-        like.client.clone(),
-        like.device.clone(),
-        Shape::new([1]),
-        dtype,
-    );
-    (one, false)
-}
-
 impl CubeAttentionOps for CubeBackend {
     fn kiln_attention_forward(
         q: CubeTensor,
@@ -255,62 +190,7 @@ impl CubeAttentionOps for CubeBackend {
         scale: f32,
         drop: AttentionDropout,
     ) -> (CubeTensor, CubeTensor) {
-        let [q, k, v] = [q, k, v].map(rows_contiguous);
-        let [b, h, _, t, d] = dims(&q, &k, &v);
-        let (starts, within) = starts_arg(starts, &q);
-        let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
-        let out = heads_in_rows(&q, [b, h, t, d]);
-        let lse = empty_device_dtype(client.clone(), device, Shape::new([b, h, t]), DType::F32);
-        let dtypes = [
-            dtype_to_storage_type(dtype),
-            dtype_to_storage_type(DType::F32),
-            dtype_to_storage_type(starts.dtype),
-        ];
-        if let Some(m) = mma_on(Pass::Forward, d, dtype, &client) {
-            forward_mma::launch(
-                &client,
-                CubeCount::Static(t.div_ceil(m.rows()) as u32, h as u32, b as u32),
-                CubeDim::new_2d(m.plane as u32, m.planes as u32),
-                q.into_tensor_arg(),
-                k.into_tensor_arg(),
-                v.into_tensor_arg(),
-                starts.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                scale,
-                drop.args(),
-                d,
-                m.planes,
-                m.chunks,
-                m.units(),
-                m.lanes,
-                within,
-                drop.prob > 0.0,
-                dtypes,
-            );
-            return (out, lse);
-        }
-        let (rows, units) = tiling_on(Pass::Forward, d, &client);
-        forward_kernel::launch(
-            &client,
-            CubeCount::Static(t.div_ceil(rows) as u32, h as u32, b as u32),
-            CubeDim::new_1d(units as u32),
-            q.into_tensor_arg(),
-            k.into_tensor_arg(),
-            v.into_tensor_arg(),
-            starts.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            scale,
-            drop.args(),
-            d,
-            rows,
-            units,
-            within,
-            drop.prob > 0.0,
-            dtypes,
-        );
-        (out, lse)
+        launch::forward_into(q, k, v, starts, scale, drop, None)
     }
 
     fn kiln_attention_backward(
@@ -324,137 +204,58 @@ impl CubeAttentionOps for CubeBackend {
         scale: f32,
         drop: AttentionDropout,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
-        let [q, k, v, out, dout] = [q, k, v, out, dout].map(rows_contiguous);
-        let lse = into_contiguous(lse);
-        let [b, h, kv, t, d] = dims(&q, &k, &v);
-        // The kernels read the six in two types: q, k, v, the output and its gradient in one.
-        let stored = [&k, &v, &out, &dout].map(|x| x.dtype);
-        assert!(
-            stored.iter().all(|&x| x == q.dtype) && lse.dtype == DType::F32,
-            "attention's backward: q is {:?}, k, v, the output and its gradient {stored:?}, the \
-             log-sum-exp {:?} (f32)",
-            q.dtype,
-            lse.dtype
-        );
-        let (starts, within) = starts_arg(starts, &q);
-        let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
-        let empty =
-            |shape: Shape, dtype| empty_device_dtype(client.clone(), device.clone(), shape, dtype);
-        let (dq, dk, dv) = (
-            heads_in_rows(&q, [b, h, t, d]),
-            heads_in_rows(&q, [b, kv, t, d]),
-            heads_in_rows(&q, [b, kv, t, d]),
-        );
-        // δ_i = dout_i · out_i, a float per row: the dq kernel computes it and writes it here
-        // for the dk/dv kernel, which runs after it.
-        let delta = empty(Shape::new([b, h, t]), DType::F32);
-        let dtypes = [
-            dtype_to_storage_type(dtype),
-            dtype_to_storage_type(DType::F32),
-            dtype_to_storage_type(starts.dtype),
-        ];
-        let mma = (
-            mma_on(Pass::Dq, d, dtype, &client),
-            mma_on(Pass::Dkv, d, dtype, &client),
-        );
-        if let (Some(mq), Some(mkv)) = mma {
-            dq_mma::launch(
-                &client,
-                CubeCount::Static(t.div_ceil(mq.rows()) as u32, h as u32, b as u32),
-                CubeDim::new_2d(mq.plane as u32, mq.planes as u32),
-                q.clone().into_tensor_arg(),
-                k.clone().into_tensor_arg(),
-                v.clone().into_tensor_arg(),
-                out.into_tensor_arg(),
-                dout.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                delta.clone().into_tensor_arg(),
-                starts.clone().into_tensor_arg(),
-                dq.clone().into_tensor_arg(),
-                scale,
-                drop.args(),
-                d,
-                mq.planes,
-                mq.chunks,
-                mq.units(),
-                mq.lanes,
-                within,
-                drop.prob > 0.0,
-                dtypes,
-            );
-            dkv_mma::launch(
-                &client,
-                CubeCount::Static(t.div_ceil(mkv.rows()) as u32, kv as u32, b as u32),
-                CubeDim::new_2d(mkv.plane as u32, mkv.planes as u32),
-                q.into_tensor_arg(),
-                k.into_tensor_arg(),
-                v.into_tensor_arg(),
-                dout.into_tensor_arg(),
-                lse.into_tensor_arg(),
-                delta.into_tensor_arg(),
-                starts.into_tensor_arg(),
-                dk.clone().into_tensor_arg(),
-                dv.clone().into_tensor_arg(),
-                scale,
-                drop.args(),
-                d,
-                mkv.planes,
-                mkv.chunks,
-                mkv.units(),
-                mkv.lanes,
-                within,
-                drop.prob > 0.0,
-                dtypes,
-            );
-            return (dq, dk, dv);
+        launch::backward_into(q, k, v, out, lse, dout, starts, scale, drop, None)
+    }
+
+    fn kiln_attention_packed_forward(
+        qkv: CubeTensor,
+        starts: CubeTensor,
+        heads: usize,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> (CubeTensor, CubeTensor) {
+        launch::packed_forward(qkv, starts, heads, scale, drop)
+    }
+
+    fn kiln_attention_packed_backward(
+        qkv: CubeTensor,
+        out: CubeTensor,
+        lse: CubeTensor,
+        dout: CubeTensor,
+        starts: CubeTensor,
+        heads: usize,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> CubeTensor {
+        launch::packed_backward(qkv, out, lse, dout, starts, heads, scale, drop)
+    }
+}
+
+#[derive(Debug)]
+struct PackedBackward;
+
+impl<B: Backend + CubeAttentionOps> Backward<B, 1> for PackedBackward {
+    /// qkv, the output, its rows' log-sum-exp, the starts, the heads, the scale and the
+    /// dropout.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        IntTensor<B>,
+        usize,
+        f32,
+        AttentionDropout,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let dout = grads.consume::<B>(&ops.node);
+        let (qkv, out, lse, starts, heads, scale, drop) = ops.state;
+        if let Some(node) = node {
+            let dqkv =
+                B::kiln_attention_packed_backward(qkv, out, lse, dout, starts, heads, scale, drop);
+            grads.register::<B>(node.id, dqkv);
         }
-        let (rows, units) = tiling_on(Pass::Dq, d, &client);
-        dq_kernel::launch(
-            &client,
-            CubeCount::Static(t.div_ceil(rows) as u32, h as u32, b as u32),
-            CubeDim::new_1d(units as u32),
-            q.clone().into_tensor_arg(),
-            k.clone().into_tensor_arg(),
-            v.clone().into_tensor_arg(),
-            out.into_tensor_arg(),
-            dout.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            delta.clone().into_tensor_arg(),
-            starts.clone().into_tensor_arg(),
-            dq.clone().into_tensor_arg(),
-            scale,
-            drop.args(),
-            d,
-            rows,
-            units,
-            within,
-            drop.prob > 0.0,
-            dtypes,
-        );
-        let (rows, units) = tiling_on(Pass::Dkv, d, &client);
-        dkv_kernel::launch(
-            &client,
-            CubeCount::Static(t.div_ceil(rows) as u32, kv as u32, b as u32),
-            CubeDim::new_1d(units as u32),
-            q.into_tensor_arg(),
-            k.into_tensor_arg(),
-            v.into_tensor_arg(),
-            dout.into_tensor_arg(),
-            lse.into_tensor_arg(),
-            delta.into_tensor_arg(),
-            starts.into_tensor_arg(),
-            dk.clone().into_tensor_arg(),
-            dv.clone().into_tensor_arg(),
-            scale,
-            drop.args(),
-            d,
-            rows,
-            units,
-            within,
-            drop.prob > 0.0,
-            dtypes,
-        );
-        (dq, dk, dv)
     }
 }
 
@@ -488,6 +289,63 @@ impl<B: Backend + CubeAttentionOps> Backward<B, 3> for AttentionBackward {
 }
 
 impl<B: Backend + CubeAttentionOps, C: CheckpointStrategy> CubeAttentionOps for Autodiff<B, C> {
+    fn kiln_attention_packed_forward(
+        qkv: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        heads: usize,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, lse) =
+            B::kiln_attention_packed_forward(Self::inner(qkv), starts, heads, scale, drop);
+        (Self::from_inner(out), Self::from_inner(lse))
+    }
+
+    fn kiln_attention_packed_backward(
+        qkv: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        heads: usize,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        Self::from_inner(B::kiln_attention_packed_backward(
+            Self::inner(qkv),
+            Self::inner(out),
+            Self::inner(lse),
+            Self::inner(dout),
+            starts,
+            heads,
+            scale,
+            drop,
+        ))
+    }
+
+    fn kiln_attention_packed(
+        qkv: FloatTensor<Self>,
+        starts: IntTensor<Self>,
+        heads: usize,
+        scale: f32,
+        drop: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        let qp = qkv.primitive().clone();
+        let (out, lse) =
+            B::kiln_attention_packed_forward(qp.clone(), starts.clone(), heads, scale, drop);
+        match PackedBackward
+            .prepare::<C>([qkv.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = (qp, out.clone(), lse, starts, heads, scale, drop);
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
     fn kiln_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
