@@ -10,7 +10,7 @@ use burn::tensor::{DType, Shape};
 use burn_backend::cubecl::dtype_to_storage_type;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::{into_contiguous, slice, untile};
-use burn_cubecl::ops::numeric::{empty_device_dtype, zeros_client};
+use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use cubecl::zspace::metadata::Metadata;
@@ -69,8 +69,9 @@ fn starts_arg(starts: CubeTensor, like: &CubeTensor) -> (CubeTensor, bool) {
     if starts.shape().num_elements() > 0 {
         return (into_contiguous(starts), true);
     }
+    // Left uninitialised: filling it would be a launch of its own, each pass.
     let dtype = starts.dtype;
-    let one = zeros_client(
+    let one = empty_device_dtype(
         like.client.clone(),
         like.device.clone(),
         Shape::new([1]),
