@@ -29,7 +29,7 @@ use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::attention::{mix, mix_in};
+use super::attention::{inv_keep, mix, mix_in, threshold};
 
 /// Units in a cube of the kernel.
 const UNITS: u32 = 256;
@@ -112,12 +112,12 @@ impl DropoutMask {
 
     /// The dropped fraction as the kernel compares it: 24 bits of a hash below it drop.
     fn threshold(&self) -> u32 {
-        (f64::from(self.prob) * f64::from(1u32 << 24)).round() as u32
+        threshold(self.prob)
     }
 
     /// The factor of a kept element.
     fn inv_keep(&self) -> f32 {
-        (1.0 / (1.0 - f64::from(self.prob))) as f32
+        inv_keep(self.prob)
     }
 
     /// The place in the whole of the tensor's element `e` (row-major).

@@ -29,15 +29,26 @@ pub(crate) fn mix(mut x: u32) -> u32 {
     x ^ (x >> 16)
 }
 
+/// A dropout probability as the kernels compare it (attention's and [`crate::cube::dropout`]'s):
+/// an element whose hash's top 24 bits fall below it is dropped.
+pub(crate) fn threshold(prob: f32) -> u32 {
+    (f64::from(prob) * f64::from(1u32 << 24)).round() as u32
+}
+
+/// The factor of a kept element at dropout probability `prob`.
+pub(crate) fn inv_keep(prob: f32) -> f32 {
+    (1.0 / (1.0 - f64::from(prob))) as f32
+}
+
 impl AttentionDropout {
-    /// The dropped fraction as the kernels compare it: 24 bits of a hash below it drop.
+    /// The dropped fraction as the kernels compare it.
     fn threshold(&self) -> u32 {
-        (f64::from(self.prob) * f64::from(1u32 << 24)).round() as u32
+        threshold(self.prob)
     }
 
     /// The factor of a kept weight.
     fn inv_keep(&self) -> f32 {
-        (1.0 / (1.0 - f64::from(self.prob))) as f32
+        inv_keep(self.prob)
     }
 
     /// Whether the weight of query row `i` on key `j` of local head `h` in batch row `b` is

@@ -67,7 +67,7 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 
 pub use drop::AttentionDropout;
-pub(crate) use drop::mix;
+pub(crate) use drop::{inv_keep, mix, threshold};
 pub(crate) use kernels::mix_in;
 pub use tiling::{MOST_HEAD_WIDTH, emulate_matrix_units};
 pub(crate) use tiling::{allow_matrix_units, on_matrix_units};
